@@ -1,0 +1,98 @@
+"""The `edge` command. It only turns flags into a config and calls the modules that do the work;
+every heavy import happens inside the command that needs it, so `edge --help` stays fast."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from edge.errors import EdgeError
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="edge: cold-start runtime for Jetson-class devices.")
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="TOML config (default: $EDGE_CONFIG, "
+                         "/etc/edge/edge.toml if present, else the embedded default model)")
+
+
+@app.command()
+def serve(config: Optional[Path] = ConfigOpt) -> None:
+    """Load, lock and warm up the models, then serve on the inherited or configured socket."""
+    from edge.timing import StartTimer
+
+    timer = StartTimer()  # first: the report measures from exec, config parsing included
+    from edge.config import find_config, load_config
+    from edge.server import bind_sockets, serve as run
+    from edge.systemd import listen_sockets, setup_logging
+
+    with timer.phase("config"):
+        cfg = load_config(find_config(str(config) if config else None))
+    setup_logging(cfg.server.log_level)
+    with timer.phase("sockets") as ph:
+        sockets = listen_sockets()
+        ph.detail["inherited"] = bool(sockets)
+        if not sockets:
+            try:
+                sockets = bind_sockets(cfg.server)
+            except OSError as exc:
+                where = cfg.server.unix_socket or f"{cfg.server.host}:{cfg.server.port}"
+                raise EdgeError(f"cannot listen on {where} (server table of {cfg.source}): "
+                                f"{exc.strerror}") from None
+    raise typer.Exit(run(cfg, sockets, timer))
+
+
+@app.command()
+def status(config: Optional[Path] = ConfigOpt,
+           as_json: bool = typer.Option(False, "--json", help="print the report as JSON")) -> None:
+    """Show the report of the last start: every phase with seconds, bytes and rates."""
+    from edge.config import find_config, load_config, state_dir
+    from edge.timing import REPORT_NAME, read_last_report
+
+    cfg = load_config(find_config(str(config) if config else None))
+    report = read_last_report(state_dir(cfg))
+    if report is None:
+        typer.echo(f"no start report yet in {state_dir(cfg) / REPORT_NAME}: has `edge serve` run?", err=True)
+        raise typer.Exit(1)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    typer.echo(format_report(report))
+
+
+def format_report(report: dict) -> str:
+    lines = [f"last start: {report['started_at']}  pid {report['pid']}  host {report['host']}  "
+             f"edge {report['edge_version']}",
+             f"ready after {report['ready_s']:.3f} s on {', '.join(report.get('sockets', []))}", "",
+             f"{'phase':<16}{'start s':>9}{'seconds':>9}{'MB':>9}{'MB/s':>9}  detail"]
+    for p in report["phases"]:
+        mb = f"{p['bytes'] / 1e6:.1f}" if "bytes" in p else ""
+        rate = f"{p['mb_per_s']:.0f}" if "mb_per_s" in p else ""
+        detail = ", ".join(f"{k}={v}" for k, v in p["detail"].items() if not isinstance(v, (list, dict)))
+        lines.append(f"{p['name']:<16}{p['start_s']:>9.3f}{p['seconds']:>9.3f}{mb:>9}{rate:>9}  {detail}")
+    if report.get("warmup"):
+        lines += ["", f"{'warm-up step':<16}{'seconds':>9}  tokens"]
+        for w in report["warmup"]:
+            toks = w.get("prompt_tokens", "")
+            toks = f"{toks} prompt, {w['completion_tokens']} out" if toks != "" else f"{w.get('events')} events"
+            lines.append(f"{w['name']:<16}{w['seconds']:>9.3f}  {toks}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    try:
+        app()
+    except EdgeError as exc:
+        print(f"edge: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""The one TOML config file, typed and validated.
+
+Every field error names the file and the dotted field (`models[0].n_ctx`) and says what was
+expected and what was found. Nothing here imports native code, so `edge doctor` and the CLI
+can load and check a config on any machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge.errors import ConfigError
+
+__all__ = [
+    "BUILTIN_PREFIX",
+    "Config",
+    "ModelConfig",
+    "PathsConfig",
+    "ServerConfig",
+    "WarmupConfig",
+    "default_config",
+    "find_config",
+    "load_config",
+    "parse_config",
+    "state_dir",
+    "cache_dir",
+]
+
+BUILTIN_PREFIX = "builtin:"
+SYSTEM_CONFIG = Path("/etc/edge/edge.toml")
+
+
+def _range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
+    return {"range": (lo, hi)}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = field(default=8088, metadata=_range(0, 65535))
+    unix_socket: str | None = None
+    unix_socket_mode: str = "0660"
+    backlog: int = field(default=1024, metadata=_range(1, 65535))
+    drain_timeout_s: float = field(default=30.0, metadata=_range(0, 3600))
+    max_queue: int = field(default=64, metadata=_range(1, 100000))
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    state_dir: str | None = None  # reports, OTA versions; default: $STATE_DIRECTORY or /var/lib/edge
+    cache_dir: str | None = None  # engines, assembled default model; default: $CACHE_DIRECTORY
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    path: str
+    kind: str = "gguf"
+    sha256: str | None = None
+    n_ctx: int = field(default=2048, metadata=_range(16, 1 << 20))
+    n_batch: int = field(default=512, metadata=_range(1, 1 << 16))
+    n_threads: int = field(default=0, metadata=_range(0, 1024))  # 0: one per CPU core
+    n_gpu_layers: int = field(default=0, metadata=_range(-1, 100000))
+    use_mmap: bool = True
+    use_mlock: bool = True
+    require_mlock: bool = False
+    prefetch: bool = True
+    prefetch_threads: int = field(default=4, metadata=_range(1, 64))
+    chat_template: str | None = None  # overrides the template stored in the GGUF
+    max_tokens_default: int = field(default=256, metadata=_range(1, 1 << 20))
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    enabled: bool = True
+    short_prompt: str = "Hello"
+    long_prefill_fraction: float = field(default=0.5, metadata=_range(0.0, 0.98))
+    decode_tokens: int = field(default=16, metadata=_range(1, 4096))
+    chat: bool = True
+    prompts: list[str] = field(default_factory=list)  # extra prompts from the real workload
+
+
+@dataclass(frozen=True)
+class Config:
+    models: list[ModelConfig]
+    server: ServerConfig = field(default_factory=ServerConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    source: str = "<defaults>"
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+MODEL_KINDS = ("gguf",)
+
+
+def default_config() -> Config:
+    """The embedded default: Gemma 3 270M Q4_K_M, assembled from its PyPI package on first use."""
+    return Config(models=[ModelConfig(name="gemma3-270m", path=BUILTIN_PREFIX + "gemma3-270m")])
+
+
+def find_config(explicit: str | None) -> Path | None:
+    """--config, else $EDGE_CONFIG, else /etc/edge/edge.toml if present, else None (defaults)."""
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get("EDGE_CONFIG")
+    if env:
+        return Path(env)
+    return SYSTEM_CONFIG if SYSTEM_CONFIG.is_file() else None
+
+
+def load_config(path: Path | None) -> Config:
+    if path is None:
+        return default_config()
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(source, "", "config file does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(source, "", f"cannot read config file: {exc}") from None
+    return parse_config(text, source=source, base_dir=path.parent)
+
+
+def parse_config(text: str, *, source: str = "<string>", base_dir: Path | None = None) -> Config:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+    if "models" not in raw:
+        raise ConfigError(source, "models", "missing: expected at least one [[models]] table")
+    cfg = _build(Config, raw, source, "")
+    cfg = dataclasses.replace(cfg, source=source)
+    _check_models(cfg, source, base_dir)
+    return cfg
+
+
+def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
+    if not cfg.models:
+        raise ConfigError(source, "models", "expected at least one [[models]] table, found none")
+    seen: set[str] = set()
+    resolved = []
+    for i, m in enumerate(cfg.models):
+        where = f"models[{i}]"
+        if m.kind not in MODEL_KINDS:
+            raise ConfigError(source, f"{where}.kind", f"expected one of {list(MODEL_KINDS)}, found {m.kind!r}")
+        if m.name in seen:
+            raise ConfigError(source, f"{where}.name", f"duplicate model name {m.name!r}")
+        seen.add(m.name)
+        if m.sha256 is not None and (len(m.sha256) != 64 or set(m.sha256.lower()) - set("0123456789abcdef")):
+            raise ConfigError(source, f"{where}.sha256", f"expected 64 hex digits, found {m.sha256!r}")
+        path = m.path
+        if base_dir is not None and not path.startswith(BUILTIN_PREFIX) and not os.path.isabs(path):
+            path = str((base_dir / path).resolve())  # relative paths are relative to the config file
+        resolved.append(dataclasses.replace(m, path=path))
+    object.__setattr__(cfg, "models", resolved)
+    mode = cfg.server.unix_socket_mode
+    if not (mode.isdigit() and set(mode) <= set("01234567") and len(mode) <= 4):
+        raise ConfigError(source, "server.unix_socket_mode", f"expected an octal mode such as \"0660\", found {mode!r}")
+
+
+def state_dir(cfg: Config) -> Path:
+    """Where start reports and OTA versions live: config, else systemd's StateDirectory=, else a default."""
+    return _dir(cfg.paths.state_dir, "STATE_DIRECTORY", "/var/lib/edge", "state")
+
+
+def cache_dir(cfg: Config) -> Path:
+    """Where engines and the assembled default model live: config, else CacheDirectory=, else a default."""
+    return _dir(cfg.paths.cache_dir, "CACHE_DIRECTORY", "/var/cache/edge", "cache")
+
+
+_XDG = {"state": ("XDG_STATE_HOME", ".local/state"), "cache": ("XDG_CACHE_HOME", ".cache")}
+
+
+def _dir(configured: str | None, systemd_env: str, system: str, kind: str) -> Path:
+    # $EDGE_HOME puts everything of one instance under one folder (tests, benchmarks, demos).
+    if configured:
+        return Path(configured)
+    if os.environ.get(systemd_env):
+        return Path(os.environ[systemd_env].split(":")[0])
+    if os.environ.get("EDGE_HOME"):
+        return Path(os.environ["EDGE_HOME"]) / kind
+    if os.geteuid() == 0:
+        return Path(system)
+    xdg_env, home_rel = _XDG[kind]
+    return Path(os.environ.get(xdg_env) or Path.home() / home_rel) / "edge"
+
+
+def _build(cls: type, raw: Any, source: str, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(source, where or "<top>", f"expected a table, found {_kind(raw)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        raise ConfigError(source, key, f"unknown key; expected one of {sorted(fields)}")
+    values = {}
+    for name, f in fields.items():
+        key = f"{where}.{name}" if where else name
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(source, key, "missing: this field is required")
+            continue
+        values[name] = _coerce(hints[name], raw[name], source, key)
+        lo, hi = f.metadata.get("range", (None, None))
+        val = values[name]
+        if (lo is not None and val < lo) or (hi is not None and val > hi):
+            raise ConfigError(source, key, f"expected a value in [{lo}, {hi}], found {val!r}")
+    return cls(**values)
+
+
+def _coerce(tp: Any, val: Any, source: str, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _coerce(args[0], val, source, key)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(val, list):
+            raise ConfigError(source, key, f"expected an array, found {_kind(val)}")
+        return [_coerce(item, v, source, f"{key}[{i}]") for i, v in enumerate(val)]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, val, source, key)
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }[tp](val)
+    if not ok:
+        raise ConfigError(source, key, f"expected {_TYPE_WORDS[tp]}, found {_kind(val)} {val!r}")
+    return float(val) if tp is float else val
+
+
+_TYPE_WORDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def _kind(val: Any) -> str:
+    return {dict: "a table", list: "an array", bool: "a boolean", int: "an integer",
+            float: "a float", str: "a string"}.get(type(val), type(val).__name__)

@@ -1,0 +1,240 @@
+"""GGUF model files: header validation before llama.cpp sees them, and locked loading.
+
+llama.cpp aborts or crashes on some malformed files; edge reads the header, every metadata
+entry and every tensor record itself first, and checks that the data the tensors claim lies
+inside the file. A truncated or foreign file is a ModelError that names the file and what was
+expected, never a crash.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import resource
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge.errors import ModelError
+
+__all__ = ["GGUFInfo", "read_gguf_info", "GGML_BLOCKS", "MlockStatus", "vm_locked_bytes",
+           "mlock_status"]
+
+MAGIC = b"GGUF"
+MAX_COUNT = 1 << 24  # more tensors or metadata entries than this means a corrupt header
+
+# ggml tensor type -> (elements per block, bytes per block)
+GGML_BLOCKS: dict[int, tuple[int, int]] = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+    9: (32, 36), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
+    15: (256, 292), 16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18),
+    21: (256, 110), 22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4),
+    27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66),
+    39: (32, 17),
+}
+
+# metadata value type -> struct format (scalars); 8 = string, 9 = array
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_KEEP_ARRAYS = {"tokenizer.ggml.tokens": "n_vocab"}  # arrays kept under another name (a count)
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    path: str
+    size: int
+    version: int
+    tensor_count: int
+    data_offset: int
+    data_bytes: int
+    metadata: dict[str, Any] = field(repr=False)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", "?"))
+
+    @property
+    def context_length(self) -> int | None:
+        v = self.metadata.get(f"{self.architecture}.context_length")
+        return int(v) if v is not None else None
+
+    @property
+    def chat_template(self) -> str | None:
+        v = self.metadata.get("tokenizer.chat_template")
+        return v if isinstance(v, str) else None
+
+    def summary(self) -> dict[str, Any]:
+        return {"architecture": self.architecture, "name": self.metadata.get("general.name"),
+                "gguf_version": self.version, "tensors": self.tensor_count, "bytes": self.size,
+                "context_length": self.context_length, "n_vocab": self.metadata.get("n_vocab")}
+
+
+class _Reader:
+    def __init__(self, buf: mmap.mmap | bytes, path: str) -> None:
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        if self.pos + size > len(self.buf):
+            raise ModelError(self.path, f"truncated GGUF header: needed {size} bytes at offset "
+                                        f"{self.pos}, file has {len(self.buf)} bytes")
+        (val,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += size
+        return val
+
+    def string(self) -> str:
+        n = self.unpack("Q")
+        if self.pos + n > len(self.buf):
+            raise ModelError(self.path, f"truncated GGUF header: string of {n} bytes at offset "
+                                        f"{self.pos} runs past the end of the file ({len(self.buf)} bytes)")
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ModelError(self.path, f"corrupt GGUF header: string at offset {self.pos - n} "
+                                        "is not UTF-8") from None
+
+    def _skip_strings(self, count: int, key: str) -> None:
+        # Vocabularies hold ~10^5 strings: skip them by their lengths alone, without decoding.
+        buf, pos, size, unpack = self.buf, self.pos, len(self.buf), struct.unpack_from
+        for _ in range(count):
+            if pos + 8 > size:
+                pos = size + 1
+                break
+            pos += 8 + unpack("<Q", buf, pos)[0]
+        if pos > size:
+            raise ModelError(self.path, f"truncated GGUF header: array {key!r} runs past the end "
+                                        f"of the file ({size} bytes)")
+        self.pos = pos
+
+    def value(self, vtype: int, key: str) -> Any:
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype])
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            etype, count = self.unpack("I"), self.unpack("Q")
+            if count > len(self.buf):
+                raise ModelError(self.path, f"corrupt GGUF header: array {key!r} claims {count} items")
+            if etype in _SCALARS and key not in _KEEP_ARRAYS:
+                self.pos += struct.calcsize("<" + _SCALARS[etype]) * count  # skipped, not needed
+                if self.pos > len(self.buf):
+                    raise ModelError(self.path, f"truncated GGUF header: array {key!r} runs past the end")
+                return count
+            if etype == 8:
+                self._skip_strings(count, key)
+                return count
+            for _ in range(count):
+                self.value(etype, key)
+            return count
+        raise ModelError(self.path, f"corrupt GGUF header: metadata {key!r} has unknown type {vtype}")
+
+
+def read_gguf_info(path: str | Path) -> GGUFInfo:
+    """Validate a GGUF file's header and tensor table; raise ModelError naming what is wrong."""
+    p = str(path)
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except FileNotFoundError:
+        raise ModelError(p, "model file does not exist") from None
+    except IsADirectoryError:
+        raise ModelError(p, "expected a GGUF file, found a directory") from None
+    except OSError as exc:
+        raise ModelError(p, f"cannot open model file: {exc.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < 24:
+            raise ModelError(p, f"not a GGUF file: {size} bytes is shorter than a GGUF header (24)")
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as buf:
+            return _parse(_Reader(buf, p), size)
+    finally:
+        os.close(fd)
+
+
+def _parse(r: _Reader, size: int) -> GGUFInfo:
+    magic = bytes(r.buf[:4])
+    if magic != MAGIC:
+        raise ModelError(r.path, f"not a GGUF file: expected magic {MAGIC!r}, found {magic!r}")
+    r.pos = 4
+    version, n_tensors, n_kv = r.unpack("I"), r.unpack("Q"), r.unpack("Q")
+    if version not in (2, 3):
+        raise ModelError(r.path, f"unsupported GGUF version {version}: expected 2 or 3")
+    if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
+        raise ModelError(r.path, f"corrupt GGUF header: {n_tensors} tensors, {n_kv} metadata entries")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = r.string()
+        val = r.value(r.unpack("I"), key)
+        meta[_KEEP_ARRAYS.get(key, key)] = val
+    ends = []
+    for _ in range(n_tensors):
+        name = r.string()
+        n_dims = r.unpack("I")
+        if n_dims > 8:
+            raise ModelError(r.path, f"corrupt GGUF tensor {name!r}: {n_dims} dimensions")
+        n_elems = 1
+        for _ in range(n_dims):
+            n_elems *= r.unpack("Q")
+        ttype, offset = r.unpack("I"), r.unpack("Q")
+        block = GGML_BLOCKS.get(ttype)
+        nbytes = (n_elems // block[0]) * block[1] if block else 0
+        ends.append((offset + nbytes, name))
+    align = int(meta.get("general.alignment", 32)) or 32
+    data_offset = (r.pos + align - 1) // align * align
+    end, name = max(ends, default=(0, ""))
+    if data_offset + end > size:
+        raise ModelError(r.path, f"truncated GGUF file: tensor {name!r} ends at byte "
+                                 f"{data_offset + end}, file has {size} bytes")
+    return GGUFInfo(path=r.path, size=size, version=version, tensor_count=n_tensors,
+                    data_offset=data_offset, data_bytes=end, metadata=meta)
+
+
+@dataclass(frozen=True)
+class MlockStatus:
+    requested: bool
+    locked_bytes: int  # VmLck growth over the load
+    expected_bytes: int  # tensor data that should be resident and locked
+    limit_bytes: int | None  # RLIMIT_MEMLOCK soft limit; None = unlimited
+    cap_ipc_lock: bool
+
+    @property
+    def ok(self) -> bool:
+        # llama.cpp locks the mapped tensor data; allow a page-rounding margin only.
+        return not self.requested or self.locked_bytes >= self.expected_bytes * 0.98
+
+    def explain(self) -> str:
+        if not self.requested:
+            return "mlock disabled by config (use_mlock = false)"
+        if self.ok:
+            return f"mlock ok: {self.locked_bytes / 2**20:.1f} MiB locked"
+        limit = "unlimited" if self.limit_bytes is None else f"{self.limit_bytes / 2**20:.1f} MiB"
+        return (f"mlock did not take: {self.locked_bytes / 2**20:.1f} MiB locked of "
+                f"{self.expected_bytes / 2**20:.1f} MiB model data; RLIMIT_MEMLOCK is {limit} and the "
+                "process lacks CAP_IPC_LOCK. Fix: set LimitMEMLOCK=infinity in the unit "
+                "(edge's edge.service does), or run `ulimit -l unlimited` before `edge serve`. "
+                "The model stays pageable and may be evicted under memory pressure.")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"requested": self.requested, "ok": self.ok, "locked_bytes": self.locked_bytes,
+                "expected_bytes": self.expected_bytes, "limit_bytes": self.limit_bytes,
+                "cap_ipc_lock": self.cap_ipc_lock}
+
+
+def _status_fields() -> dict[str, str]:
+    with open("/proc/self/status") as f:
+        return dict(line.split(":", 1) for line in f if ":" in line)
+
+
+def vm_locked_bytes() -> int:
+    """VmLck of this process in bytes."""
+    return int(_status_fields().get("VmLck", "0 kB").split()[0]) * 1024
+
+
+def mlock_status(requested: bool, locked_bytes: int, expected_bytes: int) -> MlockStatus:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    cap_eff = int(_status_fields().get("CapEff", "0").strip(), 16)
+    return MlockStatus(requested=requested, locked_bytes=locked_bytes,
+                       expected_bytes=expected_bytes,
+                       limit_bytes=None if soft == resource.RLIM_INFINITY else soft,
+                       cap_ipc_lock=bool(cap_eff & (1 << 14)))

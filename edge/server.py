@@ -1,0 +1,208 @@
+"""The resident service: page-in, load, lock, warm up, then READY=1 and accept on the sockets.
+
+`serve()` takes a finished config and sockets that are already listening (inherited from
+systemd or bound by the CLI), so connections made at any point of the start wait in the
+kernel's backlog and are accepted only once warm-up is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from edge.config import Config, ServerConfig, cache_dir, state_dir
+from edge.errors import EdgeError, MlockError
+from edge.systemd import Notifier, watchdog_interval_s
+from edge.timing import StartTimer, write_report
+
+__all__ = ["bind_sockets", "describe_socket", "serve"]
+
+log = logging.getLogger("edge")
+
+
+def bind_sockets(cfg: ServerConfig) -> list[socket.socket]:
+    """Listening sockets from the [server] table: a Unix socket if set, else host:port."""
+    if cfg.unix_socket:
+        path = Path(cfg.unix_socket)
+        if path.exists() and stat.S_ISSOCK(path.stat().st_mode):
+            path.unlink()  # a stale socket from an earlier run
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(path))
+        os.chmod(path, int(cfg.unix_socket_mode, 8))
+    else:
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.host, cfg.port))
+    sock.listen(cfg.backlog)
+    return [sock]
+
+
+def describe_socket(sock: socket.socket) -> str:
+    name = sock.getsockname()
+    if sock.family == socket.AF_UNIX:
+        return f"unix:{name}"
+    host, port = name[0], name[1]
+    return f"[{host}]:{port}" if sock.family == socket.AF_INET6 else f"{host}:{port}"
+
+
+def serve(cfg: Config, sockets: list[socket.socket], timer: StartTimer,
+          notifier: Notifier | None = None) -> int:
+    """Start, warm up, serve until SIGTERM/SIGINT, drain; return the exit code (0)."""
+    notifier = notifier or Notifier()
+    notifier.extend_while()
+    state_path = state_dir(cfg)
+    from edge.models import VerifiedCache, resolve_model
+
+    verified = VerifiedCache(cache_dir(cfg) / "verified.json")
+    with timer.phase("resolve_models"):
+        models = [resolve_model(m, cache_dir(cfg), verified) for m in cfg.models]
+    pageins = _start_pageins(models, verified, timer)
+    with timer.phase("imports") as ph:
+        notifier.status("importing llama.cpp and the HTTP stack")
+        t0 = time.monotonic()
+        import llama_cpp  # noqa: F401  (the costly native import, beside the page-in)
+        import uvicorn  # noqa: F401
+
+        from edge import app as _app  # noqa: F401
+        ph.detail["modules"] = ["llama_cpp", "uvicorn", "starlette", "edge.app"]
+        ph.detail["wall_s"] = round(time.monotonic() - t0, 4)
+    _finish_pageins(pageins, models, verified, timer)
+    state, infos = _load_models(models, {n: i for n, (_, i) in pageins.items()}, cfg, notifier, timer)
+    from edge.app import build_app
+
+    app = build_app(state)
+    addresses = [describe_socket(s) for s in sockets]
+    return asyncio.run(_run(app, state, cfg, sockets, notifier, timer, infos, addresses, state_path))
+
+
+def _start_pageins(models: list[Any], verified: Any, timer: StartTimer) -> dict[str, Any]:
+    from edge.gguf import read_gguf_info
+    from edge.pagein import PageIn
+
+    pageins = {}
+    for m in models:
+        # Reading starts before validation so that validation itself reads from warm pages;
+        # a file that fails validation only cost some reads.
+        need_hash = bool(m.sha256) and os.path.isfile(m.path) and \
+            not verified.is_verified(Path(m.path), m.sha256)
+        threads = m.prefetch_threads if m.prefetch else 0
+        pagein = None
+        if (threads or need_hash) and os.path.isfile(m.path):
+            pagein = PageIn(m.path, threads=threads, hash_sha256=need_hash).start()
+        with timer.phase("validate", model=m.name) as ph:
+            info = read_gguf_info(m.path)
+            ph.bytes = info.size
+            ph.detail.update(info.summary())
+        pageins[m.name] = (pagein, info)
+    return pageins
+
+
+def _finish_pageins(pageins: dict[str, Any], models: list[Any], verified: Any, timer: StartTimer) -> None:
+    from edge.errors import ModelError
+
+    mono0 = time.monotonic() - timer.now()
+    for m in models:
+        pagein, _ = pageins[m.name]
+        if pagein is None:
+            continue
+        res = pagein.result()
+        timer.add("page_in", res.start_s - mono0, res.end_s - mono0, nbytes=res.bytes,
+                  model=m.name, threads=pagein.threads, **res.as_detail())
+        if res.sha256 is not None:
+            if res.sha256 != m.sha256.lower():
+                raise ModelError(m.path, f"sha256 mismatch: expected {m.sha256}, found {res.sha256}")
+            verified.remember(Path(m.path), res.sha256)
+
+
+def _load_models(models: list[Any], gguf_infos: dict[str, Any], cfg: Config, notifier: Notifier,
+                 timer: StartTimer) -> Any:
+    from edge.app import ServiceState
+    from edge.llm import ModelWorker, load_gguf_model
+
+    workers, infos = {}, []
+    for m in models:
+        notifier.status(f"loading {m.name} ({m.path})")
+        with timer.phase("model_load", model=m.name, use_mmap=m.use_mmap, use_mlock=m.use_mlock) as ph:
+            model = load_gguf_model(m, gguf_infos[m.name])
+            ph.bytes = model.info.size
+        with timer.phase("mlock_verify", model=m.name) as ph:
+            ph.detail.update(model.mlock.as_dict())
+            if not model.mlock.ok:
+                if m.require_mlock:
+                    raise MlockError(f"{m.name}: {model.mlock.explain()}")
+                log.warning("%s: %s", m.name, model.mlock.explain())
+        workers[m.name] = ModelWorker(model, cfg.server.max_queue)
+        infos.append({"name": m.name, "path": m.path, "n_ctx": model.n_ctx,
+                      "mlock": model.mlock.as_dict(), **model.info.summary()})
+    return ServiceState(workers=workers), infos
+
+
+async def _run(app: Any, state: Any, cfg: Config, sockets: list[socket.socket], notifier: Notifier,
+               timer: StartTimer, infos: list[dict[str, Any]], addresses: list[str], state_path: Path) -> int:
+    from edge.warmup import plan_for, run_warmup
+
+    warm: list[dict[str, Any]] = []
+    if cfg.warmup.enabled:
+        for name, worker in state.workers.items():
+            notifier.status(f"warming up {name}")
+            with timer.phase("warmup", model=name) as ph:
+                steps = await worker.call(plan_for, worker.model, cfg.warmup)
+                ph.detail["steps"] = await run_warmup(app, steps)
+                warm += ph.detail["steps"]
+    state.ready = True
+    with timer.phase("ready"):
+        report = timer.report(config=cfg.source, sockets=addresses, models=infos, warmup=warm,
+                              inherited_sockets=bool(os.environ.get("EDGE_INHERITED_SOCKETS")))
+        path = write_report(report, state_path)
+    state.metrics.start_phases = {p["name"]: p["seconds"] for p in report["phases"]}
+    log.info("start report %s: ready in %.2f s", path, report["ready_s"],
+             extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
+    notifier.ready(f"ready: serving {', '.join(state.workers)} on {', '.join(addresses)} "
+                   f"(start {report['ready_s']:.2f} s)")
+    await _serve_http(app, state, cfg, sockets, notifier)
+    for worker in state.workers.values():
+        worker.close()
+    return 0
+
+
+async def _serve_http(app: Any, state: Any, cfg: Config, sockets: list[socket.socket],
+                      notifier: Notifier) -> None:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not state.stopping:
+                state.stopping = True
+                notifier.stopping()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
+                            log_level=cfg.server.log_level, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=int(cfg.server.drain_timeout_s) or None)
+    server = Server(config)
+    watchdog = asyncio.create_task(_watchdog(notifier)) if watchdog_interval_s() else None
+    try:
+        await server.serve(sockets=sockets)
+    finally:
+        if watchdog:
+            watchdog.cancel()
+
+
+async def _watchdog(notifier: Notifier) -> None:
+    # Pinged from the event loop itself: a wedged loop stops the pings and systemd restarts us.
+    period = (watchdog_interval_s() or 0) / 4
+    while True:
+        notifier.watchdog()
+        await asyncio.sleep(period)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    return exc.exit_code if isinstance(exc, EdgeError) else 70

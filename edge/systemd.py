@@ -1,0 +1,116 @@
+"""systemd integration through systemd-python: inherited sockets, sd_notify, journal logging.
+
+Outside systemd every call here is a no-op that returns False, so the same serving code runs
+under systemd, under the test harness (which speaks the same protocol) and from a shell.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+
+__all__ = ["listen_sockets", "Notifier", "setup_logging", "watchdog_interval_s"]
+
+log = logging.getLogger("edge")
+
+
+def listen_sockets() -> list[socket.socket]:
+    """Sockets handed over by socket activation (LISTEN_FDS/LISTEN_PID), in fd order."""
+    from systemd import daemon
+
+    fds = daemon.listen_fds(unset_environment=True)
+    return [socket.socket(fileno=fd) for fd in fds]
+
+
+def watchdog_interval_s() -> float | None:
+    """The watchdog period systemd expects pings within, or None when no watchdog is armed."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return None
+    try:
+        return int(usec) / 1e6
+    except ValueError:
+        return None
+
+
+class Notifier:
+    """sd_notify messages; `extend_while()` keeps extending the start timeout during long phases."""
+
+    def __init__(self) -> None:
+        self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
+        self._extender: threading.Event | None = None
+
+    def send(self, message: str) -> bool:
+        if not self.enabled:
+            return False
+        from systemd import daemon
+
+        return bool(daemon.notify(message))
+
+    def status(self, text: str) -> bool:
+        log.info("%s", text)
+        return self.send(f"STATUS={text}")
+
+    def ready(self, text: str) -> bool:
+        self.stop_extending()
+        log.info("%s", text)
+        return self.send(f"READY=1\nSTATUS={text}\nMAINPID={os.getpid()}")
+
+    def stopping(self, text: str = "draining in-flight requests") -> bool:
+        log.info("stopping: %s", text)
+        return self.send(f"STOPPING=1\nSTATUS={text}")
+
+    def watchdog(self) -> bool:
+        return self.send("WATCHDOG=1")
+
+    def extend_while(self, period_s: float = 10.0) -> None:
+        """Until stop_extending(), ask systemd every period for 3 more periods of start time."""
+        if not self.enabled or self._extender is not None:
+            return
+        stop = threading.Event()
+        self._extender = stop
+        usec = int(period_s * 3 * 1e6)
+
+        def loop() -> None:
+            while True:
+                self.send(f"EXTEND_TIMEOUT_USEC={usec}")
+                if stop.wait(period_s):
+                    return
+
+        threading.Thread(target=loop, name="edge-extend-timeout", daemon=True).start()
+
+    def stop_extending(self) -> None:
+        if self._extender is not None:
+            self._extender.set()
+            self._extender = None
+
+
+def _stderr_is_journal() -> bool:
+    stream = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        dev, ino = (int(x) for x in stream.split(":"))
+        st = os.fstat(sys.stderr.fileno())
+    except (ValueError, OSError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
+def setup_logging(level: str = "info") -> None:
+    """Log to the journal (structured) when systemd connected stderr to it, else to stderr."""
+    handler: logging.Handler
+    if _stderr_is_journal():
+        from systemd.journal import JournalHandler
+
+        handler = JournalHandler(SYSLOG_IDENTIFIER="edge")
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s edge[%(process)d] %(levelname)s %(message)s"))
+    root = logging.getLogger("edge")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False

@@ -1,0 +1,135 @@
+"""Phase timer and the start report.
+
+Every phase of a start is measured against the moment the kernel started the process (from
+/proc/self/stat), so the report also shows the cost of the interpreter and of imports that ran
+before edge's own code. Phases may overlap (prefetch runs beside imports): each one carries its
+own start offset and duration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Phase", "StartTimer", "write_report", "read_last_report", "process_age_s", "REPORT_NAME"]
+
+REPORT_NAME = "last-start.json"
+
+
+def process_age_s() -> float:
+    """Seconds since this process was started by the kernel (exec), from /proc/self/stat."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        # Field 22 (starttime) counts after the ')' that ends the command name.
+        start_ticks = int(stat.rsplit(b")", 1)[1].split()[19])
+        hz = os.sysconf("SC_CLK_TCK")
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / hz)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+@dataclass
+class Phase:
+    name: str
+    start_s: float  # offset from process start
+    seconds: float = 0.0
+    bytes: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.bytes is not None and self.seconds > 0:
+            d["mb_per_s"] = round(self.bytes / self.seconds / 1e6, 1)
+        d["start_s"] = round(self.start_s, 4)
+        d["seconds"] = round(self.seconds, 4)
+        if self.bytes is None:
+            del d["bytes"]
+        return d
+
+
+class StartTimer:
+    """Collects the phases of one start; offsets are from the exec of this process."""
+
+    def __init__(self) -> None:
+        self._mono0 = time.monotonic() - process_age_s()
+        self.started_at = time.time() - (time.monotonic() - self._mono0)
+        self.phases: list[Phase] = []
+
+    def now(self) -> float:
+        return time.monotonic() - self._mono0
+
+    @contextmanager
+    def phase(self, name: str, **detail: Any) -> Iterator[Phase]:
+        ph = Phase(name=name, start_s=self.now(), detail=dict(detail))
+        try:
+            yield ph
+        finally:
+            ph.seconds = self.now() - ph.start_s
+            self.phases.append(ph)
+
+    def add(self, name: str, start_s: float, end_s: float, *, nbytes: int | None = None,
+            **detail: Any) -> Phase:
+        ph = Phase(name=name, start_s=start_s, seconds=end_s - start_s, bytes=nbytes, detail=detail)
+        self.phases.append(ph)
+        return ph
+
+    def report(self, **extra: Any) -> dict[str, Any]:
+        phases = sorted(self.phases, key=lambda p: p.start_s)
+        return {
+            "edge_version": _version(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started_at)),
+            "ready_s": round(self.now(), 4),
+            "phases": [p.as_dict() for p in phases],
+            **extra,
+        }
+
+
+def _version() -> str:
+    from edge import __version__
+
+    return __version__
+
+
+def write_report(report: dict[str, Any], state_dir: Path) -> Path:
+    """Write the report as reports/start-<time>-<pid>.json and, atomically, as last-start.json."""
+    reports = state_dir / "reports"
+    reports.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(report, indent=2, sort_keys=False) + "\n"
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    path = reports / f"start-{stamp}-{report['pid']}.json"
+    _atomic_write(path, data)
+    _atomic_write(state_dir / REPORT_NAME, data)
+    _prune(reports, keep=50)
+    return path
+
+
+def read_last_report(state_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((state_dir / REPORT_NAME).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _atomic_write(path: Path, data: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _prune(folder: Path, keep: int) -> None:
+    old = sorted(folder.glob("start-*.json"))[:-keep]
+    for p in old:
+        p.unlink(missing_ok=True)
