@@ -4,6 +4,7 @@ every heavy import happens inside the command that needs it, so `edge --help` st
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Optional
@@ -28,7 +29,7 @@ def serve(config: Optional[Path] = ConfigOpt) -> None:
 
     timer = StartTimer()  # first: the report measures from exec, config parsing included
     from edge.config import find_config, load_config
-    from edge.server import bind_sockets, serve as run
+    from edge.server import StoppedDuringStart, bind_sockets, serve as run
     from edge.systemd import listen_sockets, setup_logging
 
     with timer.phase("config"):
@@ -44,7 +45,12 @@ def serve(config: Optional[Path] = ConfigOpt) -> None:
                 where = cfg.server.unix_socket or f"{cfg.server.host}:{cfg.server.port}"
                 raise EdgeError(f"cannot listen on {where} (server table of {cfg.source}): "
                                 f"{exc.strerror}") from None
-    raise typer.Exit(run(cfg, sockets, timer))
+    try:
+        code = run(cfg, sockets, timer)
+    except StoppedDuringStart:
+        logging.getLogger("edge").info("stopped by SIGTERM before ready")
+        code = 0
+    raise typer.Exit(code)
 
 
 @app.command()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import resource
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,12 +139,13 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
         fd = os.open(p, os.O_RDONLY)
     except FileNotFoundError:
         raise ModelError(p, "model file does not exist") from None
-    except IsADirectoryError:
-        raise ModelError(p, "expected a GGUF file, found a directory") from None
     except OSError as exc:
         raise ModelError(p, f"cannot open model file: {exc.strerror}") from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ModelError(p, "expected a GGUF file, found a directory or special file")
+        size = st.st_size
         if size < 24:
             raise ModelError(p, f"not a GGUF file: {size} bytes is shorter than a GGUF header (24)")
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as buf:

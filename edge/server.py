@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import socket
 import stat
 import time
@@ -18,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from edge.config import Config, ServerConfig, cache_dir, state_dir
-from edge.errors import EdgeError, MlockError
+from edge.errors import MlockError
 from edge.systemd import Notifier, watchdog_interval_s
 from edge.timing import StartTimer, write_report
 
-__all__ = ["bind_sockets", "describe_socket", "serve"]
+__all__ = ["StoppedDuringStart", "bind_sockets", "describe_socket", "serve"]
 
 log = logging.getLogger("edge")
 
@@ -57,6 +58,7 @@ def serve(cfg: Config, sockets: list[socket.socket], timer: StartTimer,
           notifier: Notifier | None = None) -> int:
     """Start, warm up, serve until SIGTERM/SIGINT, drain; return the exit code (0)."""
     notifier = notifier or Notifier()
+    signal.signal(signal.SIGTERM, _stop_during_start)
     notifier.extend_while()
     state_path = state_dir(cfg)
     from edge.models import VerifiedCache, resolve_model
@@ -178,11 +180,15 @@ async def _serve_http(app: Any, state: Any, cfg: Config, sockets: list[socket.so
     import uvicorn
 
     class Server(uvicorn.Server):
+        # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would make a
+        # clean drain exit as "killed by signal"; edge drains and then exits 0 instead.
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if not state.stopping:
-                state.stopping = True
-                notifier.stopping()
-            super().handle_exit(sig, frame)
+            if self.should_exit:
+                self.force_exit = True  # a second signal: stop waiting for in-flight requests
+                return
+            state.stopping = True
+            notifier.stopping()
+            self.should_exit = True
 
     config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
                             log_level=cfg.server.log_level, timeout_keep_alive=5,
@@ -204,5 +210,9 @@ async def _watchdog(notifier: Notifier) -> None:
         await asyncio.sleep(period)
 
 
-def exit_code_for(exc: BaseException) -> int:
-    return exc.exit_code if isinstance(exc, EdgeError) else 70
+class StoppedDuringStart(Exception):
+    """SIGTERM arrived before the service was ready: nothing was accepted, so exit cleanly."""
+
+
+def _stop_during_start(sig: int, frame: Any) -> None:
+    raise StoppedDuringStart()

@@ -110,7 +110,8 @@ def setup_logging(level: str = "info") -> None:
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s edge[%(process)d] %(levelname)s %(message)s"))
-    root = logging.getLogger("edge")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
+    for name, lvl in (("edge", level.upper()), ("uvicorn", "WARNING")):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(lvl)
+        logger.propagate = False

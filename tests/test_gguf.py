@@ -1,0 +1,82 @@
+import os
+from pathlib import Path
+
+import pytest
+
+from edge.errors import EX_DATAERR, ModelError
+from edge.gguf import GGML_BLOCKS, MlockStatus, read_gguf_info, vm_locked_bytes
+
+
+def test_valid_file_yields_its_metadata(tiny_gguf: Path) -> None:
+    info = read_gguf_info(tiny_gguf)
+    assert info.architecture == "llama"
+    assert info.tensor_count == 21
+    assert info.metadata["n_vocab"] == 269
+    assert info.context_length == 512
+    assert info.chat_template and "messages" in info.chat_template
+    assert info.data_offset % 32 == 0
+    assert info.data_offset + info.data_bytes == os.path.getsize(tiny_gguf)
+
+
+def test_block_table_matches_the_gguf_package() -> None:
+    gguf = pytest.importorskip("gguf")
+    for qtype, (block, size) in gguf.GGML_QUANT_SIZES.items():
+        # Q8_1 is never stored in files; gguf-py lists its old 40-byte layout, ggml's is 36.
+        if int(qtype) in GGML_BLOCKS and qtype.name != "Q8_1":
+            assert GGML_BLOCKS[int(qtype)] == (block, size), qtype.name
+
+
+def _bad(path: Path) -> ModelError:
+    with pytest.raises(ModelError) as info:
+        read_gguf_info(path)
+    assert info.value.exit_code == EX_DATAERR
+    assert str(path) in str(info.value)
+    return info.value
+
+
+@pytest.mark.parametrize("keep", [10, 100, 3000, -1000, -8])
+def test_truncated_files_are_refused_with_offsets(tmp_path: Path, tiny_gguf: Path, keep: int) -> None:
+    data = tiny_gguf.read_bytes()
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(data[:keep] if keep > 0 else data[:keep])
+    e = _bad(bad)
+    assert "truncated" in str(e) or "shorter than a GGUF header" in str(e)
+
+
+def test_random_bytes_named_gguf_are_not_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "random.gguf"
+    bad.write_bytes(os.urandom(4096))
+    assert "not a GGUF file: expected magic b'GGUF'" in str(_bad(bad))
+
+
+def test_missing_file_directory_and_bad_version(tmp_path: Path, tiny_gguf: Path) -> None:
+    assert "does not exist" in str(_bad(tmp_path / "nope.gguf"))
+    assert "directory" in str(_bad(tmp_path))
+    data = bytearray(tiny_gguf.read_bytes())
+    data[4:8] = (9).to_bytes(4, "little")
+    v9 = tmp_path / "v9.gguf"
+    v9.write_bytes(bytes(data))
+    assert "unsupported GGUF version 9" in str(_bad(v9))
+
+
+def test_corrupt_metadata_type_is_named(tmp_path: Path, tiny_gguf: Path) -> None:
+    data = bytearray(tiny_gguf.read_bytes())
+    # first metadata entry: after the 24-byte header come key length (8), key, then value type
+    key_len = int.from_bytes(data[24:32], "little")
+    data[32 + key_len:36 + key_len] = (77).to_bytes(4, "little")
+    bad = tmp_path / "type.gguf"
+    bad.write_bytes(bytes(data))
+    assert "unknown type 77" in str(_bad(bad))
+
+
+def test_mlock_status_explains_the_fix() -> None:
+    bad = MlockStatus(requested=True, locked_bytes=0, expected_bytes=100 << 20,
+                      limit_bytes=8 << 20, cap_ipc_lock=False)
+    assert not bad.ok
+    assert "LimitMEMLOCK=infinity" in bad.explain() and "ulimit -l" in bad.explain()
+    assert "8.0 MiB" in bad.explain()
+    good = MlockStatus(requested=True, locked_bytes=100 << 20, expected_bytes=100 << 20,
+                       limit_bytes=None, cap_ipc_lock=True)
+    assert good.ok and "mlock ok" in good.explain()
+    assert MlockStatus(False, 0, 100, None, False).ok
+    assert vm_locked_bytes() >= 0
