@@ -92,8 +92,7 @@ class PidOne:
 
     # -- the service's life ------------------------------------------------------------------
     def start(self) -> "Child":
-        env = {**self.env, "LISTEN_FDS": "1", "NOTIFY_SOCKET": self.notify_path,
-               "EDGE_INHERITED_SOCKETS": "1"}
+        env = {**self.env, "LISTEN_FDS": "1", "NOTIFY_SOCKET": self.notify_path}
         env.pop("LISTEN_PID", None)
         env.pop("WATCHDOG_PID", None)
         if self.watchdog_usec:

@@ -160,10 +160,12 @@ async def _run(app: Any, state: Any, cfg: Config, sockets: list[socket.socket], 
                 ph.detail["steps"] = await run_warmup(app, steps)
                 warm += ph.detail["steps"]
     state.ready = True
-    with timer.phase("ready"):
-        report = timer.report(config=cfg.source, sockets=addresses, models=infos, warmup=warm,
-                              inherited_sockets=bool(os.environ.get("EDGE_INHERITED_SOCKETS")))
-        path = write_report(report, state_path)
+    # "ready" marks the moment traffic is handed over: the report is written, READY=1 sent and
+    # the first accept() made right after it.
+    now = timer.now()
+    timer.add("ready", now, now, sockets=len(addresses))
+    report = timer.report(config=cfg.source, sockets=addresses, models=infos, warmup=warm)
+    path = write_report(report, state_path)
     state.metrics.start_phases = {p["name"]: p["seconds"] for p in report["phases"]}
     log.info("start report %s: ready in %.2f s", path, report["ready_s"],
              extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})

@@ -1,0 +1,158 @@
+"""`edge serve` as a real subprocess, started the way systemd starts it (edge.harness.PidOne)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import EDGE, write_config
+from edge.harness import PidOne
+
+
+def post(address, path: str, body: dict, timeout: float = 60) -> tuple[int, dict | str]:
+    c = http.client.HTTPConnection(*address, timeout=timeout)
+    c.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    raw = r.read().decode()
+    c.close()
+    return r.status, (json.loads(raw) if raw.startswith("{") else raw)
+
+
+def test_connection_made_before_ready_is_answered_after_warmup(tiny_config: Path) -> None:
+    with PidOne([*EDGE, "serve", "--config", str(tiny_config)]) as pid1:
+        t_start = time.monotonic()
+        pid1.start()
+        # Connect at once: the service has not even imported llama.cpp yet.
+        conn = socket.create_connection(pid1.address, timeout=60)
+        t_connected = time.monotonic()
+        req = json.dumps({"prompt": "Hello", "max_tokens": 3, "temperature": 0}).encode()
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(req), req))
+        raw = b""
+        while chunk := conn.recv(65536):
+            raw += chunk
+        t_answered = time.monotonic()
+        ready = pid1.wait_for("READY", "1")
+        assert t_connected < ready.at < t_answered, (t_connected - t_start, ready.at - t_start)
+        assert raw.startswith(b"HTTP/1.1 200")
+        body = json.loads(raw.split(b"\r\n\r\n", 1)[1])
+        assert body["usage"]["completion_tokens"] >= 1
+
+        statuses = [n.fields.get("STATUS", "") for n in pid1.notifications if n.pid == pid1.proc.pid]
+        assert any(s.startswith("warming up") for s in statuses)
+        assert statuses.index(next(s for s in statuses if s.startswith("warming up"))) < \
+            statuses.index(next(s for s in statuses if s.startswith("ready")))
+        assert any("EXTEND_TIMEOUT_USEC" in n.fields for n in pid1.notifications)
+
+        report = json.loads((tiny_config.parent / "state" / "last-start.json").read_text())
+        phases = {p["name"]: p for p in report["phases"]}
+        for name in ("config", "sockets", "validate", "page_in", "imports", "model_load",
+                     "mlock_verify", "warmup", "ready"):
+            assert name in phases, name
+        assert phases["sockets"]["detail"]["inherited"] is True
+        warm = phases["warmup"]
+        assert [s["name"] for s in warm["detail"]["steps"]] == ["short", "long_prefill", "decode_stream", "chat"]
+        assert all(s["status"] == 200 for s in warm["detail"]["steps"])
+        # READY came after the warm-up finished (same clock: offsets from the service's exec)
+        assert report["ready_s"] >= warm["start_s"] + warm["seconds"]
+        assert pid1.stop() == 0
+        assert "STOPPING" in pid1.notifications[-1].fields
+
+
+def _exit(config: Path) -> tuple[int, str]:
+    p = subprocess.run([*EDGE, "serve", "--config", str(config)], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "NOTIFY_SOCKET": ""})
+    return p.returncode, p.stderr
+
+
+@pytest.mark.parametrize("make, code, words", [
+    (lambda d, good: (d / "cut.gguf").write_bytes(good.read_bytes()[:5000]), 65, "truncated GGUF"),
+    (lambda d, good: (d / "cut.gguf").write_bytes(os.urandom(10000)), 65, "not a GGUF file"),
+    (lambda d, good: None, 65, "model file does not exist"),
+])
+def test_bad_model_files_exit_65_with_a_clear_error(tmp_path: Path, tiny_gguf: Path, make, code, words) -> None:
+    make(tmp_path, tiny_gguf)
+    rc, err = _exit(write_config(tmp_path / "edge.toml", tmp_path / "cut.gguf"))
+    assert rc == code
+    assert words in err and str(tmp_path / "cut.gguf") in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[[models]\n", "not valid TOML"),
+    ('[[models]]\nname = "x"\npath = "y"\nn_ctxx = 5\n', "models[0].n_ctxx: unknown key"),
+    ('[server]\nport = "http"\n[[models]]\nname = "x"\npath = "y"\n', "server.port: expected an integer"),
+])
+def test_config_errors_exit_78_naming_the_field(tmp_path: Path, text: str, words: str) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    rc, err = _exit(cfg)
+    assert rc == 78 and words in err and str(cfg) in err and "Traceback" not in err
+
+
+def test_missing_config_file_exits_78(tmp_path: Path) -> None:
+    rc, err = _exit(tmp_path / "absent.toml")
+    assert rc == 78 and "does not exist" in err
+
+
+def test_bound_unix_socket_with_mode(tmp_path: Path, tiny_gguf: Path) -> None:
+    sock_path = tmp_path / "edge.sock"
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
+    cfg.write_text(cfg.read_text().replace('port = 0', f'unix_socket = "{sock_path}"\nunix_socket_mode = "0660"'))
+    proc = subprocess.Popen([*EDGE, "serve", "--config", str(cfg)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not sock_path.exists():
+            time.sleep(0.05)
+        assert oct(sock_path.stat().st_mode & 0o777) == "0o660"
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(60)
+        s.connect(str(sock_path))  # accepted by the kernel now, answered after warm-up
+        s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 200") and b'"ready"' in data
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_sigterm_lets_a_streaming_request_finish(tmp_path: Path, tiny_gguf: Path) -> None:
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, n_ctx=512)
+    with PidOne([*EDGE, "serve", "--config", str(cfg)]) as pid1:
+        pid1.start()
+        pid1.wait_for("READY", "1")
+        c = http.client.HTTPConnection(*pid1.address, timeout=60)
+        c.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True}))
+        r = c.getresponse()
+        first = r.readline()  # the stream has started
+        assert first.startswith(b"data: ")
+        pid1.proc.send_signal(signal.SIGTERM)
+        rest = r.read()
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        assert pid1.proc.wait(60) == 0
+        stopping = pid1.wait_for("STOPPING", "1")
+        assert stopping.pid == pid1.proc.pid
+
+
+def test_help_and_status_do_not_import_native_or_http_stacks(tiny_config: Path) -> None:
+    probe = ("import sys, runpy; sys.argv = ['edge'] + sys.argv[1:]\n"
+             "try:\n    runpy.run_module('edge.cli', run_name='__main__')\n"
+             "except SystemExit:\n    pass\n"
+             "heavy = [m for m in ('llama_cpp', 'tensorrt', 'uvicorn', 'starlette', 'numpy') if m in sys.modules]\n"
+             "print('HEAVY', heavy, file=sys.stderr)\n")
+    for args in (["--help"], ["status", "--config", str(tiny_config)], ["serve", "--help"]):
+        p = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
+        assert "HEAVY []" in p.stderr, (args, p.stderr)
