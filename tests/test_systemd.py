@@ -1,0 +1,98 @@
+"""sd_notify, socket handover and the watchdog, against a real NOTIFY_SOCKET receiver."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import EDGE
+from edge.harness import PidOne
+from edge.systemd import Notifier, watchdog_interval_s
+
+
+@pytest.fixture()
+def receiver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(5)
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    yield sock
+    sock.close()
+
+
+def test_notifier_sends_ready_status_and_stopping(receiver: socket.socket) -> None:
+    n = Notifier()
+    assert n.status("loading")
+    assert receiver.recv(4096) == b"STATUS=loading"
+    assert n.ready("ready: x")
+    msg = receiver.recv(4096).decode()
+    assert "READY=1" in msg and "STATUS=ready: x" in msg and f"MAINPID={os.getpid()}" in msg
+    assert n.stopping()
+    assert receiver.recv(4096).startswith(b"STOPPING=1")
+
+
+def test_extend_timeout_repeats_until_stopped(receiver: socket.socket) -> None:
+    n = Notifier()
+    n.extend_while(period_s=0.05)
+    msgs = [receiver.recv(4096) for _ in range(3)]
+    assert all(m == b"EXTEND_TIMEOUT_USEC=150000" for m in msgs)
+    n.stop_extending()
+    time.sleep(0.1)
+    receiver.settimeout(0.3)
+    drained = []
+    try:
+        while True:
+            drained.append(receiver.recv(4096))
+    except TimeoutError:
+        pass
+    assert len(drained) <= 2  # at most what was in flight when it stopped
+
+
+def test_without_notify_socket_everything_is_a_quiet_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert Notifier().ready("x") is False
+
+
+def test_watchdog_interval_respects_watchdog_pid(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WATCHDOG_USEC", "2000000")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    assert watchdog_interval_s() == 2.0
+    monkeypatch.setenv("WATCHDOG_PID", "1")
+    assert watchdog_interval_s() is None
+
+
+def test_listen_fds_are_taken_only_by_the_named_pid(tmp_path: Path) -> None:
+    lst = socket.create_server(("127.0.0.1", 0))
+    probe = ("from edge.systemd import listen_sockets; s = listen_sockets(); "
+             "print(len(s), s[0].getsockname()[1] if s else '', s[0].type if s else '')")
+    script = 'export LISTEN_PID=${PID_OVERRIDE:-$$}; exec "$@"'
+    for override, expect in (("", f"1 {lst.getsockname()[1]} {int(socket.SOCK_STREAM)}"), ("1", "0  ")):
+        out = tmp_path / f"out{override}"
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT)
+        pid = os.posix_spawn("/bin/sh", ["sh", "-c", script, "sh", sys.executable, "-c", probe],
+                             {**os.environ, "LISTEN_FDS": "1", "PID_OVERRIDE": override},
+                             file_actions=[(os.POSIX_SPAWN_DUP2, fd, 1),
+                                           (os.POSIX_SPAWN_DUP2, lst.fileno(), 3)])
+        os.close(fd)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert out.read_text().rstrip("\n") == expect
+    lst.close()
+
+
+def test_watchdog_pings_at_least_every_half_interval(tiny_config: Path) -> None:
+    with PidOne([*EDGE, "serve", "--config", str(tiny_config)], watchdog_usec=1_000_000) as pid1:
+        pid1.start()
+        ready = pid1.wait_for("READY", "1")
+        time.sleep(3.0)  # serving and idle
+        pings = [n.at for n in pid1.notifications if "WATCHDOG" in n.fields and n.at >= ready.at]
+        assert len(pings) >= 6
+        gaps = [b - a for a, b in zip(pings, pings[1:])]
+        assert max(gaps) <= 0.5, gaps
+        assert pid1.stop() == 0
