@@ -1,0 +1,56 @@
+"""The demo behind scripts/demo: socket-activated start on the embedded default, one question
+asked while the service is still starting, the answer, the start report, a clean stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from edge.harness import PidOne
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTION = "Question: What is the capital of France?\nAnswer:"
+
+
+def ask(address: tuple[str, int], body: dict) -> dict:
+    data = json.dumps(body).encode()
+    with socket.create_connection(address, timeout=300) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+        raw = b"".join(iter(lambda: s.recv(65536), b""))
+    return json.loads(raw.split(b"\r\n\r\n", 1)[1])
+
+
+def main() -> int:
+    sys.stdout.reconfigure(line_buffering=True)
+    home = Path(os.environ.get("EDGE_HOME", ROOT / ".data"))
+    env = {**os.environ, "EDGE_HOME": str(home)}
+    env.pop("EDGE_CONFIG", None)
+    edge = [sys.executable, "-m", "edge.cli"]
+    with PidOne([*edge, "serve"], env=env) as pid1:
+        print(f"demo: socket {pid1.address[0]}:{pid1.address[1]} bound by the harness (as systemd "
+              "would); starting `edge serve` on the embedded Gemma 3 270M", file=sys.stderr)
+        t0 = time.monotonic()
+        pid1.start()
+        answer = ask(pid1.address, {"prompt": QUESTION, "max_tokens": 8, "temperature": 0,
+                                    "stop": ["\n"]})  # sent before the service is ready
+        t_answer = time.monotonic() - t0
+        ready = pid1.wait_for("READY", "1")
+        print(f"\n{QUESTION}{answer['choices'][0]['text']}")
+        print(f"\n(asked at once, answered {t_answer:.2f} s after exec; READY=1 came at "
+              f"{ready.at - t0:.2f} s: \"{ready.fields.get('STATUS')}\")\n")
+        subprocess.run([*edge, "status"], env=env, check=True)  # the real CLI, as a user runs it
+        code = pid1.stop()
+        print(f"\nstopped with SIGTERM: exit status {code}", file=sys.stderr)
+        if code != 0:
+            print(pid1.log_tail(), file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
