@@ -71,6 +71,77 @@ def status(config: Optional[Path] = ConfigOpt,
     typer.echo(format_report(report))
 
 
+units_app = typer.Typer(no_args_is_help=True, help="systemd units: print or install edge.socket + edge.service.")
+app.add_typer(units_app, name="units")
+
+
+def _unit_options(edge: Optional[str], config: str, listen: list[str], unix_socket: Optional[str],
+                  socket_group: Optional[str], user: bool):
+    from edge.units import UnitOptions, default_edge_command
+
+    return UnitOptions(edge=edge or default_edge_command(), config=config,
+                       listen=tuple(listen), unix_socket=unix_socket, socket_group=socket_group, user=user)
+
+
+EdgeOpt = typer.Option(None, "--edge", help="absolute command for ExecStart (default: this edge)")
+UnitConfigOpt = typer.Option("/etc/edge/edge.toml", "--config", help="config path the service reads")
+ListenOpt = typer.Option(["127.0.0.1:8088"], "--listen", help="TCP address for ListenStream= (repeatable)")
+UnixOpt = typer.Option(None, "--unix-socket", help="also listen on this Unix socket (mode 0660)")
+GroupOpt = typer.Option(None, "--socket-group", help="group owning the Unix socket")
+UserOpt = typer.Option(False, "--user", help="user units (systemctl --user), without privileged sandboxing")
+
+
+@units_app.command("print")
+def units_print(edge: Optional[str] = EdgeOpt, config: str = UnitConfigOpt, listen: list[str] = ListenOpt,
+                unix_socket: Optional[str] = UnixOpt, socket_group: Optional[str] = GroupOpt,
+                user: bool = UserOpt) -> None:
+    """Print edge.socket and edge.service as they would be installed."""
+    from edge.units import render_service, render_socket
+
+    o = _unit_options(edge, config, listen, unix_socket, socket_group, user)
+    typer.echo(f"# edge.socket\n{render_socket(o)}\n# edge.service\n{render_service(o)}")
+
+
+@units_app.command("install")
+def units_install(prefix: str = typer.Option("/", "--prefix", help="root to install under"),
+                  edge: Optional[str] = EdgeOpt, config: str = UnitConfigOpt, listen: list[str] = ListenOpt,
+                  unix_socket: Optional[str] = UnixOpt, socket_group: Optional[str] = GroupOpt,
+                  user: bool = UserOpt) -> None:
+    """Write edge.socket and edge.service (atomically) and say which systemctl commands to run."""
+    from edge.units import install_units
+
+    o = _unit_options(edge, config, listen, unix_socket, socket_group, user)
+    try:
+        paths = install_units(o, prefix)
+    except OSError as exc:
+        raise EdgeError(f"cannot write units under {prefix}: {exc.strerror} ({exc.filename})") from None
+    for p in paths:
+        typer.echo(f"wrote {p}")
+    ctl = "systemctl --user" if user else "systemctl"
+    typer.echo(f"next:\n  {ctl} daemon-reload\n  {ctl} enable --now edge.socket edge.service\n"
+               f"  (the service starts at boot so the model is warm before the first request)")
+
+
+@app.command()
+def doctor(config: Optional[Path] = ConfigOpt,
+           as_json: bool = typer.Option(False, "--json", help="print the checks as JSON")) -> None:
+    """Check config, model files, mlock limits, memory and units; explain each fix."""
+    from edge.doctor import run_checks
+    from edge.units import unit_dir
+
+    dirs = [unit_dir("/", False), unit_dir("/", True)]
+    checks = run_checks(str(config) if config else None, dirs)
+    if as_json:
+        typer.echo(json.dumps([c.__dict__ for c in checks], indent=2))
+    else:
+        for c in checks:
+            typer.echo(f"[{c.level.upper():>4}] {c.name}: {c.message}")
+            if c.fix:
+                typer.echo(f"       fix: {c.fix}")
+    if any(c.level == "fail" for c in checks):
+        raise typer.Exit(1)
+
+
 def format_report(report: dict) -> str:
     lines = [f"last start: {report['started_at']}  pid {report['pid']}  host {report['host']}  "
              f"edge {report['edge_version']}",

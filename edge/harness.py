@@ -17,10 +17,11 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Child", "Notification", "PidOne"]
+__all__ = ["Child", "ClientLoad", "LoadResult", "Notification", "PidOne"]
 
 
 @dataclass
@@ -170,3 +171,84 @@ class Child:
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
+
+
+@dataclass
+class LoadResult:
+    ok: int = 0
+    refused: int = 0
+    errors: int = 0
+    latencies: list[float] = field(default_factory=list)
+    error_samples: list[str] = field(default_factory=list)
+
+    @property
+    def longest_s(self) -> float:
+        return max(self.latencies, default=0.0)
+
+    def percentile(self, q: float) -> float:
+        if not self.latencies:
+            return 0.0
+        xs = sorted(self.latencies)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class ClientLoad:
+    """N client threads sending one request per connection in a loop until stopped (bounded by
+    `max_seconds`); each answer is checked by `check(status, body)`."""
+
+    def __init__(self, address: tuple[str, int], body: bytes, *, path: str = "/v1/completions",
+                 clients: int = 8, max_seconds: float = 120.0, timeout: float = 120.0,
+                 check: Callable[[int, bytes], bool] | None = None) -> None:
+        self.address, self.path, self.body = address, path, body
+        self.clients, self.max_seconds, self.timeout = clients, max_seconds, timeout
+        self.check = check or (lambda status, body: status == 200)
+        self.result = LoadResult()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def _one(self) -> tuple[int, bytes]:
+        with socket.create_connection(self.address, timeout=self.timeout) as s:
+            s.sendall(b"POST %s HTTP/1.1\r\nHost: edge\r\nConnection: close\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                      % (self.path.encode(), len(self.body), self.body))
+            raw = b"".join(iter(lambda: s.recv(65536), b""))
+        head, _, body = raw.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else 0
+        return status, body
+
+    def _loop(self) -> None:
+        deadline = time.monotonic() + self.max_seconds
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            t0 = time.monotonic()
+            try:
+                status, body = self._one()
+                good = self.check(status, body)
+                err = None if good else f"HTTP {status}: {body[:200]!r}"
+            except ConnectionRefusedError as exc:
+                good, err = False, f"refused: {exc}"
+            except OSError as exc:
+                good, err = False, f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                if good:
+                    self.result.ok += 1
+                    self.result.latencies.append(time.monotonic() - t0)
+                elif err and err.startswith("refused"):
+                    self.result.refused += 1
+                else:
+                    self.result.errors += 1
+                if err and len(self.result.error_samples) < 10:
+                    self.result.error_samples.append(err)
+
+    def start(self) -> "ClientLoad":
+        self._threads = [threading.Thread(target=self._loop, name=f"client-{i}", daemon=True)
+                         for i in range(self.clients)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> LoadResult:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        return self.result

@@ -27,6 +27,8 @@ __all__ = ["StoppedDuringStart", "bind_sockets", "describe_socket", "serve"]
 
 log = logging.getLogger("edge")
 
+ACCEPT_GRACE_S = 0.5  # after SIGTERM: time for just-accepted connections to send their request
+
 
 def bind_sockets(cfg: ServerConfig) -> list[socket.socket]:
     """Listening sockets from the [server] table: a Unix socket if set, else host:port."""
@@ -181,16 +183,28 @@ async def _serve_http(app: Any, state: Any, cfg: Config, sockets: list[socket.so
                       notifier: Notifier) -> None:
     import uvicorn
 
+    loop = asyncio.get_running_loop()
+
     class Server(uvicorn.Server):
         # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would make a
         # clean drain exit as "killed by signal"; edge drains and then exits 0 instead.
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if self.should_exit:
+            if self.should_exit or state.stopping:
                 self.force_exit = True  # a second signal: stop waiting for in-flight requests
+                self.should_exit = True
                 return
             state.stopping = True
             notifier.stopping()
-            self.should_exit = True
+            loop.call_soon_threadsafe(self._stop_accepting)
+
+        def _stop_accepting(self) -> None:
+            # Stop accepting first and give connections accepted a moment ago the time to send
+            # their request: uvicorn's shutdown closes connections that have no request yet, and
+            # a client that connected just before SIGTERM would see that as an error. What is
+            # still in the backlog stays there for the next process.
+            for srv in getattr(self, "servers", []):
+                srv.close()
+            loop.call_later(ACCEPT_GRACE_S, setattr, self, "should_exit", True)
 
     config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
                             log_level=cfg.server.log_level, timeout_keep_alive=5,

@@ -1,0 +1,149 @@
+"""`edge doctor`: check what a start needs, and say in plain words what to fix.
+
+Runs on any machine: no llama.cpp, TensorRT or GPU needed. Each check returns ok / warn / fail
+with a sentence and, where something is wrong, the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge.config import BUILTIN_PREFIX, Config, cache_dir, find_config, load_config, state_dir
+from edge.errors import ConfigError, EdgeError
+
+__all__ = ["Check", "run_checks"]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    level: str  # "ok" | "warn" | "fail"
+    message: str
+    fix: str = ""
+
+
+def _config(path: str | None) -> tuple[Config | None, Check]:
+    found = find_config(path)
+    try:
+        cfg = load_config(found)
+    except ConfigError as exc:
+        return None, Check("config", "fail", str(exc), "correct the field named above")
+    where = found or "no config file: the embedded default model"
+    return cfg, Check("config", "ok", f"valid ({where}); models: {', '.join(m.name for m in cfg.models)}")
+
+
+def _model_files(cfg: Config) -> list[Check]:
+    from edge.gguf import read_gguf_info
+
+    checks = []
+    for m in cfg.models:
+        if m.path.startswith(BUILTIN_PREFIX):
+            target = cache_dir(cfg) / "models"
+            present = any(target.glob("*.gguf")) if target.is_dir() else False
+            checks.append(Check(f"model {m.name}", "ok",
+                                f"{m.path}: " + ("assembled in " + str(target) if present else
+                                                 "assembled and verified on first start")))
+            continue
+        try:
+            info = read_gguf_info(m.path)
+        except EdgeError as exc:
+            checks.append(Check(f"model {m.name}", "fail", str(exc),
+                                "point models.path at a complete GGUF file (re-copy it if truncated)"))
+            continue
+        checks.append(Check(f"model {m.name}", "ok", f"{m.path}: GGUF v{info.version}, "
+                            f"{info.architecture}, {_mib(info.size)}, {info.tensor_count} tensors"))
+    return checks
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 10 * 2**20 else f"{n / 2**20:.0f} MiB"
+
+
+def _model_bytes(cfg: Config) -> int:
+    total = 0
+    for m in cfg.models:
+        p = Path(m.path)
+        if m.path.startswith(BUILTIN_PREFIX):
+            total += 253_113_024  # the packaged Gemma 3 270M Q4_K_M
+        elif p.is_file():
+            total += p.stat().st_size
+    return total
+
+
+def _memlock(cfg: Config, unit_text: str | None) -> Check:
+    need = _model_bytes(cfg)
+    if not any(m.use_mlock for m in cfg.models):
+        return Check("mlock", "ok", "use_mlock is off for every model: nothing to lock")
+    if unit_text is not None:
+        if re.search(r"^LimitMEMLOCK=infinity\s*$", unit_text, re.M):
+            return Check("mlock", "ok", "edge.service sets LimitMEMLOCK=infinity: the models can be locked")
+        return Check("mlock", "fail", f"edge.service does not set LimitMEMLOCK=infinity; "
+                     f"{_mib(need)} of models need locking",
+                     "add LimitMEMLOCK=infinity to [Service] (edge units install does)")
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if os.geteuid() == 0:
+        return Check("mlock", "ok", f"running as root (CAP_IPC_LOCK): {_mib(need)} of models can be locked")
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return Check("mlock", "ok", f"RLIMIT_MEMLOCK of this shell allows locking {_mib(need)} of models")
+    return Check("mlock", "warn", f"RLIMIT_MEMLOCK is {_mib(soft)}, the models are "
+                 f"{_mib(need)}: `edge serve` from this shell cannot lock them",
+                 "run `ulimit -l unlimited` first, or run under edge.service (LimitMEMLOCK=infinity)")
+
+
+def _memory(cfg: Config) -> Check:
+    need = _model_bytes(cfg)
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        avail = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return Check("memory", "warn", "cannot read MemAvailable from /proc/meminfo")
+    msg = f"{_mib(avail)} available, models need {_mib(need)} plus KV cache"
+    if avail < need:
+        return Check("memory", "fail", msg, "use a smaller quantization or free memory")
+    if avail < need * 1.25:
+        return Check("memory", "warn", msg, "little headroom: lower n_ctx or stop other services")
+    return Check("memory", "ok", msg)
+
+
+def _units(unit_dirs: list[Path]) -> tuple[list[Check], str | None]:
+    for d in unit_dirs:
+        sock, svc = d / "edge.socket", d / "edge.service"
+        if sock.is_file() and svc.is_file():
+            text = svc.read_text()
+            listen = re.findall(r"^ListenStream=(.+)$", sock.read_text(), re.M)
+            return [Check("units", "ok", f"{sock} listens on {', '.join(listen)}; {svc} present")], text
+    return [Check("units", "warn", "edge.socket / edge.service not installed in "
+                  + ", ".join(map(str, unit_dirs)),
+                  "edge units install && systemctl daemon-reload && systemctl enable --now edge.socket edge.service")], None
+
+
+def _state(cfg: Config) -> Check:
+    d = state_dir(cfg)
+    probe = d if d.exists() else d.parent
+    if os.access(probe, os.W_OK):
+        return Check("state dir", "ok", f"{d} is writable (start reports go there)")
+    return Check("state dir", "warn", f"{d} is not writable by this user",
+                 "under systemd, StateDirectory=edge creates it; from a shell set paths.state_dir")
+
+
+def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
+    cfg, first = _config(config)
+    checks = [first]
+    if cfg is None:
+        return checks
+    unit_checks, unit_text = _units(unit_dirs)
+    steps: list[Callable[[], list[Check]]] = [
+        lambda: _model_files(cfg),
+        lambda: [_memlock(cfg, unit_text)],
+        lambda: [_memory(cfg)],
+        lambda: unit_checks,
+        lambda: [_state(cfg)],
+    ]
+    for step in steps:
+        checks += step()
+    return checks

@@ -1,0 +1,139 @@
+"""The shipped units: valid for systemd, hardened, in sync with what `edge units` renders."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import EDGE, write_config
+from edge.doctor import run_checks
+from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
+from edge.units import UnitOptions, install_units, render_service, render_socket
+
+ROOT = Path(__file__).resolve().parent.parent
+analyze = pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze")
+
+
+def _write(tmp_path: Path, o: UnitOptions) -> tuple[Path, Path]:
+    sock, svc = tmp_path / "edge.socket", tmp_path / "edge.service"
+    sock.write_text(render_socket(o))
+    svc.write_text(render_service(o))
+    return sock, svc
+
+
+@analyze
+@pytest.mark.parametrize("opts", [
+    UnitOptions(),
+    UnitOptions(listen=("0.0.0.0:9000", "[::1]:9001"), unix_socket="/run/edge/edge.sock", socket_group="video"),
+])
+def test_systemd_analyze_verify_passes(tmp_path: Path, opts: UnitOptions) -> None:
+    sock, svc = _write(tmp_path, opts)
+    r = subprocess.run(["systemd-analyze", "verify", str(sock), str(svc)], capture_output=True,
+                       text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "edge.service" not in r.stderr and "edge.socket" not in r.stderr, r.stderr
+
+
+@analyze
+def test_security_exposure_is_at_most_2_5(tmp_path: Path) -> None:
+    _, svc = _write(tmp_path, UnitOptions())
+    r = subprocess.run(["systemd-analyze", "security", "--offline=true", str(svc)],
+                       capture_output=True, text=True, cwd=tmp_path)
+    m = re.search(r"Overall exposure level for edge.service: ([0-9.]+)", r.stdout + r.stderr)
+    assert m, r.stdout + r.stderr
+    score = float(m.group(1))
+    print(f"\nsystemd-analyze security exposure: {score}")
+    assert score <= 2.5
+
+
+def test_service_has_what_cold_start_needs() -> None:
+    text = render_service(UnitOptions(edge="/opt/edge/venv/bin/edge"))
+    for line in ("Type=notify", "NotifyAccess=main", "LimitMEMLOCK=infinity", "WatchdogSec=30",
+                 "Restart=on-failure", f"RestartPreventExitStatus={EX_DATAERR} {EX_NOPERM} {EX_CONFIG}",
+                 "ExecStart=/opt/edge/venv/bin/edge serve --config /etc/edge/edge.toml",
+                 "StateDirectory=edge", "CacheDirectory=edge", "DynamicUser=yes",
+                 "SupplementaryGroups=video render", "DeviceAllow=/dev/nvmap rw",
+                 "DeviceAllow=/dev/nvidiactl rw", "CapabilityBoundingSet=", "ProtectSystem=strict",
+                 "SystemCallFilter=@system-service", "WantedBy=multi-user.target"):
+        assert re.search(rf"^{re.escape(line)}$", text, re.M), line
+    assert "MemoryDenyWriteExecute" in text.split("[Unit]")[0]  # documented as left out
+    sock = render_socket(UnitOptions(unix_socket="/run/edge.sock", socket_group="video"))
+    for line in ("ListenStream=127.0.0.1:8088", "ListenStream=/run/edge.sock", "SocketMode=0660",
+                 "SocketGroup=video", "Backlog=4096"):
+        assert re.search(rf"^{re.escape(line)}$", sock, re.M), line
+
+
+def test_user_units_leave_out_privileged_sandboxing() -> None:
+    text = render_service(UnitOptions(user=True))
+    assert not re.search(r"^(DynamicUser|DeviceAllow|SupplementaryGroups|CapabilityBoundingSet)=", text, re.M)
+    assert "WantedBy=default.target" in text and "LimitMEMLOCK=infinity" in text
+
+
+def test_shipped_units_match_the_renderer() -> None:
+    o = UnitOptions(edge="/opt/edge/venv/bin/edge")
+    assert (ROOT / "systemd" / "edge.service").read_text() == render_service(o)
+    assert (ROOT / "systemd" / "edge.socket").read_text() == render_socket(o)
+
+
+def test_units_install_writes_atomically_and_tells_what_to_run(tmp_path: Path) -> None:
+    r = subprocess.run([*EDGE, "units", "install", "--prefix", str(tmp_path), "--listen", "127.0.0.1:9999"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    d = tmp_path / "etc" / "systemd" / "system"
+    assert sorted(p.name for p in d.iterdir()) == ["edge.service", "edge.socket"]  # no temp files
+    assert "ListenStream=127.0.0.1:9999" in (d / "edge.socket").read_text()
+    assert (d / "edge.service").stat().st_mode & 0o777 == 0o644
+    assert "systemctl daemon-reload" in r.stdout and "enable --now edge.socket edge.service" in r.stdout
+    printed = subprocess.run([*EDGE, "units", "print", "--listen", "127.0.0.1:9999"], capture_output=True,
+                             text=True, timeout=60).stdout
+    assert (d / "edge.service").read_text() in printed
+
+
+def test_units_install_into_unwritable_place_is_a_clear_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = subprocess.run([*EDGE, "units", "install", "--prefix", str(blocker)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode != 0 and "cannot write units under" in r.stderr and "Traceback" not in r.stderr
+
+
+def _levels(checks) -> dict[str, str]:
+    return {c.name: c.level for c in checks}
+
+
+def test_doctor_reports_each_problem_with_its_fix(tmp_path: Path, tiny_gguf: Path) -> None:
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
+    units = tmp_path / "units"
+    checks = run_checks(str(cfg), [units])
+    lv = _levels(checks)
+    assert lv["config"] == "ok" and lv["model tiny"] == "ok" and lv["units"] == "warn"
+    assert "edge units install" in next(c for c in checks if c.name == "units").fix
+
+    install_units(UnitOptions(), prefix=str(units / "root"))
+    sysdir = units / "root" / "etc" / "systemd" / "system"
+    assert _levels(run_checks(str(cfg), [sysdir]))["mlock"] == "ok"
+    svc = sysdir / "edge.service"
+    svc.write_text(svc.read_text().replace("LimitMEMLOCK=infinity\n", ""))
+    bad = next(c for c in run_checks(str(cfg), [sysdir]) if c.name == "mlock")
+    assert bad.level == "fail" and "LimitMEMLOCK=infinity" in bad.fix
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:4000])
+    cfg2 = write_config(tmp_path / "edge2.toml", cut)
+    model = next(c for c in run_checks(str(cfg2), [units]) if c.name == "model tiny")
+    assert model.level == "fail" and "truncated" in model.message
+
+
+def test_doctor_cli_exit_codes(tmp_path: Path, tiny_gguf: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[models]]\nname = 1\n")
+    r = subprocess.run([*EDGE, "doctor", "--config", str(bad)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "[FAIL] config" in r.stdout and "models[0].name" in r.stdout
+    good = write_config(tmp_path / "edge.toml", tiny_gguf)
+    r = subprocess.run([*EDGE, "doctor", "--config", str(good), "--json"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and '"name": "model tiny"' in r.stdout
