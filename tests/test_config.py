@@ -68,3 +68,11 @@ def test_state_dir_follows_systemd_then_edge_home(monkeypatch: pytest.MonkeyPatc
     assert state_dir(cfg) == Path("/tmp/h/state")
     cfg2 = parse_config(MIN + '[paths]\nstate_dir = "/s"\n')
     assert state_dir(cfg2) == Path("/s")
+
+
+def test_the_readme_example_config_is_valid() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    cfg = parse_config(example, source="README.md")
+    assert cfg.models[0].path == BUILTIN_PREFIX + "gemma3-270m"
+    assert cfg.warmup.long_prefill_fraction == 0.5
