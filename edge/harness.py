@@ -238,7 +238,7 @@ class ClientLoad:
                 else:
                     self.result.errors += 1
                 if err and len(self.result.error_samples) < 10:
-                    self.result.error_samples.append(err)
+                    self.result.error_samples.append(f"{err} (at {time.monotonic():.3f})")
 
     def start(self) -> "ClientLoad":
         self._threads = [threading.Thread(target=self._loop, name=f"client-{i}", daemon=True)

@@ -7,7 +7,7 @@ kernel's backlog and are accepted only once warm-up is done.
 
 from __future__ import annotations
 
-import asyncio
+import gc
 import json
 import logging
 import os
@@ -27,7 +27,9 @@ __all__ = ["StoppedDuringStart", "bind_sockets", "describe_socket", "serve"]
 
 log = logging.getLogger("edge")
 
-ACCEPT_GRACE_S = 0.5  # after SIGTERM: time for just-accepted connections to send their request
+# After SIGTERM: how long accepted connections get to have their request read (at least, at most).
+ACCEPT_GRACE_MIN_S = 0.1
+ACCEPT_GRACE_MAX_S = 5.0
 
 
 def bind_sockets(cfg: ServerConfig) -> list[socket.socket]:
@@ -84,6 +86,8 @@ def serve(cfg: Config, sockets: list[socket.socket], timer: StartTimer,
 
     app = build_app(state)
     addresses = [describe_socket(s) for s in sockets]
+    import asyncio
+
     return asyncio.run(_run(app, state, cfg, sockets, notifier, timer, infos, addresses, state_path))
 
 
@@ -161,6 +165,10 @@ async def _run(app: Any, state: Any, cfg: Config, sockets: list[socket.socket], 
                 steps = await worker.call(plan_for, worker.model, cfg.warmup)
                 ph.detail["steps"] = await run_warmup(app, steps)
                 warm += ph.detail["steps"]
+    with timer.phase("http_setup"):
+        server = _http_server(app, state, cfg, notifier)
+        gc.collect()
+        gc.freeze()  # warm-up garbage is gone; what lives now is never scanned again
     state.ready = True
     # "ready" marks the moment traffic is handed over: the report is written, READY=1 sent and
     # the first accept() made right after it.
@@ -173,14 +181,16 @@ async def _run(app: Any, state: Any, cfg: Config, sockets: list[socket.socket], 
              extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
     notifier.ready(f"ready: serving {', '.join(state.workers)} on {', '.join(addresses)} "
                    f"(start {report['ready_s']:.2f} s)")
-    await _serve_http(app, state, cfg, sockets, notifier)
+    await _serve_http(server, sockets, notifier)
     for worker in state.workers.values():
         worker.close()
     return 0
 
 
-async def _serve_http(app: Any, state: Any, cfg: Config, sockets: list[socket.socket],
-                      notifier: Notifier) -> None:
+def _http_server(app: Any, state: Any, cfg: Config, notifier: Notifier) -> Any:
+    """The uvicorn server, loaded (protocol modules imported) before READY, not on first accept."""
+    import asyncio
+
     import uvicorn
 
     loop = asyncio.get_running_loop()
@@ -198,18 +208,36 @@ async def _serve_http(app: Any, state: Any, cfg: Config, sockets: list[socket.so
             loop.call_soon_threadsafe(self._stop_accepting)
 
         def _stop_accepting(self) -> None:
-            # Stop accepting first and give connections accepted a moment ago the time to send
-            # their request: uvicorn's shutdown closes connections that have no request yet, and
-            # a client that connected just before SIGTERM would see that as an error. What is
-            # still in the backlog stays there for the next process.
+            # Stop accepting, then wait until every connection already accepted has had its
+            # request read, and only then let uvicorn shut down; what is still in the backlog
+            # stays there for the next process. Two races make clients see resets otherwise:
+            # uvicorn's shutdown closes connections that have no request yet, and asyncio's
+            # Server.close() drops (unclosed, later reset) connections whose accept() ran but
+            # whose transport was not made yet. So accepting stops by removing the listening
+            # sockets' readers, and the Server is closed later by uvicorn.
             for srv in getattr(self, "servers", []):
-                srv.close()
-            loop.call_later(ACCEPT_GRACE_S, setattr, self, "should_exit", True)
+                for sock in srv.sockets:
+                    loop.remove_reader(sock.fileno())
+            deadline = loop.time() + ACCEPT_GRACE_MAX_S
+            loop.call_later(ACCEPT_GRACE_MIN_S, self._exit_when_no_request_pending, deadline)
 
-    config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
+        def _exit_when_no_request_pending(self, deadline: float) -> None:
+            waiting = [c for c in self.server_state.connections if getattr(c, "cycle", 1) is None]
+            if not waiting or loop.time() >= deadline:
+                self.should_exit = True
+            else:
+                loop.call_later(0.05, self._exit_when_no_request_pending, deadline)
+
+    config = uvicorn.Config(app, loop="asyncio", lifespan="off", access_log=False, log_config=None,
                             log_level=cfg.server.log_level, timeout_keep_alive=5,
                             timeout_graceful_shutdown=int(cfg.server.drain_timeout_s) or None)
-    server = Server(config)
+    config.load()
+    return Server(config)
+
+
+async def _serve_http(server: Any, sockets: list[socket.socket], notifier: Notifier) -> None:
+    import asyncio
+
     watchdog = asyncio.create_task(_watchdog(notifier)) if watchdog_interval_s() else None
     try:
         await server.serve(sockets=sockets)
@@ -219,6 +247,8 @@ async def _serve_http(app: Any, state: Any, cfg: Config, sockets: list[socket.so
 
 
 async def _watchdog(notifier: Notifier) -> None:
+    import asyncio
+
     # Pinged from the event loop itself: a wedged loop stops the pings and systemd restarts us.
     period = (watchdog_interval_s() or 0) / 4
     while True:
