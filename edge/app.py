@@ -29,12 +29,16 @@ __all__ = ["ServiceState", "build_app"]
 @dataclass
 class ServiceState:
     workers: dict[str, ModelWorker]
+    engines: dict[str, Any] = field(default_factory=dict)  # name -> EngineWorker
     metrics: Metrics = field(default_factory=Metrics)
     ready: bool = False
     stopping: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     def worker(self, name: Any) -> ModelWorker:
+        if not self.workers:
+            raise RequestError("no language model is served here (only engines: use /v2/models)",
+                               status=404, param="model", code="model_not_found")
         if name is None:
             return next(iter(self.workers.values()))
         if not isinstance(name, str) or name not in self.workers:
@@ -225,4 +229,8 @@ def build_app(state: ServiceState) -> Starlette:
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+    if state.engines:
+        from edge.kserve import kserve_routes
+
+        routes += kserve_routes(state, guarded)
     return Starlette(routes=routes)

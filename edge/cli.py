@@ -143,23 +143,131 @@ def doctor(config: Optional[Path] = ConfigOpt,
         raise typer.Exit(1)
 
 
+engines_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                          help="The engine store: list, verify, garbage-collect.")
+app.add_typer(engines_app, name="engines")
+StoreOpt = typer.Option(None, "--store", help="engine store (default: <cache_dir>/engines of the config)")
+
+
+def _store(store: Optional[Path], config: Optional[Path]):
+    from edge.config import cache_dir, find_config, load_config
+    from edge.engines.store import EngineStore
+
+    if store:
+        return EngineStore(store)
+    return EngineStore(cache_dir(load_config(find_config(str(config) if config else None))) / "engines")
+
+
+@app.command()
+def device(as_json: bool = typer.Option(False, "--json")) -> None:
+    """What this machine is: Jetson module, L4T, SM arch, CUDA, TensorRT, ONNX Runtime."""
+    from edge.device import detect
+
+    info = detect().as_dict()
+    typer.echo(json.dumps(info, indent=2) if as_json else
+               "\n".join(f"{k:<14}{v if v is not None else '-'}" for k, v in info.items()))
+
+
+@app.command("build-engine")
+def build_engine_cmd(recipe: Path = typer.Argument(..., help="engines/<model>.toml"),
+                     backend: str = typer.Option("tensorrt", "--backend", help="tensorrt | onnxruntime"),
+                     store: Optional[Path] = StoreOpt, config: Optional[Path] = ConfigOpt) -> None:
+    """Build an engine offline for this machine's key and put it in the store (atomically)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from edge.device import detect
+    from edge.engines.build import build_engine
+    from edge.engines.recipe import load_recipe
+
+    r = load_recipe(recipe)
+    st = _store(store, config)
+    typer.echo(f"building {r.name} from {r.onnx} with {backend} into {st.root}")
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), transient=False) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(phase: str, step: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=max(total, 1))
+            bar.update(tasks[phase], completed=step, total=max(total, 1))
+
+        stored = build_engine(r, backend, st, detect(), progress=progress, log=typer.echo)
+    typer.echo(f"stored {stored.path} ({stored.bytes} bytes, sha256 {stored.sha256[:16]}…)")
+
+
+@engines_app.command("ls")
+def engines_ls(store: Optional[Path] = StoreOpt, config: Optional[Path] = ConfigOpt,
+               as_json: bool = typer.Option(False, "--json")) -> None:
+    """Every engine in the store: key fields, size, created, builder."""
+    entries = _store(store, config).entries()
+    if as_json:
+        typer.echo(json.dumps([{"path": str(e.path), **e.meta} for e in entries], indent=2))
+        return
+    typer.echo(f"{'model':<16}{'backend':<13}{'target':<14}{'runtime':<22}{'prec':<6}{'MB':>8}  created  builder")
+    for e in entries:
+        k = e.key
+        rt = f"cuda{k.cuda} trt{k.tensorrt}" if k.backend == "tensorrt" else f"ort{k.onnxruntime}"
+        typer.echo(f"{k.model:<16}{k.backend:<13}{k.target:<14}{rt:<22}{k.precision:<6}"
+                   f"{e.bytes / 1e6:>8.2f}  {e.meta.get('created')}  {e.meta.get('builder_host')}")
+
+
+@engines_app.command("verify")
+def engines_verify(store: Optional[Path] = StoreOpt, config: Optional[Path] = ConfigOpt) -> None:
+    """Check every engine's sha256 against its manifest; exit 1 if any is corrupt."""
+    bad = 0
+    for e in _store(store, config).entries():
+        try:
+            _store(store, config).verify(e)
+            typer.echo(f"ok       {e.path}")
+        except EdgeError as exc:
+            bad += 1
+            typer.echo(f"CORRUPT  {exc}")
+    if bad:
+        raise typer.Exit(1)
+
+
+@engines_app.command("gc")
+def engines_gc(keep: int = typer.Option(2, "--keep", min=0, help="newest engines to keep per model"),
+               store: Optional[Path] = StoreOpt, config: Optional[Path] = ConfigOpt) -> None:
+    """Remove old engines (keeping the newest N per model and every one the config uses)."""
+    from edge.config import find_config, load_config
+    from edge.device import detect
+    from edge.engines.serve import store_for, wanted_key
+
+    cfg = load_config(find_config(str(config) if config else None))
+    in_use = set()
+    for e in cfg.engines:
+        try:
+            in_use.add(str(store_for(cfg, e).find(wanted_key(e, detect())).path))
+        except EdgeError:
+            pass  # nothing for this device: nothing to protect
+    for e in _store(store, config).gc(keep, in_use):
+        typer.echo(f"removed {e.path}")
+
+
 def format_report(report: dict) -> str:
     lines = [f"last start: {report['started_at']}  pid {report['pid']}  host {report['host']}  "
              f"edge {report['edge_version']}",
              f"ready after {report['ready_s']:.3f} s on {', '.join(report.get('sockets', []))}", "",
-             f"{'phase':<16}{'start s':>9}{'seconds':>9}{'MB':>9}{'MB/s':>9}  detail"]
+             f"{'phase':<19}{'start s':>9}{'seconds':>9}{'MB':>9}{'MB/s':>9}  detail"]
     for p in report["phases"]:
         mb = f"{p['bytes'] / 1e6:.1f}" if "bytes" in p else ""
         rate = f"{p['mb_per_s']:.0f}" if "mb_per_s" in p else ""
         detail = ", ".join(f"{k}={v}" for k, v in p["detail"].items() if not isinstance(v, (list, dict)))
-        lines.append(f"{p['name']:<16}{p['start_s']:>9.3f}{p['seconds']:>9.3f}{mb:>9}{rate:>9}  {detail}")
+        lines.append(f"{p['name']:<19}{p['start_s']:>9.3f}{p['seconds']:>9.3f}{mb:>9}{rate:>9}  {detail}")
     if report.get("warmup"):
-        lines += ["", f"{'warm-up step':<16}{'seconds':>9}  tokens"]
+        lines += ["", f"{'warm-up step':<19}{'seconds':>9}  what ran"]
         for w in report["warmup"]:
-            toks = w.get("prompt_tokens", "")
-            toks = f"{toks} prompt, {w['completion_tokens']} out" if toks != "" else f"{w.get('events')} events"
-            lines.append(f"{w['name']:<16}{w['seconds']:>9.3f}  {toks}")
+            lines.append(f"{w['name']:<19}{w['seconds']:>9.3f}  {w.get('model')}: {_warm_detail(w)}")
     return "\n".join(lines)
+
+
+def _warm_detail(w: dict) -> str:
+    if "output_shapes" in w:
+        return f"outputs {w['output_shapes']}"
+    if "events" in w:
+        return f"{w['events']} streamed events"
+    return f"{w.get('prompt_tokens')} prompt tokens, {w.get('completion_tokens')} generated"
 
 
 def main() -> None:

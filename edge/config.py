@@ -25,10 +25,12 @@ __all__ = [
     "PathsConfig",
     "ServerConfig",
     "WarmupConfig",
+    "EngineConfig",
     "default_config",
     "find_config",
     "load_config",
     "parse_config",
+    "build_dataclass",
     "state_dir",
     "cache_dir",
 ]
@@ -89,8 +91,23 @@ class WarmupConfig:
 
 
 @dataclass(frozen=True)
+class EngineConfig:
+    """A TensorRT or ONNX Runtime engine served from the store, found by this device's key."""
+
+    name: str
+    backend: str = "tensorrt"  # tensorrt | onnxruntime
+    recipe: str | None = None  # its ONNX's sha256, precision and profiles name the engine
+    onnx_sha256: str | None = None  # instead of recipe, on devices that hold no ONNX
+    precision: str | None = None  # with onnx_sha256: fp32 | fp16 | int8
+    profile: str = ""
+    store: str | None = None  # default: <cache_dir>/engines
+    warmup: bool = True  # run every profile's min/opt/max shapes before READY
+
+
+@dataclass(frozen=True)
 class Config:
-    models: list[ModelConfig]
+    models: list[ModelConfig] = field(default_factory=list)
+    engines: list[EngineConfig] = field(default_factory=list)
     server: ServerConfig = field(default_factory=ServerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -136,18 +153,19 @@ def parse_config(text: str, *, source: str = "<string>", base_dir: Path | None =
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(source, "", f"not valid TOML: {exc}") from None
-    if "models" not in raw:
-        raise ConfigError(source, "models", "missing: expected at least one [[models]] table")
-    cfg = _build(Config, raw, source, "")
+    if "models" not in raw and "engines" not in raw:
+        raise ConfigError(source, "models", "missing: expected at least one [[models]] or [[engines]] table")
+    cfg = build_dataclass(Config, raw, source, "")
     cfg = dataclasses.replace(cfg, source=source)
     _check_models(cfg, source, base_dir)
     return cfg
 
 
 def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
-    if not cfg.models:
-        raise ConfigError(source, "models", "expected at least one [[models]] table, found none")
-    seen: set[str] = set()
+    if not cfg.models and not cfg.engines:
+        raise ConfigError(source, "models", "expected at least one [[models]] or [[engines]] table, found none")
+    _check_engines(cfg, source, base_dir)
+    seen: set[str] = {e.name for e in cfg.engines}
     resolved = []
     for i, m in enumerate(cfg.models):
         where = f"models[{i}]"
@@ -166,6 +184,27 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
     mode = cfg.server.unix_socket_mode
     if not (mode.isdigit() and set(mode) <= set("01234567") and len(mode) <= 4):
         raise ConfigError(source, "server.unix_socket_mode", f"expected an octal mode such as \"0660\", found {mode!r}")
+
+
+def _check_engines(cfg: Config, source: str, base_dir: Path | None) -> None:
+    resolved, seen = [], set()
+    for i, e in enumerate(cfg.engines):
+        where = f"engines[{i}]"
+        if e.backend not in ("tensorrt", "onnxruntime"):
+            raise ConfigError(source, f"{where}.backend", f"expected 'tensorrt' or 'onnxruntime', found {e.backend!r}")
+        if e.name in seen:
+            raise ConfigError(source, f"{where}.name", f"duplicate engine name {e.name!r}")
+        seen.add(e.name)
+        if (e.recipe is None) == (e.onnx_sha256 is None):
+            raise ConfigError(source, where, "expected exactly one of recipe or onnx_sha256")
+        if e.onnx_sha256 is not None and e.precision not in ("fp32", "fp16", "int8"):
+            raise ConfigError(source, f"{where}.precision", "with onnx_sha256, expected fp32, fp16 or int8, "
+                              f"found {e.precision!r}")
+        recipe = e.recipe
+        if recipe and base_dir is not None and not os.path.isabs(recipe):
+            recipe = str((base_dir / recipe).resolve())
+        resolved.append(dataclasses.replace(e, recipe=recipe))
+    object.__setattr__(cfg, "engines", resolved)
 
 
 def state_dir(cfg: Config) -> Path:
@@ -195,7 +234,8 @@ def _dir(configured: str | None, systemd_env: str, system: str, kind: str) -> Pa
     return Path(os.environ.get(xdg_env) or Path.home() / home_rel) / "edge"
 
 
-def _build(cls: type, raw: Any, source: str, where: str) -> Any:
+def build_dataclass(cls: type, raw: Any, source: str, where: str) -> Any:
+    """Build a (frozen) dataclass from a TOML table; every error names source and field."""
     if not isinstance(raw, dict):
         raise ConfigError(source, where or "<top>", f"expected a table, found {_kind(raw)}")
     hints = typing.get_type_hints(cls)
@@ -230,7 +270,7 @@ def _coerce(tp: Any, val: Any, source: str, key: str) -> Any:
             raise ConfigError(source, key, f"expected an array, found {_kind(val)}")
         return [_coerce(item, v, source, f"{key}[{i}]") for i, v in enumerate(val)]
     if dataclasses.is_dataclass(tp):
-        return _build(tp, val, source, key)
+        return build_dataclass(tp, val, source, key)
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),

@@ -15,6 +15,7 @@ __all__ = [
     "EdgeError",
     "ConfigError",
     "ModelError",
+    "EngineError",
     "MlockError",
     "MissingDependency",
     "BackendError",
@@ -56,6 +57,12 @@ class ModelError(EdgeError):
         self.path = path
         self.message = message
         super().__init__(f"{path}: {message}")
+
+
+class EngineError(EdgeError):
+    """An engine is missing for this device, was built for another one, or fails its checksum."""
+
+    exit_code = EX_DATAERR
 
 
 class MlockError(EdgeError):

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import concurrent.futures
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from edge.config import ModelConfig
 from edge.errors import BackendError, ModelError, RequestError
 from edge.gguf import GGUFInfo, MlockStatus, mlock_status, vm_locked_bytes
+from edge.worker import Worker
 
 __all__ = ["GenParams", "GGUFModel", "ModelWorker", "load_gguf_model"]
 
@@ -160,18 +160,13 @@ def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
     return GGUFModel(cfg, info, llama, status)
 
 
-class ModelWorker:
+class ModelWorker(Worker):
     """Runs one model's jobs on its own thread, in order, with a bounded queue."""
 
     def __init__(self, model: GGUFModel, max_queue: int) -> None:
+        super().__init__(model.cfg.name)
         self.model = model
         self.max_queue = max_queue
-        self.pending = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"edge-{model.cfg.name}")
-
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a short model call (tokenize, template) on the worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def stream(self, job: Job) -> AsyncIterator[Piece]:
         """Pieces of one generation; cancelling the consumer stops generation at the next token."""
@@ -206,6 +201,3 @@ class ModelWorker:
         finally:
             job.cancel.set()
             self.pending -= 1
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)

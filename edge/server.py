@@ -72,16 +72,16 @@ def serve(cfg: Config, sockets: list[socket.socket], timer: StartTimer,
         models = [resolve_model(m, cache_dir(cfg), verified) for m in cfg.models]
     pageins = _start_pageins(models, verified, timer)
     with timer.phase("imports") as ph:
-        notifier.status("importing llama.cpp and the HTTP stack")
+        notifier.status("importing the inference backends and the HTTP stack")
         t0 = time.monotonic()
-        import llama_cpp  # noqa: F401  (the costly native import, beside the page-in)
-        import uvicorn  # noqa: F401
-
-        from edge import app as _app  # noqa: F401
-        ph.detail["modules"] = ["llama_cpp", "uvicorn", "starlette", "edge.app"]
+        ph.detail["modules"] = _import_backends(cfg)
         ph.detail["wall_s"] = round(time.monotonic() - t0, 4)
     _finish_pageins(pageins, models, verified, timer)
     state, infos = _load_models(models, {n: i for n, (_, i) in pageins.items()}, cfg, notifier, timer)
+    from edge.engines.serve import load_engines
+
+    state.engines, engine_infos = load_engines(cfg, timer)
+    infos += engine_infos
     from edge.app import build_app
 
     app = build_app(state)
@@ -89,6 +89,18 @@ def serve(cfg: Config, sockets: list[socket.socket], timer: StartTimer,
     import asyncio
 
     return asyncio.run(_run(app, state, cfg, sockets, notifier, timer, infos, addresses, state_path))
+
+
+def _import_backends(cfg: Config) -> list[str]:
+    """The costly imports, run while the page-in threads read the models."""
+    import importlib
+
+    names = (["llama_cpp"] if cfg.models else []) + \
+        (["onnxruntime"] if any(e.backend == "onnxruntime" for e in cfg.engines) else []) + \
+        ["uvicorn", "starlette.applications", "edge.app"]
+    for name in names:
+        importlib.import_module(name)
+    return names
 
 
 def _start_pageins(models: list[Any], verified: Any, timer: StartTimer) -> dict[str, Any]:
@@ -155,7 +167,7 @@ def _load_models(models: list[Any], gguf_infos: dict[str, Any], cfg: Config, not
 
 async def _run(app: Any, state: Any, cfg: Config, sockets: list[socket.socket], notifier: Notifier,
                timer: StartTimer, infos: list[dict[str, Any]], addresses: list[str], state_path: Path) -> int:
-    from edge.warmup import plan_for, run_warmup
+    from edge.warmup import engine_plan, plan_for, run_warmup
 
     warm: list[dict[str, Any]] = []
     if cfg.warmup.enabled:
@@ -164,6 +176,12 @@ async def _run(app: Any, state: Any, cfg: Config, sockets: list[socket.socket], 
             with timer.phase("warmup", model=name) as ph:
                 steps = await worker.call(plan_for, worker.model, cfg.warmup)
                 ph.detail["steps"] = await run_warmup(app, steps)
+                warm += ph.detail["steps"]
+    for name, eng in state.engines.items():
+        if next(e for e in cfg.engines if e.name == name).warmup:
+            notifier.status(f"warming up engine {name}")
+            with timer.phase("warmup", engine=name) as ph:
+                ph.detail["steps"] = await run_warmup(app, engine_plan(name, eng.session))
                 warm += ph.detail["steps"]
     with timer.phase("http_setup"):
         server = _http_server(app, state, cfg, notifier)
@@ -179,10 +197,10 @@ async def _run(app: Any, state: Any, cfg: Config, sockets: list[socket.socket], 
     state.metrics.start_phases = {p["name"]: p["seconds"] for p in report["phases"]}
     log.info("start report %s: ready in %.2f s", path, report["ready_s"],
              extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
-    notifier.ready(f"ready: serving {', '.join(state.workers)} on {', '.join(addresses)} "
+    notifier.ready(f"ready: serving {', '.join([*state.workers, *state.engines])} on {', '.join(addresses)} "
                    f"(start {report['ready_s']:.2f} s)")
     await _serve_http(server, sockets, notifier)
-    for worker in state.workers.values():
+    for worker in [*state.workers.values(), *state.engines.values()]:
         worker.close()
     return 0
 
@@ -229,7 +247,7 @@ def _http_server(app: Any, state: Any, cfg: Config, notifier: Notifier) -> Any:
                 loop.call_later(0.05, self._exit_when_no_request_pending, deadline)
 
     config = uvicorn.Config(app, loop="asyncio", lifespan="off", access_log=False, log_config=None,
-                            log_level=cfg.server.log_level, timeout_keep_alive=5,
+                            log_level="warning", timeout_keep_alive=5,
                             timeout_graceful_shutdown=int(cfg.server.drain_timeout_s) or None)
     config.load()
     return Server(config)

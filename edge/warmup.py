@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from edge.config import WarmupConfig
 from edge.errors import EdgeError
 from edge.llm import GGUFModel
 
-__all__ = ["WarmupStep", "WarmupError", "plan_for", "run_warmup", "asgi_request"]
+__all__ = ["WarmupStep", "WarmupError", "engine_plan", "plan_for", "run_warmup", "asgi_request"]
 
 # Representative English text for the long prefill; repeated and cut to the token budget.
 PASSAGE = ("The field unit reported nominal telemetry for the third consecutive hour. Battery "
@@ -101,7 +102,26 @@ def plan_for(model: GGUFModel, cfg: WarmupConfig) -> list[WarmupStep]:
     return steps
 
 
-def _tokens(body: bytes, stream: bool) -> dict[str, int]:
+def engine_plan(name: str, session: Any) -> list[WarmupStep]:
+    """Every optimization profile's min, opt and max shapes (each distinct one once), zeros."""
+    steps, seen = [], set()
+    for i, prof in enumerate(session.profiles or [{}]):
+        for point in ("min", "opt", "max"):
+            shapes = {t.name: prof.get(t.name, {}).get(point) or [max(d, 1) for d in t.shape]
+                      for t in session.inputs}
+            sig = tuple((n, tuple(v)) for n, v in sorted(shapes.items()))
+            if sig in seen:
+                continue
+            seen.add(sig)
+            inputs = [{"name": t.name, "shape": shapes[t.name], "datatype": t.datatype,
+                       "data": [0] * int(math.prod(shapes[t.name]))} for t in session.inputs]
+            steps.append(WarmupStep(f"profile{i}_{point}", f"/v2/models/{name}/infer", {"inputs": inputs}))
+    return steps
+
+
+def _tokens(body: bytes, stream: bool) -> dict[str, Any]:
+    if body.startswith(b'{"model_name"'):
+        return {"output_shapes": [o["shape"] for o in json.loads(body)["outputs"]]}
     if stream:
         events = [e for e in body.split(b"\n\n") if e.startswith(b"data: {")]
         return {"events": len(events)}
@@ -120,7 +140,8 @@ async def run_warmup(app: Any, steps: list[WarmupStep]) -> list[dict[str, Any]]:
         if status != 200 or b'data: {"error"' in body:
             raise WarmupError(f"warm-up step {step.name!r} ({step.path}) failed with HTTP {status}: "
                               f"{body[:300].decode('utf-8', 'replace')}")
-        results.append({"name": step.name, "path": step.path, "model": step.body.get("model"),
+        model = step.body.get("model") or step.path.split("/")[3]
+        results.append({"name": step.name, "path": step.path, "model": model,
                         "status": status, "seconds": round(seconds, 4),
                         **_tokens(body, bool(step.body.get("stream")))})
     return results

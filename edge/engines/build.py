@@ -1,0 +1,185 @@
+"""`edge build-engine`: build an engine offline (on the build host) and put it in the store.
+
+TensorRT: Builder + ONNX parser + BuilderConfig with every recipe profile, the workspace limit,
+precision, and a timing cache loaded before and saved after (rebuilds skip tactic timing).
+ONNX Runtime: the ONNX graph optimized offline and saved in ORT format, so the device only
+loads it. Either way the result lands in the store atomically, keyed by the machine it was
+built for.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from edge.device import DeviceInfo
+from edge.engines.key import EngineKey, device_fields
+from edge.engines.recipe import Recipe, check_onnx, profile_shapes
+from edge.engines.store import EngineStore, StoredEngine, _write_atomic, sha256_file
+from edge.errors import EngineError, MissingDependency
+
+__all__ = ["build_engine", "key_for"]
+
+Progress = Callable[[str, int, int], None]  # (phase, step, total)
+
+
+def key_for(recipe: Recipe, backend: str, device: DeviceInfo, onnx_sha256: str) -> EngineKey:
+    precision = recipe.precision if backend == "tensorrt" else "fp32"
+    profile = "" if len(recipe.profiles) == 1 and recipe.profiles[0].name == "default" \
+        else "+".join(p.name for p in recipe.profiles)
+    return EngineKey(model=recipe.name, model_sha256=onnx_sha256, precision=precision, profile=profile,
+                     **device_fields(backend, device))
+
+
+def build_engine(recipe: Recipe, backend: str, store: EngineStore, device: DeviceInfo,
+                 progress: Progress | None = None, log: Callable[[str], None] = print) -> StoredEngine:
+    summary = check_onnx(recipe)
+    for io in ("inputs", "outputs"):
+        for t in summary[io]:
+            log(f"  {io[:-1]:6} {t['name']:<16} {t['dtype']:<8} {t['dims']}")
+    key = key_for(recipe, backend, device, sha256_file(Path(recipe.onnx)))
+    shapes = profile_shapes(recipe, summary)
+    out = store.tmp_path(key)
+    try:
+        builders = {"tensorrt": _build_tensorrt, "onnxruntime": _build_onnxruntime}
+        flags = builders[backend](recipe, shapes, out, progress or (lambda *a: None), log)
+        build = {"recipe": recipe.source, "onnx": recipe.onnx, "io": summary, "flags": flags,
+                 "profiles": [{n: {"min": s[0], "opt": s[1], "max": s[2]} for n, s in p.items()}
+                              for p in shapes],
+                 "profile_names": [p.name for p in recipe.profiles]}
+        return store.put(key, out, build)
+    finally:
+        out.unlink(missing_ok=True)  # a failed or interrupted build leaves nothing visible
+
+
+def _build_onnxruntime(recipe: Recipe, shapes: Any, out: Path, progress: Progress,
+                       log: Callable[[str], None]) -> dict[str, Any]:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise MissingDependency("onnxruntime", "ort", "ONNX Runtime engine builds") from None
+    if recipe.precision != "fp32":
+        log(f"  onnxruntime: the CPU engine runs in fp32 (precision {recipe.precision} applies to TensorRT)")
+    progress("optimize graph", 0, 1)
+    so = ort.SessionOptions()
+    # EXTENDED, not ALL: ALL adds layout rewrites tied to this CPU's vector width, and the key
+    # only names the architecture.
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(out)
+    so.add_session_config_entry("session.save_model_format", "ORT")
+    try:
+        ort.InferenceSession(recipe.onnx, so, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
+        raise EngineError(f"ONNX Runtime could not optimize {recipe.onnx}: {exc}") from None
+    progress("optimize graph", 1, 1)
+    return {"graph_optimization_level": "ORT_ENABLE_EXTENDED", "format": "ORT"}
+
+
+def _import_trt_builder() -> Any:
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise MissingDependency("tensorrt", "trt", "TensorRT engine builds (the full builder, "
+                                "not tensorrt-lean)") from None
+    if not hasattr(trt, "Builder"):
+        raise EngineError("this TensorRT install has no builder (lean/dispatch runtime only): "
+                          "build engines on a host with the full tensorrt package")
+    return trt
+
+
+def _count_qdq(onnx_path: str) -> int:
+    import onnx
+
+    return sum(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in onnx.load(onnx_path).graph.node)
+
+
+def _build_tensorrt(recipe: Recipe, shapes: list[dict[str, Any]], out: Path, progress: Progress,
+                    log: Callable[[str], None]) -> dict[str, Any]:
+    trt = _import_trt_builder()
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    # TensorRT 11 builds strongly typed networks only (no FP16/INT8 builder flags): precision
+    # then comes from the ONNX's own types and Q/DQ nodes.
+    strongly_typed = not hasattr(trt.BuilderFlag, "FP16")
+    flags = 0
+    if strongly_typed and hasattr(trt, "NetworkDefinitionCreationFlag") and \
+            hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(recipe.onnx):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise EngineError(f"TensorRT's ONNX parser rejected {recipe.onnx}: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, recipe.workspace_mb << 20)
+    used = {"workspace_mb": recipe.workspace_mb, "strongly_typed": strongly_typed}
+    _set_precision(trt, config, recipe, strongly_typed, used)
+    for prof in shapes:
+        p = builder.create_optimization_profile()
+        for name, (mn, opt, mx) in prof.items():
+            p.set_shape(name, mn, opt, mx)
+        config.add_optimization_profile(p)
+    cache_in = Path(recipe.timing_cache).read_bytes() if recipe.timing_cache and \
+        Path(recipe.timing_cache).is_file() else b""
+    cache = config.create_timing_cache(cache_in)
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    used["timing_cache_in_bytes"] = len(cache_in)
+    if hasattr(trt, "IProgressMonitor"):
+        config.progress_monitor = _monitor(trt, progress)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise EngineError(f"TensorRT failed to build {recipe.onnx} (its log above says why)")
+    with open(out, "wb") as f:
+        f.write(memoryview(plan))
+        f.flush()
+        os.fsync(f.fileno())
+    if recipe.timing_cache:
+        _write_atomic(Path(recipe.timing_cache), bytes(memoryview(config.get_timing_cache().serialize())))
+    return used
+
+
+def _set_precision(trt: Any, config: Any, recipe: Recipe, strongly_typed: bool, used: dict[str, Any]) -> None:
+    if recipe.precision == "fp32":
+        return
+    if recipe.precision == "int8" and _count_qdq(recipe.onnx) == 0:
+        raise EngineError(f"precision int8 needs an explicitly quantized ONNX (QuantizeLinear/"
+                          f"DequantizeLinear nodes); {recipe.onnx} has none")
+    if strongly_typed:
+        if recipe.precision == "fp16":
+            import onnx
+
+            types = {i.type.tensor_type.elem_type for i in onnx.load(recipe.onnx).graph.initializer}
+            if onnx.TensorProto.FLOAT16 not in types:
+                raise EngineError(f"TensorRT {trt.__version__} builds strongly typed networks: precision "
+                                  f"fp16 needs an ONNX with fp16 weights, and {recipe.onnx} has none; "
+                                  "export it in fp16 or set precision = \"fp32\"")
+        used["precision_from"] = "onnx types"
+        return
+    flag = {"fp16": trt.BuilderFlag.FP16, "int8": trt.BuilderFlag.INT8}[recipe.precision]
+    config.set_flag(flag)
+    if recipe.precision == "int8":
+        config.set_flag(trt.BuilderFlag.FP16)  # layers without Q/DQ fall back to fp16, not fp32
+    used["builder_flags"] = [recipe.precision] + (["fp16"] if recipe.precision == "int8" else [])
+
+
+def _monitor(trt: Any, progress: Progress) -> Any:
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+            self.totals: dict[str, int] = {}
+
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            self.totals[phase_name] = num_steps
+            progress(phase_name, 0, num_steps)
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            progress(phase_name, step + 1, self.totals.get(phase_name, step + 1))
+            return True  # keep building
+
+        def phase_finish(self, phase_name: str) -> None:
+            total = self.totals.get(phase_name, 1)
+            progress(phase_name, total, total)
+
+    return Monitor()

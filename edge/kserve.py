@@ -1,0 +1,101 @@
+"""KServe v2 inference protocol for engines: `POST /v2/models/{name}/infer`, `GET /v2/models/{name}`.
+
+Tensors come as {"name", "shape", "datatype", "data"} with data flat (row-major) or nested;
+a wrong name, datatype or shape, or data whose length does not fit the shape, is a 400 that
+says which input and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from edge.engines.runtime import KSERVE_DTYPES, TensorSpec, check_feeds
+from edge.errors import RequestError
+
+__all__ = ["kserve_routes"]
+
+
+def _tensor(t: Any, i: int) -> tuple[str, np.ndarray]:
+    where = f"inputs[{i}]"
+    if not isinstance(t, dict):
+        raise RequestError(f"{where} must be an object with name, shape, datatype, data", param="inputs")
+    name, shape, dtype, data = t.get("name"), t.get("shape"), t.get("datatype"), t.get("data")
+    if not isinstance(name, str):
+        raise RequestError(f"{where}.name must be a string", param="inputs")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise RequestError(f"{where} ({name}): shape must be a list of non-negative integers", param="inputs")
+    if dtype not in KSERVE_DTYPES:
+        raise RequestError(f"{where} ({name}): datatype must be one of {sorted(KSERVE_DTYPES)}, "
+                           f"found {dtype!r}", param="inputs")
+    try:
+        arr = np.asarray(data, dtype=KSERVE_DTYPES[dtype])
+    except (TypeError, ValueError):
+        raise RequestError(f"{where} ({name}): data is not a list of {dtype} numbers", param="inputs") from None
+    if arr.size != int(np.prod(shape)):
+        raise RequestError(f"{where} ({name}): {arr.size} values do not fill shape {shape} "
+                           f"({int(np.prod(shape))} values)", param="inputs")
+    return name, arr.reshape(shape)
+
+
+def _meta(name: str, worker: Any) -> dict[str, Any]:
+    s = worker.session
+
+    def io(specs: list[TensorSpec]) -> list[dict[str, Any]]:
+        return [{"name": t.name, "datatype": t.datatype, "shape": t.shape} for t in specs]
+
+    return {"name": name, "versions": [worker.stored.key.model_sha256[:16]], "platform": s.platform,
+            "inputs": io(s.inputs), "outputs": io(s.outputs), "profiles": s.profiles}
+
+
+def kserve_routes(state: Any, guarded: Any) -> list[Route]:
+    def engine(request: Request) -> tuple[str, Any]:
+        name = request.path_params["name"]
+        if name not in state.engines:
+            raise RequestError(f"engine {name!r} is not served here; engines: {sorted(state.engines)}",
+                               status=404, code="model_not_found")
+        return name, state.engines[name]
+
+    async def metadata(request: Request) -> Response:
+        async def handler(r: Request) -> Response:
+            name, worker = engine(r)
+            return JSONResponse(_meta(name, worker))
+        return await guarded(request, handler)
+
+    async def infer(request: Request) -> Response:
+        async def handler(r: Request) -> Response:
+            name, worker = engine(r)
+            try:
+                body = json.loads(await r.body())
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise RequestError(f"request body is not valid JSON: {exc}") from None
+            if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
+                raise RequestError("request body must be an object with an 'inputs' list", param="inputs")
+            feeds = dict(_tensor(t, i) for i, t in enumerate(body["inputs"]))
+            check_feeds(worker.session, feeds)
+            t0 = time.perf_counter()
+            outputs = await worker.call(worker.session.infer, feeds)
+            specs = {t.name: t for t in worker.session.outputs}
+            resp = {"model_name": name, "model_version": worker.stored.key.model_sha256[:16],
+                    "outputs": [{"name": n, "shape": list(a.shape), "datatype": specs[n].datatype,
+                                 "data": a.ravel().tolist()} for n, a in outputs.items()],
+                    "parameters": {"infer_seconds": round(time.perf_counter() - t0, 6)}}
+            if "id" in body:
+                resp["id"] = body["id"]
+            return JSONResponse(resp)
+        return await guarded(request, handler)
+
+    async def ready(request: Request) -> Response:
+        ok = state.ready and not state.stopping
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    return [Route("/v2/models/{name}", metadata, methods=["GET"]),
+            Route("/v2/models/{name}/infer", infer, methods=["POST"]),
+            Route("/v2/health/ready", ready, methods=["GET"])]
