@@ -34,7 +34,8 @@ def _config(path: str | None) -> tuple[Config | None, Check]:
     except ConfigError as exc:
         return None, Check("config", "fail", str(exc), "correct the field named above")
     where = found or "no config file: the embedded default model"
-    return cfg, Check("config", "ok", f"valid ({where}); models: {', '.join(m.name for m in cfg.models)}")
+    served = [m.name for m in cfg.models] + [e.name for e in cfg.engines]
+    return cfg, Check("config", "ok", f"valid ({where}); serves: {', '.join(served)}")
 
 
 def _model_files(cfg: Config) -> list[Check]:
@@ -131,6 +132,27 @@ def _state(cfg: Config) -> Check:
                  "under systemd, StateDirectory=edge creates it; from a shell set paths.state_dir")
 
 
+def _engines(cfg: Config) -> list[Check]:
+    if not cfg.engines:
+        return []
+    from edge.device import detect
+    from edge.engines.serve import store_for, wanted_key
+
+    device = detect()
+    checks = []
+    for e in cfg.engines:
+        try:
+            stored = store_for(cfg, e).find(wanted_key(e, device))
+        except EdgeError as exc:
+            checks.append(Check(f"engine {e.name}", "fail", str(exc),
+                                "build it for this key with `edge build-engine` or ship it in an OTA bundle"))
+            continue
+        checks.append(Check(f"engine {e.name}", "ok", f"{stored.path.name} matches this device "
+                            f"({_mib(stored.bytes)}, built {stored.meta.get('created')} on "
+                            f"{stored.meta.get('builder_host')})"))
+    return checks
+
+
 def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
     cfg, first = _config(config)
     checks = [first]
@@ -139,6 +161,7 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
     unit_checks, unit_text = _units(unit_dirs)
     steps: list[Callable[[], list[Check]]] = [
         lambda: _model_files(cfg),
+        lambda: _engines(cfg),
         lambda: [_memlock(cfg, unit_text)],
         lambda: [_memory(cfg)],
         lambda: unit_checks,

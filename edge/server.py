@@ -197,9 +197,9 @@ async def _run(app: Any, state: Any, cfg: Config, sockets: list[socket.socket], 
     state.metrics.start_phases = {p["name"]: p["seconds"] for p in report["phases"]}
     log.info("start report %s: ready in %.2f s", path, report["ready_s"],
              extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
-    notifier.ready(f"ready: serving {', '.join([*state.workers, *state.engines])} on {', '.join(addresses)} "
-                   f"(start {report['ready_s']:.2f} s)")
-    await _serve_http(server, sockets, notifier)
+    ready_text = (f"ready: serving {', '.join([*state.workers, *state.engines])} on "
+                  f"{', '.join(addresses)} (start {report['ready_s']:.2f} s)")
+    await _serve_http(server, sockets, notifier, ready_text)
     for worker in [*state.workers.values(), *state.engines.values()]:
         worker.close()
     return 0
@@ -253,12 +253,17 @@ def _http_server(app: Any, state: Any, cfg: Config, notifier: Notifier) -> Any:
     return Server(config)
 
 
-async def _serve_http(server: Any, sockets: list[socket.socket], notifier: Notifier) -> None:
+async def _serve_http(server: Any, sockets: list[socket.socket], notifier: Notifier, ready_text: str) -> None:
     import asyncio
 
+    serving = asyncio.create_task(server.serve(sockets=sockets))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.001)  # READY=1 once the sockets are being accepted on, not before
+    if server.started:
+        notifier.ready(ready_text)
     watchdog = asyncio.create_task(_watchdog(notifier)) if watchdog_interval_s() else None
     try:
-        await server.serve(sockets=sockets)
+        await serving
     finally:
         if watchdog:
             watchdog.cancel()
