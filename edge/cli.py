@@ -245,6 +245,11 @@ def engines_gc(keep: int = typer.Option(2, "--keep", min=0, help="newest engines
         typer.echo(f"removed {e.path}")
 
 
+from edge.ota.cli import ota_app  # noqa: E402  (light: its commands import what they need)
+
+app.add_typer(ota_app, name="ota")
+
+
 def format_report(report: dict) -> str:
     lines = [f"last start: {report['started_at']}  pid {report['pid']}  host {report['host']}  "
              f"edge {report['edge_version']}",

@@ -200,10 +200,11 @@ def _check_engines(cfg: Config, source: str, base_dir: Path | None) -> None:
         if e.onnx_sha256 is not None and e.precision not in ("fp32", "fp16", "int8"):
             raise ConfigError(source, f"{where}.precision", "with onnx_sha256, expected fp32, fp16 or int8, "
                               f"found {e.precision!r}")
-        recipe = e.recipe
-        if recipe and base_dir is not None and not os.path.isabs(recipe):
-            recipe = str((base_dir / recipe).resolve())
-        resolved.append(dataclasses.replace(e, recipe=recipe))
+        recipe, store = e.recipe, e.store
+        if base_dir is not None:  # relative to the config file: an OTA version dir holds both
+            recipe = str((base_dir / recipe).resolve()) if recipe and not os.path.isabs(recipe) else recipe
+            store = str((base_dir / store).resolve()) if store and not os.path.isabs(store) else store
+        resolved.append(dataclasses.replace(e, recipe=recipe, store=store))
     object.__setattr__(cfg, "engines", resolved)
 
 
