@@ -105,12 +105,25 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class OtaConfig:
+    """Defaults of `edge ota install` on this device; flags override them."""
+
+    pubkey: str = "/etc/edge/ota.pub"
+    keep_versions: int = field(default=3, metadata=_range(2, 100))
+    unit: str = "edge.service"
+    restart_cmd: str | None = None  # instead of `systemctl restart <unit>`
+    health_url: str | None = None  # default: http://<server.host>:<server.port>/readyz
+    timeout_s: float = field(default=300.0, metadata=_range(1, 86400))
+
+
+@dataclass(frozen=True)
 class Config:
     models: list[ModelConfig] = field(default_factory=list)
     engines: list[EngineConfig] = field(default_factory=list)
     server: ServerConfig = field(default_factory=ServerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    ota: OtaConfig = field(default_factory=OtaConfig)
     source: str = "<defaults>"
 
     def model(self, name: str) -> ModelConfig | None:

@@ -67,7 +67,11 @@ class GGUFModel:
         vocab = self.llama
         eos = vocab.detokenize([vocab.token_eos()], special=True).decode("utf-8", "replace")
         bos = vocab.detokenize([vocab.token_bos()], special=True).decode("utf-8", "replace")
-        return Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+        try:
+            return Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+        except Exception as exc:  # jinja2.TemplateSyntaxError and friends
+            where = "models[].chat_template" if self.cfg.chat_template else "the GGUF's tokenizer.chat_template"
+            raise ModelError(self.info.path, f"chat template ({where}) does not compile: {exc}") from None
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         return self.llama.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)

@@ -156,3 +156,10 @@ def test_help_and_status_do_not_import_native_or_http_stacks(tiny_config: Path) 
     for args in (["--help"], ["status", "--config", str(tiny_config)], ["serve", "--help"]):
         p = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
         assert "HEAVY []" in p.stderr, (args, p.stderr)
+
+
+def test_broken_chat_template_is_a_clear_model_error(tmp_path: Path, tiny_gguf: Path) -> None:
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, extra_model='chat_template = "{% for x in %}"')
+    rc, err = _exit(cfg)
+    assert rc == 65 and "chat template (models[].chat_template) does not compile" in err
+    assert "Traceback" not in err

@@ -14,24 +14,28 @@ ota_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                       help="Fleet updates: signed bundles, atomic install, health check, rollback.")
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="the device's edge config (for state dir and health URL)")
-PubOpt = typer.Option(Path("/etc/edge/ota.pub"), "--pubkey", help="Ed25519 public key that signs bundles")
+PubOpt = typer.Option(None, "--pubkey", help="Ed25519 public key that signs bundles (default: [ota] pubkey)")
 
 
-def _ota(config: Optional[Path], keep: int = 3):
+def _ota(config: Optional[Path], keep: Optional[int] = None):
     from edge.config import find_config, load_config, state_dir
     from edge.ota.install import Ota
 
     cfg = load_config(find_config(str(config) if config else None))
-    return Ota(state_dir(cfg) / "ota", keep=keep), cfg
+    return Ota(state_dir(cfg) / "ota", keep=keep or cfg.ota.keep_versions), cfg
 
 
-def _activator(cfg: Any, restart_cmd: Optional[str], unit: str, health_url: Optional[str], timeout: float):
+def _activator(cfg: Any, restart_cmd: Optional[str], unit: Optional[str], health_url: Optional[str],
+               timeout: Optional[float]):
+    """Flags first, then the config's [ota] table."""
     from edge.ota.install import command_activator, systemd_activator
 
-    url = health_url or f"http://{cfg.server.host}:{cfg.server.port}/readyz"
-    if restart_cmd:
-        return command_activator(restart_cmd, url, timeout)
-    return systemd_activator(unit, url, timeout)
+    o = cfg.ota
+    url = health_url or o.health_url or f"http://{cfg.server.host}:{cfg.server.port}/readyz"
+    cmd, wait = restart_cmd or o.restart_cmd, timeout or o.timeout_s
+    if cmd:
+        return command_activator(cmd, url, wait)
+    return systemd_activator(unit or o.unit, url, wait)
 
 
 def _echo(result: Any) -> None:
@@ -108,20 +112,24 @@ def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey"
 
 
 @ota_app.command()
-def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Path = PubOpt,
+def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[Path] = PubOpt,
             insecure: bool = typer.Option(False, "--insecure", help="accept an unverified bundle"),
             restart_cmd: Optional[str] = typer.Option(None, "--restart-cmd", help="instead of systemctl restart"),
-            unit: str = typer.Option("edge.service", "--unit"),
+            unit: Optional[str] = typer.Option(None, "--unit"),
             health_url: Optional[str] = typer.Option(None, "--health-url"),
-            timeout: float = typer.Option(300.0, "--timeout"),
+            timeout: Optional[float] = typer.Option(None, "--timeout"),
             no_activate: bool = typer.Option(False, "--no-activate", help="stage and switch only"),
-            keep: int = typer.Option(3, "--keep", min=2, help="versions kept on disk")) -> None:
+            keep: Optional[int] = typer.Option(None, "--keep", min=2, help="versions kept on disk")) -> None:
     """Verify, stage, switch, restart, health-check; commit, or roll back on failure."""
     from edge.device import detect
     from edge.ota.bundle import open_bundle
 
     ota, cfg = _ota(config, keep)
-    b = open_bundle(bundle, None if insecure else pubkey, insecure=insecure)
+    key = pubkey or Path(cfg.ota.pubkey)
+    if not insecure and not key.is_file():
+        raise EdgeError(f"no bundle signing key at {key}: install the fleet's public key there "
+                        "([ota] pubkey in the config), pass --pubkey, or --insecure")
+    b = open_bundle(bundle, None if insecure else key, insecure=insecure)
     act = None if no_activate else _activator(cfg, restart_cmd, unit, health_url, timeout)
     result = ota.install(b, act, device=detect())
     _echo(result)
@@ -131,8 +139,8 @@ def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Path = Pub
 
 @ota_app.command()
 def rollback(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typer.Option(None, "--restart-cmd"),
-             unit: str = typer.Option("edge.service", "--unit"), health_url: Optional[str] = typer.Option(None, "--health-url"),
-             timeout: float = typer.Option(300.0, "--timeout"),
+             unit: Optional[str] = typer.Option(None, "--unit"), health_url: Optional[str] = typer.Option(None, "--health-url"),
+             timeout: Optional[float] = typer.Option(None, "--timeout"),
              no_activate: bool = typer.Option(False, "--no-activate")) -> None:
     """Switch back to the previous version and restart."""
     ota, cfg = _ota(config)
@@ -147,8 +155,8 @@ def commit(config: Optional[Path] = ConfigOpt) -> None:
 
 @ota_app.command()
 def recover(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typer.Option(None, "--restart-cmd"),
-            unit: str = typer.Option("edge.service", "--unit"), health_url: Optional[str] = typer.Option(None, "--health-url"),
-            timeout: float = typer.Option(300.0, "--timeout")) -> None:
+            unit: Optional[str] = typer.Option(None, "--unit"), health_url: Optional[str] = typer.Option(None, "--health-url"),
+            timeout: Optional[float] = typer.Option(None, "--timeout")) -> None:
     """Finish what a killed install left: health-check a pending switch, then commit or roll back."""
     ota, cfg = _ota(config)
     _echo(ota.recover(_activator(cfg, restart_cmd, unit, health_url, timeout)) or {"result": "nothing pending"})
