@@ -15,6 +15,7 @@ from typing import Any
 
 from edge.config import BUILTIN_PREFIX, ModelConfig
 from edge.errors import ConfigError, MissingDependency, ModelError
+from edge.fsutil import atomic_write
 
 __all__ = ["BUILTINS", "resolve_model", "VerifiedCache"]
 
@@ -98,8 +99,6 @@ class VerifiedCache:
         self._data[str(file)] = {"sha256": sha256.lower(), "id": self._identity(file)}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self._data, indent=1))
-            os.replace(tmp, self.path)
+            atomic_write(self.path, json.dumps(self._data, indent=1))
         except OSError:
             pass  # a read-only cache only costs a re-hash next start

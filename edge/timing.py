@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge.fsutil import atomic_write
+
 __all__ = ["Phase", "StartTimer", "write_report", "read_last_report", "process_age_s", "REPORT_NAME"]
 
 REPORT_NAME = "last-start.json"
@@ -107,8 +109,8 @@ def write_report(report: dict[str, Any], state_dir: Path) -> Path:
     data = json.dumps(report, indent=2, sort_keys=False) + "\n"
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     path = reports / f"start-{stamp}-{report['pid']}.json"
-    _atomic_write(path, data)
-    _atomic_write(state_dir / REPORT_NAME, data)
+    atomic_write(path, data)
+    atomic_write(state_dir / REPORT_NAME, data)
     _prune(reports, keep=50)
     return path
 
@@ -118,15 +120,6 @@ def read_last_report(state_dir: Path) -> dict[str, Any] | None:
         return json.loads((state_dir / REPORT_NAME).read_text())
     except FileNotFoundError:
         return None
-
-
-def _atomic_write(path: Path, data: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _prune(folder: Path, keep: int) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
+from edge.fsutil import atomic_write
 
 __all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "default_edge_command"]
 
@@ -152,18 +153,6 @@ def install_units(o: UnitOptions, prefix: str = "/") -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in (("edge.socket", render_socket(o)), ("edge.service", render_service(o))):
-        path = folder / name
-        tmp = folder / f".{name}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-        written.append(path)
-    dfd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dfd)  # the renames themselves survive a power cut
-    finally:
-        os.close(dfd)
+        atomic_write(folder / name, text, mode=0o644)
+        written.append(folder / name)
     return written

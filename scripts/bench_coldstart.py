@@ -18,7 +18,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import (EDGE, REQUEST, edge_config, emit, env_for_bench, free_port, gemma_path, http,  # noqa: E402
+from benchlib import (EDGE, REQUEST, edge_config, emit, env_for_bench, free_port, gemma_path,  # noqa: E402
                       proc_memory, request_until_answered, start_peer, summary, wait_peer_up)
 from edge.harness import PidOne  # noqa: E402
 from edge.pagein import evict  # noqa: E402

@@ -17,8 +17,9 @@ from typing import Any
 from edge.device import DeviceInfo
 from edge.engines.key import EngineKey, device_fields
 from edge.engines.recipe import Recipe, check_onnx, profile_shapes
-from edge.engines.store import EngineStore, StoredEngine, _write_atomic, sha256_file
+from edge.engines.store import EngineStore, StoredEngine
 from edge.errors import EngineError, MissingDependency
+from edge.fsutil import atomic_write, sha256_file
 
 __all__ = ["build_engine", "key_for"]
 
@@ -136,7 +137,7 @@ def _build_tensorrt(recipe: Recipe, shapes: list[dict[str, Any]], out: Path, pro
         f.flush()
         os.fsync(f.fileno())
     if recipe.timing_cache:
-        _write_atomic(Path(recipe.timing_cache), bytes(memoryview(config.get_timing_cache().serialize())))
+        atomic_write(Path(recipe.timing_cache), bytes(memoryview(config.get_timing_cache().serialize())))
     return used
 
 

@@ -15,8 +15,9 @@ from edge.config import Config, EngineConfig, cache_dir
 from edge.device import DeviceInfo, detect
 from edge.engines.key import EngineKey, device_fields
 from edge.engines.runtime import EngineSession, session_from_engine
-from edge.engines.store import EngineStore, StoredEngine, sha256_file
+from edge.engines.store import EngineStore, StoredEngine
 from edge.errors import EngineError
+from edge.fsutil import sha256_file
 from edge.timing import StartTimer
 from edge.worker import Worker
 

@@ -8,7 +8,6 @@ is added after. A reader never sees an entry whose file is half-written or not t
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import socket
@@ -20,20 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from edge.engines.key import EngineKey
+from edge.fsutil import atomic_write, fsync_dir, sha256_file
 from edge.errors import EngineError
 
 __all__ = ["EngineStore", "StoredEngine", "sha256_file"]
 
 MANIFEST = "manifest.json"
 STRAY_AGE_S = 600
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -43,24 +35,6 @@ class StoredEngine:
     sha256: str
     bytes: int
     meta: dict[str, Any]
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 class EngineStore:
@@ -83,7 +57,7 @@ class EngineStore:
         return data
 
     def _save_manifest(self, folder: Path, data: dict[str, Any]) -> None:
-        _write_atomic(folder / MANIFEST, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
+        atomic_write(folder / MANIFEST, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
     @contextmanager
     def _locked(self, folder: Path) -> Iterator[None]:
@@ -105,7 +79,7 @@ class EngineStore:
             if manifest["engines"].pop(name, None) is not None:
                 self._save_manifest(folder, manifest)  # the old entry goes before its file does
             os.replace(source, folder / name)
-            _fsync_dir(folder)
+            fsync_dir(folder)
             meta = {"key": key.as_dict(), "sha256": digest, "bytes": size, "build": build or {},
                     "builder_host": socket.gethostname(),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

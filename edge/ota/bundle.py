@@ -6,7 +6,6 @@ touched; each file is hashed while it is extracted.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.errors import EdgeError
+from edge.fsutil import sha256_file
 
 __all__ = ["BundleError", "Bundle", "FileEntry", "build_bundle", "keygen", "open_bundle"]
 
@@ -80,21 +80,13 @@ def _load_public(path: Path) -> Any:
         raise BundleError(f"{path}: not a usable Ed25519 public key ({exc})") from None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def build_bundle(out: Path, *, version: str, files: list[tuple[Path, str, str, dict[str, Any] | None]],
                  config: str, key: Path, min_edge_version: str = "0.1.0") -> dict[str, Any]:
     """files: (source, path in bundle, kind, engine key or None). Written atomically to `out`."""
     from edge.config import parse_config
 
     parse_config(config, source="bundle config fragment")  # a bundle never ships a config that fails
-    entries = [FileEntry(rel, _sha256(src), src.stat().st_size, kind, k) for src, rel, kind, k in files]
+    entries = [FileEntry(rel, sha256_file(src), src.stat().st_size, kind, k) for src, rel, kind, k in files]
     for e in entries:
         if e.path.startswith("/") or ".." in Path(e.path).parts:
             raise BundleError(f"bundle path {e.path!r} must be relative and stay inside the bundle")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from edge.fsutil import atomic_write, fsync_dir
 from edge.ota.bundle import Bundle, BundleError, FileEntry
 
 __all__ = ["Ota", "Activator", "systemd_activator", "command_activator", "CRASH_STEPS"]
@@ -36,14 +37,6 @@ Activator = Callable[[], tuple[bool, str]]  # restart the service; (healthy?, wh
 def _crash_point(step: str) -> None:
     if os.environ.get("EDGE_OTA_CRASH_AT") == step:
         os._exit(137)  # what kill -9 leaves behind, at exactly this step
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _wait_ready(url: str, timeout: float) -> tuple[bool, str]:
@@ -91,12 +84,7 @@ class Ota:
             return {"current": None, "previous": None, "pending": None, "history": []}
 
     def _save(self, st: dict[str, Any]) -> None:
-        tmp = self.root / f".state.json.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(st, indent=2) + "\n")
-        with open(tmp) as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.root / "state.json")
-        _fsync_dir(self.root)
+        atomic_write(self.root / "state.json", json.dumps(st, indent=2) + "\n")
 
     def _event(self, st: dict[str, Any], version: str | None, event: str, reason: str = "") -> None:
         st["history"] = (st.get("history") or [])[-49:] + [
@@ -114,7 +102,7 @@ class Ota:
         tmp.unlink(missing_ok=True)
         os.symlink(Path("versions") / version, tmp)
         os.replace(tmp, self.root / name)  # rename over the old link: atomic switch
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -148,7 +136,7 @@ class Ota:
                         os.fsync(f.fileno())
             _crash_point("staged")
             os.replace(staging, final)
-            _fsync_dir(self.versions)
+            fsync_dir(self.versions)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise

@@ -1,0 +1,39 @@
+"""The file-system steps every atomic write in edge is made of: hash, fsync, rename."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+__all__ = ["atomic_write", "fsync_dir", "sha256_file"]
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(d: Path) -> None:
+    """Make the renames in `d` durable (a power cut after the rename keeps it)."""
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes | str, mode: int | None = None) -> None:
+    """Write a hidden temp file beside `path`, fsync it, rename it over `path`, fsync the dir."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    if mode is not None:
+        os.chmod(tmp, mode)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
