@@ -73,9 +73,7 @@ def serve(cfg: Config, sockets: list[socket.socket], timer: StartTimer,
     pageins = _start_pageins(models, verified, timer)
     with timer.phase("imports") as ph:
         notifier.status("importing the inference backends and the HTTP stack")
-        t0 = time.monotonic()
         ph.detail["modules"] = _import_backends(cfg)
-        ph.detail["wall_s"] = round(time.monotonic() - t0, 4)
     _finish_pageins(pageins, models, verified, timer)
     state, infos = _load_models(models, {n: i for n, (_, i) in pageins.items()}, cfg, notifier, timer)
     from edge.engines.serve import load_engines

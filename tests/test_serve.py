@@ -162,3 +162,21 @@ def test_broken_chat_template_is_a_clear_model_error(tmp_path: Path, tiny_gguf: 
     rc, err = _exit(cfg)
     assert rc == 65 and "chat template (models[].chat_template) does not compile" in err
     assert "Traceback" not in err
+
+
+def test_configured_sha256_is_verified_once_per_file(tmp_path: Path, tiny_gguf: Path) -> None:
+    import hashlib
+
+    digest = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    wrong = write_config(tmp_path / "wrong.toml", tiny_gguf, extra_model=f'sha256 = "{"0" * 64}"')
+    rc, err = _exit(wrong)
+    assert rc == 65 and f"sha256 mismatch: expected {'0' * 64}, found {digest}" in err
+    good = write_config(tmp_path / "edge.toml", tiny_gguf, extra_model=f'sha256 = "{digest}"')
+    for expect_hash in (True, False):  # hashed at the first start, remembered for the second
+        with PidOne([*EDGE, "serve", "--config", str(good)]) as pid1:
+            pid1.start()
+            pid1.wait_for("READY", "1")
+            assert pid1.stop() == 0
+        report = json.loads((tmp_path / "state" / "last-start.json").read_text())
+        page_in = next(p for p in report["phases"] if p["name"] == "page_in")
+        assert ("sha256" in page_in["detail"]) is expect_hash
