@@ -132,6 +132,16 @@ def _state(cfg: Config) -> Check:
                  "under systemd, StateDirectory=edge creates it; from a shell set paths.state_dir")
 
 
+def _device() -> Check:
+    from edge.device import detect
+
+    d = detect()
+    what = d.jetson_model or f"{d.cpu_arch} host"
+    gpu = f"{d.sm} (from {d.sm_source})" if d.sm else "no GPU found"
+    return Check("device", "ok", f"{what}; L4T {d.l4t_release or '-'}; GPU {gpu}; CUDA {d.cuda or '-'}; "
+                 f"TensorRT {d.tensorrt or '-'}; ONNX Runtime {d.onnxruntime or '-'}")
+
+
 def _engines(cfg: Config) -> list[Check]:
     if not cfg.engines:
         return []
@@ -160,6 +170,7 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
         return checks
     unit_checks, unit_text = _units(unit_dirs)
     steps: list[Callable[[], list[Check]]] = [
+        lambda: [_device()],
         lambda: _model_files(cfg),
         lambda: _engines(cfg),
         lambda: [_memlock(cfg, unit_text)],
