@@ -182,7 +182,8 @@ async def _sse(worker: ModelWorker, job: Job, shape: _Completion, metrics: Metri
                 yield shape.chunk(piece.text, piece.finish_reason)
     except EdgeError as exc:  # headers are gone: report in-band, as OpenAI does
         yield b"data: " + json.dumps({"error": {"message": str(exc)}}).encode() + b"\n\n"
-    metrics.tokens(len(job.tokens), job.completion_tokens)
+    finally:  # counted also when the client went away mid-stream
+        metrics.tokens(len(job.tokens), job.completion_tokens)
     yield b"data: [DONE]\n\n"
 
 

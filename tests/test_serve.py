@@ -180,3 +180,36 @@ def test_configured_sha256_is_verified_once_per_file(tmp_path: Path, tiny_gguf: 
         report = json.loads((tmp_path / "state" / "last-start.json").read_text())
         page_in = next(p for p in report["phases"] if p["name"] == "page_in")
         assert ("sha256" in page_in["detail"]) is expect_hash
+
+
+def test_client_that_goes_away_mid_stream_stops_generation(tmp_path: Path, tiny_gguf: Path) -> None:
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, n_ctx=512)
+    with PidOne([*EDGE, "serve", "--config", str(cfg)]) as pid1:
+        pid1.start()
+        pid1.wait_for("READY", "1")
+
+        def generated() -> int:
+            c = http.client.HTTPConnection(*pid1.address, timeout=30)
+            c.request("GET", "/metrics")
+            text = c.getresponse().read().decode()
+            return int(next(line.split()[1] for line in text.splitlines()
+                            if line.startswith("edge_completion_tokens_total")))
+
+        _, full = post(pid1.address, "/v1/completions", {"prompt": "Hello", "max_tokens": 480, "temperature": 0})
+        assert full["usage"]["completion_tokens"] == 480  # left alone, this request runs to the end
+        before = generated()
+        s = socket.create_connection(pid1.address, timeout=30)
+        body = json.dumps({"prompt": "Hello", "max_tokens": 480, "temperature": 0, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while b"data: " not in got:
+            got += s.recv(4096)
+        s.close()  # gone after the first chunk
+        status, answer = post(pid1.address, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+        assert status == 200  # the worker was freed
+        deadline = time.monotonic() + 10
+        while generated() - before - answer["usage"]["completion_tokens"] <= 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 0 < generated() - before - answer["usage"]["completion_tokens"] < 480
+        assert pid1.stop() == 0
