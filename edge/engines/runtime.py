@@ -99,7 +99,8 @@ class OrtSession:
 
 
 class TrtSession:
-    """TensorRT engine on GPU 0; one execution context, buffers sized for profile 0's max shapes."""
+    """TensorRT engine on GPU 0: one execution context that switches to the optimization profile
+    holding each request's shapes; device buffers grow to the largest request seen."""
 
     platform = "tensorrt_plan"
 
@@ -129,6 +130,7 @@ class TrtSession:
             (self.inputs if is_input else self.outputs).append(spec)
         self._device: dict[str, Any] = {}
         self._capacity: dict[str, int] = {}
+        self._profile = 0
 
     def _buffer(self, name: str, nbytes: int) -> Any:
         if self._capacity.get(name, -1) < nbytes:
@@ -137,8 +139,19 @@ class TrtSession:
             self._context.set_tensor_address(name, int(self._device[name]))
         return self._device[name]
 
+    def _select_profile(self, feeds: dict[str, np.ndarray]) -> None:
+        """Switch the context to the first optimization profile whose ranges hold these shapes."""
+        for idx, prof in enumerate(self.profiles):
+            if all(all(lo <= d <= hi for lo, d, hi in zip(r["min"], feeds[n].shape, r["max"]))
+                   for n, r in prof.items() if n in feeds):
+                if idx != self._profile:
+                    self._context.set_optimization_profile_async(idx, self._stream.handle)
+                    self._profile = idx
+                return
+
     def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         cuda, ctx = self._cuda, self._context
+        self._select_profile(feeds)
         for spec in self.inputs:
             arr = np.ascontiguousarray(feeds[spec.name])
             ctx.set_input_shape(spec.name, arr.shape)
