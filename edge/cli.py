@@ -55,6 +55,41 @@ def serve(config: Optional[Path] = ConfigOpt) -> None:
 
 
 @app.command()
+def warmup(config: Optional[Path] = ConfigOpt,
+           as_json: bool = typer.Option(False, "--json", help="print the report as JSON")) -> None:
+    """Rehearse a start (page-in, load, lock, warm-up) without serving, and report each phase."""
+    from edge.config import find_config, load_config
+    from edge.server import rehearse
+    from edge.systemd import setup_logging
+    from edge.timing import StartTimer
+
+    timer = StartTimer()
+    cfg = load_config(find_config(str(config) if config else None))
+    setup_logging(cfg.server.log_level)
+    report = rehearse(cfg, timer)
+    typer.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+
+
+@app.command()
+def bench(url: str = typer.Option("http://127.0.0.1:8088", "--url", help="the running service"),
+          requests: int = typer.Option(50, "--requests", min=1), concurrency: int = typer.Option(4, "--concurrency", min=1),
+          prompt: str = typer.Option("Question: What is the capital of France?\nAnswer:", "--prompt"),
+          max_tokens: int = typer.Option(16, "--max-tokens", min=1),
+          model: Optional[str] = typer.Option(None, "--model")) -> None:
+    """Latency and throughput of a running service (JSON): p50/p95/p99, requests/s, tokens/s."""
+    from edge.bench import bench as run
+
+    try:
+        result = run(url, requests=requests, concurrency=concurrency, prompt=prompt, max_tokens=max_tokens,
+                     model=model)
+    except ValueError as exc:
+        raise EdgeError(str(exc)) from None
+    typer.echo(json.dumps(result, indent=2))
+    if result["errors"]:
+        raise typer.Exit(1)
+
+
+@app.command()
 def status(config: Optional[Path] = ConfigOpt,
            as_json: bool = typer.Option(False, "--json", help="print the report as JSON")) -> None:
     """Show the report of the last start: every phase with seconds, bytes and rates."""
@@ -253,7 +288,9 @@ app.add_typer(ota_app, name="ota")
 def format_report(report: dict) -> str:
     lines = [f"last start: {report['started_at']}  pid {report['pid']}  host {report['host']}  "
              f"edge {report['edge_version']}",
-             f"ready after {report['ready_s']:.3f} s on {', '.join(report.get('sockets', []))}", "",
+             (f"rehearsal (nothing served): ready after {report['ready_s']:.3f} s"
+              if report.get("rehearsal") else
+              f"ready after {report['ready_s']:.3f} s on {', '.join(report.get('sockets', []))}"), "",
              f"{'phase':<19}{'start s':>9}{'seconds':>9}{'MB':>9}{'MB/s':>9}  detail"]
     for p in report["phases"]:
         mb = f"{p['bytes'] / 1e6:.1f}" if "bytes" in p else ""

@@ -23,7 +23,7 @@ from edge.errors import MlockError
 from edge.systemd import Notifier, watchdog_interval_s
 from edge.timing import StartTimer, write_report
 
-__all__ = ["StoppedDuringStart", "bind_sockets", "describe_socket", "serve"]
+__all__ = ["StoppedDuringStart", "bind_sockets", "describe_socket", "rehearse", "serve"]
 
 log = logging.getLogger("edge")
 
@@ -64,7 +64,34 @@ def serve(cfg: Config, sockets: list[socket.socket], timer: StartTimer,
     notifier = notifier or Notifier()
     signal.signal(signal.SIGTERM, _stop_during_start)
     notifier.extend_while()
-    state_path = state_dir(cfg)
+    app, state, infos = _prepare(cfg, timer, notifier)
+    addresses = [describe_socket(s) for s in sockets]
+    import asyncio
+
+    return asyncio.run(_run(app, state, cfg, sockets, notifier, timer, infos, addresses, state_dir(cfg)))
+
+
+def rehearse(cfg: Config, timer: StartTimer) -> dict[str, Any]:
+    """Everything a start does up to READY, with no socket and no report written: the report of
+    what a start would take (`edge warmup`, for tuning the warm-up plan on the device)."""
+    notifier = Notifier()
+    notifier.enabled = False
+    app, state, infos = _prepare(cfg, timer, notifier)
+    import asyncio
+
+    async def go() -> dict[str, Any]:
+        warm = await _warm_up(app, state, cfg, notifier, timer)
+        return timer.report(config=cfg.source, sockets=[], models=infos, warmup=warm, rehearsal=True)
+
+    try:
+        return asyncio.run(go())
+    finally:
+        for worker in [*state.workers.values(), *state.engines.values()]:
+            worker.close()
+
+
+def _prepare(cfg: Config, timer: StartTimer, notifier: Notifier) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """Page-in, imports, model and engine loads: the app, its state, and what was loaded."""
     from edge.models import VerifiedCache, resolve_model
 
     verified = VerifiedCache(cache_dir(cfg) / "verified.json")
@@ -79,14 +106,9 @@ def serve(cfg: Config, sockets: list[socket.socket], timer: StartTimer,
     from edge.engines.serve import load_engines
 
     state.engines, engine_infos = load_engines(cfg, timer)
-    infos += engine_infos
     from edge.app import build_app
 
-    app = build_app(state)
-    addresses = [describe_socket(s) for s in sockets]
-    import asyncio
-
-    return asyncio.run(_run(app, state, cfg, sockets, notifier, timer, infos, addresses, state_path))
+    return build_app(state), state, infos + engine_infos
 
 
 def _import_backends(cfg: Config) -> list[str]:
@@ -163,8 +185,8 @@ def _load_models(models: list[Any], gguf_infos: dict[str, Any], cfg: Config, not
     return ServiceState(workers=workers), infos
 
 
-async def _run(app: Any, state: Any, cfg: Config, sockets: list[socket.socket], notifier: Notifier,
-               timer: StartTimer, infos: list[dict[str, Any]], addresses: list[str], state_path: Path) -> int:
+async def _warm_up(app: Any, state: Any, cfg: Config, notifier: Notifier,
+                   timer: StartTimer) -> list[dict[str, Any]]:
     from edge.warmup import engine_plan, plan_for, run_warmup
 
     warm: list[dict[str, Any]] = []
@@ -181,6 +203,12 @@ async def _run(app: Any, state: Any, cfg: Config, sockets: list[socket.socket], 
             with timer.phase("warmup", engine=name) as ph:
                 ph.detail["steps"] = await run_warmup(app, engine_plan(name, eng.session))
                 warm += ph.detail["steps"]
+    return warm
+
+
+async def _run(app: Any, state: Any, cfg: Config, sockets: list[socket.socket], notifier: Notifier,
+               timer: StartTimer, infos: list[dict[str, Any]], addresses: list[str], state_path: Path) -> int:
+    warm = await _warm_up(app, state, cfg, notifier, timer)
     with timer.phase("http_setup"):
         server = _http_server(app, state, cfg, notifier)
         gc.collect()

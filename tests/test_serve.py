@@ -213,3 +213,29 @@ def test_client_that_goes_away_mid_stream_stops_generation(tmp_path: Path, tiny_
             time.sleep(0.05)
         assert 0 < generated() - before - answer["usage"]["completion_tokens"] < 480
         assert pid1.stop() == 0
+
+
+def test_warmup_rehearses_a_start_without_serving(tiny_config: Path) -> None:
+    r = subprocess.run([*EDGE, "warmup", "--config", str(tiny_config), "--json"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["rehearsal"] is True and report["sockets"] == []
+    assert [w["name"] for w in report["warmup"]] == ["short", "long_prefill", "decode_stream", "chat"]
+    assert not (tiny_config.parent / "state" / "last-start.json").exists()  # nothing pretends it served
+
+
+def test_bench_measures_a_running_service(tiny_config: Path) -> None:
+    with PidOne([*EDGE, "serve", "--config", str(tiny_config)]) as pid1:
+        pid1.start()
+        pid1.wait_for("READY", "1")
+        host, port = pid1.address
+        r = subprocess.run([*EDGE, "bench", "--url", f"http://{host}:{port}", "--requests", "12",
+                            "--concurrency", "3", "--max-tokens", "3"], capture_output=True, text=True, timeout=120)
+        assert pid1.stop() == 0
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["ok"] == 12 and result["errors"] == 0 and 0 < result["p50_s"] <= result["p99_s"]
+    assert result["tokens_per_s"] > 0
+    bad = subprocess.run([*EDGE, "bench", "--url", "ftp://x"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "expected an http:// URL" in bad.stderr
