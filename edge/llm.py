@@ -158,9 +158,8 @@ def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
         )
     except (ValueError, RuntimeError) as exc:
         raise ModelError(info.path, f"llama.cpp could not load the model: {exc}") from None
-    locked = vm_locked_bytes() - before
-    expected = info.data_bytes if cfg.use_mmap else 0
-    status = mlock_status(cfg.use_mlock, locked, expected)
+    status = mlock_status(cfg.use_mlock, vm_locked_bytes() - before, info, use_mmap=cfg.use_mmap,
+                          n_gpu_layers=cfg.n_gpu_layers)
     return GGUFModel(cfg, info, llama, status)
 
 

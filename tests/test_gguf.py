@@ -80,3 +80,24 @@ def test_mlock_status_explains_the_fix() -> None:
     assert good.ok and "mlock ok" in good.explain()
     assert MlockStatus(False, 0, 100, None, False).ok
     assert vm_locked_bytes() >= 0
+
+
+def test_what_must_be_locked_depends_on_mmap_and_offload(tiny_gguf: Path) -> None:
+    from edge.gguf import mlock_status
+
+    info = read_gguf_info(tiny_gguf)
+    mapped = mlock_status(True, info.data_bytes, info, use_mmap=True, n_gpu_layers=0)
+    assert mapped.ok and mapped.expected_bytes == info.data_bytes
+    assert not mlock_status(True, info.data_bytes // 2, info, use_mmap=True, n_gpu_layers=0).ok
+    assert mlock_status(True, int(info.data_bytes * 0.93), info, use_mmap=False, n_gpu_layers=0).ok
+    offloaded = mlock_status(True, 4096, info, use_mmap=True, n_gpu_layers=-1)
+    assert offloaded.ok and not mlock_status(True, 0, info, use_mmap=True, n_gpu_layers=-1).ok
+
+
+def test_unmapped_load_locks_its_cpu_buffers(tmp_path: Path, tiny_gguf: Path) -> None:
+    from edge.config import ModelConfig
+    from edge.llm import load_gguf_model
+
+    m = load_gguf_model(ModelConfig(name="t", path=str(tiny_gguf), n_ctx=128, use_mmap=False),
+                        read_gguf_info(tiny_gguf))
+    assert m.mlock.ok, m.mlock.as_dict()
