@@ -156,6 +156,9 @@ async def _complete(request: Request, state: ServiceState, chat: bool) -> Respon
         params = GenParams(**{**params.__dict__, "stop": params.stop + stop})
     else:
         tokens = await worker.call(m.tokenize_prompt, _prompt(body))
+    if body.get("max_tokens") is None and len(tokens) < m.n_ctx:
+        # no explicit limit: the configured default, but never more than the context has left
+        params = GenParams(**{**params.__dict__, "max_tokens": min(params.max_tokens, m.n_ctx - len(tokens))})
     m.check_fits(len(tokens), params.max_tokens)
     job = Job(tokens=tokens, params=params)
     shape = _Completion(chat, m.cfg.name)

@@ -55,7 +55,9 @@ class GGUFModel:
         self.info = info
         self.llama = llama
         self.mlock = mlock
-        self.n_ctx = int(llama.n_ctx())
+        # llama.cpp may round the context up (to 256), but llama-cpp-python sizes its token
+        # buffers by the n_ctx asked for: the smaller one is the real limit.
+        self.n_ctx = min(int(cfg.n_ctx), int(llama.n_ctx()))
         self._formatter = self._make_formatter()
 
     def _make_formatter(self) -> Any:

@@ -97,7 +97,7 @@ def test_models_health_ready_and_metrics(model) -> None:
     ("/v1/completions", {"json": {"prompt": "x", "temperature": 9}}, 400, "temperature"),
     ("/v1/completions", {"json": {"prompt": "x", "stop": [1]}}, 400, "stop must be"),
     ("/v1/completions", {"json": {"prompt": "word " * 400, "max_tokens": 4}}, 400, "more than the context"),
-    ("/v1/completions", {"json": {"prompt": "x " * 100, "max_tokens": 200}}, 400, "more than the context"),
+    ("/v1/completions", {"json": {"prompt": "x " * 30, "max_tokens": 100}}, 400, "more than the context"),
     ("/v1/chat/completions", {"json": {"messages": []}}, 400, "non-empty list"),
     ("/v1/chat/completions", {"json": {"messages": [{"role": "user"}]}}, 400, "messages[0]"),
 ])
@@ -146,3 +146,18 @@ def test_a_full_queue_answers_503_with_retry_after(model) -> None:
     assert 200 in codes and 503 in codes
     busy = next(r for r in run(burst()) if r.status_code == 503)
     assert busy.headers["retry-after"] == "1" and "max_queue" in busy.json()["error"]["message"]
+
+
+def test_without_max_tokens_a_long_prompt_gets_what_the_context_has_left(model) -> None:
+    state = make_state(model)
+    prompt = "x"
+    while len(model.tokenize_prompt(prompt + "x")) <= model.n_ctx - 3:
+        prompt += "x"
+    n_prompt = len(model.tokenize_prompt(prompt))
+    assert n_prompt + model.cfg.max_tokens_default > model.n_ctx  # the default alone would not fit
+    r = run(call(state, "POST", "/v1/completions", json={"prompt": prompt, "temperature": 0}))
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] == n_prompt and usage["total_tokens"] <= model.n_ctx
+    explicit = run(call(state, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 8}))
+    assert explicit.status_code == 400  # an explicit limit that does not fit stays an error
