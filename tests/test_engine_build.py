@@ -206,3 +206,36 @@ def test_doctor_checks_the_engine_for_this_device(tmp_path: Path) -> None:
                  log=lambda s: None)
     (found,) = [c for c in run_checks(str(cfg), []) if c.name == "engine mlp"]
     assert found.level == "ok" and "matches this device" in found.message
+
+
+def _engine_config(tmp_path: Path) -> Path:
+    cfg = tmp_path / "edge.toml"
+    cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "s"}"\ncache_dir = "{tmp_path / "c"}"\n'
+                   f'[[engines]]\nname = "mlp"\nbackend = "onnxruntime"\nrecipe = "{RECIPE}"\n')
+    return cfg
+
+
+def test_corrupt_engine_is_refused_at_start(tmp_path: Path) -> None:
+    cfg = _engine_config(tmp_path)
+    stored = build_engine(load_recipe(RECIPE), "onnxruntime", EngineStore(tmp_path / "c" / "engines"), detect(),
+                          log=lambda s: None)
+    data = bytearray(stored.path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    stored.path.write_bytes(bytes(data))
+    r = subprocess.run([*EDGE, "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 65 and "sha256 mismatch" in r.stderr and "will not be deserialized" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_engines_gc_cli_keeps_what_the_config_uses(tmp_path: Path) -> None:
+    cfg = _engine_config(tmp_path)
+    store = EngineStore(tmp_path / "c" / "engines")
+    used = build_engine(load_recipe(RECIPE), "onnxruntime", store, detect(), log=lambda s: None)
+    other = tmp_path / "other.toml"
+    other.write_text(RECIPE.read_text().replace('name = "mlp-demo"', 'name = "mlp-old"')
+                     .replace('onnx = "mlp-demo.onnx"', f'onnx = "{RECIPE.parent / "mlp-demo.onnx"}"'))
+    old = build_engine(load_recipe(other), "onnxruntime", store, detect(), log=lambda s: None)
+    r = subprocess.run([*EDGE, "engines", "gc", "--keep", "0", "--config", str(cfg)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"removed {old.path}" in r.stdout and used.path.exists() and not old.path.exists()

@@ -319,3 +319,16 @@ def test_mender_update_module_drives_edge_ota(kit, live, tmp_path: Path) -> None
     assert r.returncode == 0, r.stderr
     assert kit["ota"].link_target("current") == "A"
     assert state("Cleanup").returncode == 0 and not (files / "tmp-previous-version").exists()
+
+
+def test_inspect_verifies_signature_and_every_file(kit) -> None:
+    def inspect(bundle: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([*EDGE, "ota", "inspect", str(bundle), "--pubkey", str(kit["pub"])],
+                              capture_output=True, text=True, timeout=60)
+
+    ok = inspect(kit["bundles"]["B"])
+    assert ok.returncode == 0 and "signature verified" in ok.stdout and "ok  model" in ok.stdout
+    assert 'path = "models/b.gguf"' in ok.stdout
+    bad = _rewrite(kit["bundles"]["B"], kit["dir"] / "bad.edgeb", tamper_file)
+    r = inspect(bad)
+    assert r.returncode != 0 and "BAD model" in r.stdout and "do not match the manifest" in r.stderr
