@@ -98,26 +98,31 @@ def _prepare(cfg: Config, timer: StartTimer, notifier: Notifier) -> tuple[Any, A
     with timer.phase("resolve_models"):
         models = [resolve_model(m, cache_dir(cfg), verified) for m in cfg.models]
     pageins = _start_pageins(models, verified, timer)
-    with timer.phase("imports") as ph:
-        notifier.status("importing the inference backends and the HTTP stack")
-        ph.detail["modules"] = _import_backends(cfg)
+    with timer.phase("imports") as ph:  # beside the page-in threads
+        notifier.status("importing the inference backends")
+        ph.detail["modules"] = _import_modules((["llama_cpp"] if cfg.models else []) + (
+            ["onnxruntime"] if any(e.backend == "onnxruntime" for e in cfg.engines) else []))
     _finish_pageins(pageins, models, verified, timer)
-    state, infos = _load_models(models, {n: i for n, (_, i) in pageins.items()}, cfg, notifier, timer)
+    import concurrent.futures
+
+    # llama.cpp loads with the GIL released: the HTTP stack is imported meanwhile.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-load") as pool:
+        loading = pool.submit(_load_models, models, {n: i for n, (_, i) in pageins.items()}, cfg,
+                              notifier, timer)
+        with timer.phase("imports_http") as ph:
+            ph.detail["modules"] = _import_modules(["uvicorn", "starlette.applications", "edge.app"])
+        workers, infos = loading.result()
+    from edge.app import ServiceState, build_app
     from edge.engines.serve import load_engines
 
+    state = ServiceState(workers=workers)
     state.engines, engine_infos = load_engines(cfg, timer)
-    from edge.app import build_app
-
     return build_app(state), state, infos + engine_infos
 
 
-def _import_backends(cfg: Config) -> list[str]:
-    """The costly imports, run while the page-in threads read the models."""
+def _import_modules(names: list[str]) -> list[str]:
     import importlib
 
-    names = (["llama_cpp"] if cfg.models else []) + \
-        (["onnxruntime"] if any(e.backend == "onnxruntime" for e in cfg.engines) else []) + \
-        ["uvicorn", "starlette.applications", "edge.app"]
     for name in names:
         importlib.import_module(name)
     return names
@@ -163,8 +168,7 @@ def _finish_pageins(pageins: dict[str, Any], models: list[Any], verified: Any, t
 
 
 def _load_models(models: list[Any], gguf_infos: dict[str, Any], cfg: Config, notifier: Notifier,
-                 timer: StartTimer) -> Any:
-    from edge.app import ServiceState
+                 timer: StartTimer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from edge.llm import ModelWorker, load_gguf_model
 
     workers, infos = {}, []
@@ -182,7 +186,7 @@ def _load_models(models: list[Any], gguf_infos: dict[str, Any], cfg: Config, not
         workers[m.name] = ModelWorker(model, cfg.server.max_queue)
         infos.append({"name": m.name, "path": m.path, "n_ctx": model.n_ctx,
                       "mlock": model.mlock.as_dict(), **model.info.summary()})
-    return ServiceState(workers=workers), infos
+    return workers, infos
 
 
 async def _warm_up(app: Any, state: Any, cfg: Config, notifier: Notifier,
