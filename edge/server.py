@@ -191,22 +191,23 @@ def _load_models(models: list[Any], gguf_infos: dict[str, Any], cfg: Config, not
 
 async def _warm_up(app: Any, state: Any, cfg: Config, notifier: Notifier,
                    timer: StartTimer) -> list[dict[str, Any]]:
-    from edge.warmup import engine_plan, plan_for, run_warmup
+    from edge.warmup import LoopbackHTTP, engine_plan, plan_for, run_warmup
 
     warm: list[dict[str, Any]] = []
-    if cfg.warmup.enabled:
-        for name, worker in state.workers.items():
-            notifier.status(f"warming up {name}")
-            with timer.phase("warmup", model=name) as ph:
-                steps = await worker.call(plan_for, worker.model, cfg.warmup)
-                ph.detail["steps"] = await run_warmup(app, steps)
-                warm += ph.detail["steps"]
-    for name, eng in state.engines.items():
-        if next(e for e in cfg.engines if e.name == name).warmup:
-            notifier.status(f"warming up engine {name}")
-            with timer.phase("warmup", engine=name) as ph:
-                ph.detail["steps"] = await run_warmup(app, engine_plan(name, eng.session))
-                warm += ph.detail["steps"]
+    async with LoopbackHTTP(app) as http:
+        if cfg.warmup.enabled:
+            for name, worker in state.workers.items():
+                notifier.status(f"warming up {name}")
+                with timer.phase("warmup", model=name) as ph:
+                    steps = await worker.call(plan_for, worker.model, cfg.warmup)
+                    ph.detail["steps"] = await run_warmup(http, steps)
+                    warm += ph.detail["steps"]
+        for name, eng in state.engines.items():
+            if next(e for e in cfg.engines if e.name == name).warmup:
+                notifier.status(f"warming up engine {name}")
+                with timer.phase("warmup", engine=name) as ph:
+                    ph.detail["steps"] = await run_warmup(http, engine_plan(name, eng.session))
+                    warm += ph.detail["steps"]
     return warm
 
 

@@ -1,7 +1,8 @@
-"""Warm-up: representative requests sent through the real ASGI app before READY=1.
+"""Warm-up: representative requests sent through the real HTTP server before READY=1.
 
-The requests go through the same routing, JSON parsing, validation, chat template, generation
-and SSE code that client requests take, in process (no socket is accepted yet). The plan covers
+The requests go through the same HTTP parsing, routing, JSON parsing, validation, chat template,
+generation and SSE code that client requests take, on a private loopback socket (the service's
+own sockets accept nothing yet). The plan covers
 a short prompt, a long prefill near the configured context (the biggest batches and most of the
 KV cache), several decode steps streamed, the chat template path, and the workload's own prompts.
 """
@@ -19,7 +20,7 @@ from edge.config import WarmupConfig
 from edge.errors import EdgeError
 from edge.llm import GGUFModel
 
-__all__ = ["WarmupStep", "WarmupError", "engine_plan", "plan_for", "run_warmup", "asgi_request"]
+__all__ = ["LoopbackHTTP", "WarmupStep", "WarmupError", "engine_plan", "plan_for", "run_warmup"]
 
 # Representative English text for the long prefill; repeated and cut to the token budget.
 PASSAGE = ("The field unit reported nominal telemetry for the third consecutive hour. Battery "
@@ -39,39 +40,60 @@ class WarmupStep:
     body: dict[str, Any]
 
 
-async def asgi_request(app: Any, method: str, path: str, body: dict[str, Any] | None = None
-                       ) -> tuple[int, bytes]:
-    """One HTTP request to an ASGI app in process: (status, body bytes)."""
-    raw = json.dumps(body).encode() if body is not None else b""
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json"),
-                                          (b"content-length", str(len(raw)).encode())],
-             "client": ("warmup", 0), "server": ("warmup", 0)}
-    sent = False
-    done = asyncio.Event()
-    status = 0
-    chunks: list[bytes] = []
+class LoopbackHTTP:
+    """The app served on a private 127.0.0.1 socket for the warm-up, by uvicorn's own HTTP
+    protocol: warm-up requests cross the HTTP layer (parsing, h11, chunked SSE framing) exactly
+    like client requests. The service's own sockets are not touched: they accept nothing until
+    READY."""
 
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await done.wait()  # like a client that stays connected until the response ends
-        return {"type": "http.disconnect"}
+    def __init__(self, app: Any) -> None:
+        self.app = app
 
-    async def send(msg: dict[str, Any]) -> None:
-        nonlocal status
-        if msg["type"] == "http.response.start":
-            status = msg["status"]
-        elif msg["type"] == "http.response.body":
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body", False):
-                done.set()
+    async def __aenter__(self) -> "LoopbackHTTP":
+        import functools
+        import socket
 
-    await app(scope, receive, send)
-    return status, b"".join(chunks)
+        import uvicorn
+        from uvicorn.server import ServerState
+
+        config = uvicorn.Config(self.app, loop="asyncio", lifespan="off", log_config=None,
+                                log_level="warning", access_log=False)
+        config.load()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        factory = functools.partial(config.http_protocol_class, config=config,
+                                    server_state=ServerState(), app_state={})
+        self._server = await asyncio.get_running_loop().create_server(factory, sock=self._sock)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
+        """One request on its own connection: (status, body with chunked framing removed)."""
+        data = json.dumps(body).encode() if body is not None else b""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: warmup\r\nConnection: close\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        raw = await reader.read()
+        writer.close()
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else 0
+        if b"transfer-encoding: chunked" in head.lower():
+            payload = _dechunk(payload)
+        return status, payload
+
+
+def _dechunk(data: bytes) -> bytes:
+    out, pos = bytearray(), 0
+    while True:
+        eol = data.index(b"\r\n", pos)
+        size = int(data[pos:eol].split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += data[eol + 2:eol + 2 + size]
+        pos = eol + 2 + size + 2
 
 
 def _long_prompt(model: GGUFModel, n_tokens: int) -> str:
@@ -130,12 +152,12 @@ def _tokens(body: bytes, stream: bool) -> dict[str, Any]:
             "completion_tokens": usage.get("completion_tokens", 0)}
 
 
-async def run_warmup(app: Any, steps: list[WarmupStep]) -> list[dict[str, Any]]:
-    """Run each step through the app; raise WarmupError on the first one that is not a 200."""
+async def run_warmup(http: LoopbackHTTP, steps: list[WarmupStep]) -> list[dict[str, Any]]:
+    """Run each step over loopback HTTP; raise WarmupError on the first one that is not a 200."""
     results = []
     for step in steps:
         t0 = time.perf_counter()
-        status, body = await asgi_request(app, "POST", step.path, step.body)
+        status, body = await http.request("POST", step.path, step.body)
         seconds = time.perf_counter() - t0
         if status != 200 or b'data: {"error"' in body:
             raise WarmupError(f"warm-up step {step.name!r} ({step.path}) failed with HTTP {status}: "
