@@ -332,3 +332,12 @@ def test_inspect_verifies_signature_and_every_file(kit) -> None:
     bad = _rewrite(kit["bundles"]["B"], kit["dir"] / "bad.edgeb", tamper_file)
     r = inspect(bad)
     assert r.returncode != 0 and "BAD model" in r.stdout and "do not match the manifest" in r.stderr
+
+
+def test_a_restart_that_hangs_counts_as_unhealthy(kit) -> None:
+    from edge.ota.install import command_activator
+
+    ok, why = command_activator("sleep 5", "http://127.0.0.1:9/readyz", timeout=0.5)()
+    assert not ok and "did not finish within" in why
+    ok, why = command_activator("exit 4", "http://127.0.0.1:9/readyz", timeout=5)()
+    assert not ok and "exited 4" in why

@@ -55,7 +55,10 @@ def _wait_ready(url: str, timeout: float) -> tuple[bool, str]:
 
 def command_activator(cmd: str, health_url: str, timeout: float) -> Activator:
     def activate() -> tuple[bool, str]:
-        r = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=timeout)  # noqa: S602
+        try:
+            r = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=timeout)  # noqa: S602
+        except subprocess.TimeoutExpired:
+            return False, f"`{cmd}` did not finish within {timeout:.0f} s"
         if r.returncode != 0:
             return False, f"`{cmd}` exited {r.returncode}: {(r.stderr or r.stdout).strip()[-300:]}"
         return _wait_ready(health_url, timeout)
