@@ -13,10 +13,10 @@ import time
 import urllib.parse
 from typing import Any
 
-__all__ = ["bench"]
+__all__ = ["bench", "percentile"]
 
 
-def _percentile(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
@@ -68,5 +68,5 @@ def bench(url: str, *, requests: int, concurrency: int, prompt: str, max_tokens:
     return {"url": url, "requests": requests, "concurrency": concurrency, "ok": len(latencies),
             "errors": len(errors), "error_samples": errors[:3], "wall_s": round(wall, 3),
             "requests_per_s": round(len(latencies) / wall, 2), "tokens_per_s": round(tokens[0] / wall, 1),
-            "p50_s": round(_percentile(latencies, 0.5), 4), "p95_s": round(_percentile(latencies, 0.95), 4),
-            "p99_s": round(_percentile(latencies, 0.99), 4)}
+            "p50_s": round(percentile(latencies, 0.5), 4), "p95_s": round(percentile(latencies, 0.95), 4),
+            "p99_s": round(percentile(latencies, 0.99), 4)}

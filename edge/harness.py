@@ -21,6 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edge.bench import percentile
+from edge.httpwire import request
+
 __all__ = ["Child", "ClientLoad", "LoadResult", "Notification", "PidOne"]
 
 
@@ -186,10 +189,7 @@ class LoadResult:
         return max(self.latencies, default=0.0)
 
     def percentile(self, q: float) -> float:
-        if not self.latencies:
-            return 0.0
-        xs = sorted(self.latencies)
-        return xs[min(len(xs) - 1, int(q * len(xs)))]
+        return percentile(self.latencies, q)
 
 
 class ClientLoad:
@@ -208,14 +208,7 @@ class ClientLoad:
         self._threads: list[threading.Thread] = []
 
     def _one(self) -> tuple[int, bytes]:
-        with socket.create_connection(self.address, timeout=self.timeout) as s:
-            s.sendall(b"POST %s HTTP/1.1\r\nHost: edge\r\nConnection: close\r\nContent-Type: "
-                      b"application/json\r\nContent-Length: %d\r\n\r\n%s"
-                      % (self.path.encode(), len(self.body), self.body))
-            raw = b"".join(iter(lambda: s.recv(65536), b""))
-        head, _, body = raw.partition(b"\r\n\r\n")
-        status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else 0
-        return status, body
+        return request(self.address, "POST", self.path, self.body, timeout=self.timeout)
 
     def _loop(self) -> None:
         deadline = time.monotonic() + self.max_seconds

@@ -18,6 +18,7 @@ from typing import Any
 
 from edge.config import WarmupConfig
 from edge.errors import EdgeError
+from edge.httpwire import encode_request, parse_response
 from edge.llm import GGUFModel
 
 __all__ = ["LoopbackHTTP", "WarmupStep", "WarmupError", "engine_plan", "plan_for", "run_warmup"]
@@ -72,28 +73,11 @@ class LoopbackHTTP:
 
     async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
         """One request on its own connection: (status, body with chunked framing removed)."""
-        data = json.dumps(body).encode() if body is not None else b""
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-        writer.write(f"{method} {path} HTTP/1.1\r\nHost: warmup\r\nConnection: close\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        writer.write(encode_request(method, path, body))
         raw = await reader.read()
         writer.close()
-        head, _, payload = raw.partition(b"\r\n\r\n")
-        status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else 0
-        if b"transfer-encoding: chunked" in head.lower():
-            payload = _dechunk(payload)
-        return status, payload
-
-
-def _dechunk(data: bytes) -> bytes:
-    out, pos = bytearray(), 0
-    while True:
-        eol = data.index(b"\r\n", pos)
-        size = int(data[pos:eol].split(b";")[0], 16)
-        if size == 0:
-            return bytes(out)
-        out += data[eol + 2:eol + 2 + size]
-        pos = eol + 2 + size + 2
+        return parse_response(raw)
 
 
 def _long_prompt(model: GGUFModel, n_tokens: int) -> str:

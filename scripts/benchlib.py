@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from edge.httpwire import request as http  # one request per connection: (status, unchunked body)
+
 ROOT = Path(__file__).resolve().parent.parent
 EDGE = [sys.executable, "-m", "edge.cli"]
 PROMPT = "Question: What is the capital of France?\nAnswer:"
@@ -39,29 +41,6 @@ def edge_config(folder: Path, model: Path, n_ctx: int) -> Path:
     return cfg
 
 
-def http(address: tuple[str, int], method: str, path: str, body: dict | None = None,
-         timeout: float = 300.0) -> tuple[int, bytes]:
-    data = json.dumps(body).encode() if body is not None else b""
-    with socket.create_connection(address, timeout=timeout) as s:
-        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n"
-                  f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
-        raw = b"".join(iter(lambda: s.recv(65536), b""))
-    head, _, payload = raw.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1") else 0
-    if b"transfer-encoding: chunked" in head.lower():
-        payload = _unchunk(payload)
-    return status, payload
-
-
-def _unchunk(data: bytes) -> bytes:
-    out, rest = b"", data
-    while rest:
-        size_line, _, rest = rest.partition(b"\r\n")
-        size = int(size_line.split(b";")[0] or b"0", 16)
-        if size == 0:
-            break
-        out, rest = out + rest[:size], rest[size + 2:]
-    return out
 
 
 def request_until_answered(address: tuple[str, int], body: dict, deadline_s: float = 300.0) -> float:

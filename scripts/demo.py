@@ -5,25 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from edge.harness import PidOne
+from edge.httpwire import request
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "Question: What is the capital of France?\nAnswer:"
 
 
 def ask(address: tuple[str, int], body: dict) -> dict:
-    data = json.dumps(body).encode()
-    with socket.create_connection(address, timeout=300) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
-        raw = b"".join(iter(lambda: s.recv(65536), b""))
-    return json.loads(raw.split(b"\r\n\r\n", 1)[1])
+    return json.loads(request(address, "POST", "/v1/completions", body)[1])
 
 
 def main() -> int:
