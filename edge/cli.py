@@ -249,10 +249,10 @@ def engines_ls(store: Optional[Path] = StoreOpt, config: Optional[Path] = Config
 @engines_app.command("verify")
 def engines_verify(store: Optional[Path] = StoreOpt, config: Optional[Path] = ConfigOpt) -> None:
     """Check every engine's sha256 against its manifest; exit 1 if any is corrupt."""
-    bad = 0
-    for e in _store(store, config).entries():
+    bad, st = 0, _store(store, config)
+    for e in st.entries():
         try:
-            _store(store, config).verify(e)
+            st.verify(e)
             typer.echo(f"ok       {e.path}")
         except EdgeError as exc:
             bad += 1
