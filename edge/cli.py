@@ -270,10 +270,10 @@ def engines_gc(keep: int = typer.Option(2, "--keep", min=0, help="newest engines
     from edge.engines.serve import store_for, wanted_key
 
     cfg = load_config(find_config(str(config) if config else None))
-    in_use = set()
+    in_use, device_info = set(), detect()
     for e in cfg.engines:
         try:
-            in_use.add(str(store_for(cfg, e).find(wanted_key(e, detect())).path))
+            in_use.add(str(store_for(cfg, e).find(wanted_key(e, device_info)).path))
         except EdgeError:
             pass  # nothing for this device: nothing to protect
     for e in _store(store, config).gc(keep, in_use):
