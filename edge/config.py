@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
+from edge import toml as tomllib
 import types
 import typing
 from dataclasses import dataclass, field

@@ -20,7 +20,7 @@ max = [32, 16]
 from __future__ import annotations
 
 import dataclasses
-import tomllib
+from edge import toml as tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
