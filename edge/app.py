@@ -20,8 +20,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from edge.errors import BackendError, EdgeError, RequestError
-from edge.llm import GenParams, Job, ModelWorker
+from edge.llm import GenParams, Job
 from edge.metrics import Metrics
+from edge.worker import ModelWorker
 
 __all__ = ["ServiceState", "build_app"]
 

@@ -20,6 +20,10 @@ from edge.errors import ConfigError
 
 __all__ = [
     "BUILTIN_PREFIX",
+    "DEFAULT_LISTEN",
+    "DEFAULT_URL",
+    "SYSTEM_CONFIG",
+    "load",
     "Config",
     "ModelConfig",
     "PathsConfig",
@@ -36,7 +40,12 @@ __all__ = [
 ]
 
 BUILTIN_PREFIX = "builtin:"
+# Defaults written once: the CLI, the unit renderer and the [server] table take them from here.
 SYSTEM_CONFIG = Path("/etc/edge/edge.toml")
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8088
+DEFAULT_LISTEN = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
+DEFAULT_URL = f"http://{DEFAULT_LISTEN}"
 
 
 def _range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
@@ -45,8 +54,8 @@ def _range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = field(default=8088, metadata=_range(0, 65535))
+    host: str = DEFAULT_HOST
+    port: int = field(default=DEFAULT_PORT, metadata=_range(0, 65535))
     unix_socket: str | None = None
     unix_socket_mode: str = "0660"
     backlog: int = field(default=1024, metadata=_range(1, 65535))
@@ -146,6 +155,11 @@ def find_config(explicit: str | None) -> Path | None:
     if env:
         return Path(env)
     return SYSTEM_CONFIG if SYSTEM_CONFIG.is_file() else None
+
+
+def load(explicit: str | Path | None) -> Config:
+    """The config the lookup order finds (`find_config`), loaded and validated."""
+    return load_config(find_config(str(explicit) if explicit else None))
 
 
 def load_config(path: Path | None) -> Config:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,39 +64,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 10 * 2**20 else f"{n / 2**20:.0f} MiB"
 
 
-def _model_bytes(cfg: Config) -> int:
-    total = 0
-    for m in cfg.models:
-        p = Path(m.path)
-        if m.path.startswith(BUILTIN_PREFIX):
-            total += 253_113_024  # the packaged Gemma 3 270M Q4_K_M
-        elif p.is_file():
-            total += p.stat().st_size
-    return total
-
-
 def _memlock(cfg: Config, unit_text: str | None) -> Check:
-    need = _model_bytes(cfg)
-    if not any(m.use_mlock for m in cfg.models):
-        return Check("mlock", "ok", "use_mlock is off for every model: nothing to lock")
-    if unit_text is not None:
-        if re.search(r"^LimitMEMLOCK=infinity\s*$", unit_text, re.M):
-            return Check("mlock", "ok", "edge.service sets LimitMEMLOCK=infinity: the models can be locked")
-        return Check("mlock", "fail", f"edge.service does not set LimitMEMLOCK=infinity; "
-                     f"{_mib(need)} of models need locking",
-                     "add LimitMEMLOCK=infinity to [Service] (edge units install does)")
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if os.geteuid() == 0:
-        return Check("mlock", "ok", f"running as root (CAP_IPC_LOCK): {_mib(need)} of models can be locked")
-    if soft == resource.RLIM_INFINITY or soft >= need:
-        return Check("mlock", "ok", f"RLIMIT_MEMLOCK of this shell allows locking {_mib(need)} of models")
-    return Check("mlock", "warn", f"RLIMIT_MEMLOCK is {_mib(soft)}, the models are "
-                 f"{_mib(need)}: `edge serve` from this shell cannot lock them",
-                 "run `ulimit -l unlimited` first, or run under edge.service (LimitMEMLOCK=infinity)")
+    from edge.mlock import memlock_verdict
+
+    level, message, fix = memlock_verdict(cfg, unit_text)
+    return Check("mlock", level, message, fix)
 
 
 def _memory(cfg: Config) -> Check:
-    need = _model_bytes(cfg)
+    from edge.mlock import models_bytes
+
+    need = models_bytes(cfg)
     try:
         meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
         avail = int(meminfo["MemAvailable"].split()[0]) * 1024
@@ -146,15 +123,12 @@ def _engines(cfg: Config) -> list[Check]:
     if not cfg.engines:
         return []
     from edge.device import detect
-    from edge.engines.serve import store_for, wanted_key
+    from edge.engines.serve import configured_engines
 
-    device = detect()
     checks = []
-    for e in cfg.engines:
-        try:
-            stored = store_for(cfg, e).find(wanted_key(e, device))
-        except EdgeError as exc:
-            checks.append(Check(f"engine {e.name}", "fail", str(exc),
+    for e, stored in configured_engines(cfg, detect()):
+        if isinstance(stored, EdgeError):
+            checks.append(Check(f"engine {e.name}", "fail", str(stored),
                                 "build it for this key with `edge build-engine` or ship it in an OTA bundle"))
             continue
         checks.append(Check(f"engine {e.name}", "ok", f"{stored.path.name} matches this device "

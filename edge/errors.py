@@ -1,17 +1,35 @@
-"""One exception tree for edge, with the exit code each error ends `edge serve` with.
+"""Every error edge raises on purpose, with the exit code it ends a command with.
+
+    EdgeError                     70  anything else (a restart may help)
+    ├── ConfigError               78  the config file, or one field of it, is invalid
+    ├── ModelError                65  a model file is missing, truncated, not GGUF, or fails its sha256
+    ├── EngineError               65  no engine for this device's key, or it fails its sha256
+    ├── MlockError                77  require_mlock = true and the lock did not take
+    ├── MissingDependency         69  a needed package is not installed (names the extra)
+    ├── BackendError              70  a native backend (llama.cpp, TensorRT) failed
+    ├── WarmupError               70  a warm-up request failed: not fit to serve
+    ├── StoppedDuringStart         0  SIGTERM before READY: nothing was accepted, exit cleanly
+    └── RequestError             (HTTP 4xx/5xx, never an exit) a client request is invalid
 
 Exit codes follow sysexits(3) so that the unit's RestartPreventExitStatus= can stop restart
 loops for errors a restart cannot fix (bad config, bad model file, mlock refused).
+Optional packages are imported through `require()`, the one place an ImportError becomes an
+error that names the extra to install.
 """
 
 from __future__ import annotations
+
+import importlib
+from types import ModuleType
 
 __all__ = [
     "EX_CONFIG",
     "EX_DATAERR",
     "EX_NOPERM",
+    "EX_OK",
     "EX_SOFTWARE",
     "EX_UNAVAILABLE",
+    "EXIT_CODES",
     "EdgeError",
     "ConfigError",
     "ModelError",
@@ -19,9 +37,13 @@ __all__ = [
     "MlockError",
     "MissingDependency",
     "BackendError",
+    "WarmupError",
+    "StoppedDuringStart",
     "RequestError",
+    "require",
 ]
 
+EX_OK = 0
 EX_SOFTWARE = 70  # internal error: a restart may help
 EX_UNAVAILABLE = 69  # a dependency (package, socket) is missing
 EX_DATAERR = 65  # a model file is missing, truncated or not what it claims
@@ -32,13 +54,13 @@ EX_CONFIG = 78  # the config file is missing or invalid
 class EdgeError(Exception):
     """Base of every error edge raises on purpose; `exit_code` is what `edge serve` exits with."""
 
-    exit_code = EX_SOFTWARE
+    @property
+    def exit_code(self) -> int:
+        return next(code for cls, code in EXIT_CODES.items() if isinstance(self, cls))
 
 
 class ConfigError(EdgeError):
     """The config file, or one field of it, is not what edge expects."""
-
-    exit_code = EX_CONFIG
 
     def __init__(self, source: str, field: str, message: str) -> None:
         self.source = source
@@ -51,8 +73,6 @@ class ConfigError(EdgeError):
 class ModelError(EdgeError):
     """A model file is missing, truncated, not GGUF, or fails its checksum."""
 
-    exit_code = EX_DATAERR
-
     def __init__(self, path: str, message: str) -> None:
         self.path = path
         self.message = message
@@ -62,31 +82,32 @@ class ModelError(EdgeError):
 class EngineError(EdgeError):
     """An engine is missing for this device, was built for another one, or fails its checksum."""
 
-    exit_code = EX_DATAERR
-
 
 class MlockError(EdgeError):
     """The model could not be locked in RAM and the config requires it."""
 
-    exit_code = EX_NOPERM
-
 
 class MissingDependency(EdgeError):
-    """An optional package is not installed; the message names the extra that brings it."""
+    """A package is not installed; the message names the extra that brings it (None: a core
+    dependency of edge itself, so the install is broken)."""
 
-    exit_code = EX_UNAVAILABLE
-
-    def __init__(self, package: str, extra: str, purpose: str) -> None:
+    def __init__(self, package: str, extra: str | None, purpose: str) -> None:
         self.package = package
         self.extra = extra
-        super().__init__(
-            f"{purpose} needs the Python package {package!r}, which is not installed: "
-            f"pip install 'edge[{extra}]'"
-        )
+        fix = f"pip install 'edge[{extra}]'" if extra else "reinstall edge (pip install edge)"
+        super().__init__(f"{purpose} needs the Python package {package!r}, which is not installed: {fix}")
 
 
 class BackendError(EdgeError):
     """A native backend (llama.cpp, TensorRT) failed; translated from its own exception."""
+
+
+class WarmupError(EdgeError):
+    """A warm-up request failed: the model is not fit to serve."""
+
+
+class StoppedDuringStart(EdgeError):
+    """SIGTERM arrived before the service was ready: nothing was accepted, so exit cleanly."""
 
 
 class RequestError(EdgeError):
@@ -98,3 +119,27 @@ class RequestError(EdgeError):
         self.param = param
         self.code = code
         super().__init__(message)
+
+
+# The one table: most specific class first; EdgeError last catches the rest.
+EXIT_CODES: dict[type[EdgeError], int] = {
+    ConfigError: EX_CONFIG,
+    ModelError: EX_DATAERR,
+    EngineError: EX_DATAERR,
+    MlockError: EX_NOPERM,
+    MissingDependency: EX_UNAVAILABLE,
+    StoppedDuringStart: EX_OK,
+    EdgeError: EX_SOFTWARE,
+}
+
+
+def require(module: str, extra: str | None, purpose: str, *, package: str | None = None) -> ModuleType:
+    """Import `module` or raise MissingDependency naming the pip `package` and the `extra` of
+    edge that brings it (extras are those of pyproject.toml: default-model, ort, trt, bench;
+    None for edge's own dependencies)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        if exc.name is not None and not module.startswith(exc.name.split(".")[0]):
+            raise  # the package is there but one of its own imports failed: show that
+        raise MissingDependency(package or module.split(".")[0], extra, purpose) from None

@@ -1,4 +1,4 @@
-"""GGUF model files: header validation before llama.cpp sees them, and locked loading.
+"""GGUF model files: header validation before llama.cpp sees them.
 
 llama.cpp aborts or crashes on some malformed files; edge reads the header, every metadata
 entry and every tensor record itself first, and checks that the data the tensors claim lies
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import resource
 import stat
 import struct
 from dataclasses import dataclass, field
@@ -19,8 +18,7 @@ from typing import Any
 
 from edge.errors import ModelError
 
-__all__ = ["GGUFInfo", "read_gguf_info", "GGML_BLOCKS", "MlockStatus", "vm_locked_bytes",
-           "mlock_status"]
+__all__ = ["GGUFInfo", "read_gguf_info", "GGML_BLOCKS"]
 
 MAGIC = b"GGUF"
 MAX_COUNT = 1 << 24  # more tensors or metadata entries than this means a corrupt header
@@ -190,60 +188,3 @@ def _parse(r: _Reader, size: int) -> GGUFInfo:
                                  f"{data_offset + end}, file has {size} bytes")
     return GGUFInfo(path=r.path, size=size, version=version, tensor_count=n_tensors,
                     data_offset=data_offset, data_bytes=end, metadata=meta)
-
-
-@dataclass(frozen=True)
-class MlockStatus:
-    requested: bool
-    locked_bytes: int  # VmLck growth over the load
-    expected_bytes: int  # tensor data that should be resident and locked
-    limit_bytes: int | None  # RLIMIT_MEMLOCK soft limit; None = unlimited
-    cap_ipc_lock: bool
-    min_share: float = 0.98  # of expected_bytes that must be locked (page rounding; see below)
-
-    @property
-    def ok(self) -> bool:
-        return not self.requested or self.locked_bytes >= self.expected_bytes * self.min_share
-
-    def explain(self) -> str:
-        if not self.requested:
-            return "mlock disabled by config (use_mlock = false)"
-        if self.ok:
-            return f"mlock ok: {self.locked_bytes / 2**20:.1f} MiB locked"
-        limit = "unlimited" if self.limit_bytes is None else f"{self.limit_bytes / 2**20:.1f} MiB"
-        return (f"mlock did not take: {self.locked_bytes / 2**20:.1f} MiB locked of "
-                f"{self.expected_bytes / 2**20:.1f} MiB model data; RLIMIT_MEMLOCK is {limit} and the "
-                "process lacks CAP_IPC_LOCK. Fix: set LimitMEMLOCK=infinity in the unit "
-                "(edge's edge.service does), or run `ulimit -l unlimited` before `edge serve`. "
-                "The model stays pageable and may be evicted under memory pressure.")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"requested": self.requested, "ok": self.ok, "locked_bytes": self.locked_bytes,
-                "expected_bytes": self.expected_bytes, "min_share": self.min_share,
-                "limit_bytes": self.limit_bytes, "cap_ipc_lock": self.cap_ipc_lock}
-
-
-def _status_fields() -> dict[str, str]:
-    with open("/proc/self/status") as f:
-        return dict(line.split(":", 1) for line in f if ":" in line)
-
-
-def vm_locked_bytes() -> int:
-    """VmLck of this process in bytes."""
-    return int(_status_fields().get("VmLck", "0 kB").split()[0]) * 1024
-
-
-def mlock_status(requested: bool, locked_bytes: int, info: GGUFInfo, *, use_mmap: bool,
-                 n_gpu_layers: int) -> MlockStatus:
-    """What should be locked: with mmap, the mapped tensor data; without, llama.cpp's CPU
-    buffers (repacked quantized tensors live outside them: ~95% measured on Gemma 3 Q4_K_M);
-    with GPU offload only the CPU-resident part, unknown here, so at least one page."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    cap_eff = int(_status_fields().get("CapEff", "0").strip(), 16)
-    if n_gpu_layers != 0:
-        expected, share = os.sysconf("SC_PAGE_SIZE"), 1.0
-    else:
-        expected, share = info.data_bytes, (0.98 if use_mmap else 0.9)
-    return MlockStatus(requested=requested, locked_bytes=locked_bytes, expected_bytes=expected,
-                       limit_bytes=None if soft == resource.RLIM_INFINITY else soft,
-                       cap_ipc_lock=bool(cap_eff & (1 << 14)), min_share=share)

@@ -1,26 +1,23 @@
-"""One loaded GGUF model behind one worker thread: tokenize, chat template, generate.
+"""The llama.cpp model: load (mmap + mlock, measured), tokenize, chat template, generate.
 
-llama.cpp contexts are not thread-safe, so every call into a model runs on that model's own
-worker thread, one job at a time; the asyncio side submits jobs and receives text pieces
-through a queue. A bounded queue turns overload into a clear 503 instead of unbounded latency.
+Every method of a loaded model runs on its worker thread (edge.worker.ModelWorker).
 """
 
 from __future__ import annotations
 
-import asyncio
 import codecs
 import os
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from edge.config import ModelConfig
-from edge.errors import BackendError, ModelError, RequestError
-from edge.gguf import GGUFInfo, MlockStatus, mlock_status, vm_locked_bytes
-from edge.worker import Worker
+from edge.errors import BackendError, ModelError, RequestError, require
+from edge.gguf import GGUFInfo
+from edge.mlock import MlockStatus, mlock_status, vm_locked_bytes
 
-__all__ = ["GenParams", "GGUFModel", "ModelWorker", "load_gguf_model"]
+__all__ = ["GenParams", "GGUFModel", "Job", "Piece", "load_gguf_model"]
 
 
 @dataclass(frozen=True)
@@ -145,12 +142,7 @@ def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
 
 def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
     """Load through llama-cpp with mmap/mlock and measure whether the lock really took."""
-    try:
-        import llama_cpp
-    except ImportError:
-        from edge.errors import MissingDependency
-
-        raise MissingDependency("llama-cpp-python", "default", "loading GGUF models") from None
+    llama_cpp = require("llama_cpp", None, "loading GGUF models", package="llama-cpp-python")
     before = vm_locked_bytes()
     try:
         llama = llama_cpp.Llama(
@@ -163,46 +155,3 @@ def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
     status = mlock_status(cfg.use_mlock, vm_locked_bytes() - before, info, use_mmap=cfg.use_mmap,
                           n_gpu_layers=cfg.n_gpu_layers)
     return GGUFModel(cfg, info, llama, status)
-
-
-class ModelWorker(Worker):
-    """Runs one model's jobs on its own thread, in order, with a bounded queue."""
-
-    def __init__(self, model: GGUFModel, max_queue: int) -> None:
-        super().__init__(model.cfg.name)
-        self.model = model
-        self.max_queue = max_queue
-
-    async def stream(self, job: Job) -> AsyncIterator[Piece]:
-        """Pieces of one generation; cancelling the consumer stops generation at the next token."""
-        if self.pending >= self.max_queue:
-            raise RequestError(f"model {self.model.cfg.name!r} has {self.pending} requests queued "
-                               f"(max_queue = {self.max_queue}); retry later", status=503,
-                               code="server_busy")
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
-
-        def run() -> None:
-            try:
-                for piece in self.model.generate(job):
-                    loop.call_soon_threadsafe(queue.put_nowait, piece)
-                    if job.cancel.is_set():
-                        break
-                loop.call_soon_threadsafe(queue.put_nowait, None)
-            except BaseException as exc:
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-
-        self.pending += 1
-        try:
-            fut = loop.run_in_executor(self._pool, run)
-            while True:
-                item = await queue.get()
-                if item is None:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-            await fut
-        finally:
-            job.cancel.set()
-            self.pending -= 1

@@ -42,7 +42,7 @@ class Notifier:
 
     def __init__(self) -> None:
         self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
-        self._extender: threading.Event | None = None
+        self._extender: tuple[threading.Event, threading.Thread] | None = None
 
     def send(self, message: str) -> bool:
         if not self.enabled:
@@ -72,7 +72,6 @@ class Notifier:
         if not self.enabled or self._extender is not None:
             return
         stop = threading.Event()
-        self._extender = stop
         usec = int(period_s * 3 * 1e6)
 
         def loop() -> None:
@@ -81,12 +80,18 @@ class Notifier:
                 if stop.wait(period_s):
                     return
 
-        threading.Thread(target=loop, name="edge-extend-timeout", daemon=True).start()
+        thread = threading.Thread(target=loop, name="edge-extend-timeout", daemon=True)
+        self._extender = (stop, thread)
+        thread.start()
 
     def stop_extending(self) -> None:
+        """Stop, and wait for the extender: no EXTEND_TIMEOUT_USEC can follow READY=1."""
         if self._extender is not None:
-            self._extender.set()
+            stop, thread = self._extender
             self._extender = None
+            stop.set()
+            if thread is not threading.current_thread():
+                thread.join()
 
 
 def _stderr_is_journal() -> bool:

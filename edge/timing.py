@@ -1,4 +1,4 @@
-"""Phase timer and the start report.
+"""Phase timer and the start report: measured, written, read back and rendered.
 
 Every phase of a start is measured against the moment the kernel started the process (from
 /proc/self/stat), so the report also shows the cost of the interpreter and of imports that ran
@@ -20,7 +20,8 @@ from typing import Any
 
 from edge.fsutil import atomic_write
 
-__all__ = ["Phase", "StartTimer", "write_report", "read_last_report", "process_age_s", "REPORT_NAME"]
+__all__ = ["Phase", "StartTimer", "format_report", "write_report", "read_last_report", "process_age_s",
+           "REPORT_NAME"]
 
 REPORT_NAME = "last-start.json"
 
@@ -126,3 +127,31 @@ def _prune(folder: Path, keep: int) -> None:
     old = sorted(folder.glob("start-*.json"))[:-keep]
     for p in old:
         p.unlink(missing_ok=True)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a table: one row per phase, then one per warm-up step."""
+    lines = [f"last start: {report['started_at']}  pid {report['pid']}  host {report['host']}  "
+             f"edge {report['edge_version']}",
+             (f"rehearsal (nothing served): ready after {report['ready_s']:.3f} s"
+              if report.get("rehearsal") else
+              f"ready after {report['ready_s']:.3f} s on {', '.join(report.get('sockets', []))}"), "",
+             f"{'phase':<19}{'start s':>9}{'seconds':>9}{'MB':>9}{'MB/s':>9}  detail"]
+    for p in report["phases"]:
+        mb = f"{p['bytes'] / 1e6:.1f}" if "bytes" in p else ""
+        rate = f"{p['mb_per_s']:.0f}" if "mb_per_s" in p else ""
+        detail = ", ".join(f"{k}={v}" for k, v in p["detail"].items() if not isinstance(v, (list, dict)))
+        lines.append(f"{p['name']:<19}{p['start_s']:>9.3f}{p['seconds']:>9.3f}{mb:>9}{rate:>9}  {detail}")
+    if report.get("warmup"):
+        lines += ["", f"{'warm-up step':<19}{'seconds':>9}  what ran"]
+        for w in report["warmup"]:
+            lines.append(f"{w['name']:<19}{w['seconds']:>9.3f}  {w.get('model')}: {_warm_detail(w)}")
+    return "\n".join(lines)
+
+
+def _warm_detail(w: dict[str, Any]) -> str:
+    if "output_shapes" in w:
+        return f"outputs {w['output_shapes']}"
+    if "events" in w:
+        return f"{w['events']} streamed events"
+    return f"{w.get('prompt_tokens')} prompt tokens, {w.get('completion_tokens')} generated"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edge.config import WarmupConfig
-from edge.errors import EdgeError
+from edge.errors import WarmupError
 from edge.httpwire import encode_request, parse_response
 from edge.llm import GGUFModel
 
@@ -28,10 +28,6 @@ PASSAGE = ("The field unit reported nominal telemetry for the third consecutive 
            "voltage held at 12.6 volts, the enclosure stayed below forty degrees, and the camera "
            "pipeline processed every frame within its budget. Operators should review the log "
            "summary below and confirm that no anomalies require a maintenance visit. ")
-
-
-class WarmupError(EdgeError):
-    """A warm-up request failed: the model is not fit to serve."""
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,25 @@
-"""One thread per loaded model or engine: native contexts are not thread-safe, so every call into
-one runs on its own worker, in order, while the event loop stays free."""
+"""The one-request-at-a-time workers: one thread per loaded model or engine.
+
+Native contexts (llama.cpp, TensorRT, ONNX Runtime) are not thread-safe, so every call into one
+runs on its own worker thread, in order, while the event loop stays free. A bounded queue turns
+overload into a clear 503 instead of unbounded latency.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Worker"]
+from edge.errors import RequestError
+
+if TYPE_CHECKING:  # types only: importing the worker module stays free of the backends
+    from edge.engines.runtime import EngineSession
+    from edge.engines.store import StoredEngine
+    from edge.llm import GGUFModel, Job, Piece
+
+__all__ = ["Worker", "ModelWorker", "EngineWorker"]
 
 
 class Worker:
@@ -22,3 +33,55 @@ class Worker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class ModelWorker(Worker):
+    """Runs one model's jobs on its own thread, in order, with a bounded queue."""
+
+    def __init__(self, model: GGUFModel, max_queue: int) -> None:
+        super().__init__(model.cfg.name)
+        self.model = model
+        self.max_queue = max_queue
+
+    async def stream(self, job: Job) -> AsyncIterator[Piece]:
+        """Pieces of one generation; cancelling the consumer stops generation at the next token."""
+        if self.pending >= self.max_queue:
+            raise RequestError(f"model {self.model.cfg.name!r} has {self.pending} requests queued "
+                               f"(max_queue = {self.max_queue}); retry later", status=503,
+                               code="server_busy")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
+
+        def run() -> None:
+            try:
+                for piece in self.model.generate(job):
+                    loop.call_soon_threadsafe(queue.put_nowait, piece)
+                    if job.cancel.is_set():
+                        break
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+        self.pending += 1
+        try:
+            fut = loop.run_in_executor(self._pool, run)
+            while True:
+                item = await queue.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+            await fut
+        finally:
+            job.cancel.set()
+            self.pending -= 1
+
+
+class EngineWorker(Worker):
+    """One deserialized engine (TensorRT or ONNX Runtime session) and the store entry it came from."""
+
+    def __init__(self, name: str, session: EngineSession, stored: StoredEngine) -> None:
+        super().__init__(name)
+        self.session = session
+        self.stored = stored

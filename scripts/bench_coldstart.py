@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test kit (tests/kit)
 
 from benchlib import (EDGE, REQUEST, edge_config, emit, env_for_bench, free_port, gemma_path,  # noqa: E402
                       proc_memory, request_until_answered, start_peer, summary, wait_peer_up)
-from edge.harness import PidOne  # noqa: E402
+from kit import PidOne  # noqa: E402
 from edge.pagein import evict  # noqa: E402
 
 

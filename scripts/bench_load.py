@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test kit (tests/kit)
 
 from benchlib import EDGE, REQUEST, edge_config, emit, env_for_bench, gemma_path  # noqa: E402
-from edge.harness import ClientLoad, LoadResult, PidOne  # noqa: E402
+from kit import ClientLoad, LoadResult, PidOne  # noqa: E402
 
 
 def correct(status: int, body: bytes) -> bool:

@@ -23,7 +23,7 @@ REQUEST = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stop": ["\n"]}
 def gemma_path() -> Path:
     """The embedded default model, assembled (and verified) into the repo's .data cache."""
     from edge.config import ModelConfig
-    from edge.models import VerifiedCache, resolve_model
+    from edge.modelfile import VerifiedCache, resolve_model
 
     cache = ROOT / ".data" / "cache"
     m = resolve_model(ModelConfig(name="gemma3-270m", path="builtin:gemma3-270m"), cache,

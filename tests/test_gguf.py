@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from edge.errors import EX_DATAERR, ModelError
-from edge.gguf import GGML_BLOCKS, MlockStatus, read_gguf_info, vm_locked_bytes
+from edge.gguf import GGML_BLOCKS, read_gguf_info
+from edge.mlock import MlockStatus, vm_locked_bytes
 
 
 def test_valid_file_yields_its_metadata(tiny_gguf: Path) -> None:
@@ -79,11 +80,29 @@ def test_mlock_status_explains_the_fix() -> None:
                        limit_bytes=None, cap_ipc_lock=True)
     assert good.ok and "mlock ok" in good.explain()
     assert MlockStatus(False, 0, 100, None, False).ok
-    assert vm_locked_bytes() >= 0
+
+
+def test_vm_locked_bytes_sees_a_lock_taken_and_released() -> None:
+    import ctypes
+    import ctypes.util
+    import mmap
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    page = mmap.PAGESIZE
+    buf = mmap.mmap(-1, 2 * page)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    before = vm_locked_bytes()
+    if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(2 * page)) != 0:
+        pytest.skip(f"mlock of two pages refused here (errno {ctypes.get_errno()})")
+    try:
+        assert vm_locked_bytes() - before == 2 * page
+    finally:
+        libc.munlock(ctypes.c_void_p(addr), ctypes.c_size_t(2 * page))
+    assert vm_locked_bytes() == before
 
 
 def test_what_must_be_locked_depends_on_mmap_and_offload(tiny_gguf: Path) -> None:
-    from edge.gguf import mlock_status
+    from edge.mlock import mlock_status
 
     info = read_gguf_info(tiny_gguf)
     mapped = mlock_status(True, info.data_bytes, info, use_mmap=True, n_gpu_layers=0)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import EDGE, write_config
-from edge.harness import PidOne
+from kit import PidOne
 
 LIMITED = ["prlimit", "--memlock=65536:65536", "setpriv", "--bounding-set=-ipc_lock",
            "--inh-caps=-ipc_lock"]

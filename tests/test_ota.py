@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from conftest import EDGE
-from edge.harness import PidOne
+from kit import PidOne
 from edge.ota.bundle import BundleError, build_bundle, keygen, open_bundle
 from edge.ota.install import CRASH_STEPS, Ota
 from ggufgen import write_tiny_llama
-from test_serve import post
+from kit import post
 
 
 def cfg_text(model: str, extra: str = "") -> str:

@@ -4,14 +4,13 @@ harness, under 8 client threads that never stop sending."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-from conftest import EDGE, write_config
-from edge.harness import ClientLoad, PidOne
+from conftest import write_config
+from kit import ClientLoad, get
 
 
-def test_two_restarts_under_load_refuse_nothing(tmp_path: Path, tiny_gguf: Path) -> None:
+def test_two_restarts_under_load_refuse_nothing(tmp_path: Path, tiny_gguf: Path, service) -> None:
     cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
     body = json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
 
@@ -21,22 +20,24 @@ def test_two_restarts_under_load_refuse_nothing(tmp_path: Path, tiny_gguf: Path)
         answer = json.loads(raw)
         return answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] >= 1
 
-    with PidOne([*EDGE, "serve", "--config", str(cfg)]) as pid1:
-        pid1.start()
+    pid1 = service(cfg)
+    load = ClientLoad(pid1.address, body, clients=8, max_seconds=120, check=correct).start()
+    pids = [pid1.proc.pid]
+    load.wait_ok(20)  # serving under load before the first restart
+    for _ in range(2):
+        assert pid1.stop() == 0  # SIGTERM: drain, exit 0
+        gone = load.result.ok  # the old process has exited: later answers are the new one's
+        pid1.start()  # same listening socket, new process
+        pids.append(pid1.proc.pid)
         pid1.wait_for("READY", "1")
-        load = ClientLoad(pid1.address, body, clients=8, max_seconds=120, check=correct).start()
-        pids = [pid1.proc.pid]
-        for _ in range(2):
-            time.sleep(1.0)
-            before = load.result.ok
-            assert pid1.stop() == 0  # SIGTERM: drain, exit 0
-            pid1.start()  # same listening socket, new process
-            pids.append(pid1.proc.pid)
-            pid1.wait_for("READY", "1")
-            assert load.result.ok > before
-        time.sleep(1.0)
-        result = load.stop()
-        assert pid1.stop() == 0
+        load.wait_ok(gone + 20)
+        # The new process counted client requests of its own (its counters start at zero).
+        _, metrics = get(pid1.address, "/metrics")
+        served = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith('edge_requests_total{path="/v1/completions",status="200"}'))
+        assert served >= 20, metrics
+    result = load.stop()
+    assert pid1.stop() == 0
     print(f"\nrestart under load: {result.ok} ok, {result.refused} refused, {result.errors} errors, "
           f"longest wait {result.longest_s:.3f} s, pids {pids}")
     assert result.refused == 0, result.error_samples

@@ -14,21 +14,14 @@ from typing import Any
 from edge.config import Config, EngineConfig, cache_dir
 from edge.device import DeviceInfo, detect
 from edge.engines.key import EngineKey, device_fields
-from edge.engines.runtime import EngineSession, session_from_engine
+from edge.engines.runtime import session_from_engine
 from edge.engines.store import EngineStore, StoredEngine
-from edge.errors import EngineError
+from edge.errors import EdgeError, EngineError
 from edge.fsutil import sha256_file
 from edge.timing import StartTimer
-from edge.worker import Worker
+from edge.worker import EngineWorker
 
-__all__ = ["EngineWorker", "load_engines", "wanted_key", "store_for"]
-
-
-class EngineWorker(Worker):
-    def __init__(self, name: str, session: EngineSession, stored: StoredEngine) -> None:
-        super().__init__(name)
-        self.session = session
-        self.stored = stored
+__all__ = ["EngineWorker", "configured_engines", "load_engines", "wanted_key", "store_for"]
 
 
 def store_for(cfg: Config, e: EngineConfig) -> EngineStore:
@@ -82,3 +75,15 @@ def load_engines(cfg: Config, timer: StartTimer) -> tuple[dict[str, EngineWorker
         infos.append({"name": e.name, "backend": e.backend, "engine": str(stored.path),
                       "bytes": stored.bytes, "key": stored.key.as_dict(), "pid": os.getpid()})
     return workers, infos
+
+
+def configured_engines(cfg: Config, device: DeviceInfo) -> list[tuple[EngineConfig, StoredEngine | EdgeError]]:
+    """Each engine of the config with the stored engine this device would load, or why none:
+    what `edge engines gc` keeps and what `edge doctor` checks."""
+    found: list[tuple[EngineConfig, StoredEngine | EdgeError]] = []
+    for e in cfg.engines:
+        try:
+            found.append((e, store_for(cfg, e).find(wanted_key(e, device))))
+        except EdgeError as exc:
+            found.append((e, exc))
+    return found

@@ -159,3 +159,14 @@ class EngineStore:
                 if stray and time.time() - f.stat().st_mtime > STRAY_AGE_S:  # not a build running now
                     f.unlink(missing_ok=True)
         return removed
+
+
+def format_table(entries: list[StoredEngine]) -> str:
+    """`edge engines ls`: one row per engine (key fields, size, created, builder)."""
+    lines = [f"{'model':<16}{'backend':<13}{'target':<14}{'runtime':<22}{'prec':<6}{'MB':>8}  created  builder"]
+    for e in entries:
+        k = e.key
+        rt = f"cuda{k.cuda} trt{k.tensorrt}" if k.backend == "tensorrt" else f"ort{k.onnxruntime}"
+        lines.append(f"{k.model:<16}{k.backend:<13}{k.target:<14}{rt:<22}{k.precision:<6}"
+                     f"{e.bytes / 1e6:>8.2f}  {e.meta.get('created')}  {e.meta.get('builder_host')}")
+    return "\n".join(lines)

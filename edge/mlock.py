@@ -1,0 +1,133 @@
+"""mlock: what must be locked, what is, why not, and the `require_mlock` policy.
+
+llama.cpp asks for mlock and carries on silently when RLIMIT_MEMLOCK refuses it, leaving the
+model pageable; edge measures VmLck around the load instead of trusting the request, compares it
+with what the model should have locked, and either warns (saying how to fix it) or, with
+`require_mlock = true`, stops the start (exit 77). `edge doctor` predicts the same from the
+limits before a start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edge.config import BUILTIN_PREFIX, Config, ModelConfig
+from edge.errors import MlockError
+from edge.gguf import GGUFInfo
+
+__all__ = ["MlockStatus", "vm_locked_bytes", "mlock_status", "enforce", "models_bytes",
+           "memlock_verdict", "BUILTIN_MODEL_BYTES"]
+
+log = logging.getLogger("edge")
+
+BUILTIN_MODEL_BYTES = 253_113_024  # the packaged Gemma 3 270M Q4_K_M
+CAP_IPC_LOCK = 14
+
+
+@dataclass(frozen=True)
+class MlockStatus:
+    requested: bool
+    locked_bytes: int  # VmLck growth over the load
+    expected_bytes: int  # tensor data that should be resident and locked
+    limit_bytes: int | None  # RLIMIT_MEMLOCK soft limit; None = unlimited
+    cap_ipc_lock: bool
+    min_share: float = 0.98  # of expected_bytes that must be locked (page rounding; see below)
+
+    @property
+    def ok(self) -> bool:
+        return not self.requested or self.locked_bytes >= self.expected_bytes * self.min_share
+
+    def explain(self) -> str:
+        if not self.requested:
+            return "mlock disabled by config (use_mlock = false)"
+        if self.ok:
+            return f"mlock ok: {self.locked_bytes / 2**20:.1f} MiB locked"
+        limit = "unlimited" if self.limit_bytes is None else f"{self.limit_bytes / 2**20:.1f} MiB"
+        return (f"mlock did not take: {self.locked_bytes / 2**20:.1f} MiB locked of "
+                f"{self.expected_bytes / 2**20:.1f} MiB model data; RLIMIT_MEMLOCK is {limit} and the "
+                "process lacks CAP_IPC_LOCK. Fix: set LimitMEMLOCK=infinity in the unit "
+                "(edge's edge.service does), or run `ulimit -l unlimited` before `edge serve`. "
+                "The model stays pageable and may be evicted under memory pressure.")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"requested": self.requested, "ok": self.ok, "locked_bytes": self.locked_bytes,
+                "expected_bytes": self.expected_bytes, "min_share": self.min_share,
+                "limit_bytes": self.limit_bytes, "cap_ipc_lock": self.cap_ipc_lock}
+
+
+def _status_fields() -> dict[str, str]:
+    with open("/proc/self/status") as f:
+        return dict(line.split(":", 1) for line in f if ":" in line)
+
+
+def vm_locked_bytes() -> int:
+    """VmLck of this process in bytes."""
+    return int(_status_fields().get("VmLck", "0 kB").split()[0]) * 1024
+
+
+def mlock_status(requested: bool, locked_bytes: int, info: GGUFInfo, *, use_mmap: bool,
+                 n_gpu_layers: int) -> MlockStatus:
+    """What should be locked: with mmap, the mapped tensor data; without, llama.cpp's CPU
+    buffers (repacked quantized tensors live outside them: ~95% measured on Gemma 3 Q4_K_M);
+    with GPU offload only the CPU-resident part, unknown here, so at least one page."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    cap_eff = int(_status_fields().get("CapEff", "0").strip(), 16)
+    if n_gpu_layers != 0:
+        expected, share = os.sysconf("SC_PAGE_SIZE"), 1.0
+    else:
+        expected, share = info.data_bytes, (0.98 if use_mmap else 0.9)
+    return MlockStatus(requested=requested, locked_bytes=locked_bytes, expected_bytes=expected,
+                       limit_bytes=None if soft == resource.RLIM_INFINITY else soft,
+                       cap_ipc_lock=bool(cap_eff & (1 << CAP_IPC_LOCK)), min_share=share)
+
+
+def enforce(m: ModelConfig, status: MlockStatus) -> None:
+    """The `require_mlock` policy: a lock that did not take stops the start, or is a warning."""
+    if status.ok:
+        return
+    if m.require_mlock:
+        raise MlockError(f"{m.name}: {status.explain()}")
+    log.warning("%s: %s", m.name, status.explain())
+
+
+def models_bytes(cfg: Config) -> int:
+    """Bytes of model files the config would lock (before a start: from the files' sizes)."""
+    total = 0
+    for m in cfg.models:
+        p = Path(m.path)
+        if m.path.startswith(BUILTIN_PREFIX):
+            total += BUILTIN_MODEL_BYTES
+        elif p.is_file():
+            total += p.stat().st_size
+    return total
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 10 * 2**20 else f"{n / 2**20:.0f} MiB"
+
+
+def memlock_verdict(cfg: Config, unit_text: str | None) -> tuple[str, str, str]:
+    """Will the models lock? (level ok|warn|fail, message, fix), from the unit's LimitMEMLOCK
+    when a unit is installed, else from this process's RLIMIT_MEMLOCK and capabilities."""
+    need = models_bytes(cfg)
+    if not any(m.use_mlock for m in cfg.models):
+        return "ok", "use_mlock is off for every model: nothing to lock", ""
+    if unit_text is not None:
+        if re.search(r"^LimitMEMLOCK=infinity\s*$", unit_text, re.M):
+            return "ok", "edge.service sets LimitMEMLOCK=infinity: the models can be locked", ""
+        return ("fail", f"edge.service does not set LimitMEMLOCK=infinity; {_mib(need)} of models need locking",
+                "add LimitMEMLOCK=infinity to [Service] (edge units install does)")
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if os.geteuid() == 0:
+        return "ok", f"running as root (CAP_IPC_LOCK): {_mib(need)} of models can be locked", ""
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return "ok", f"RLIMIT_MEMLOCK of this shell allows locking {_mib(need)} of models", ""
+    return ("warn", f"RLIMIT_MEMLOCK is {_mib(soft)}, the models are {_mib(need)}: `edge serve` "
+            "from this shell cannot lock them",
+            "run `ulimit -l unlimited` first, or run under edge.service (LimitMEMLOCK=infinity)")

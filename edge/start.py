@@ -1,0 +1,294 @@
+"""The cold start: what `edge serve` does from exec to READY=1, in the order it happens.
+
+Read `ColdStart.run()` top to bottom to learn what a start is (DESIGN.md, "The path of a
+start"); every step is a timed phase of the start report, named once in `Phases`:
+
+    config → sockets → resolve_models → page_in ‖ validate ‖ imports → model_load ‖ imports_http
+    → mlock_verify → engines → warmup → http_setup → ready → serve (until SIGTERM, then drain)
+
+The sockets are listening before anything slow happens, so a connection made at any point of
+the start waits in the kernel's backlog and is accepted only once warm-up is done.
+
+`load()` and `warm()` are the load-and-warm step on their own: they make a `Loaded` set (app,
+workers, engines, what was loaded) from a config, without touching the sockets, so that
+`edge warmup` (a rehearsal) and a reload reuse them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import importlib
+import json
+import logging
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edge.config import Config, cache_dir, find_config, load_config, state_dir
+from edge.errors import StoppedDuringStart
+from edge.mlock import enforce
+from edge.systemd import Notifier, listen_sockets, setup_logging
+from edge.timing import StartTimer, write_report
+
+if TYPE_CHECKING:
+    from edge.app import ServiceState
+    from edge.modelfile import ModelFile
+    from edge.worker import ModelWorker
+
+__all__ = ["ColdStart", "Loaded", "Phases"]
+
+log = logging.getLogger("edge")
+
+
+class Phases:
+    """Every phase name of the start report, in the order a start reaches them."""
+
+    CONFIG = "config"
+    SOCKETS = "sockets"
+    RESOLVE_MODELS = "resolve_models"
+    PAGE_IN = "page_in"
+    VALIDATE = "validate"
+    IMPORTS = "imports"
+    MODEL_LOAD = "model_load"
+    IMPORTS_HTTP = "imports_http"
+    MLOCK_VERIFY = "mlock_verify"
+    DEVICE = "device"  # engines (edge.engines.serve): device, lookup, read, context, deserialize
+    ENGINE_LOOKUP = "engine_lookup"
+    ENGINE_READ = "engine_read"
+    CUDA_CONTEXT = "cuda_context"
+    ENGINE_DESERIALIZE = "engine_deserialize"
+    WARMUP = "warmup"
+    HTTP_SETUP = "http_setup"
+    READY = "ready"
+
+
+@dataclass
+class Loaded:
+    """One loaded and (after `ColdStart.warm`) warmed set: what serves, and what it is."""
+
+    app: Any  # the Starlette app built over `state`
+    state: ServiceState
+    infos: list[dict[str, Any]]
+    warmup: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [*self.state.workers, *self.state.engines]
+
+    def close(self) -> None:
+        for worker in [*self.state.workers.values(), *self.state.engines.values()]:
+            worker.close()
+
+
+class ColdStart:
+    """One start of the service: the config, the timer, the notifier, the sockets, what was loaded."""
+
+    def __init__(self, config_path: str | None = None, *, cfg: Config | None = None,
+                 timer: StartTimer | None = None, notifier: Notifier | None = None) -> None:
+        self.timer = timer or StartTimer()  # offsets from exec, whenever it is made
+        self.config_path = config_path
+        self.cfg = cfg
+        self.notifier = notifier or Notifier()
+        self.sockets: list[socket.socket] = []
+        self.loaded: Loaded | None = None
+
+    # -- the start, top to bottom ----------------------------------------------------------------
+    def run(self) -> int:
+        """Start, warm up, serve until SIGTERM/SIGINT, drain; the exit code."""
+        self.read_config()
+        self.open_sockets()
+        signal.signal(signal.SIGTERM, _stop_during_start)
+        self.notifier.extend_while()
+        try:
+            self.loaded = self.load()
+            return asyncio.run(self._warm_and_serve(self.loaded))
+        except StoppedDuringStart:
+            log.info("stopped by SIGTERM before ready")
+            return 0
+
+    async def _warm_and_serve(self, loaded: Loaded) -> int:
+        from edge.serving import build_server, serve_http
+
+        await self.warm(loaded)
+        with self.timer.phase(Phases.HTTP_SETUP):
+            server = build_server(loaded.app, loaded.state, self.config.server, self.notifier)
+            gc.collect()
+            gc.freeze()  # warm-up garbage is gone; what lives now is never scanned again
+        ready_text = self.mark_ready(loaded)
+        await serve_http(server, self.sockets, self.notifier, ready_text)
+        loaded.close()
+        return 0
+
+    def rehearse(self) -> dict[str, Any]:
+        """Everything a start does up to READY, with no socket and no report written: what a
+        start would take (`edge warmup`, for tuning the warm-up plan on the device)."""
+        self.notifier.enabled = False
+        self.read_config()
+        loaded = self.load()
+
+        async def go() -> dict[str, Any]:
+            await self.warm(loaded)
+            return self.timer.report(config=self.config.source, sockets=[], models=loaded.infos,
+                                     warmup=loaded.warmup, rehearsal=True)
+
+        try:
+            return asyncio.run(go())
+        finally:
+            loaded.close()
+
+    # -- the phases --------------------------------------------------------------------------------
+    @property
+    def config(self) -> Config:
+        if self.cfg is None:
+            raise RuntimeError("read_config() first")
+        return self.cfg
+
+    def read_config(self) -> Config:
+        if self.cfg is None:
+            with self.timer.phase(Phases.CONFIG):
+                self.cfg = load_config(find_config(self.config_path))
+        setup_logging(self.cfg.server.log_level)
+        return self.cfg
+
+    def open_sockets(self) -> list[socket.socket]:
+        """Inherited from systemd (LISTEN_FDS), else bound now from the [server] table."""
+        from edge.serving import bind_sockets
+
+        with self.timer.phase(Phases.SOCKETS) as ph:
+            self.sockets = listen_sockets()
+            ph.detail["inherited"] = bool(self.sockets)
+            if not self.sockets:
+                self.sockets = bind_sockets(self.config.server, self.config.source)
+        return self.sockets
+
+    def load(self) -> Loaded:
+        """Model files, backends, models and engines: the load half of load-and-warm."""
+        files = self.start_model_files()
+        self.import_backends()
+        self.finish_model_files(files)
+        # llama.cpp loads with the GIL released: the HTTP stack is imported meanwhile.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-load") as pool:
+            loading = pool.submit(self.load_models, files)
+            self.import_http()
+            workers, infos = loading.result()
+        from edge.app import ServiceState, build_app
+        from edge.engines.serve import load_engines
+
+        state = ServiceState(workers=workers)
+        state.engines, engine_infos = load_engines(self.config, self.timer)
+        return Loaded(build_app(state), state, infos + engine_infos)
+
+    def start_model_files(self) -> list[ModelFile]:
+        """Resolve every model file, start its page-in, and validate it from the warming pages."""
+        from edge.modelfile import ModelFile, VerifiedCache, resolve_model
+
+        cfg = self.config
+        verified = VerifiedCache(cache_dir(cfg) / "verified.json")
+        with self.timer.phase(Phases.RESOLVE_MODELS):
+            models = [resolve_model(m, cache_dir(cfg), verified) for m in cfg.models]
+        files = []
+        for m in models:
+            f = ModelFile(m, verified).start()
+            with self.timer.phase(Phases.VALIDATE, model=m.name) as ph:
+                info = f.validate()
+                ph.bytes = info.size
+                ph.detail.update(info.summary())
+            files.append(f)
+        return files
+
+    def import_backends(self) -> None:
+        """llama_cpp (and onnxruntime) imported beside the page-in threads."""
+        cfg = self.config
+        with self.timer.phase(Phases.IMPORTS) as ph:
+            self.notifier.status("importing the inference backends")
+            ph.detail["modules"] = _import((["llama_cpp"] if cfg.models else []) + (
+                ["onnxruntime"] if any(e.backend == "onnxruntime" for e in cfg.engines) else []))
+
+    def finish_model_files(self, files: list[ModelFile]) -> None:
+        """Join the page-ins (their real start and end in the report); check the sha256."""
+        mono0 = time.monotonic() - self.timer.now()
+        for f in files:
+            res = f.finish()
+            if res is not None:
+                self.timer.add(Phases.PAGE_IN, res.start_s - mono0, res.end_s - mono0, nbytes=res.bytes,
+                               model=f.cfg.name, threads=f.pagein.threads if f.pagein else 0,
+                               **res.as_detail())
+
+    def import_http(self) -> None:
+        with self.timer.phase(Phases.IMPORTS_HTTP) as ph:
+            ph.detail["modules"] = _import(["uvicorn", "starlette.applications", "edge.app", "edge.serving"])
+
+    def load_models(self, files: list[ModelFile]) -> tuple[dict[str, ModelWorker], list[dict[str, Any]]]:
+        """Each model through llama.cpp (mmap, mlock), then the lock measured and the policy applied."""
+        from edge.llm import load_gguf_model
+        from edge.worker import ModelWorker
+
+        workers, infos = {}, []
+        for f in files:
+            m = f.cfg
+            self.notifier.status(f"loading {m.name} ({m.path})")
+            with self.timer.phase(Phases.MODEL_LOAD, model=m.name, use_mmap=m.use_mmap,
+                                  use_mlock=m.use_mlock) as ph:
+                model = load_gguf_model(m, f.validate() if f.info is None else f.info)
+                ph.bytes = model.info.size
+            with self.timer.phase(Phases.MLOCK_VERIFY, model=m.name) as ph:
+                ph.detail.update(model.mlock.as_dict())
+                enforce(m, model.mlock)
+            workers[m.name] = ModelWorker(model, self.config.server.max_queue)
+            infos.append({"name": m.name, "path": m.path, "n_ctx": model.n_ctx,
+                          "mlock": model.mlock.as_dict(), **model.info.summary()})
+        return workers, infos
+
+    async def warm(self, loaded: Loaded) -> list[dict[str, Any]]:
+        """The warm half of load-and-warm: each model's and engine's plan over loopback HTTP."""
+        from edge.warmup import LoopbackHTTP, engine_plan, plan_for, run_warmup
+
+        cfg, state = self.config, loaded.state
+        async with LoopbackHTTP(loaded.app) as http:
+            if cfg.warmup.enabled:
+                for name, worker in state.workers.items():
+                    self.notifier.status(f"warming up {name}")
+                    with self.timer.phase(Phases.WARMUP, model=name) as ph:
+                        steps = await worker.call(plan_for, worker.model, cfg.warmup)
+                        ph.detail["steps"] = await run_warmup(http, steps)
+                        loaded.warmup += ph.detail["steps"]
+            for name, eng in state.engines.items():
+                if next(e for e in cfg.engines if e.name == name).warmup:
+                    self.notifier.status(f"warming up engine {name}")
+                    with self.timer.phase(Phases.WARMUP, engine=name) as ph:
+                        ph.detail["steps"] = await run_warmup(http, engine_plan(name, eng.session))
+                        loaded.warmup += ph.detail["steps"]
+        return loaded.warmup
+
+    def mark_ready(self, loaded: Loaded) -> str:
+        """The moment traffic is handed over: the report is written, then READY=1 and the first
+        accept() follow at once. Returns the READY status text."""
+        from edge.serving import describe_socket
+
+        loaded.state.ready = True
+        addresses = [describe_socket(s) for s in self.sockets]
+        now = self.timer.now()
+        self.timer.add(Phases.READY, now, now, sockets=len(addresses))
+        report = self.timer.report(config=self.config.source, sockets=addresses, models=loaded.infos,
+                                   warmup=loaded.warmup)
+        path: Path = write_report(report, state_dir(self.config))
+        loaded.state.metrics.start_phases = {p["name"]: p["seconds"] for p in report["phases"]}
+        log.info("start report %s: ready in %.2f s", path, report["ready_s"],
+                 extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
+        return (f"ready: serving {', '.join(loaded.names)} on {', '.join(addresses)} "
+                f"(start {report['ready_s']:.2f} s)")
+
+
+def _import(names: list[str]) -> list[str]:
+    for name in names:
+        importlib.import_module(name)
+    return names
+
+
+def _stop_during_start(sig: int, frame: Any) -> None:
+    raise StoppedDuringStart("SIGTERM before ready")

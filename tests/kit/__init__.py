@@ -1,0 +1,12 @@
+"""The test kit (not shipped in the wheel): a PID-1 stand-in that socket-activates `edge serve`
+and receives its sd_notify datagrams, client load, and one HTTP client.
+
+Tests import it as `kit` (tests/ is on sys.path through conftest.py); scripts/ put tests/ on
+sys.path the same way (scripts/benchlib.py, scripts/demo.py).
+"""
+
+from kit.http import call, get, metric, post
+from kit.load import ClientLoad, LoadResult
+from kit.pid1 import Child, Notification, PidOne
+
+__all__ = ["Child", "ClientLoad", "LoadResult", "Notification", "PidOne", "call", "get", "metric", "post"]
