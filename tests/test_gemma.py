@@ -21,6 +21,8 @@ def gemma_service(gemma_path: Path, tmp_path_factory: pytest.TempPathFactory):
     d = tmp_path_factory.mktemp("gemma-svc")
     cfg = d / "edge.toml"
     cfg.write_text(f"""
+[server]
+port = 0
 [paths]
 state_dir = "{d / 'state'}"
 cache_dir = "{d / 'cache'}"
