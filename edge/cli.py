@@ -267,13 +267,14 @@ def engines_gc(keep: int = typer.Option(2, "--keep", min=0, help="newest engines
     """Remove old engines (keeping the newest N per model and every one the config uses)."""
     from edge.config import find_config, load_config
     from edge.device import detect
-    from edge.engines.serve import store_for, wanted_key
+    from edge.engines.key import key_for
+    from edge.engines.load import store_for
 
     cfg = load_config(find_config(str(config) if config else None))
     in_use, device_info = set(), detect()
     for e in cfg.engines:
         try:
-            in_use.add(str(store_for(cfg, e).find(wanted_key(e, device_info)).path))
+            in_use.add(str(store_for(cfg, e).find(key_for(e, device_info)).path))
         except EdgeError:
             pass  # nothing for this device: nothing to protect
     for e in _store(store, config).gc(keep, in_use):

@@ -134,25 +134,28 @@ def _state(cfg: Config) -> Check:
 
 def _device() -> Check:
     from edge.device import detect
+    from edge.llama_gpu import llama_build
 
     d = detect()
     what = d.jetson_model or f"{d.cpu_arch} host"
-    gpu = f"{d.sm} (from {d.sm_source})" if d.sm else "no GPU found"
-    return Check("device", "ok", f"{what}; L4T {d.l4t_release or '-'}; GPU {gpu}; CUDA {d.cuda or '-'}; "
-                 f"TensorRT {d.tensorrt or '-'}; ONNX Runtime {d.onnxruntime or '-'}")
+    gpu = f"{d.gpu_name or ''} {d.sm} (from {d.sm_source})".strip() if d.sm else "no GPU found"
+    return Check("device", "ok", f"{what}; L4T {d.l4t_release or '-'}; GPU {gpu}; CUDA {d.cuda or '-'} "
+                 f"(from {d.cuda_source or '-'}); TensorRT {d.tensorrt or '-'}; ONNX Runtime "
+                 f"{d.onnxruntime or '-'}; llama.cpp build {llama_build() or '-'}")
 
 
 def _engines(cfg: Config) -> list[Check]:
     if not cfg.engines:
         return []
     from edge.device import detect
-    from edge.engines.serve import store_for, wanted_key
+    from edge.engines.key import key_for
+    from edge.engines.load import store_for
 
     device = detect()
     checks = []
     for e in cfg.engines:
         try:
-            stored = store_for(cfg, e).find(wanted_key(e, device))
+            stored = store_for(cfg, e).find(key_for(e, device))
         except EdgeError as exc:
             checks.append(Check(f"engine {e.name}", "fail", str(exc),
                                 "build it for this key with `edge build-engine` or ship it in an OTA bundle"))

@@ -151,6 +151,9 @@ def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
         from edge.errors import MissingDependency
 
         raise MissingDependency("llama-cpp-python", "default", "loading GGUF models") from None
+    from edge.llama_gpu import require_gpu_offload
+
+    require_gpu_offload(llama_cpp, cfg.name, cfg.n_gpu_layers)  # a CPU-only build would ignore it
     before = vm_locked_bytes()
     try:
         llama = llama_cpp.Llama(

@@ -113,7 +113,7 @@ def _prepare(cfg: Config, timer: StartTimer, notifier: Notifier) -> tuple[Any, A
             ph.detail["modules"] = _import_modules(["uvicorn", "starlette.applications", "edge.app"])
         workers, infos = loading.result()
     from edge.app import ServiceState, build_app
-    from edge.engines.serve import load_engines
+    from edge.engines.load import load_engines
 
     state = ServiceState(workers=workers)
     state.engines, engine_infos = load_engines(cfg, timer)
