@@ -64,7 +64,7 @@ class DeviceInfo:
         report sm_87 (and "Orin"), with different SM counts and memory; so a Jetson is its module,
         a dGPU its product name."""
         if self.jetson_model:
-            return "jetson-" + slug(self.jetson_model.replace("NVIDIA ", "").replace(" Developer Kit", ""))
+            return slug(self.jetson_model.replace("NVIDIA ", "").replace(" Developer Kit", ""))
         return slug(self.gpu_name) if self.gpu_name else None
 
     def as_dict(self) -> dict[str, Any]:
@@ -96,7 +96,10 @@ def _l4t(text: str | None) -> str | None:
     return f"{m.group(1)}.{m.group(2)}" if m else None
 
 
-def _cuda_from_tree(root: Path) -> tuple[str | None, str | None]:
+DistVersion = Callable[[tuple[str, ...]], "str | None"]
+
+
+def _cuda_from_tree(root: Path, dists: DistVersion) -> tuple[str | None, str | None]:
     """The toolkit's version from files, for hosts where the runtime cannot be asked. Absent
     files are normal (runtime-only and pip-assembled installs): then None, never an error."""
     text = _read(root, "usr/local/cuda/version.json")
@@ -108,7 +111,7 @@ def _cuda_from_tree(root: Path) -> tuple[str | None, str | None]:
     m = re.search(r"CUDA Version (\d+)\.(\d+)", _read(root, "usr/local/cuda/version.txt") or "")
     if m:
         return f"{m.group(1)}.{m.group(2)}", "version.txt"
-    v = _dist_version(CUDART_DISTS)
+    v = dists(CUDART_DISTS)
     return (".".join(v.split(".")[:2]), "pip") if v else (None, None)
 
 
@@ -185,19 +188,22 @@ def probe_gpu() -> GpuInfo | None:
 
 def detect(root: str | Path = "/", gpu: Callable[[], GpuInfo | None] = probe_gpu,
            cpu_arch: str | None = None,
-           trt: Callable[[], str | None] = tensorrt_version) -> DeviceInfo:
+           trt: Callable[[], str | None] = tensorrt_version, dists: DistVersion | None = None) -> DeviceInfo:
+    """`gpu`, `trt` and `dists` (installed package versions) are what the running software says;
+    tests pass doubles for them along with a fixture `root`."""
+    dists = dists or _dist_version
     root = Path(root)
     model = (_read(root, "proc/device-tree/model") or "").strip("\x00\n ") or None
     compatible = [c for c in (_read(root, "proc/device-tree/compatible") or "").split("\x00") if c]
     soc, table_sm = sm_for_soc(compatible)
     g = gpu()
     sm, source = (g.sm, "gpu") if g else (table_sm, "soc-table" if table_sm else None)
-    cuda, cuda_source = (g.cuda_runtime, "cudart") if g and g.cuda_runtime else _cuda_from_tree(root)
+    cuda, cuda_source = (g.cuda_runtime, "cudart") if g and g.cuda_runtime else _cuda_from_tree(root, dists)
     if cuda is None and g and g.cuda_driver:
         cuda, cuda_source = g.cuda_driver, "driver"
     return DeviceInfo(cpu_arch=cpu_arch or platform.machine(), jetson_model=model if soc else None,
                       soc=soc, l4t_release=_l4t(_read(root, "etc/nv_tegra_release")), sm=sm,
                       sm_source=source, cuda=cuda, tensorrt=trt(),
-                      onnxruntime=_dist_version(("onnxruntime", "onnxruntime-gpu")),
+                      onnxruntime=dists(("onnxruntime", "onnxruntime-gpu")),
                       gpu_name=g.name if g else None, cuda_source=cuda_source,
                       cuda_driver=g.cuda_driver if g else None)

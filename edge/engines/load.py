@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 from edge.config import Config, EngineConfig, cache_dir
@@ -34,8 +35,9 @@ class EngineWorker(Worker):
         super().__init__(name)
         self.stored = stored
 
-    def open(self, data: bytes) -> EngineSession:
-        self.session = self._pool.submit(session_from_engine, self.stored, data).result()
+    def open(self, data: bytes,
+             make: Callable[[StoredEngine, bytes], EngineSession] = session_from_engine) -> EngineSession:
+        self.session = self._pool.submit(make, self.stored, data).result()
         return self.session
 
     def close(self) -> None:
