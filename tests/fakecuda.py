@@ -138,7 +138,6 @@ class FakeTensorRT:
     "data_dependent": bool}; every tensor is [-1, 4]-shaped and y = 2x + 1."""
 
     __version__ = "10.3.0.30"
-    Logger = types.SimpleNamespace  # Logger(level) / Logger.WARNING
     TensorIOMode = types.SimpleNamespace(INPUT="input", OUTPUT="output")
 
     def __init__(self, cuda: FakeCuda) -> None:

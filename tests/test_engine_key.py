@@ -100,3 +100,14 @@ def test_unknown_cuda_is_not_a_refusal() -> None:
 def test_key_round_trips_through_the_manifest_dict() -> None:
     k = build_key(dataclasses.replace(load_recipe(RECIPE), version_compatible=True), "tensorrt", H100, SHA)
     assert EngineKey.from_dict({**k.as_dict(), "future_field": 1}) == k
+
+
+def test_the_serving_path_imports_no_builder_and_no_gpu_library() -> None:
+    import subprocess
+    import sys
+
+    probe = ("import sys, edge.engines.load, edge.engines.key, edge.kserve\n"
+             "bad = [m for m in ('edge.engines.build', 'tensorrt', 'cuda', 'pycuda', 'starlette', 'onnxruntime')"
+             " if m in sys.modules]\nprint(bad)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
