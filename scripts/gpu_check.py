@@ -35,8 +35,8 @@ def why_no_gpu() -> str:
         from edge.engines.cuda import cuda_api
 
         api = cuda_api()
-    except Exception as exc:  # MissingDependency: cuda-python is not installed
-        return f"no GPU query possible: {exc}"
+    except Exception:  # MissingDependency: cuda-python is not installed
+        return "no GPU query possible: cuda-python is not installed (pip install 'edge[trt]')"
     try:
         err = api.driver.cuInit(0)[0]
         count = api.driver.cuDeviceGetCount()
