@@ -62,10 +62,11 @@ class DeviceInfo:
     def platform(self) -> str | None:
         """What an engine's tactics were timed on beyond the SM arch: Orin AGX, NX and Nano all
         report sm_87 (and "Orin"), with different SM counts and memory; so a Jetson is its module,
-        a dGPU its product name."""
+        a dGPU its CPU arch and product name (plans are not portable across host platforms: an
+        H100 PCIe in an x86 and in an aarch64 server are two platforms)."""
         if self.jetson_model:
             return slug(self.jetson_model.replace("NVIDIA ", "").replace(" Developer Kit", ""))
-        return slug(self.gpu_name) if self.gpu_name else None
+        return slug(f"{self.cpu_arch} {self.gpu_name}") if self.gpu_name else None
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "platform": self.platform}

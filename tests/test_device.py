@@ -52,8 +52,10 @@ def test_pip_assembled_cuda() -> None:
     dists = lambda names: next((versions[n] for n in names if n in versions), None)  # noqa: E731
     d = detect(FIX / "dgpu-pip-x86", gpu=no_gpu, trt=no_trt, dists=dists)
     assert (d.cuda, d.cuda_source) == ("12.8", "pip")
-    d = detect(FIX / "dgpu-pip-x86", gpu=lambda: H100, trt=no_trt, dists=dists)
-    assert (d.cuda, d.cuda_source, d.platform, d.sm) == ("12.8", "cudart", "nvidia-h100-80gb-hbm3", "sm_90")
+    d = detect(FIX / "dgpu-pip-x86", gpu=lambda: H100, trt=no_trt, dists=dists, cpu_arch="x86_64")
+    assert (d.cuda, d.cuda_source, d.platform, d.sm) == ("12.8", "cudart", "x86-64-nvidia-h100-80gb-hbm3", "sm_90")
+    gh200 = detect(FIX / "dgpu-pip-x86", gpu=lambda: H100, trt=no_trt, dists=dists, cpu_arch="aarch64")
+    assert gh200.platform == "aarch64-nvidia-h100-80gb-hbm3"  # same GPU, another host platform
     no_runtime = GpuInfo(name="NVIDIA H100 80GB HBM3", sm="sm_90", cuda_runtime=None, cuda_driver="13.0")
     assert detect(FIX / "dgpu-pip-x86", gpu=lambda: no_runtime, dists=no_dists).cuda_source == "driver"
     assert detect(FIX / "dgpu-pip-x86", gpu=no_gpu, dists=no_dists).cuda is None  # unknown, not an error
