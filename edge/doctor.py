@@ -144,6 +144,19 @@ def _device() -> Check:
                  f"{d.onnxruntime or '-'}; llama.cpp build {llama_build() or '-'}")
 
 
+def _gpu_offload(cfg: Config) -> list[Check]:
+    from edge.llama_gpu import CUDA_BUILD_FIX, llama_build
+
+    asking = [m.name for m in cfg.models if m.n_gpu_layers]
+    if not asking:
+        return []
+    build = llama_build()
+    if build == "cuda":
+        return [Check("gpu offload", "ok", f"llama.cpp is a CUDA build; offloading {', '.join(asking)}")]
+    return [Check("gpu offload", "fail", f"{', '.join(asking)} set n_gpu_layers, and llama.cpp is a "
+                  f"{build or 'missing'} build: edge serve will refuse to start", CUDA_BUILD_FIX)]
+
+
 def _engines(cfg: Config) -> list[Check]:
     if not cfg.engines:
         return []
@@ -176,6 +189,7 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
         lambda: [_device()],
         lambda: _model_files(cfg),
         lambda: _engines(cfg),
+        lambda: _gpu_offload(cfg),
         lambda: [_memlock(cfg, unit_text)],
         lambda: [_memory(cfg)],
         lambda: unit_checks,

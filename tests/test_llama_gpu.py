@@ -41,3 +41,26 @@ def test_llama_build_from_the_shipped_libraries(tmp_path: Path) -> None:
     (lib / "libggml-cuda.so").write_bytes(b"")
     assert llama_build(tmp_path) == "cuda"
     assert llama_build(tmp_path / "absent") is None
+
+
+def _cuda_build() -> bool:
+    try:
+        import llama_cpp
+    except ImportError:
+        return True  # nothing to test the refusal with
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+@pytest.mark.skipif(_cuda_build(), reason="needs llama-cpp-python's CPU-only build")
+def test_serve_refuses_gpu_layers_on_a_cpu_build_and_doctor_says_so(tmp_path: Path, tiny_gguf: Path) -> None:
+    import subprocess
+
+    from conftest import EDGE, write_config
+    from edge.doctor import run_checks
+
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, extra_model="n_gpu_layers = 99")
+    r = subprocess.run([*EDGE, "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == EX_CONFIG and "CPU-only build" in r.stderr and "-DGGML_CUDA=on" in r.stderr
+    assert "Traceback" not in r.stderr
+    (check,) = [c for c in run_checks(str(cfg), []) if c.name == "gpu offload"]
+    assert check.level == "fail" and "--no-cache-dir" in check.fix
