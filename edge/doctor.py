@@ -111,19 +111,34 @@ def _state(cfg: Config) -> Check:
 
 def _device() -> Check:
     from edge.device import detect
+    from edge.llama_gpu import llama_build
 
     d = detect()
     what = d.jetson_model or f"{d.cpu_arch} host"
-    gpu = f"{d.sm} (from {d.sm_source})" if d.sm else "no GPU found"
-    return Check("device", "ok", f"{what}; L4T {d.l4t_release or '-'}; GPU {gpu}; CUDA {d.cuda or '-'}; "
-                 f"TensorRT {d.tensorrt or '-'}; ONNX Runtime {d.onnxruntime or '-'}")
+    gpu = f"{d.gpu_name or ''} {d.sm} (from {d.sm_source})".strip() if d.sm else "no GPU found"
+    return Check("device", "ok", f"{what}; L4T {d.l4t_release or '-'}; GPU {gpu}; CUDA {d.cuda or '-'} "
+                 f"(from {d.cuda_source or '-'}); TensorRT {d.tensorrt or '-'}; ONNX Runtime "
+                 f"{d.onnxruntime or '-'}; llama.cpp build {llama_build() or '-'}")
+
+
+def _gpu_offload(cfg: Config) -> list[Check]:
+    from edge.llama_gpu import CUDA_BUILD_FIX, llama_build
+
+    asking = [m.name for m in cfg.models if m.n_gpu_layers]
+    if not asking:
+        return []
+    build = llama_build()
+    if build == "cuda":
+        return [Check("gpu offload", "ok", f"llama.cpp is a CUDA build; offloading {', '.join(asking)}")]
+    return [Check("gpu offload", "fail", f"{', '.join(asking)} set n_gpu_layers, and llama.cpp is a "
+                  f"{build or 'missing'} build: edge serve will refuse to start", CUDA_BUILD_FIX)]
 
 
 def _engines(cfg: Config) -> list[Check]:
     if not cfg.engines:
         return []
     from edge.device import detect
-    from edge.engines.serve import configured_engines
+    from edge.engines.load import configured_engines
 
     checks = []
     for e, stored in configured_engines(cfg, detect()):
@@ -147,6 +162,7 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
         lambda: [_device()],
         lambda: _model_files(cfg),
         lambda: _engines(cfg),
+        lambda: _gpu_offload(cfg),
         lambda: [_memlock(cfg, unit_text)],
         lambda: [_memory(cfg)],
         lambda: unit_checks,

@@ -2,7 +2,9 @@
 
 Tensors come as {"name", "shape", "datatype", "data"} with data flat (row-major) or nested;
 a wrong name, datatype or shape, or data whose length does not fit the shape, is a 400 that
-says which input and what was expected.
+says which input and what was expected. The wire types (`KSERVE_DTYPES`, `kserve_datatype`)
+live here with the protocol; starlette and the engine runtime are imported by `kserve_routes`
+only, so engines can name wire types without pulling in the HTTP stack.
 """
 
 from __future__ import annotations
@@ -11,15 +13,32 @@ import json
 import time
 from typing import Any
 
-import numpy as np
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from typing import TYPE_CHECKING
 
-from edge.engines.runtime import KSERVE_DTYPES, TensorSpec, check_feeds
+import numpy as np
+
 from edge.errors import RequestError
 
-__all__ = ["kserve_routes"]
+if TYPE_CHECKING:
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from edge.engines.runtime import TensorSpec
+
+__all__ = ["KSERVE_DTYPES", "kserve_datatype", "kserve_routes"]
+
+# KServe v2 datatype <-> numpy (BF16/FP8 have no NumPy type: engines with them are refused at load)
+KSERVE_DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64,
+                 "INT32": np.int32, "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_}
+
+
+def kserve_datatype(dtype: object) -> str:
+    want = np.dtype(dtype)  # type: ignore[call-overload]
+    for name, np_type in KSERVE_DTYPES.items():
+        if np.dtype(np_type) == want:
+            return name
+    raise ValueError(f"{want} has no KServe v2 datatype")
 
 
 def _tensor(t: Any, i: int) -> tuple[str, np.ndarray]:
@@ -56,6 +75,11 @@ def _meta(name: str, worker: Any) -> dict[str, Any]:
 
 
 def kserve_routes(state: Any, guarded: Any) -> list[Route]:
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from edge.engines.runtime import check_feeds
+
     def engine(request: Request) -> tuple[str, Any]:
         name = request.path_params["name"]
         if name not in state.engines:

@@ -143,6 +143,9 @@ def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
 def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
     """Load through llama-cpp with mmap/mlock and measure whether the lock really took."""
     llama_cpp = require("llama_cpp", None, "loading GGUF models", package="llama-cpp-python")
+    from edge.llama_gpu import require_gpu_offload
+
+    require_gpu_offload(llama_cpp, cfg.name, cfg.n_gpu_layers)  # a CPU-only build would ignore it
     before = vm_locked_bytes()
     try:
         llama = llama_cpp.Llama(

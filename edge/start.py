@@ -57,7 +57,7 @@ class Phases:
     MODEL_LOAD = "model_load"
     IMPORTS_HTTP = "imports_http"
     MLOCK_VERIFY = "mlock_verify"
-    DEVICE = "device"  # engines (edge.engines.serve): device, lookup, read, context, deserialize
+    DEVICE = "device"  # engines (edge.engines.load): device, lookup, read, context, deserialize
     ENGINE_LOOKUP = "engine_lookup"
     ENGINE_READ = "engine_read"
     CUDA_CONTEXT = "cuda_context"
@@ -177,7 +177,7 @@ class ColdStart:
             self.import_http()
             workers, infos = loading.result()
         from edge.app import ServiceState, build_app
-        from edge.engines.serve import load_engines
+        from edge.engines.load import load_engines
 
         state = ServiceState(workers=workers)
         state.engines, engine_infos = load_engines(self.config, self.timer)

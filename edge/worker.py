@@ -79,9 +79,25 @@ class ModelWorker(Worker):
 
 
 class EngineWorker(Worker):
-    """One deserialized engine (TensorRT or ONNX Runtime session) and the store entry it came from."""
+    """One engine's thread: its session is created, called and closed there (a CUDA context is
+    current per thread)."""
 
-    def __init__(self, name: str, session: EngineSession, stored: StoredEngine) -> None:
+    session: EngineSession
+
+    def __init__(self, name: str, stored: StoredEngine) -> None:
         super().__init__(name)
-        self.session = session
         self.stored = stored
+
+    def open(self, data: bytes,
+             make: Callable[[StoredEngine, bytes], EngineSession] | None = None) -> EngineSession:
+        if make is None:
+            from edge.engines.runtime import session_from_engine as make
+
+        self.session = self._pool.submit(make, self.stored, data).result()
+        return self.session
+
+    def close(self) -> None:
+        session = getattr(self, "session", None)
+        if session is not None:
+            self._pool.submit(session.close).result()  # GPU objects go on the thread that made them
+        super().close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from conftest import EDGE
 from edge.device import detect
 from edge.engines.build import build_engine
-from edge.engines.demo import make_mlp
+from onnxgen import make_mlp
 from edge.engines.recipe import check_onnx, load_recipe
 from edge.engines.store import EngineStore
 from edge.errors import ConfigError
@@ -102,7 +103,7 @@ def ort_service(tmp_path_factory: pytest.TempPathFactory):
     d = tmp_path_factory.mktemp("engine-svc")
     build_engine(load_recipe(RECIPE), "onnxruntime", EngineStore(d / "store"), detect(), log=lambda s: None)
     cfg = d / "edge.toml"
-    cfg.write_text(f'[paths]\nstate_dir = "{d / "state"}"\ncache_dir = "{d / "cache"}"\n'
+    cfg.write_text(f'[server]\nport = 0\n[paths]\nstate_dir = "{d / "state"}"\ncache_dir = "{d / "cache"}"\n'
                    f'[[engines]]\nname = "mlp"\nbackend = "onnxruntime"\nrecipe = "{RECIPE}"\n'
                    f'store = "{d / "store"}"\n')
     with PidOne([*EDGE, "serve", "--config", str(cfg)]) as pid1:
@@ -165,7 +166,7 @@ def test_bad_tensors_are_400_and_the_service_keeps_serving(ort_service, tensor, 
 
 def test_missing_engine_for_this_device_exits_65(tmp_path: Path) -> None:
     cfg = tmp_path / "edge.toml"
-    cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "s"}"\ncache_dir = "{tmp_path / "c"}"\n'
+    cfg.write_text(f'[server]\nport = 0\n[paths]\nstate_dir = "{tmp_path / "s"}"\ncache_dir = "{tmp_path / "c"}"\n'
                    f'[[engines]]\nname = "mlp"\nbackend = "onnxruntime"\nrecipe = "{RECIPE}"\n')
     r = subprocess.run([*EDGE, "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 65 and "no engine for model 'mlp-demo'" in r.stderr and "edge build-engine" in r.stderr
@@ -183,21 +184,52 @@ def _gpu_builder() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_builder(), reason="needs a GPU and the full TensorRT builder")
 def test_tensorrt_build_deserialize_infer_matches_ort(tmp_path: Path) -> None:
-    from edge.engines.runtime import session_from_engine
+    import asyncio
+
+    from edge.engines.load import EngineWorker, read_verified
 
     stored = build_engine(load_recipe(RECIPE), "tensorrt", EngineStore(tmp_path), detect(), log=lambda s: None)
-    session = session_from_engine(stored, stored.path.read_bytes())
-    x = np.random.default_rng(2).standard_normal((4, 16)).astype(np.float32)
-    got = session.infer({"x": x})["y"]
-    ref = ort.InferenceSession(str(ROOT / "engines" / "mlp-demo.onnx")).run(None, {"x": x})[0]
-    np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2)  # fp16 tolerance
+    worker = EngineWorker("mlp", stored)  # deserialized, served and closed on the worker thread
+    try:
+        worker.open(read_verified(stored))
+        for batch in (1, 4, 32):
+            x = np.random.default_rng(batch).standard_normal((batch, 16)).astype(np.float32)
+            got = asyncio.run(worker.call(worker.session.infer, {"x": x}))["y"]
+            ref = ort.InferenceSession(str(ROOT / "engines" / "mlp-demo.onnx")).run(None, {"x": x})[0]
+            np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2)  # fp16 tolerance
+    finally:
+        worker.close()
+
+
+def test_a_failed_timing_cache_write_keeps_the_engine(tmp_path: Path, monkeypatch) -> None:
+    from edge.engines import build
+
+    def fake_tensorrt_builder(job: build.BuildJob) -> None:  # test double for TensorRT's builder
+        assert job.cache_in == b""
+        job.out.write_bytes(b"plan")
+        job.cache_out, job.flags = b"tactics", {"fake": True}
+
+    monkeypatch.setattr(build, "_build_tensorrt", fake_tensorrt_builder)
+    dev = dataclasses.replace(detect(), sm="sm_87", tensorrt="10.3.0", gpu_name="Orin")
+    store = EngineStore(tmp_path / "store")
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "timing-caches").write_text("a file where the cache folder should be")
+    logs: list[str] = []
+    stored = build_engine(load_recipe(RECIPE), "tensorrt", store, dev, log=logs.append)
+    assert stored.path.read_bytes() == b"plan" and store.find(stored.key) == stored
+    assert any("timing cache not saved" in line and "the engine is stored" in line for line in logs)
+    (tmp_path / "store" / "timing-caches").unlink()
+    build_engine(load_recipe(RECIPE), "tensorrt", store, dev, log=logs.append)
+    cache = store.timing_cache(stored.key)
+    assert cache.read_bytes() == b"tactics" and cache.parent == tmp_path / "store" / "timing-caches"
+    assert "trt10.3.0" in cache.name and not (RECIPE.parent / "mlp-demo.timing.cache").exists()
 
 
 def test_doctor_checks_the_engine_for_this_device(tmp_path: Path) -> None:
     from edge.doctor import run_checks
 
     cfg = tmp_path / "edge.toml"
-    cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "s"}"\ncache_dir = "{tmp_path / "c"}"\n'
+    cfg.write_text(f'[server]\nport = 0\n[paths]\nstate_dir = "{tmp_path / "s"}"\ncache_dir = "{tmp_path / "c"}"\n'
                    f'[[engines]]\nname = "mlp"\nbackend = "onnxruntime"\nrecipe = "{RECIPE}"\n')
     (missing,) = [c for c in run_checks(str(cfg), []) if c.name == "engine mlp"]
     assert missing.level == "fail" and "edge build-engine" in missing.fix
@@ -209,7 +241,7 @@ def test_doctor_checks_the_engine_for_this_device(tmp_path: Path) -> None:
 
 def _engine_config(tmp_path: Path) -> Path:
     cfg = tmp_path / "edge.toml"
-    cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "s"}"\ncache_dir = "{tmp_path / "c"}"\n'
+    cfg.write_text(f'[server]\nport = 0\n[paths]\nstate_dir = "{tmp_path / "s"}"\ncache_dir = "{tmp_path / "c"}"\n'
                    f'[[engines]]\nname = "mlp"\nbackend = "onnxruntime"\nrecipe = "{RECIPE}"\n')
     return cfg
 

@@ -1,5 +1,5 @@
 """Engines: the store (key -> file, manifest, atomic writes), offline builds, runtime loading.
 
-Nothing here imports TensorRT, pycuda or ONNX Runtime at module level; each backend is loaded
+Nothing here imports TensorRT, cuda-python or ONNX Runtime at module level; each backend is loaded
 by the call that needs it.
 """

@@ -1,7 +1,10 @@
 """`edge build-engine`: build an engine offline (on the build host) and put it in the store.
 
 TensorRT: Builder + ONNX parser + BuilderConfig with every recipe profile, the workspace limit,
-precision, and a timing cache loaded before and saved after (rebuilds skip tactic timing).
+precision, hardware/version compatibility, and a timing cache loaded before and saved after
+(rebuilds skip tactic timing). The cache is kept per GPU and TensorRT version beside the store
+(EngineStore.timing_cache); writing it is best effort after the engine is stored, and a cache
+TensorRT rejects is reported, not silently dropped.
 ONNX Runtime: the ONNX graph optimized offline and saved in ORT format, so the device only
 loads it. Either way the result lands in the store atomically, keyed by the machine it was
 built for.
@@ -11,27 +14,35 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edge.device import DeviceInfo
-from edge.engines.key import EngineKey, device_fields
+from edge.engines.key import build_key
 from edge.engines.recipe import Recipe, check_onnx, profile_shapes
 from edge.engines.store import EngineStore, StoredEngine
 from edge.errors import EngineError, MissingDependency
 from edge.fsutil import atomic_write, sha256_file
 
-__all__ = ["build_engine", "key_for"]
+__all__ = ["build_engine"]
 
 Progress = Callable[[str, int, int], None]  # (phase, step, total)
 
 
-def key_for(recipe: Recipe, backend: str, device: DeviceInfo, onnx_sha256: str) -> EngineKey:
-    precision = recipe.precision if backend == "tensorrt" else "fp32"
-    profile = "" if len(recipe.profiles) == 1 and recipe.profiles[0].name == "default" \
-        else "+".join(p.name for p in recipe.profiles)
-    return EngineKey(model=recipe.name, model_sha256=onnx_sha256, precision=precision, profile=profile,
-                     **device_fields(backend, device))
+@dataclass
+class BuildJob:
+    """What a backend build gets: the recipe, its profile shapes, where to write, the timing
+    cache to start from; what it leaves: flags used and the timing cache to save."""
+
+    recipe: Recipe
+    shapes: list[dict[str, Any]]
+    out: Path
+    progress: Progress
+    log: Callable[[str], None]
+    cache_in: bytes = b""
+    flags: dict[str, Any] = field(default_factory=dict)
+    cache_out: bytes | None = None
 
 
 def build_engine(recipe: Recipe, backend: str, store: EngineStore, device: DeviceInfo,
@@ -40,23 +51,38 @@ def build_engine(recipe: Recipe, backend: str, store: EngineStore, device: Devic
     for io in ("inputs", "outputs"):
         for t in summary[io]:
             log(f"  {io[:-1]:6} {t['name']:<16} {t['dtype']:<8} {t['dims']}")
-    key = key_for(recipe, backend, device, sha256_file(Path(recipe.onnx)))
-    shapes = profile_shapes(recipe, summary)
-    out = store.tmp_path(key)
+    key = build_key(recipe, backend, device, sha256_file(Path(recipe.onnx)))
+    cache = store.timing_cache(key) if backend == "tensorrt" and recipe.timing_cache else None
+    job = BuildJob(recipe, profile_shapes(recipe, summary), store.tmp_path(key), progress or (lambda *a: None),
+                   log, cache_in=cache.read_bytes() if cache and cache.is_file() else b"")
     try:
-        builders = {"tensorrt": _build_tensorrt, "onnxruntime": _build_onnxruntime}
-        flags = builders[backend](recipe, shapes, out, progress or (lambda *a: None), log)
-        build = {"recipe": recipe.source, "onnx": recipe.onnx, "io": summary, "flags": flags,
+        {"tensorrt": _build_tensorrt, "onnxruntime": _build_onnxruntime}[backend](job)
+        build = {"recipe": recipe.source, "onnx": recipe.onnx, "io": summary, "flags": job.flags,
                  "profiles": [{n: {"min": s[0], "opt": s[1], "max": s[2]} for n, s in p.items()}
-                              for p in shapes],
+                              for p in job.shapes],
                  "profile_names": [p.name for p in recipe.profiles]}
-        return store.put(key, out, build)
+        stored = store.put(key, job.out, build)
     finally:
-        out.unlink(missing_ok=True)  # a failed or interrupted build leaves nothing visible
+        job.out.unlink(missing_ok=True)  # a failed or interrupted build leaves nothing visible
+    if cache and job.cache_out:
+        save_timing_cache(cache, job.cache_out, log)
+    return stored
 
 
-def _build_onnxruntime(recipe: Recipe, shapes: Any, out: Path, progress: Progress,
-                       log: Callable[[str], None]) -> dict[str, Any]:
+def save_timing_cache(path: Path, data: bytes, log: Callable[[str], None]) -> bool:
+    """Best effort, after the engine is stored: a cache that cannot be written costs the next
+    build its tactic timings, never this build its engine."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, data)
+    except OSError as exc:
+        log(f"  warning: timing cache not saved to {path}: {exc} (the engine is stored)")
+        return False
+    return True
+
+
+def _build_onnxruntime(job: BuildJob) -> None:
+    recipe, progress, log = job.recipe, job.progress, job.log
     try:
         import onnxruntime as ort
     except ImportError:
@@ -68,14 +94,14 @@ def _build_onnxruntime(recipe: Recipe, shapes: Any, out: Path, progress: Progres
     # EXTENDED, not ALL: ALL adds layout rewrites tied to this CPU's vector width, and the key
     # only names the architecture.
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    so.optimized_model_filepath = str(out)
+    so.optimized_model_filepath = str(job.out)
     so.add_session_config_entry("session.save_model_format", "ORT")
     try:
         ort.InferenceSession(recipe.onnx, so, providers=["CPUExecutionProvider"])
     except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
         raise EngineError(f"ONNX Runtime could not optimize {recipe.onnx}: {exc}") from None
     progress("optimize graph", 1, 1)
-    return {"graph_optimization_level": "ORT_ENABLE_EXTENDED", "format": "ORT"}
+    job.flags = {"graph_optimization_level": "ORT_ENABLE_EXTENDED", "format": "ORT"}
 
 
 def _import_trt_builder() -> Any:
@@ -96,11 +122,7 @@ def _count_qdq(onnx_path: str) -> int:
     return sum(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in onnx.load(onnx_path).graph.node)
 
 
-def _build_tensorrt(recipe: Recipe, shapes: list[dict[str, Any]], out: Path, progress: Progress,
-                    log: Callable[[str], None]) -> dict[str, Any]:
-    trt = _import_trt_builder()
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
+def _network(trt: Any, builder: Any, logger: Any, recipe: Recipe) -> tuple[Any, Any, bool]:
     # TensorRT 11 builds strongly typed networks only (no FP16/INT8 builder flags): precision
     # then comes from the ONNX's own types and Q/DQ nodes.
     strongly_typed = not hasattr(trt.BuilderFlag, "FP16")
@@ -113,32 +135,66 @@ def _build_tensorrt(recipe: Recipe, shapes: list[dict[str, Any]], out: Path, pro
     if not parser.parse_from_file(recipe.onnx):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise EngineError(f"TensorRT's ONNX parser rejected {recipe.onnx}: {errors}")
+    return network, parser, strongly_typed
+
+
+def _compatibility(trt: Any, config: Any, recipe: Recipe, used: dict[str, Any]) -> None:
+    """Hardware- and version-compatible builds: what the key's fields of the same name promise."""
+    if recipe.hardware_compatibility != "none":
+        level = {"ampere_plus": "AMPERE_PLUS", "same_compute_capability": "SAME_COMPUTE_CAPABILITY"}
+        config.hardware_compatibility_level = getattr(trt.HardwareCompatibilityLevel,
+                                                      level[recipe.hardware_compatibility])
+        used["hardware_compatibility"] = recipe.hardware_compatibility
+    if recipe.version_compatible:
+        config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
+        used["version_compatible"] = True
+        if recipe.exclude_lean_runtime:
+            config.set_flag(trt.BuilderFlag.EXCLUDE_LEAN_RUNTIME)
+            used["exclude_lean_runtime"] = True
+
+
+def _timing_cache(config: Any, job: BuildJob, used: dict[str, Any]) -> None:
+    cache = config.create_timing_cache(job.cache_in)
+    accepted = bool(config.set_timing_cache(cache, ignore_mismatch=False))
+    used["timing_cache_in_bytes"] = len(job.cache_in)
+    if job.cache_in and not accepted:
+        # made by another GPU or TensorRT (or corrupt): tactics are timed afresh this time
+        job.log(f"  warning: TensorRT rejected the timing cache ({len(job.cache_in)} bytes); "
+                "building without it and saving a new one")
+        used["timing_cache_rejected"] = True
+        config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
+
+
+def _build_tensorrt(job: BuildJob) -> None:
+    recipe, trt = job.recipe, _import_trt_builder()
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network, _parser, strongly_typed = _network(trt, builder, logger, recipe)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, recipe.workspace_mb << 20)
-    used = {"workspace_mb": recipe.workspace_mb, "strongly_typed": strongly_typed}
+    used: dict[str, Any] = {"workspace_mb": recipe.workspace_mb, "strongly_typed": strongly_typed,
+                            "tensorrt": trt.__version__}
     _set_precision(trt, config, recipe, strongly_typed, used)
-    for prof in shapes:
+    _compatibility(trt, config, recipe, used)
+    for prof in job.shapes:
         p = builder.create_optimization_profile()
         for name, (mn, opt, mx) in prof.items():
             p.set_shape(name, mn, opt, mx)
         config.add_optimization_profile(p)
-    cache_in = Path(recipe.timing_cache).read_bytes() if recipe.timing_cache and \
-        Path(recipe.timing_cache).is_file() else b""
-    cache = config.create_timing_cache(cache_in)
-    config.set_timing_cache(cache, ignore_mismatch=False)
-    used["timing_cache_in_bytes"] = len(cache_in)
+    if recipe.timing_cache:
+        _timing_cache(config, job, used)
     if hasattr(trt, "IProgressMonitor"):
-        config.progress_monitor = _monitor(trt, progress)
+        config.progress_monitor = _monitor(trt, job.progress)
     plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise EngineError(f"TensorRT failed to build {recipe.onnx} (its log above says why)")
-    with open(out, "wb") as f:
+    with open(job.out, "wb") as f:
         f.write(memoryview(plan))
         f.flush()
         os.fsync(f.fileno())
     if recipe.timing_cache:
-        atomic_write(Path(recipe.timing_cache), bytes(memoryview(config.get_timing_cache().serialize())))
-    return used
+        job.cache_out = bytes(memoryview(config.get_timing_cache().serialize()))
+    job.flags = used
 
 
 def _set_precision(trt: Any, config: Any, recipe: Recipe, strongly_typed: bool, used: dict[str, Any]) -> None:

@@ -1,38 +1,61 @@
-"""Engine keys: what an engine was built from and for. An engine runs only where its key matches."""
+"""Engine keys: what an engine was built from and for. An engine runs only where its key fits.
+
+One function, `key_for(entry, device)`, says what a config's `[[engines]]` entry needs of this
+device; serving, `edge doctor`, `edge engines gc` and the OTA installer all use it. The build
+side makes the key of what it built with `build_key` (same fields, coarsened where the build was
+made hardware- or version-compatible). `EngineKey.differences(wanted)` is the one rule for
+"does this stored engine run here": empty means yes.
+
+A TensorRT key holds the SM arch, the platform (Jetson module, or dGPU product: Orin AGX, NX and
+Nano are all sm_87 with different SM counts, an H100 and a GH200 both sm_90), the CUDA major,
+the full TensorRT version of the module that deserializes (build number included), and the
+build's hardware-compatibility level and version-compatible flag.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from edge.device import DeviceInfo
 from edge.errors import EngineError
 
-__all__ = ["EngineKey", "device_fields", "BACKENDS"]
+if TYPE_CHECKING:
+    from edge.config import EngineConfig
+    from edge.engines.recipe import Recipe
+
+__all__ = ["EngineKey", "BACKENDS", "HW_COMPAT", "build_key", "device_fields", "key_for", "profile_label"]
 
 BACKENDS = ("tensorrt", "onnxruntime")
-# the fields that tie an engine to the machine it runs on, in the order a mismatch is reported
-DEVICE_FIELDS = ("backend", "target", "cuda", "tensorrt", "onnxruntime")
+# TensorRT's HardwareCompatibilityLevel, as recipes and keys spell it
+HW_COMPAT = ("none", "ampere_plus", "same_compute_capability")
 
 
 @dataclass(frozen=True)
 class EngineKey:
-    model: str
+    model: str  # a label: engines are matched by model_sha256, so a config may name them freely
     model_sha256: str
     backend: str
     target: str  # sm_87 for TensorRT, cpu-x86_64 / cpu-aarch64 for ONNX Runtime
     precision: str
     profile: str = ""
-    cuda: str | None = None
-    tensorrt: str | None = None
+    cuda: str | None = None  # CUDA major ("12"); None: not known, not compared
+    tensorrt: str | None = None  # the full version of the module (build number where it has one)
     onnxruntime: str | None = None
+    platform: str | None = None  # jetson-agx-orin / nvidia-h100-80gb-hbm3; None for hw-compatible
+    hardware_compat: str = "none"
+    version_compatible: bool = False
 
     def filename(self) -> str:
         if self.backend == "tensorrt":
-            stem, ext = f"{self.target}-cuda{self.cuda}-trt{self.tensorrt}-{self.precision}", "engine"
-        else:
-            stem, ext = f"{self.target}-ort{self.onnxruntime}-{self.precision}", "ort"
-        return f"{stem}-{self.profile}.{ext}" if self.profile else f"{stem}.{ext}"
+            parts = [self.target, self.platform, f"cuda{self.cuda}" if self.cuda else None,
+                     f"trt{self.tensorrt}", "vc" if self.version_compatible else None,
+                     None if self.hardware_compat == "none" else self.hardware_compat.replace("_", "-"),
+                     self.precision, self.profile or None]
+            return "-".join(p for p in parts if p) + ".engine"
+        stem = f"{self.target}-ort{self.onnxruntime}-{self.precision}"
+        return f"{stem}-{self.profile}.ort" if self.profile else f"{stem}.ort"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -43,30 +66,107 @@ class EngineKey:
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def differences(self, wanted: "EngineKey") -> list[str]:
-        """How this (stored) key differs from the wanted one, as sentences."""
-        out = []
-        for name in DEVICE_FIELDS + ("precision", "profile"):
-            have, want = getattr(self, name), getattr(wanted, name)
-            if have != want:
-                what = {"target": "", "backend": "backend ", "precision": "precision ",
-                        "profile": "profile "}.get(name, f"{name} ")
-                out.append(f"engine was built for {what}{have or '(none)'}, "
-                           f"this device {'needs' if name in ('precision', 'profile') else 'is'} "
-                           f"{what}{want or '(none)'}")
+        """Why this (stored) engine cannot run where `wanted` was asked, as sentences; [] = it runs."""
+        out = [_say(n, getattr(self, n), getattr(wanted, n)) for n in ("backend", "precision", "profile")
+               if getattr(self, n) != getattr(wanted, n)]
+        if self.backend == "onnxruntime":
+            out += [_say(n, getattr(self, n), getattr(wanted, n)) for n in ("target", "onnxruntime")
+                    if getattr(self, n) != getattr(wanted, n)]
+            return out
+        return out + self._gpu_differences(wanted) + self._software_differences(wanted)
+
+    def _gpu_differences(self, wanted: "EngineKey") -> list[str]:
+        if self.hardware_compat == "ampere_plus":
+            ok = _sm_number(wanted.target) >= 80
+            return [] if ok else [f"engine was built hardware-compatible for Ampere and newer (sm_80+), "
+                                  f"this device is {wanted.target}"]
+        out = [] if self.target == wanted.target else [_say("target", self.target, wanted.target)]
+        if self.hardware_compat == "none" and self.platform != wanted.platform:
+            out.append(_say("platform", self.platform, wanted.platform))
         return out
+
+    def _software_differences(self, wanted: "EngineKey") -> list[str]:
+        out = []
+        if self.cuda and wanted.cuda and self.cuda != wanted.cuda:
+            out.append(_say("cuda", self.cuda, wanted.cuda))
+        have, want = self.tensorrt or "", wanted.tensorrt or ""
+        if self.version_compatible:
+            # a version-compatible engine runs on the same major at this or a later version
+            if have.split(".")[0] != want.split(".")[0] or _numbers(want) < _numbers(have):
+                out.append(f"engine was built version-compatible with tensorrt {have} (runs on "
+                           f"{have.split('.')[0]}.x from {have} on), this device is tensorrt {want or '(none)'}")
+        elif have != want:
+            out.append(_say("tensorrt", have, want))
+        return out
+
+
+def _say(name: str, have: Any, want: Any) -> str:
+    what = {"target": "", "platform": "platform "}.get(name, f"{name} ")
+    verb = "needs" if name in ("precision", "profile") else "is"
+    return f"engine was built for {what}{have or '(none)'}, this device {verb} {what}{want or '(none)'}"
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+    return tuple(int(p) if p.isdigit() else 0 for p in version.split("."))
+
+
+def _sm_number(target: str | None) -> int:
+    try:
+        return int(str(target).removeprefix("sm_"))
+    except ValueError:
+        return 0
 
 
 def device_fields(backend: str, device: DeviceInfo) -> dict[str, Any]:
     """The key fields this device asks of an engine for `backend`; an error says what is missing."""
     if backend == "tensorrt":
-        missing = [n for n, v in (("GPU SM arch", device.sm), ("CUDA version", device.cuda),
-                                  ("TensorRT version", device.tensorrt)) if not v]
+        missing = [n for n, v in (("GPU SM arch", device.sm), ("TensorRT version", device.tensorrt)) if not v]
         if missing:
             raise EngineError(f"TensorRT engines need {', '.join(missing)} of this device, and "
                               "none could be found (edge device shows what was detected)")
-        return {"backend": backend, "target": device.sm, "cuda": device.cuda, "tensorrt": device.tensorrt}
+        return {"backend": backend, "target": device.sm, "platform": device.platform,
+                "cuda": device.cuda.split(".")[0] if device.cuda else None, "tensorrt": device.tensorrt}
     if backend == "onnxruntime":
         if not device.onnxruntime:
             raise EngineError("ONNX Runtime is not installed: pip install onnxruntime")
         return {"backend": backend, "target": f"cpu-{device.cpu_arch}", "onnxruntime": device.onnxruntime}
     raise EngineError(f"unknown engine backend {backend!r}: expected one of {list(BACKENDS)}")
+
+
+def profile_label(recipe: "Recipe") -> str:
+    names = [p.name for p in recipe.profiles]
+    return "" if names == ["default"] else "+".join(names)
+
+
+def key_for(entry: "EngineConfig", device: DeviceInfo) -> EngineKey:
+    """The key this device needs for a config's engine entry: from its recipe (ONNX sha256,
+    precision, profiles) or, on devices that hold no ONNX, from onnx_sha256/precision/profile."""
+    if entry.recipe:
+        from edge.engines.recipe import load_recipe
+        from edge.fsutil import sha256_file
+
+        recipe = load_recipe(entry.recipe)
+        precision = recipe.precision if entry.backend == "tensorrt" else "fp32"
+        return EngineKey(model=recipe.name, model_sha256=sha256_file(Path(recipe.onnx)), precision=precision,
+                         profile=profile_label(recipe), **device_fields(entry.backend, device))
+    if not entry.onnx_sha256:
+        raise EngineError(f"engine {entry.name!r}: the config needs recipe, or onnx_sha256 and precision")
+    precision = (entry.precision or "fp16") if entry.backend == "tensorrt" else "fp32"
+    return EngineKey(model=entry.name, model_sha256=str(entry.onnx_sha256).lower(), precision=str(precision),
+                     profile=entry.profile, **device_fields(entry.backend, device))
+
+
+def build_key(recipe: "Recipe", backend: str, device: DeviceInfo, onnx_sha256: str) -> EngineKey:
+    """The key of an engine built here from `recipe`: the device's fields, coarsened to what the
+    build's compatibility settings make it run on."""
+    key = EngineKey(model=recipe.name, model_sha256=onnx_sha256,
+                    precision=recipe.precision if backend == "tensorrt" else "fp32",
+                    profile=profile_label(recipe), **device_fields(backend, device))
+    if backend != "tensorrt":
+        return key
+    if recipe.hardware_compatibility != "none":
+        key = replace(key, platform=None, hardware_compat=recipe.hardware_compatibility,
+                      target="sm_80" if recipe.hardware_compatibility == "ampere_plus" else key.target)
+    if recipe.version_compatible:
+        key = replace(key, version_compatible=True)
+    return key

@@ -5,7 +5,9 @@ name = "mlp-demo"
 onnx = "mlp-demo.onnx"          # relative to the recipe
 precision = "fp16"              # fp32 | fp16 | int8
 workspace_mb = 256
-timing_cache = "mlp-demo.timing.cache"
+timing_cache = true              # per GPU + TensorRT version, beside the store
+hardware_compatibility = "none"  # none | ampere_plus | same_compute_capability (TensorRT)
+version_compatible = false       # runs on later TensorRT 10.x, and on the lean runtime
 
 [[profiles]]
 name = "default"
@@ -26,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from edge.config import build_dataclass
+from edge.engines.key import HW_COMPAT
 from edge.errors import ConfigError
 
 __all__ = ["InputRange", "Profile", "Recipe", "load_recipe", "check_onnx"]
 
 PRECISIONS = ("fp32", "fp16", "int8")
+
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,10 @@ class Recipe:
     onnx: str
     precision: str = "fp16"
     workspace_mb: int = field(default=256, metadata={"range": (1, 1 << 20)})
-    timing_cache: str | None = None
+    timing_cache: bool = True
+    hardware_compatibility: str = "none"
+    version_compatible: bool = False
+    exclude_lean_runtime: bool = False  # with version_compatible: the plan does not embed it
     profiles: list[Profile] = field(default_factory=lambda: [Profile()])
     source: str = ""
 
@@ -74,8 +81,7 @@ def load_recipe(path: str | Path) -> Recipe:
     r = build_dataclass(Recipe, raw, src, "")
     base = p.parent
     onnx = str((base / r.onnx).resolve())
-    cache = str((base / r.timing_cache).resolve()) if r.timing_cache else None
-    r = dataclasses.replace(r, onnx=onnx, timing_cache=cache, source=src)
+    r = dataclasses.replace(r, onnx=onnx, source=src)
     _check_fields(r)
     return r
 
@@ -83,6 +89,11 @@ def load_recipe(path: str | Path) -> Recipe:
 def _check_fields(r: Recipe) -> None:
     if r.precision not in PRECISIONS:
         raise ConfigError(r.source, "precision", f"expected one of {list(PRECISIONS)}, found {r.precision!r}")
+    if r.hardware_compatibility not in HW_COMPAT:
+        raise ConfigError(r.source, "hardware_compatibility",
+                          f"expected one of {list(HW_COMPAT)}, found {r.hardware_compatibility!r}")
+    if r.exclude_lean_runtime and not r.version_compatible:
+        raise ConfigError(r.source, "exclude_lean_runtime", "only means something with version_compatible = true")
     if not Path(r.onnx).is_file():
         raise ConfigError(r.source, "onnx", f"ONNX file {r.onnx} does not exist")
     if not r.profiles:

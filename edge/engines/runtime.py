@@ -1,9 +1,10 @@
 """Engine sessions at serving time: deserialize a stored engine and run it.
 
 `session_from_engine(stored, data)` picks the backend from the key: TensorRT
-(`Runtime.deserialize_cuda_engine`, an execution context, device buffers and a stream through
-pycuda, `execute_async_v3`) or ONNX Runtime (a session over the prebuilt ORT-format model, with
-graph optimization off because it was done at build time).
+(edge/engines/trt_session.py: the primary CUDA context on the calling thread, cuda-python
+buffers, `execute_async_v3`) or ONNX Runtime (a session over the prebuilt ORT-format model,
+with graph optimization off because it was done at build time). Call it on the thread that will
+serve the engine, and `close()` the session there too.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ import numpy as np
 
 from edge.engines.store import StoredEngine
 from edge.errors import EngineError, MissingDependency, RequestError
+from edge.kserve import kserve_datatype
 
-__all__ = ["EngineSession", "TensorSpec", "session_from_engine", "KSERVE_DTYPES"]
+__all__ = ["EngineSession", "TensorSpec", "check_feeds", "profile_for", "session_from_engine"]
 
-# KServe v2 datatype <-> numpy
-KSERVE_DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64,
-                 "INT32": np.int32, "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_}
+Profiles = list[dict[str, dict[str, list[int]]]]  # per profile: input -> {"min", "opt", "max"}
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class TensorSpec:
 
     @property
     def datatype(self) -> str:
-        return next(k for k, v in KSERVE_DTYPES.items() if np.dtype(v) == np.dtype(self.dtype))
+        return kserve_datatype(self.dtype)
 
 
 class EngineSession(Protocol):
@@ -41,6 +41,21 @@ class EngineSession(Protocol):
     platform: str
 
     def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+
+def profile_for(profiles: Profiles, shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The first optimization profile whose ranges hold every input's shape at once (profiles
+    are chosen jointly, never per input); 0 for an engine without profiles; None if none fits."""
+    if not profiles:
+        return 0
+    for idx, prof in enumerate(profiles):
+        if all(len(shapes[n]) == len(r["min"]) and
+               all(lo <= d <= hi for lo, d, hi in zip(r["min"], shapes[n], r["max"]))
+               for n, r in prof.items() if n in shapes):
+            return idx
+    return None
 
 
 def check_feeds(session: EngineSession, feeds: dict[str, np.ndarray]) -> None:
@@ -59,12 +74,12 @@ def check_feeds(session: EngineSession, feeds: dict[str, np.ndarray]) -> None:
         if len(arr.shape) != len(spec.shape) or any(d not in (-1, a) for d, a in zip(spec.shape, arr.shape)):
             raise RequestError(f"input {spec.name!r} has shape {list(arr.shape)}, the engine takes "
                                f"{spec.shape} (-1: any size within its profile)", param="inputs")
-        ranges = [p[spec.name] for p in session.profiles if spec.name in p]
-        if ranges and not any(all(lo <= a <= hi for lo, a, hi in zip(r["min"], arr.shape, r["max"]))
-                              for r in ranges):
-            span = ", ".join(f"{r['min']}..{r['max']}" for r in ranges)
-            raise RequestError(f"input {spec.name!r} shape {list(arr.shape)} is outside the engine's "
-                               f"optimization profiles ({span})", param="inputs")
+    if profile_for(session.profiles, {n: a.shape for n, a in feeds.items()}) is None:
+        shapes = ", ".join(f"{n} {list(a.shape)}" for n, a in feeds.items())
+        spans = "; ".join(f"profile {i}: " + ", ".join(f"{n} {r['min']}..{r['max']}" for n, r in p.items())
+                          for i, p in enumerate(session.profiles))
+        raise RequestError(f"inputs {shapes} are outside the engine's optimization profiles (one profile "
+                           f"must hold all inputs: {spans})", param="inputs")
 
 
 class OrtSession:
@@ -97,89 +112,15 @@ class OrtSession:
         names = [o.name for o in self.outputs]
         return dict(zip(names, self._sess.run(names, feeds)))
 
-
-class TrtSession:
-    """TensorRT engine on GPU 0: one execution context that switches to the optimization profile
-    holding each request's shapes; device buffers grow to the largest request seen."""
-
-    platform = "tensorrt_plan"
-
-    def __init__(self, stored: StoredEngine, data: bytes) -> None:
-        trt = _import_trt_runtime()
-        try:
-            import pycuda.autoinit  # noqa: F401  (creates the CUDA context on GPU 0)
-            import pycuda.driver as cuda
-        except ImportError:
-            raise MissingDependency("pycuda", "trt", "serving TensorRT engines") from None
-        self._cuda = cuda
-        self._logger = trt.Logger(trt.Logger.WARNING)
-        self._runtime = trt.Runtime(self._logger)
-        self._engine = self._runtime.deserialize_cuda_engine(data)
-        if self._engine is None:
-            raise EngineError(f"{stored.path}: TensorRT could not deserialize the engine "
-                              "(built for another TensorRT or GPU?)")
-        self._context = self._engine.create_execution_context()
-        self._stream = cuda.Stream()
-        self.profiles = stored.meta.get("build", {}).get("profiles", [])
-        self.inputs, self.outputs = [], []
-        for i in range(self._engine.num_io_tensors):
-            name = self._engine.get_tensor_name(i)
-            spec = TensorSpec(name, np.dtype(trt.nptype(self._engine.get_tensor_dtype(name))),
-                              list(self._engine.get_tensor_shape(name)))
-            is_input = self._engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
-            (self.inputs if is_input else self.outputs).append(spec)
-        self._device: dict[str, Any] = {}
-        self._capacity: dict[str, int] = {}
-        self._profile = 0
-
-    def _buffer(self, name: str, nbytes: int) -> Any:
-        if self._capacity.get(name, -1) < nbytes:
-            self._device[name] = self._cuda.mem_alloc(max(nbytes, 1))
-            self._capacity[name] = nbytes
-            self._context.set_tensor_address(name, int(self._device[name]))
-        return self._device[name]
-
-    def _select_profile(self, feeds: dict[str, np.ndarray]) -> None:
-        """Switch the context to the first optimization profile whose ranges hold these shapes."""
-        for idx, prof in enumerate(self.profiles):
-            if all(all(lo <= d <= hi for lo, d, hi in zip(r["min"], feeds[n].shape, r["max"]))
-                   for n, r in prof.items() if n in feeds):
-                if idx != self._profile:
-                    self._context.set_optimization_profile_async(idx, self._stream.handle)
-                    self._profile = idx
-                return
-
-    def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        cuda, ctx = self._cuda, self._context
-        self._select_profile(feeds)
-        for spec in self.inputs:
-            arr = np.ascontiguousarray(feeds[spec.name])
-            ctx.set_input_shape(spec.name, arr.shape)
-            cuda.memcpy_htod_async(self._buffer(spec.name, arr.nbytes), arr, self._stream)
-        results = {}
-        for spec in self.outputs:
-            shape = tuple(ctx.get_tensor_shape(spec.name))
-            results[spec.name] = np.empty(shape, dtype=spec.dtype)
-            self._buffer(spec.name, results[spec.name].nbytes)
-        if not ctx.execute_async_v3(self._stream.handle):
-            raise EngineError("TensorRT execution failed")
-        for name, host in results.items():
-            cuda.memcpy_dtoh_async(host, self._device[name], self._stream)
-        self._stream.synchronize()
-        return results
+    def close(self) -> None:
+        self._sess = None
 
 
-def _import_trt_runtime() -> Any:
-    try:
-        import tensorrt as trt
-    except ImportError:
-        try:
-            import tensorrt_lean as trt  # the lean runtime deserializes version-compatible engines
-        except ImportError:
-            raise MissingDependency("tensorrt", "trt", "serving TensorRT engines") from None
-    return trt
 
 
 def session_from_engine(stored: StoredEngine, data: bytes) -> EngineSession:
-    makers = {"tensorrt": TrtSession, "onnxruntime": OrtSession}
-    return makers[stored.key.backend](stored, data)
+    if stored.key.backend == "tensorrt":
+        from edge.engines.trt_session import TrtSession
+
+        return TrtSession(stored, data)
+    return OrtSession(stored, data)

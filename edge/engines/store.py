@@ -103,12 +103,15 @@ class EngineStore:
         return out
 
     def find(self, wanted: EngineKey) -> StoredEngine:
-        """The engine for exactly this key; otherwise an error that says which field differs."""
-        held = [e for e in self.entries() if e.key.model == wanted.model]
-        same_model = [e for e in held if e.key.model_sha256 == wanted.model_sha256]
-        for e in same_model:
-            if e.key == wanted:
-                return e
+        """The engine that runs on the device `wanted` describes (EngineKey.differences is the
+        rule), found by its ONNX's sha256 whatever the model is called; an exact key first, then
+        one under the wanted name, then any. Otherwise an error that says which field differs."""
+        entries = self.entries()
+        same_model = [e for e in entries if e.key.model_sha256 == wanted.model_sha256]
+        fitting = [e for e in same_model if not e.key.differences(wanted)]
+        if fitting:
+            return min(fitting, key=lambda e: (e.key != wanted, e.key.model != wanted.model))
+        held = [e for e in entries if e.key.model == wanted.model or e in same_model]
         listing = "; ".join(f"{e.key.filename()} (model sha {e.key.model_sha256[:12]})" for e in held) \
             or "nothing"
         if not same_model:
@@ -119,6 +122,12 @@ class EngineStore:
             why = f"no matching engine for {wanted.model!r}: " + "; ".join(closest.key.differences(wanted))
         raise EngineError(f"{why}. The store holds for this model: {listing}. "
                           "Build one on the build host with `edge build-engine` for this device's key.")
+
+    def timing_cache(self, key: EngineKey) -> Path:
+        """Where TensorRT's timing cache for this GPU and TensorRT version lives: beside the
+        engines (tactic timings are per GPU and TensorRT version, never per recipe)."""
+        parts = [key.target, key.platform, f"trt{key.tensorrt}"]
+        return self.root / "timing-caches" / ("-".join(p for p in parts if p) + ".cache")
 
     def verify(self, e: StoredEngine) -> None:
         try:

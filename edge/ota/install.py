@@ -199,7 +199,7 @@ class Ota:
     def check_engines(self, bundle: Bundle, device: Any) -> None:
         """A bundle whose config serves engines must carry one for this device's key."""
         from edge.config import parse_config
-        from edge.engines.key import EngineKey, device_fields
+        from edge.engines.key import EngineKey, key_for
 
         cfg = parse_config(bundle.manifest["config"], source=f"{bundle.path}: config")
         held = [EngineKey.from_dict(f.key) for f in bundle.files if f.kind == "engine" and f.key]
@@ -207,10 +207,8 @@ class Ota:
             if e.onnx_sha256 is None:
                 raise BundleError(f"{bundle.path}: engine {e.name!r} must name onnx_sha256 and "
                                   "precision in a bundle config (devices hold no recipes)")
-            wanted = EngineKey(model=e.name, model_sha256=e.onnx_sha256.lower(),
-                               precision=str(e.precision if e.backend == "tensorrt" else "fp32"),
-                               profile=e.profile, **device_fields(e.backend, device))
-            if wanted not in held:
+            wanted = key_for(e, device)
+            if not any(k.model_sha256 == wanted.model_sha256 and not k.differences(wanted) for k in held):
                 have = ", ".join(k.filename() for k in held if k.model == e.name) or "none"
                 raise BundleError(f"{bundle.path}: no engine for this device's key: {e.name} needs "
                                   f"{wanted.filename()} (backend {wanted.backend}, target "

@@ -1,0 +1,114 @@
+"""Engine keys: one key_for(entry, device) over fixture devices, and the rule for what runs where."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from edge.config import EngineConfig
+from edge.device import GpuInfo, detect
+from edge.engines.key import EngineKey, build_key, key_for
+from edge.engines.recipe import load_recipe
+from edge.engines.store import EngineStore
+from edge.errors import EngineError
+from edge.fsutil import sha256_file
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = Path(__file__).parent / "fixtures" / "devices"
+RECIPE = ROOT / "engines" / "mlp-demo.toml"
+SHA = sha256_file(ROOT / "engines" / "mlp-demo.onnx")
+
+
+def no_dists(names: tuple) -> None:
+    return None  # test double: no pip-installed CUDA
+
+
+def device(tree: str, gpu: GpuInfo | None, trt: str | None = "10.3.0"):
+    # test doubles at the boundary: the GPU and the TensorRT module as the runtime reports them
+    return detect(FIX / tree, gpu=lambda: gpu, trt=lambda: trt, cpu_arch="aarch64", dists=no_dists)
+
+
+AGX = device("orin-agx", GpuInfo("Orin", "sm_87", "12.6"))
+NANO = device("orin-nano-jp6", GpuInfo("Orin", "sm_87", "12.6"))
+H100 = device("dgpu-pip-x86", GpuInfo("NVIDIA H100 80GB HBM3", "sm_90", "12.8"), trt="10.13.3.9")
+
+
+def test_key_for_a_recipe_and_for_onnx_sha256_whatever_the_name(tmp_path: Path) -> None:
+    by_recipe = key_for(EngineConfig(name="mlp", recipe=str(RECIPE)), AGX)
+    assert (by_recipe.model, by_recipe.model_sha256, by_recipe.target, by_recipe.platform, by_recipe.cuda,
+            by_recipe.tensorrt, by_recipe.precision) == \
+        ("mlp-demo", SHA, "sm_87", "jetson-agx-orin", "12", "10.3.0", "fp32")
+    store = EngineStore(tmp_path)
+    built = build_key(load_recipe(RECIPE), "tensorrt", AGX, SHA)
+    tmp = store.tmp_path(built)
+    tmp.write_bytes(b"plan")
+    store.put(built, tmp)
+    # a device config naming the engine differently still finds it by the ONNX's sha256
+    entry = EngineConfig(name="detector", onnx_sha256=SHA.upper(), precision="fp32")
+    assert store.find(key_for(entry, AGX)).key == built
+    with pytest.raises(EngineError, match="needs recipe, or onnx_sha256"):
+        key_for(EngineConfig(name="x"), AGX)
+
+
+def test_orins_are_told_apart_and_the_message_says_how() -> None:
+    built = build_key(load_recipe(RECIPE), "tensorrt", AGX, SHA)
+    wanted = key_for(EngineConfig(name="m", recipe=str(RECIPE)), NANO)
+    assert built.target == wanted.target == "sm_87"
+    assert built.differences(wanted) == ["engine was built for platform jetson-agx-orin, this device is "
+                                         "platform jetson-orin-nano-engineering-reference-super"]
+    assert built.filename() == "sm_87-jetson-agx-orin-cuda12-trt10.3.0-fp32.engine"
+
+
+def test_hardware_compatible_builds_run_on_other_gpus_of_their_level() -> None:
+    recipe = dataclasses.replace(load_recipe(RECIPE), hardware_compatibility="ampere_plus")
+    built = build_key(recipe, "tensorrt", H100, SHA)
+    assert (built.target, built.platform, built.hardware_compat) == ("sm_80", None, "ampere_plus")
+    orin_same_trt = dataclasses.replace(key_for(EngineConfig(name="m", recipe=str(RECIPE)), AGX), tensorrt="10.13.3.9")
+    assert built.differences(orin_same_trt) == []
+    xavier = dataclasses.replace(orin_same_trt, target="sm_72")
+    assert "Ampere and newer (sm_80+), this device is sm_72" in built.differences(xavier)[0]
+    same_cc = build_key(dataclasses.replace(recipe, hardware_compatibility="same_compute_capability"),
+                        "tensorrt", AGX, SHA)
+    assert same_cc.differences(key_for(EngineConfig(name="m", recipe=str(RECIPE)), NANO)) == []
+
+
+def test_version_compatible_runs_on_later_versions_of_the_same_major() -> None:
+    recipe = dataclasses.replace(load_recipe(RECIPE), version_compatible=True)
+    built = build_key(recipe, "tensorrt", AGX, SHA)
+    wanted = key_for(EngineConfig(name="m", recipe=str(RECIPE)), AGX)
+    assert built.differences(dataclasses.replace(wanted, tensorrt="10.7.0.23")) == []
+    assert built.differences(dataclasses.replace(wanted, tensorrt="10.1.0"))
+    assert built.differences(dataclasses.replace(wanted, tensorrt="11.0.0"))
+    plain = build_key(load_recipe(RECIPE), "tensorrt", AGX, SHA)
+    assert plain.differences(dataclasses.replace(wanted, tensorrt="10.3.0.26")) == \
+        ["engine was built for tensorrt 10.3.0, this device is tensorrt 10.3.0.26"]
+
+
+def test_unknown_cuda_is_not_a_refusal() -> None:
+    built = build_key(load_recipe(RECIPE), "tensorrt", AGX, SHA)
+    no_cuda = device("orin-agx", None)  # no runtime to ask, toolkit file present: 12.6
+    assert no_cuda.cuda == "12.6"
+    runtime_only = key_for(EngineConfig(name="m", recipe=str(RECIPE)), device("orin-nano-jp6", None))
+    assert runtime_only.cuda is None  # nothing could say: compared as unknown
+    assert built.differences(dataclasses.replace(runtime_only, platform="jetson-agx-orin")) == []
+    assert built.differences(dataclasses.replace(runtime_only, cuda="11", platform="jetson-agx-orin")) == \
+        ["engine was built for cuda 12, this device is cuda 11"]
+
+
+def test_key_round_trips_through_the_manifest_dict() -> None:
+    k = build_key(dataclasses.replace(load_recipe(RECIPE), version_compatible=True), "tensorrt", H100, SHA)
+    assert EngineKey.from_dict({**k.as_dict(), "future_field": 1}) == k
+
+
+def test_the_serving_path_imports_no_builder_and_no_gpu_library() -> None:
+    import subprocess
+    import sys
+
+    # modules present at start are not the serving path's doing (cuda-python's .pth imports `cuda`)
+    probe = ("import sys\nbefore = set(sys.modules)\nimport edge.engines.load, edge.engines.key, edge.kserve\n"
+             "bad = [m for m in ('edge.engines.build', 'tensorrt', 'cuda', 'cuda.bindings.runtime', 'pycuda',"
+             " 'starlette', 'onnxruntime') if m in set(sys.modules) - before]\nprint(bad)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
