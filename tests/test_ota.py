@@ -212,7 +212,9 @@ def test_retention_after_every_commit_and_rollback(kit) -> None:
         b = kit["dir"] / f"V{i}.edgeb"
         build_bundle(b, version=f"{i}.0.0", files=[(kit["a"], "models/a.gguf", "model", None)],
                      config=cfg_text("a.gguf"), key=kit["key"])
-        ota.install(open_bundle(b, kit["pub"]), activate=lambda ok=healthy: (ok, "" if ok else "sick"))
+        new = f"versions/{i}.0.0"  # unhealthy: only the new version, and only when `healthy` is False
+        ota.install(open_bundle(b, kit["pub"]), activate=lambda ok=healthy, new=new: (
+            ok or os.readlink(ota.root / "current") != new, "sick"))
         assert len(list(ota.versions.iterdir())) <= 2  # after each commit and each rollback
     assert sorted(d.name for d in ota.versions.iterdir()) == ["2.0.0", "3.0.0"]
     assert ota.link_target("current") == "3.0.0" and ota.link_target("previous") == "2.0.0"
@@ -306,9 +308,9 @@ def test_inspect_verifies_signature_and_every_file(kit) -> None:
 
 
 def test_a_restart_that_hangs_counts_as_unhealthy(kit) -> None:
-    from edge.ota.install import command_activator
+    from edge.ota.activate import command_activator
 
-    ok, why = command_activator("sleep 5", "http://127.0.0.1:9/readyz", timeout=0.5)()
+    ok, why = command_activator("sleep 5", "http://127.0.0.1:9/readyz", timeout=0.5).activate()
     assert not ok and "did not finish within" in why
-    ok, why = command_activator("exit 4", "http://127.0.0.1:9/readyz", timeout=5)()
+    ok, why = command_activator("exit 4", "http://127.0.0.1:9/readyz", timeout=5).activate()
     assert not ok and "exited 4" in why

@@ -165,7 +165,8 @@ def recover(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typ
             unit: Optional[str] = typer.Option(None, "--unit"), health_url: Optional[str] = typer.Option(None, "--health-url"),
             timeout: Optional[float] = typer.Option(None, "--timeout"),
             pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt,
-            boot: bool = typer.Option(False, "--boot", help="at boot, before the service starts: no restart")) -> None:
+            boot: bool = typer.Option(False, "--boot", "--no-activate",
+                                      help="at boot, before the service starts: no restart")) -> None:
     """Converge what a killed command or a power cut left: an uncommitted version is rolled back,
     links are made to agree with state.json, leftovers are deleted, old versions pruned."""
     ota, cfg = _ota(config)
