@@ -33,9 +33,9 @@ from typing import Any, Union
 
 from edge.ota.activate import Activator
 from edge.ota.bundle import Bundle, content_digest
-from edge.ota.errors import BundleError, PolicyError
+from edge.ota.errors import BundleError, PolicyError, VersionError
 from edge.ota.fsops import Fs
-from edge.ota.version import parse_version
+from edge.ota.version import Version, parse_version
 
 __all__ = ["Ota", "LINKS"]
 
@@ -46,6 +46,14 @@ ActivatorLike = Union[Activator, Callable[[], "tuple[bool, str]"], None]
 
 def _activate(act: ActivatorLike) -> tuple[bool, str]:
     return act.activate() if hasattr(act, "activate") else act()  # type: ignore[union-attr, misc]
+
+
+def _parsed(text: str | None) -> Version | None:
+    """A version recorded by an edge before the grammar existed does not order: it is skipped."""
+    try:
+        return parse_version(text)
+    except VersionError:
+        return None
 
 
 def _now() -> str:
@@ -133,7 +141,8 @@ class Ota:
         if known is not None and known != bundle.content_digest:
             raise PolicyError(f"{bundle.path}: version {v} was installed on this device before with "
                               "other content: a new content needs a new version")
-        floor = [parse_version(x) for x in (st["highest"], st["current"]) if x]
+        floor = [_parsed(x) for x in (st["highest"], st["current"]) if x]
+        floor = [f for f in floor if f is not None]
         if floor and v < max(floor) and not allow_downgrade:
             raise PolicyError(f"{bundle.path}: version {v} is older than {max(floor)}, the highest "
                               "version this device has committed (a downgrade, or the replay of an "
@@ -202,7 +211,7 @@ class Ota:
         if not st["pending"]:
             raise BundleError(f"nothing to commit: no install is pending (current is {st['current']})")
         version = st["pending"]["version"]
-        highest = [parse_version(x) for x in (st["highest"], version) if x]
+        highest = [p for p in (_parsed(st["highest"]), parse_version(version)) if p is not None]
         st.update(previous=st["current"], current=version, pending=None, highest=str(max(highest)))
         self._event(st, version, "committed")
         self._save(st)  # write #2: PENDING -> IDLE on the new version
