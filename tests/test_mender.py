@@ -64,9 +64,10 @@ def mender(kit, tmp_path: Path):
         ARTIFACT_INFO.parent.mkdir(parents=True, exist_ok=True)
         ARTIFACT_INFO.write_text("artifact_name=edge-test-initial\n")
 
+    argv = ["mender", "-c", str(conf), "-b", str(tmp_path / "none.conf"), "-d", str(data), "--no-syslog"]
+
     def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-        return subprocess.run(["mender", "-c", str(conf), "-b", str(tmp_path / "none.conf"), "-d", str(data),
-                               "--no-syslog", *args], capture_output=True, text=True, timeout=timeout)
+        return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=timeout)
 
     def artifact(name: str, *bundles: Path) -> Path:
         out = tmp_path / f"{name}.mender"
@@ -78,7 +79,7 @@ def mender(kit, tmp_path: Path):
     def args(value: str) -> None:
         env_file.write_text(f"export EDGE_OTA_ARGS='{value}'\n")
 
-    yield {"run": run, "artifact": artifact, "args": args, "data": data}
+    yield {"run": run, "argv": argv, "artifact": artifact, "args": args}
     module.unlink(missing_ok=True)
     if made_info:
         ARTIFACT_INFO.unlink(missing_ok=True)
@@ -141,11 +142,10 @@ def test_install_commit_failing_bundle_rollback_and_power_cut(kit, live, mender,
     # power cut: everything killed while the new version is switched in but not committed
     gate = tmp_path / "restarting"
     mender["args"](f'--restart-cmd "touch {gate}; sleep 600" --health-url {health} --timeout 900')
-    proc = subprocess.Popen(["mender", "-c", "/dev/null", "-d", str(mender["data"]), "--no-syslog", "install",
-                             str(mender["artifact"]("art-d", _bundle(kit, "5.0.0", kit["a"])))],
+    proc = subprocess.Popen([*mender["argv"], "install", str(mender["artifact"]("art-d", _bundle(kit, "5.0.0", kit["a"])))],
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        live.wait_until(gate.exists, timeout=120) if hasattr(live, "wait_until") else _wait(gate.exists, proc)
+        _wait(gate.exists, proc)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -175,7 +175,6 @@ def test_bundle_without_an_engine_for_this_device_names_the_key(kit) -> None:
 def live(kit):
     """A real service on the OTA `current` config; health checks hit its /readyz."""
     committed(kit, "A")
-    assert edge_ota(kit, "commit").returncode == 0
     pid1 = PidOne([*EDGE, "serve", "--config", str(kit["ota"].root / "current" / "edge.toml")])
     pid1.start()
     pid1.wait_for("READY", "1")
@@ -191,7 +190,7 @@ def _converged(kit, version: str) -> None:
     assert not list(ota.versions.glob(".staging-*"))
 
 
-def test_failed_health_check_rolls_back_and_a_kill_during_rollback_recovers(kit, live) -> None:
+def test_failed_health_check_rolls_back_with_the_service_error(kit, live) -> None:
     health = f"http://{live.address[0]}:{live.address[1]}/readyz"
     # a restart that fails while `current` is B (as a service that cannot start B would)
     only_a = f'test "$(readlink {kit["ota"].root / "current"})" = versions/{A} || {{ echo B will not start >&2; exit 3; }}'
@@ -291,7 +290,9 @@ def test_update_under_load_then_a_failing_bundle_rolls_back(kit, live) -> None:
         assert set(answers) <= {text_a, text_b}
         if text_b in answers:  # A's answers, then B's, never back
             assert text_a not in answers[answers.index(text_b):]
-    assert sum(len(a) for a in seen) > 20
+    # every client was served across the update, and B answered after the switch (counts, not
+    # throughput: this runs on loaded CI machines)
+    assert all(seen) and any(text_b in answers for answers in seen)
 
 
 def test_inspect_verifies_signature_and_every_file(kit) -> None:
