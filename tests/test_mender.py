@@ -201,3 +201,26 @@ def _wait(cond, proc: subprocess.Popen) -> None:
         assert proc.poll() is None, "mender ended before the restart began"
         assert time.monotonic() < deadline, "the restart did not begin within 120 s"
         time.sleep(0.05)
+
+
+def test_module_states_without_the_client(kit, tmp_path: Path) -> None:
+    """The protocol queries, ArtifactVerifyReboot with nothing pending (what a reboot leaves after
+    the boot-time recover) and unknown states, called as Mender would call them."""
+    edge_bin = tmp_path / "edge"
+    edge_bin.write_text(f"#!/bin/sh\nexec {' '.join(EDGE)} \"$@\"\n")
+    edge_bin.chmod(0o755)
+    env = {**os.environ, "EDGE_BIN": str(edge_bin), "EDGE_CONFIG": str(kit["cfg"]), "EDGE_OTA_PUBKEY": str(kit["pub"])}
+    (tmp_path / "files").mkdir()
+
+    def state(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["sh", str(MODULE), name, str(tmp_path)], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    assert state("SupportsRollback").stdout.strip() == "Yes"
+    assert state("NeedsArtifactReboot").stdout.strip() == "No"
+    committed(kit, "A")
+    r = state("ArtifactVerifyReboot")
+    assert r.returncode == 1 and "no edge install is pending" in r.stderr
+    assert state("ProvidePayloadFileSizes").returncode == 0 and state("SomeFutureState").returncode == 0
+    r = state("ArtifactInstall")
+    assert r.returncode == 1 and "exactly one .edgeb file, it carries 0" in r.stderr
