@@ -16,6 +16,7 @@ from ggufgen import write_tiny_llama  # noqa: E402
 from kit import PidOne  # noqa: E402
 
 EDGE = [sys.executable, "-m", "edge.cli"]
+pytest_plugins = ["kit.ota"]  # OTA fixtures (kit, live) for the OTA and Mender tests
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""OTA: real signed bundles; refusals; kill -9 at every step; update under load with rollback."""
+"""OTA: real signed bundles; refusals; health check and rollback with a real service; update under
+load. Hostile bundles, policy and the kill-at-every-file-system-operation test: test_ota_policy.py."""
 
 from __future__ import annotations
 
@@ -13,42 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import EDGE
-from kit import PidOne
 from edge.ota.bundle import BundleError, build_bundle, keygen, open_bundle
-from edge.ota.install import CRASH_STEPS, Ota
-from ggufgen import write_tiny_llama
+from edge.ota.install import Ota
 from kit import post
-
-
-def cfg_text(model: str, extra: str = "") -> str:
-    return f'[[models]]\nname = "m"\npath = "models/{model}"\nn_ctx = 256\n[warmup]\ndecode_tokens = 4\n{extra}'
-
-
-@pytest.fixture()
-def kit(tmp_path: Path):
-    """Keys, two tiny models (different weights: different answers), bundles A and B."""
-    key = tmp_path / "signing.key"
-    pub = keygen(key)
-    a = write_tiny_llama(tmp_path / "a.gguf", seed=1)
-    b = write_tiny_llama(tmp_path / "b.gguf", seed=2)
-    bundles = {}
-    for v, m in (("A", a), ("B", b)):
-        bundles[v] = tmp_path / f"{v}.edgeb"
-        build_bundle(bundles[v], version=v, files=[(m, f"models/{m.name}", "model", None)],
-                     config=cfg_text(m.name), key=key)
-    device_cfg = tmp_path / "device.toml"
-    device_cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "state"}"\n[[models]]\nname = "x"\npath = "x.gguf"\n')
-    return {"dir": tmp_path, "key": key, "pub": pub, "a": a, "b": b, "bundles": bundles, "cfg": device_cfg,
-            "ota": Ota(tmp_path / "state" / "ota")}
-
-
-def edge_ota(kit, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*EDGE, "ota", *args, "--config", str(kit["cfg"])], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
-
-
-def install(kit, version: str, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return edge_ota(kit, "install", str(kit["bundles"][version]), "--pubkey", str(kit["pub"]), *extra, env=env)
+from kit.ota import A, B, cfg_text, committed, edge_ota, install  # fixtures `kit`, `live`: kit/ota.py
 
 
 def test_install_commit_status(kit) -> None:
@@ -57,10 +26,14 @@ def test_install_commit_status(kit) -> None:
     assert json.loads(r.stdout)["result"] == "switched"
     assert json.loads(edge_ota(kit, "commit").stdout)["result"] == "committed"
     ota = kit["ota"]
-    assert ota.link_target("current") == "A" and (ota.root / "current" / "models" / "a.gguf").is_file()
+    assert ota.link_target("current") == A and (ota.root / "current" / "models" / "a.gguf").is_file()
     assert (ota.root / "current" / "edge.toml").read_text() == cfg_text("a.gguf")
     st = json.loads(edge_ota(kit, "status").stdout)
-    assert st["current"] == "A" and st["pending"] is None and [h["event"] for h in st["history"]] == ["staged", "committed"]
+    assert st["current"] == A and st["pending"] is None and [h["event"] for h in st["history"]] == ["staged", "committed"]
+    assert st["highest"] == A and st["links"] == {"current": A, "previous": None} and st["on_disk"] == [A]
+    assert edge_ota(kit, "status", "--field", "current").stdout.strip() == A
+    r = edge_ota(kit, "commit")
+    assert r.returncode != 0 and "nothing to commit" in r.stderr
 
 
 def _rewrite(src: Path, dst: Path, change) -> Path:
@@ -80,7 +53,7 @@ def _same(m, data):
 
 def tamper_manifest(m, data):
     if m.name == "manifest.json":
-        data = data.replace(b'"bundle_version": "B"', b'"bundle_version": "C"')
+        data = data.replace(b'"bundle_version": "2.0.0"', b'"bundle_version": "3.0.0"')
     return _same(m, data)
 
 
@@ -115,13 +88,13 @@ def add_symlink(m, data):
     (add_symlink, "refusing symlink entry 'files/models/link'"),
 ])
 def test_bad_bundles_are_refused_and_current_stays(kit, change, words) -> None:
-    assert install(kit, "A", "--no-activate").returncode == 0
+    committed(kit, "A")
     bad = _rewrite(kit["bundles"]["B"], kit["dir"] / "bad.edgeb", change)
     r = edge_ota(kit, "install", str(bad), "--pubkey", str(kit["pub"]), "--no-activate")
     assert r.returncode == 65 and words in r.stderr and "Traceback" not in r.stderr
     ota = kit["ota"]
-    assert ota.link_target("current") == "A"
-    assert not list(ota.versions.glob(".staging-*")) and not (ota.versions / "B").exists()
+    assert ota.link_target("current") == A
+    assert not list(ota.versions.glob(".staging-*")) and not (ota.versions / B).exists()
     assert not (kit["dir"] / "evil.sh").exists() and not (kit["dir"] / "state" / "evil.sh").exists()
 
 
@@ -132,35 +105,27 @@ def test_wrong_key_unsigned_and_truncated(kit) -> None:
     assert r.returncode == 65 and "signature does not verify" in r.stderr
     with pytest.raises(BundleError, match="refusing an unverified bundle"):
         open_bundle(kit["bundles"]["A"], None)
-    assert open_bundle(kit["bundles"]["A"], None, insecure=True).version == "A"
+    assert open_bundle(kit["bundles"]["A"], None, insecure=True).version == A
     data = kit["bundles"]["B"].read_bytes()
     cut = kit["dir"] / "cut.edgeb"
     cut.write_bytes(data[: len(data) - 200_000])
-    assert install(kit, "A", "--no-activate").returncode == 0
+    committed(kit, "A")
     r = edge_ota(kit, "install", str(cut), "--pubkey", str(kit["pub"]), "--no-activate")
     assert r.returncode == 65 and "truncated" in r.stderr
-    assert kit["ota"].link_target("current") == "A"
+    assert kit["ota"].link_target("current") == A
+    sig_at = data.index(b"manifest.sig") + 512  # the signature's data block follows its header
+    cut.write_bytes(data[: sig_at + 20])  # cut inside manifest.sig
+    r = edge_ota(kit, "install", str(cut), "--pubkey", str(kit["pub"]), "--no-activate")
+    assert r.returncode == 65 and "truncated" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bundle_without_an_engine_for_this_device_names_the_key(kit) -> None:
     bundle = kit["dir"] / "E.edgeb"
-    build_bundle(bundle, version="E", files=[], key=kit["key"],
+    build_bundle(bundle, version="5.0.0", files=[], key=kit["key"],
                  config='[[engines]]\nname = "det"\nbackend = "onnxruntime"\nonnx_sha256 = "' + "ab" * 32 +
                         '"\nprecision = "fp32"\nstore = "engines"\n')
     r = edge_ota(kit, "install", str(bundle), "--pubkey", str(kit["pub"]), "--no-activate")
     assert r.returncode == 65 and "no engine for this device's key: det needs cpu-" in r.stderr
-
-
-@pytest.fixture()
-def live(kit):
-    """A real service on the OTA `current` config; health checks hit its /readyz."""
-    assert install(kit, "A", "--no-activate").returncode == 0
-    assert edge_ota(kit, "commit").returncode == 0
-    pid1 = PidOne([*EDGE, "serve", "--config", str(kit["ota"].root / "current" / "edge.toml")])
-    pid1.start()
-    pid1.wait_for("READY", "1")
-    yield pid1
-    pid1.close()
 
 
 def _converged(kit, version: str) -> None:
@@ -171,51 +136,34 @@ def _converged(kit, version: str) -> None:
     assert not list(ota.versions.glob(".staging-*"))
 
 
-@pytest.mark.parametrize("step", [s for s in CRASH_STEPS if s != "rollback"])
-def test_kill_at_each_step_then_rerun_converges(kit, live, step) -> None:
-    health = f"http://{live.address[0]}:{live.address[1]}/readyz"
-    args = ("--restart-cmd", "true", "--health-url", health, "--timeout", "30")
-    r = install(kit, "B", *args, env={"EDGE_OTA_CRASH_AT": step})
-    assert r.returncode == 137, (step, r.stdout, r.stderr)
-    ota = kit["ota"]
-    now = ota.link_target("current")
-    assert now in ("A", "B")  # never a half state
-    if now == "B":
-        assert (ota.versions / "B" / ".complete").is_file()
-    assert (ota.root / "current" / "edge.toml").is_file()
-    r = install(kit, "B", *args)
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["result"] in ("committed", "already-current")
-    _converged(kit, "B")
-
-
-def test_failed_health_check_rolls_back_and_a_kill_during_rollback_recovers(kit, live) -> None:
+def test_failed_health_check_rolls_back_with_the_service_error(kit, live) -> None:
     health = f"http://{live.address[0]}:{live.address[1]}/readyz"
     # a restart that fails while `current` is B (as a service that cannot start B would)
-    only_a = f'test "$(readlink {kit["ota"].root / "current"})" = versions/A || {{ echo B will not start >&2; exit 3; }}'
+    only_a = f'test "$(readlink {kit["ota"].root / "current"})" = versions/{A} || {{ echo B will not start >&2; exit 3; }}'
     args = ("--restart-cmd", only_a, "--health-url", health, "--timeout", "30")
     r = install(kit, "B", *args)
     assert r.returncode == 1 and json.loads(r.stdout)["result"] == "rolled back"
-    _converged(kit, "A")
+    _converged(kit, A)
     assert kit["ota"].state()["history"][-1]["event"] == "rolled back"
     assert "B will not start" in kit["ota"].state()["history"][-1]["reason"]
-    r = install(kit, "B", *args, env={"EDGE_OTA_CRASH_AT": "rollback"})
-    assert r.returncode == 137
-    assert kit["ota"].link_target("current") == "A"  # the link switched back before the kill
-    r = edge_ota(kit, "recover", *args)
-    assert r.returncode == 0, r.stderr
-    assert kit["ota"].link_target("current") == "A" and kit["ota"].state()["pending"] is None
+    r = edge_ota(kit, "recover", *args)  # nothing pending: recover changes nothing
+    assert r.returncode == 0 and json.loads(r.stdout)["result"] == "nothing pending", r.stderr
+    _converged(kit, A)
 
 
-def test_retention_keeps_n_and_never_current_or_previous(kit) -> None:
+def test_retention_after_every_commit_and_rollback(kit) -> None:
     ota = Ota(kit["ota"].root, keep=2)
-    for v in ("V1", "V2", "V3", "V4"):
-        b = kit["dir"] / f"{v}.edgeb"
-        build_bundle(b, version=v, files=[(kit["a"], "models/a.gguf", "model", None)],
+    for i, healthy in enumerate((True, True, True, False, False), start=1):
+        b = kit["dir"] / f"V{i}.edgeb"
+        build_bundle(b, version=f"{i}.0.0", files=[(kit["a"], "models/a.gguf", "model", None)],
                      config=cfg_text("a.gguf"), key=kit["key"])
-        ota.install(open_bundle(b, kit["pub"]), activate=lambda: (True, ""))
-    on_disk = sorted(d.name for d in ota.versions.iterdir())
-    assert on_disk == ["V3", "V4"] and ota.link_target("previous") == "V3"
+        new = f"versions/{i}.0.0"  # unhealthy: only the new version, and only when `healthy` is False
+        ota.install(open_bundle(b, kit["pub"]), activate=lambda ok=healthy, new=new: (
+            ok or os.readlink(ota.root / "current") != new, "sick"))
+        assert len(list(ota.versions.iterdir())) <= 2  # after each commit and each rollback
+    assert sorted(d.name for d in ota.versions.iterdir()) == ["2.0.0", "3.0.0"]
+    assert ota.link_target("current") == "3.0.0" and ota.link_target("previous") == "2.0.0"
+    assert [h["event"] for h in ota.state()["history"][-2:]] == ["staged", "rolled back"]
 
 
 def test_disk_full_during_extract_is_clear_and_harmless(kit, tmp_path: Path) -> None:
@@ -226,9 +174,9 @@ def test_disk_full_during_extract_is_clear_and_harmless(kit, tmp_path: Path) -> 
         pytest.skip("cannot mount a small tmpfs here")
     try:
         ota = Ota(small / "ota")
-        with pytest.raises(BundleError, match="disk full while extracting models/a.gguf"):
+        with pytest.raises(BundleError, match=r"needs \d+ bytes on .*, only \d+ free; nothing was written"):
             ota.install(open_bundle(kit["bundles"]["A"], kit["pub"]), activate=None)
-        assert ota.link_target("current") is None and not list(ota.versions.glob(".staging-*"))
+        assert ota.link_target("current") is None and not list(ota.versions.iterdir())
     finally:
         subprocess.run(["umount", str(small)], check=True)
 
@@ -273,7 +221,7 @@ def test_update_under_load_then_a_failing_bundle_rolls_back(kit, live) -> None:
         text_b = now["choices"][0]["text"]
         assert text_b != text_a  # another model is answering
         bad = kit["dir"] / "C.edgeb"  # a model that loads, but whose warm-up cannot pass
-        build_bundle(bad, version="C", files=[(kit["a"], "models/a.gguf", "model", None)], key=kit["key"],
+        build_bundle(bad, version="3.0.0", files=[(kit["a"], "models/a.gguf", "model", None)], key=kit["key"],
                      config=cfg_text("a.gguf", 'prompts = ["' + "word " * 300 + '"]\n'))
         result = ota.install(open_bundle(bad, kit["pub"]), activate=restart)
         assert result["result"] == "rolled back" and "warm-up" in live.log_tail(20000)
@@ -288,37 +236,9 @@ def test_update_under_load_then_a_failing_bundle_rolls_back(kit, live) -> None:
         assert set(answers) <= {text_a, text_b}
         if text_b in answers:  # A's answers, then B's, never back
             assert text_a not in answers[answers.index(text_b):]
-    assert sum(len(a) for a in seen) > 20
-
-
-MENDER = Path(__file__).resolve().parent.parent / "scripts" / "mender" / "edge-bundle"
-
-
-def test_mender_update_module_drives_edge_ota(kit, live, tmp_path: Path) -> None:
-    edge_bin = tmp_path / "edge"
-    edge_bin.write_text(f"#!/bin/sh\nexec {' '.join(EDGE)} \"$@\"\n")
-    edge_bin.chmod(0o755)
-    health = f"http://{live.address[0]}:{live.address[1]}/readyz"
-    env = {**os.environ, "EDGE_BIN": str(edge_bin), "EDGE_CONFIG": str(kit["cfg"]), "EDGE_OTA_PUBKEY": str(kit["pub"]),
-           "EDGE_OTA_ARGS": f"--restart-cmd true --health-url {health} --timeout 30"}
-    files = tmp_path / "mender"
-    (files / "files").mkdir(parents=True)
-    (files / "files" / "B.edgeb").write_bytes(kit["bundles"]["B"].read_bytes())
-
-    def state(name: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["sh", str(MENDER), name, str(files)], env=env, capture_output=True, text=True,
-                              timeout=120)
-
-    assert state("SupportsRollback").stdout.strip() == "Yes"
-    assert state("Download").returncode == 0
-    r = state("ArtifactInstall")
-    assert r.returncode == 0, r.stderr
-    assert state("ArtifactCommit").returncode == 0
-    assert kit["ota"].link_target("current") == "B" and kit["ota"].state()["pending"] is None
-    r = state("ArtifactRollback")  # as Mender would after a later state failed
-    assert r.returncode == 0, r.stderr
-    assert kit["ota"].link_target("current") == "A"
-    assert state("Cleanup").returncode == 0 and not (files / "tmp-previous-version").exists()
+    # every client was served across the update, and B answered after the switch (counts, not
+    # throughput: this runs on loaded CI machines)
+    assert all(seen) and any(text_b in answers for answers in seen)
 
 
 def test_inspect_verifies_signature_and_every_file(kit) -> None:
@@ -335,9 +255,9 @@ def test_inspect_verifies_signature_and_every_file(kit) -> None:
 
 
 def test_a_restart_that_hangs_counts_as_unhealthy(kit) -> None:
-    from edge.ota.install import command_activator
+    from edge.ota.activate import command_activator
 
-    ok, why = command_activator("sleep 5", "http://127.0.0.1:9/readyz", timeout=0.5)()
+    ok, why = command_activator("sleep 5", "http://127.0.0.1:9/readyz", timeout=0.5).activate()
     assert not ok and "did not finish within" in why
-    ok, why = command_activator("exit 4", "http://127.0.0.1:9/readyz", timeout=5)()
+    ok, why = command_activator("exit 4", "http://127.0.0.1:9/readyz", timeout=5).activate()
     assert not ok and "exited 4" in why

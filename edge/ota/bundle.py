@@ -6,6 +6,7 @@ touched; each file is hashed while it is extracted.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -15,18 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge.errors import EdgeError
 from edge.fsutil import sha256_file
+from edge.ota.errors import BundleError
+from edge.ota.version import Version, parse_version
 
-__all__ = ["BundleError", "Bundle", "FileEntry", "build_bundle", "keygen", "open_bundle"]
+__all__ = ["BundleError", "Bundle", "FileEntry", "build_bundle", "content_digest", "keygen", "open_bundle"]
 
 FORMAT = 1
-
-
-class BundleError(EdgeError):
-    """A bundle is unsigned, wrongly signed, malformed, or fails a file's checksum."""
-
-    exit_code = 65
+MAX_MANIFEST = 16 << 20  # a manifest lists files; more than this is not a manifest
 
 
 @dataclass(frozen=True)
@@ -86,6 +83,8 @@ def build_bundle(out: Path, *, version: str, files: list[tuple[Path, str, str, d
     from edge.config import parse_config
 
     parse_config(config, source="bundle config fragment")  # a bundle never ships a config that fails
+    parse_version(version, "--version")
+    parse_version(min_edge_version, "min_edge_version")
     entries = [FileEntry(rel, sha256_file(src), src.stat().st_size, kind, k) for src, rel, kind, k in files]
     for e in entries:
         if e.path.startswith("/") or ".." in Path(e.path).parts:
@@ -120,11 +119,30 @@ class Bundle:
 
     @property
     def version(self) -> str:
-        return str(self.manifest["bundle_version"])
+        return str(self.manifest["bundle_version"])  # validated by open_bundle
+
+    @property
+    def parsed_version(self) -> Version:
+        return parse_version(self.version)
+
+    @property
+    def content_digest(self) -> str:
+        """What the bundle installs (files, config, requirement), not when it was built: two
+        bundles of one version with another digest are different content under one name."""
+        return content_digest(self.manifest)
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
 
     @property
     def files(self) -> list[FileEntry]:
         return [FileEntry(**f) for f in self.manifest["files"]]
+
+
+def content_digest(manifest: dict[str, Any]) -> str:
+    body = {k: manifest.get(k) for k in ("files", "config", "min_edge_version")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def open_bundle(path: Path, pubkey: Path | None, *, insecure: bool = False) -> Bundle:
@@ -142,8 +160,15 @@ def open_bundle(path: Path, pubkey: Path | None, *, insecure: bool = False) -> B
             raise BundleError(f"{path}: truncated or corrupt bundle: {exc}") from None
         if first is None or first.name != "manifest.json" or second is None or second.name != "manifest.sig":
             raise BundleError(f"{path}: expected manifest.json then manifest.sig as the first members")
-        raw = tar.extractfile(first).read()  # type: ignore[union-attr]
-        sig = tar.extractfile(second).read()  # type: ignore[union-attr]
+        if not (first.isfile() and second.isfile()) or first.size > MAX_MANIFEST or second.size > 1024:
+            raise BundleError(f"{path}: manifest.json/manifest.sig are not small regular files")
+        try:
+            raw = tar.extractfile(first).read()  # type: ignore[union-attr]
+            sig = tar.extractfile(second).read()  # type: ignore[union-attr]
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            raise BundleError(f"{path}: truncated or corrupt bundle inside its manifest: {exc}") from None
+        if len(raw) != first.size or len(sig) != second.size:
+            raise BundleError(f"{path}: truncated bundle inside manifest.json/manifest.sig")
     signed_by = None
     if pubkey is not None:
         from cryptography.exceptions import InvalidSignature
@@ -165,4 +190,22 @@ def open_bundle(path: Path, pubkey: Path | None, *, insecure: bool = False) -> B
             raise BundleError(f"{path}: manifest.json lacks {field!r}")
     if manifest["format"] != FORMAT:
         raise BundleError(f"{path}: bundle format {manifest['format']}, this edge reads format {FORMAT}")
+    parse_version(manifest["bundle_version"], f"{path}: bundle_version")
+    parse_version(manifest.get("min_edge_version", "0.0.0"), f"{path}: min_edge_version")
+    _check_files(path, manifest["files"])
     return Bundle(path, manifest, raw, signed_by)
+
+
+def _check_files(path: Path, files: Any) -> None:
+    """Field types of the signed file list: sizes bound extraction, so they must be sane."""
+    if not isinstance(files, list):
+        raise BundleError(f"{path}: manifest files must be a list")
+    seen: set[str] = set()
+    for f in files:
+        if not (isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("size"), int)
+                and f["size"] >= 0 and isinstance(f.get("sha256"), str) and isinstance(f.get("kind"), str)):
+            raise BundleError(f"{path}: manifest file entry {f!r}: expected path, sha256, size >= 0, kind")
+        rel = f["path"]
+        if not rel or rel.startswith("/") or ".." in Path(rel).parts or rel in seen:
+            raise BundleError(f"{path}: manifest path {rel!r} is empty, absolute, leaves the bundle or repeats")
+        seen.add(rel)

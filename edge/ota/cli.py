@@ -26,16 +26,22 @@ def _ota(config: Optional[Path], keep: Optional[int] = None):
 
 
 def _activator(cfg: Any, restart_cmd: Optional[str], unit: Optional[str], health_url: Optional[str],
-               timeout: Optional[float]):
+               timeout: Optional[float], pid_file: Optional[Path] = None, log_file: Optional[Path] = None):
     """Flags first, then the config's [ota] table."""
-    from edge.ota.install import command_activator, systemd_activator
+    from edge.ota.activate import command_activator, systemd_activator
 
     o = cfg.ota
     url = health_url or o.health_url or f"http://{cfg.server.host}:{cfg.server.port}/readyz"
     cmd, wait = restart_cmd or o.restart_cmd, timeout or o.timeout_s
     if cmd:
-        return command_activator(cmd, url, wait)
+        return command_activator(cmd, url, wait, pid_file, log_file)
     return systemd_activator(unit or o.unit, url, wait)
+
+
+PidFileOpt = typer.Option(None, "--pid-file", help="with --restart-cmd: the service's pid file (an "
+                          "exited service fails the health check at once)")
+LogFileOpt = typer.Option(None, "--log-file", help="with --pid-file: the service's output (its last "
+                          "lines become the rollback reason)")
 
 
 def _echo(result: Any) -> None:
@@ -86,26 +92,20 @@ def build(version: str = typer.Option(..., "--version"), key: Path = typer.Optio
 
 @ota_app.command()
 def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey")) -> None:
-    """Print a bundle's manifest and verify its signature (and every file's checksum)."""
-    import hashlib
-    import tarfile
-
+    """Print a bundle's manifest and verify its signature (and every file's checksum, streaming)."""
     from edge.ota.bundle import open_bundle
+    from edge.ota.extract import scan
 
     b = open_bundle(bundle, pubkey, insecure=pubkey is None)
     typer.echo(f"bundle {bundle}: version {b.version}, created {b.manifest.get('created')}, "
+               f"needs edge >= {b.manifest.get('min_edge_version')}, "
                f"signature {'verified with ' + str(pubkey) if pubkey else 'NOT checked (no --pubkey)'}")
-    sums = {}
-    with tarfile.open(bundle, "r:") as tar:
-        for m in tar:
-            if m.isfile() and m.name.startswith("files/"):
-                sums[m.name[6:]] = hashlib.sha256(tar.extractfile(m).read()).hexdigest()  # type: ignore[union-attr]
     bad = 0
-    for f in b.files:
-        ok = sums.get(f.path) == f.sha256
-        bad += not ok
+    for f, problem in scan(b):
+        bad += problem is not None
         key = f" for {f.key['target']}" if f.key else ""
-        typer.echo(f"  {'ok ' if ok else 'BAD'} {f.kind:<7} {f.size:>12}  {f.path}{key}")
+        typer.echo(f"  {'ok ' if problem is None else 'BAD'} {f.kind:<7} {f.size:>12}  {f.path}{key}"
+                   + (f"  ({problem})" if problem else ""))
     typer.echo("config:\n" + "\n".join("  " + line for line in b.manifest["config"].splitlines()))
     if bad:
         raise EdgeError(f"{bad} file(s) in {bundle} do not match the manifest")
@@ -119,8 +119,13 @@ def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[P
             health_url: Optional[str] = typer.Option(None, "--health-url"),
             timeout: Optional[float] = typer.Option(None, "--timeout"),
             no_activate: bool = typer.Option(False, "--no-activate", help="stage and switch only"),
+            no_commit: bool = typer.Option(False, "--no-commit", help="activate and health-check, but "
+                                           "leave it pending for `edge ota commit` (Mender's ArtifactCommit)"),
+            allow_downgrade: bool = typer.Option(False, "--allow-downgrade", help="install a version older "
+                                                 "than the highest this device committed"),
+            pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt,
             keep: Optional[int] = typer.Option(None, "--keep", min=2, help="versions kept on disk")) -> None:
-    """Verify, stage, switch, restart, health-check; commit, or roll back on failure."""
+    """Verify, check policy, stage, switch, restart, health-check; commit, or roll back on failure."""
     from edge.device import detect
     from edge.ota.bundle import open_bundle
 
@@ -130,8 +135,8 @@ def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[P
         raise EdgeError(f"no bundle signing key at {key}: install the fleet's public key there "
                         "([ota] pubkey in the config), pass --pubkey, or --insecure")
     b = open_bundle(bundle, None if insecure else key, insecure=insecure)
-    act = None if no_activate else _activator(cfg, restart_cmd, unit, health_url, timeout)
-    result = ota.install(b, act, device=detect())
+    act = None if no_activate else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file)
+    result = ota.install(b, act, device=detect(), allow_downgrade=allow_downgrade, commit=not no_commit)
     _echo(result)
     if result["result"] == "rolled back":
         raise typer.Exit(1)
@@ -141,33 +146,43 @@ def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[P
 def rollback(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typer.Option(None, "--restart-cmd"),
              unit: Optional[str] = typer.Option(None, "--unit"), health_url: Optional[str] = typer.Option(None, "--health-url"),
              timeout: Optional[float] = typer.Option(None, "--timeout"),
+             pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt,
              no_activate: bool = typer.Option(False, "--no-activate")) -> None:
-    """Switch back to the previous version and restart."""
+    """Undo a pending install, or switch back to the previous version; restart."""
     ota, cfg = _ota(config)
-    _echo(ota.rollback(None if no_activate else _activator(cfg, restart_cmd, unit, health_url, timeout)))
+    _echo(ota.rollback(None if no_activate else _activator(cfg, restart_cmd, unit, health_url, timeout,
+                                                           pid_file, log_file)))
 
 
 @ota_app.command()
 def commit(config: Optional[Path] = ConfigOpt) -> None:
-    """Mark the current version good (after an install with --no-activate)."""
+    """Make the pending version permanent (after --no-activate or --no-commit)."""
     _echo(_ota(config)[0].commit())
 
 
 @ota_app.command()
 def recover(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typer.Option(None, "--restart-cmd"),
             unit: Optional[str] = typer.Option(None, "--unit"), health_url: Optional[str] = typer.Option(None, "--health-url"),
-            timeout: Optional[float] = typer.Option(None, "--timeout")) -> None:
-    """Finish what a killed install left: health-check a pending switch, then commit or roll back."""
+            timeout: Optional[float] = typer.Option(None, "--timeout"),
+            pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt,
+            boot: bool = typer.Option(False, "--boot", "--no-activate",
+                                      help="at boot, before the service starts: no restart")) -> None:
+    """Converge what a killed command or a power cut left: an uncommitted version is rolled back,
+    links are made to agree with state.json, leftovers are deleted, old versions pruned."""
     ota, cfg = _ota(config)
-    _echo(ota.recover(_activator(cfg, restart_cmd, unit, health_url, timeout)) or {"result": "nothing pending"})
+    act = None if boot else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file)
+    _echo(ota.recover(act) or {"result": "nothing pending", "version": ota.state()["current"]})
 
 
 @ota_app.command()
-def status(config: Optional[Path] = ConfigOpt) -> None:
-    """Current, previous and pending versions, and the history with reasons."""
-    ota, _ = _ota(config)
-    st = ota.state()
-    st["current_link"], st["previous_link"] = ota.link_target("current"), ota.link_target("previous")
-    st["on_disk"] = sorted(d.name for d in ota.versions.glob("*") if (d / ".complete").is_file()) \
-        if ota.versions.exists() else []
-    _echo(st)
+def status(config: Optional[Path] = ConfigOpt,
+           field: Optional[str] = typer.Option(None, "--field", help="print one field: current, previous, "
+                                               "pending (its version) or highest; empty when none")) -> None:
+    """Current, previous, pending and highest versions, links, versions on disk, history."""
+    st = _ota(config)[0].status()
+    if field is None:
+        return _echo(st)
+    if field not in ("current", "previous", "pending", "highest"):
+        raise EdgeError(f"--field {field!r}: expected current, previous, pending or highest")
+    value = st[field]["version"] if field == "pending" and st[field] else st[field]
+    typer.echo(value or "")

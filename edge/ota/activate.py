@@ -1,0 +1,137 @@
+"""Activators put the switched `current` version into service and say whether it is healthy.
+Today every activator restarts the service (RestartActivator); a reload activator (the new
+config loaded beside the old one, traffic switched only when it is ready) implements the same
+interface. While waiting for the health URL, a ServiceWatch notices a service that exited or a
+unit that failed at once, and its own last error becomes the reason for the rollback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+__all__ = ["Activator", "ServiceWatch", "RestartActivator", "SystemdWatch", "PidWatch",
+           "command_activator", "systemd_activator"]
+
+
+class Activator(Protocol):
+    def activate(self) -> tuple[bool, str]:
+        """Put `current` into service; (healthy?, why not, with the service's own error)."""
+
+
+class ServiceWatch(Protocol):
+    def failed(self) -> str | None:
+        """None while the service runs (or starts); else what it said when it died."""
+
+
+def _tail(text: str, n: int = 600) -> str:
+    return " | ".join(line for line in text.strip().splitlines()[-8:] if line.strip())[-n:]
+
+
+@dataclass
+class SystemdWatch:
+    unit: str
+
+    def failed(self) -> str | None:
+        r = subprocess.run(["systemctl", "show", self.unit, "-p", "ActiveState,Result,ExecMainStatus"],
+                           capture_output=True, text=True, timeout=30)
+        props = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+        if props.get("ActiveState") not in ("failed", "inactive"):
+            return None
+        log = subprocess.run(["journalctl", "-u", self.unit, "-n", "15", "--no-pager", "-o", "cat"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return (f"{self.unit} {props.get('ActiveState')} (result {props.get('Result')}, exit status "
+                f"{props.get('ExecMainStatus')}): {_tail(log)}")
+
+
+@dataclass
+class PidWatch:
+    """A service started by a restart command that writes its pid (and its output) to files."""
+
+    pid_file: Path
+    log_file: Path | None = None
+
+    def failed(self) -> str | None:
+        try:
+            pid = int(self.pid_file.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None  # not written yet: still starting
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:  # a zombie has exited too
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    return None
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+        except PermissionError:
+            return None
+        log = ""
+        if self.log_file is not None:
+            try:
+                log = self.log_file.read_text(errors="replace")[-4000:]
+            except OSError:
+                pass
+        return f"the service (pid {pid}) exited: {_tail(log) or 'no output'}"
+
+
+@dataclass
+class RestartActivator:
+    cmd: str
+    health_url: str
+    timeout: float
+    watch: ServiceWatch | None = None
+
+    def activate(self) -> tuple[bool, str]:
+        ok, why = self._restart()
+        if not ok:
+            died = self.watch.failed() if self.watch else None
+            return False, f"{why}; {died}" if died else why
+        return self._wait_ready()
+
+    def _restart(self) -> tuple[bool, str]:
+        # Output goes to a file, not a pipe: a service the command leaves running in the
+        # background would hold a pipe open and make the restart look hung.
+        with tempfile.TemporaryFile() as out:
+            try:
+                r = subprocess.run(self.cmd, shell=True, stdin=subprocess.DEVNULL, stdout=out,  # noqa: S602
+                                   stderr=subprocess.STDOUT, timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                return False, f"`{self.cmd}` did not finish within {self.timeout:.0f} s"
+            out.seek(0)
+            text = out.read().decode(errors="replace")
+        if r.returncode != 0:
+            return False, f"`{self.cmd}` exited {r.returncode}: {_tail(text, 300)}"
+        return True, ""
+
+    def _wait_ready(self) -> tuple[bool, str]:
+        deadline, last = time.monotonic() + self.timeout, "no answer"
+        while time.monotonic() < deadline:
+            died = self.watch.failed() if self.watch else None
+            if died:
+                return False, died
+            try:
+                with urllib.request.urlopen(self.health_url, timeout=5) as r:  # noqa: S310 - loopback URL
+                    if r.status == 200:
+                        return True, ""
+                    last = f"HTTP {r.status}"
+            except OSError as exc:
+                last = str(getattr(exc, "reason", exc))
+            time.sleep(0.2)  # poll interval of a real condition (the health URL), not a wait for time
+        return False, f"{self.health_url} not ready within {self.timeout:.0f} s ({last})"
+
+
+def command_activator(cmd: str, health_url: str, timeout: float, pid_file: Path | None = None,
+                      log_file: Path | None = None) -> RestartActivator:
+    watch = PidWatch(pid_file, log_file) if pid_file else None
+    return RestartActivator(cmd, health_url, timeout, watch)
+
+
+def systemd_activator(unit: str, health_url: str, timeout: float) -> RestartActivator:
+    # For a Type=notify unit, `systemctl restart` returns only once READY=1 came, or the start failed.
+    return RestartActivator(f"systemctl restart {unit}", health_url, timeout, SystemdWatch(unit))

@@ -1,0 +1,21 @@
+"""OTA error classes (kept here so the installer imports nothing heavy; edge.errors holds the base)."""
+
+from __future__ import annotations
+
+from edge.errors import EdgeError
+
+__all__ = ["BundleError", "VersionError", "PolicyError"]
+
+
+class BundleError(EdgeError):
+    """A bundle is unsigned, wrongly signed, malformed, or fails a file's checksum."""
+
+    exit_code = 65
+
+
+class VersionError(BundleError):
+    """A version string outside the grammar (empty, path-like, or not MAJOR.MINOR.PATCH)."""
+
+
+class PolicyError(BundleError):
+    """A validly signed bundle the update policy refuses: downgrade, replay, changed content."""

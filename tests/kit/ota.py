@@ -1,0 +1,73 @@
+"""OTA test fixtures shared by test_ota.py, test_ota_policy.py and test_mender.py (registered as a
+pytest plugin in conftest.py): keys, two tiny models, bundles A and B, and a live service."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import EDGE
+from edge.ota.bundle import build_bundle, keygen
+from edge.ota.install import Ota
+from ggufgen import write_tiny_llama
+from kit.pid1 import PidOne
+
+__all__ = ["A", "B", "VERSIONS", "cfg_text", "committed", "edge_ota", "install", "kit", "live"]
+
+
+def cfg_text(model: str, extra: str = "") -> str:
+    return f'[[models]]\nname = "m"\npath = "models/{model}"\nn_ctx = 256\n[warmup]\ndecode_tokens = 4\n{extra}'
+
+
+VERSIONS = {"A": "1.0.0", "B": "2.0.0"}
+A, B = VERSIONS["A"], VERSIONS["B"]
+
+
+@pytest.fixture()
+def kit(tmp_path: Path):
+    """Keys, two tiny models (different weights: different answers), bundles A and B."""
+    key = tmp_path / "signing.key"
+    pub = keygen(key)
+    a = write_tiny_llama(tmp_path / "a.gguf", seed=1)
+    b = write_tiny_llama(tmp_path / "b.gguf", seed=2)
+    bundles = {}
+    for v, m in (("A", a), ("B", b)):
+        bundles[v] = tmp_path / f"{v}.edgeb"
+        build_bundle(bundles[v], version=VERSIONS[v], files=[(m, f"models/{m.name}", "model", None)],
+                     config=cfg_text(m.name), key=key)
+    device_cfg = tmp_path / "device.toml"
+    device_cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "state"}"\n[[models]]\nname = "x"\npath = "x.gguf"\n')
+    return {"dir": tmp_path, "key": key, "pub": pub, "a": a, "b": b, "bundles": bundles, "cfg": device_cfg,
+            "ota": Ota(tmp_path / "state" / "ota")}
+
+
+def edge_ota(kit, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*EDGE, "ota", *args, "--config", str(kit["cfg"])], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def install(kit, version: str, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return edge_ota(kit, "install", str(kit["bundles"][version]), "--pubkey", str(kit["pub"]), *extra, env=env)
+
+
+def committed(kit, version: str) -> None:
+    r = install(kit, version, "--no-activate")
+    assert r.returncode == 0, r.stderr
+    r = edge_ota(kit, "commit")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.fixture()
+def live(kit):
+    """A real service on the OTA `current` config; health checks hit its /readyz."""
+    committed(kit, "A")
+    pid1 = PidOne([*EDGE, "serve", "--config", str(kit["ota"].root / "current" / "edge.toml")])
+    pid1.start()
+    pid1.wait_for("READY", "1")
+    yield pid1
+    pid1.close()
+
+
