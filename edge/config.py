@@ -97,6 +97,12 @@ class WarmupConfig:
     decode_tokens: int = field(default=16, metadata=_range(1, 4096))
     chat: bool = True
     prompts: list[str] = field(default_factory=list)  # extra prompts from the real workload
+    # Calibration (edge.warmup): a candidate is kept when its first run is slower than a repeat
+    # of the same shape by more than max(min_gain_s, min_gain_ratio x repeat); calibration and
+    # the stored plan each get budget_s seconds at most (what does not fit is reported).
+    budget_s: float = field(default=1.0, metadata=_range(0.0, 3600.0))
+    min_gain_s: float = field(default=0.010, metadata=_range(0.0, 60.0))
+    min_gain_ratio: float = field(default=0.25, metadata=_range(0.0, 100.0))
 
 
 @dataclass(frozen=True)

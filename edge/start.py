@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import gc
 import importlib
 import json
@@ -75,6 +76,7 @@ class Loaded:
     state: ServiceState
     infos: list[dict[str, Any]]
     warmup: list[dict[str, Any]] = field(default_factory=list)
+    plans: list[dict[str, Any]] = field(default_factory=list)  # per model/engine: plan, candidates
 
     @property
     def names(self) -> list[str]:
@@ -96,6 +98,7 @@ class ColdStart:
         self.notifier = notifier or Notifier()
         self.sockets: list[socket.socket] = []
         self.loaded: Loaded | None = None
+        self.recalibrate = False  # `edge warmup --calibrate`: measure anew whatever is stored
 
     # -- the start, top to bottom ----------------------------------------------------------------
     def run(self) -> int:
@@ -124,17 +127,19 @@ class ColdStart:
         loaded.close()
         return 0
 
-    def rehearse(self) -> dict[str, Any]:
+    def rehearse(self, recalibrate: bool = False) -> dict[str, Any]:
         """Everything a start does up to READY, with no socket and no report written: what a
-        start would take (`edge warmup`, for tuning the warm-up plan on the device)."""
+        start would take (`edge warmup`; with `recalibrate`, the warm-up plan is measured and
+        stored anew)."""
         self.notifier.enabled = False
+        self.recalibrate = recalibrate
         self.read_config()
         loaded = self.load()
 
         async def go() -> dict[str, Any]:
             await self.warm(loaded)
             return self.timer.report(config=self.config.source, sockets=[], models=loaded.infos,
-                                     warmup=loaded.warmup, rehearsal=True)
+                                     warmup=loaded.warmup, calibration=loaded.plans, rehearsal=True)
 
         try:
             return asyncio.run(go())
@@ -177,10 +182,13 @@ class ColdStart:
             self.import_http()
             workers, infos = loading.result()
         from edge.app import ServiceState, build_app
-        from edge.engines.load import load_engines
 
         state = ServiceState(workers=workers)
-        state.engines, engine_infos = load_engines(self.config, self.timer)
+        engine_infos: list[dict[str, Any]] = []
+        if self.config.engines:  # the engine modules (numpy, the store) are imported only for engines
+            from edge.engines.load import load_engines
+
+            state.engines, engine_infos = load_engines(self.config, self.timer)
         return Loaded(build_app(state), state, infos + engine_infos)
 
     def start_model_files(self) -> list[ModelFile]:
@@ -245,25 +253,46 @@ class ColdStart:
         return workers, infos
 
     async def warm(self, loaded: Loaded) -> list[dict[str, Any]]:
-        """The warm half of load-and-warm: each model's and engine's plan over loopback HTTP."""
-        from edge.warmup import LoopbackHTTP, engine_plan, plan_for, run_warmup
+        """The warm half of load-and-warm: for each model and engine the floor request, then its
+        stored plan (known key) or a calibration that makes one (new key), over loopback HTTP."""
+        from edge.warmplan import PlanStore, warm_one
+        from edge.warmup import LoopbackHTTP
 
         cfg, state = self.config, loaded.state
+        store = PlanStore(cache_dir(cfg) / "warmup")
+        targets = await self._warm_targets(loaded)
         async with LoopbackHTTP(loaded.app) as http:
-            if cfg.warmup.enabled:
-                for name, worker in state.workers.items():
-                    self.notifier.status(f"warming up {name}")
-                    with self.timer.phase(Phases.WARMUP, model=name) as ph:
-                        steps = await worker.call(plan_for, worker.model, cfg.warmup)
-                        ph.detail["steps"] = await run_warmup(http, steps)
-                        loaded.warmup += ph.detail["steps"]
-            for name, eng in state.engines.items():
-                if next(e for e in cfg.engines if e.name == name).warmup:
-                    self.notifier.status(f"warming up engine {name}")
-                    with self.timer.phase(Phases.WARMUP, engine=name) as ph:
-                        ph.detail["steps"] = await run_warmup(http, engine_plan(name, eng.session))
-                        loaded.warmup += ph.detail["steps"]
+            for target in targets:
+                self.notifier.status(f"warming up {target.name}")
+                with self.timer.phase(Phases.WARMUP, **{target.kind: target.name}) as ph:
+                    result = await warm_one(http, target, cfg.warmup, store, recalibrate=self.recalibrate,
+                                            status=self.notifier.status)
+                    ph.detail.update(plan=result.plan, steps=result.steps)
+                loaded.warmup += result.steps
+                loaded.plans.append(result.as_dict())
         return loaded.warmup
+
+    async def _warm_targets(self, loaded: Loaded) -> list[Any]:
+        """What to warm, each with its plan key: models, then engines that ask for a warm-up."""
+        from edge.device import detect
+        from edge.llama_gpu import llama_build
+        from edge.warmplan import WarmTarget, engine_plan_key, model_plan_key
+        from edge.warmup import engine_candidates, model_candidates, model_floor
+
+        cfg, state = self.config, loaded.state
+        device = detect()
+        build = llama_build() if state.workers else None
+        targets = []
+        for name, w in state.workers.items():
+            key = model_plan_key(w.model, device, build)
+            make = functools.partial(w.call, model_candidates, w.model, cfg.warmup)
+            targets.append(WarmTarget("model", name, key, model_floor(w.model, cfg.warmup), make))
+        for name, eng in state.engines.items():
+            if next(e for e in cfg.engines if e.name == name).warmup:
+                steps = engine_candidates(name, eng.session)
+                key = engine_plan_key({**eng.stored.key.as_dict(), "sha256": eng.stored.sha256}, device)
+                targets.append(WarmTarget("engine", name, key, steps[0], functools.partial(_ready, steps[1:])))
+        return targets
 
     def mark_ready(self, loaded: Loaded) -> str:
         """The moment traffic is handed over: the report is written, then READY=1 and the first
@@ -275,13 +304,17 @@ class ColdStart:
         now = self.timer.now()
         self.timer.add(Phases.READY, now, now, sockets=len(addresses))
         report = self.timer.report(config=self.config.source, sockets=addresses, models=loaded.infos,
-                                   warmup=loaded.warmup)
+                                   warmup=loaded.warmup, calibration=loaded.plans)
         path: Path = write_report(report, state_dir(self.config))
         loaded.state.metrics.start_phases = {p["name"]: p["seconds"] for p in report["phases"]}
         log.info("start report %s: ready in %.2f s", path, report["ready_s"],
                  extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
         return (f"ready: serving {', '.join(loaded.names)} on {', '.join(addresses)} "
                 f"(start {report['ready_s']:.2f} s)")
+
+
+async def _ready(value: Any) -> Any:
+    return value
 
 
 def _import(names: list[str]) -> list[str]:

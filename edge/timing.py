@@ -145,8 +145,31 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("warmup"):
         lines += ["", f"{'warm-up step':<19}{'seconds':>9}  what ran"]
         for w in report["warmup"]:
-            lines.append(f"{w['name']:<19}{w['seconds']:>9.3f}  {w.get('model')}: {_warm_detail(w)}")
+            what = "kept by calibration, run as its first measurement" if w.get("calibration") else \
+                f"{w.get('model')}: {_warm_detail(w)}"
+            lines.append(f"{w['name']:<19}{w['seconds']:>9.3f}  {what}")
+    for plan in report.get("calibration") or []:
+        lines += _plan_lines(plan)
     return "\n".join(lines)
+
+
+def _plan_lines(plan: dict[str, Any]) -> list[str]:
+    """One warm-up plan: where it came from, then every candidate with first, repeat, kept."""
+    name = plan.get("model") or plan.get("engine")
+    head = {"calibrated": f"calibrated at this start ({plan.get('why')})",
+            "stored": f"stored plan, calibrated {plan.get('calibrated_at')}",
+            }.get(plan.get("plan", ""), f"{plan.get('plan')} ({plan.get('why')})")
+    lines = ["", f"warm-up plan of {name}: {head}; file {plan.get('plan_file')}"]
+    if plan.get("warning"):
+        lines.append(f"  warning: {plan['warning']}")
+    if plan.get("candidates"):
+        lines.append(f"{'candidate':<19}{'first s':>9}{'repeat s':>9}  {'kept':<5} why")
+    for c in plan.get("candidates", []):
+        first = f"{c['first_s']:.3f}" if "first_s" in c else "-"
+        repeat = f"{c['repeat_s']:.3f}" if "repeat_s" in c else "-"
+        lines.append(f"{c['name']:<19}{first:>9}{repeat:>9}  {'yes' if c.get('kept') else 'no':<5} {c.get('why', '')}")
+    lines += [f"not run: {x['name']}: {x['why']}" for x in plan.get("left_out", [])]
+    return lines
 
 
 def _warm_detail(w: dict[str, Any]) -> str:

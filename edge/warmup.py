@@ -1,10 +1,15 @@
-"""Warm-up: representative requests sent through the real HTTP server before READY=1.
+"""Warm-up: requests sent through the real HTTP server before READY=1, chosen by measurement.
 
-The requests go through the same HTTP parsing, routing, JSON parsing, validation, chat template,
+Every request goes through the HTTP parsing, routing, JSON, validation, chat template,
 generation and SSE code that client requests take, on a private loopback socket (the service's
-own sockets accept nothing yet). The plan covers
-a short prompt, a long prefill near the configured context (the biggest batches and most of the
-KV cache), several decode steps streamed, the chat template path, and the workload's own prompts.
+own sockets accept nothing yet).
+
+What a warm-up should contain differs per device and backend (on a CPU a first 512-token
+prefill costs what the next one costs; on a GPU the first batch of a shape pays for lazy module
+loading, cuBLAS handles, graph capture). So the steps are candidates, and calibration keeps one
+only when its first run costs measurably more than a repeat of the same shape with other tokens
+(`calibrate`). The floor, one light streamed completion through HTTP, tokenizer, sampler and SSE,
+always runs first: readiness means one real request has succeeded.
 """
 
 from __future__ import annotations
@@ -14,27 +19,55 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge.config import WarmupConfig
 from edge.errors import WarmupError
 from edge.httpwire import encode_request, parse_response
-from edge.llm import GGUFModel
 
-__all__ = ["LoopbackHTTP", "WarmupStep", "WarmupError", "engine_plan", "plan_for", "run_warmup"]
+if TYPE_CHECKING:
+    from edge.llm import GGUFModel
 
-# Representative English text for the long prefill; repeated and cut to the token budget.
+__all__ = ["KeepRule", "LoopbackHTTP", "WarmupStep", "WarmupError", "calibrate", "engine_candidates",
+           "model_candidates", "model_floor", "run_step", "run_steps"]
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# Prompt texts are cut from this passage, each starting at a different word, so that no prompt
+# begins with a token another one began with: llama.cpp's prefix cache cannot shorten a repeat.
 PASSAGE = ("The field unit reported nominal telemetry for the third consecutive hour. Battery "
-           "voltage held at 12.6 volts, the enclosure stayed below forty degrees, and the camera "
-           "pipeline processed every frame within its budget. Operators should review the log "
-           "summary below and confirm that no anomalies require a maintenance visit. ")
+           "voltage held at 12.6 volts, the enclosure stayed below forty degrees, and every camera "
+           "pipeline processed each frame within its budget. Operators should review this log "
+           "summary before confirming that no anomalies require a maintenance visit; spare fuses, "
+           "gaskets, antennas, brackets and cables remain stocked in cabinet seven near Dock "
+           "Quarry while weather radar predicts gentle winds, light drizzle, mild humidity.")
+WORDS = tuple(dict.fromkeys(w.strip(".,;") for w in PASSAGE.split()))
+# Kernel paths change with the batch's row count: CUDA's MMQ/mat-vec switch sits at 32 rows.
+SMALL_BATCH_EDGES = (32, 33)
+# A decoded token costs about as much as this many prefilled ones (CPU, 2 cores, Gemma 270M:
+# ~15 ms vs ~1.6 ms): used only to predict whether a candidate fits the budget.
+DECODE_WEIGHT = 10
 
 
 @dataclass(frozen=True)
 class WarmupStep:
+    """One request; `repeat` is the same shape with other tokens (calibration's second run)."""
+
     name: str
     path: str
     body: dict[str, Any]
+    repeat: dict[str, Any] | None = None
+    work: int = 1  # prompt tokens + DECODE_WEIGHT x max_tokens, or tensor elements: for the budget
+
+
+@dataclass(frozen=True)
+class KeepRule:
+    """A step is kept when first - repeat > max(min_gain_s, min_gain_ratio x repeat)."""
+
+    min_gain_s: float
+    min_gain_ratio: float
+
+    def threshold(self, repeat_s: float) -> float:
+        return max(self.min_gain_s, self.min_gain_ratio * repeat_s)
 
 
 class LoopbackHTTP:
@@ -76,36 +109,101 @@ class LoopbackHTTP:
         return parse_response(raw)
 
 
-def _long_prompt(model: GGUFModel, n_tokens: int) -> str:
-    one = model.tokenize_prompt(PASSAGE)
-    reps = n_tokens // max(1, len(one)) + 2
-    tokens = model.tokenize_prompt(PASSAGE * reps)[1:n_tokens]  # drop BOS: the request adds it
-    return model.llama.detokenize(tokens).decode("utf-8", "ignore")
+class _Texts:
+    """Prompt texts of an exact token count, each starting with a first token no earlier text
+    of this set started with. Runs on the model's worker thread (it tokenizes)."""
+
+    def __init__(self, model: GGUFModel) -> None:
+        self.model = model
+        self.used_first: set[int] = set()
+        self.next_word = 0
+
+    def _tokens(self, text: str) -> list[int]:
+        return self.model.llama.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+
+    def _start(self) -> int:
+        for _ in range(len(WORDS)):
+            i, self.next_word = self.next_word, (self.next_word + 1) % len(WORDS)
+            first = self._tokens(WORDS[i])[:1]
+            if first and first[0] not in self.used_first:
+                self.used_first.add(first[0])
+                return i
+        return self.next_word  # every first token used (a byte-level vocabulary): reuse
+
+    def make(self, n: int) -> str:
+        """A text of `n` tokens (the request adds BOS), cut at a token boundary."""
+        start = self._start()
+        words = WORDS[start:] + WORDS[:start]
+        reps = n // max(1, len(self._tokens(" ".join(words)))) + 2
+        full = self._tokens(" ".join(words * reps))
+        take = n
+        text = ""
+        for _ in range(6):  # detokenize-retokenize may merge or split a token at the cut
+            text = self.model.llama.detokenize(full[:take]).decode("utf-8", "ignore").strip()
+            got = len(self._tokens(text))
+            if got == n:
+                break
+            take = max(1, take + n - got)
+        return text
 
 
-def plan_for(model: GGUFModel, cfg: WarmupConfig) -> list[WarmupStep]:
-    """The warm-up requests for one model; runs on the model's worker thread (tokenizes)."""
-    name = model.cfg.name
-    greedy = {"model": name, "temperature": 0.0, "seed": 0}
+def _sampled(model: GGUFModel) -> dict[str, Any]:
+    # sampling as clients use it (temperature > 0: the whole top-k/top-p chain), reproducible
+    return {"model": model.cfg.name, "temperature": 0.8, "top_p": 0.95, "top_k": 40, "seed": 0}
+
+
+def model_floor(model: GGUFModel, cfg: WarmupConfig) -> WarmupStep:
+    """What always runs: the short prompt, streamed, two tokens sampled."""
+    return WarmupStep("floor", COMPLETIONS, {**_sampled(model), "prompt": cfg.short_prompt,
+                                             "max_tokens": 2, "stream": True})
+
+
+def model_candidates(model: GGUFModel, cfg: WarmupConfig) -> list[WarmupStep]:
+    """Every candidate step for one model, cheapest paths first, then by prompt length (on the
+    model's worker thread: it tokenizes)."""
+    texts = _Texts(model)
+    sampled = _sampled(model)
     decode = min(cfg.decode_tokens, max(1, model.n_ctx // 4))
-    steps = [WarmupStep("short", "/v1/completions", {**greedy, "prompt": cfg.short_prompt, "max_tokens": 1})]
-    n_long = int(model.n_ctx * cfg.long_prefill_fraction)
-    if n_long > 8:
-        steps.append(WarmupStep("long_prefill", "/v1/completions",
-                                {**greedy, "prompt": _long_prompt(model, n_long), "max_tokens": 1}))
-    steps.append(WarmupStep("decode_stream", "/v1/completions",
-                            {**greedy, "prompt": cfg.short_prompt, "max_tokens": decode, "stream": True}))
+    fits = model.n_ctx - decode - 1
+
+    def pair(name: str, path: str, n_total: int, max_tokens: int, stream: bool = False,
+             first: str | None = None) -> WarmupStep:
+        def body(text: str) -> dict[str, Any]:
+            key = "messages" if path == CHAT else "prompt"
+            value = [{"role": "user", "content": text}] if path == CHAT else text
+            return {**sampled, key: value, "max_tokens": max_tokens, **({"stream": True} if stream else {})}
+        one = body(first if first is not None else texts.make(n_total - 1))
+        return WarmupStep(name, path, one, body(texts.make(n_total - 1)),
+                          work=n_total + DECODE_WEIGHT * max_tokens)
+
+    short = len(model.tokenize_prompt(cfg.short_prompt))
+    steps = [pair("tok1", COMPLETIONS, 2, 1), pair("short", COMPLETIONS, max(short, 3), 1),
+             pair("decode_stream", COMPLETIONS, max(short, 3), decode, stream=True)]
     if cfg.chat and (model.cfg.chat_template or model.info.chat_template):
-        steps.append(WarmupStep("chat", "/v1/chat/completions",
-                                {**greedy, "max_tokens": min(4, decode),
-                                 "messages": [{"role": "user", "content": cfg.short_prompt}]}))
-    steps += [WarmupStep(f"prompt_{i}", "/v1/completions", {**greedy, "prompt": p, "max_tokens": decode})
-              for i, p in enumerate(cfg.prompts)]
-    return steps
+        steps += [pair("chat", CHAT, 8, min(4, decode)), pair("chat_stream", CHAT, 8, min(4, decode), True)]
+    sized: list[tuple[int, WarmupStep]] = []
+    for i, p in enumerate(cfg.prompts):
+        n = len(model.tokenize_prompt(p))
+        if n <= fits:
+            sized.append((n, pair(f"prompt_{i}", COMPLETIONS, n, decode, first=p)))
+    for n in sorted(set(_prompt_lengths(model, cfg))):
+        if 3 <= n <= fits:
+            sized.append((n, pair(f"len{n}", COMPLETIONS, n, 1)))
+    return steps + [s for _, s in sorted(sized, key=lambda x: x[0])]
 
 
-def engine_plan(name: str, session: Any) -> list[WarmupStep]:
-    """Every optimization profile's min, opt and max shapes (each distinct one once), zeros."""
+def _prompt_lengths(model: GGUFModel, cfg: WarmupConfig) -> list[int]:
+    """Batch row counts around each kernel-path edge: below, at and above n_ubatch and n_batch."""
+    params = model.llama.context_params
+    edges = {int(params.n_ubatch), int(params.n_batch)}
+    out = [*SMALL_BATCH_EDGES] + [e + d for e in edges for d in (-1, 0, 1)]
+    n_long = int(model.n_ctx * cfg.long_prefill_fraction)
+    return out + ([n_long] if n_long > 8 else [])
+
+
+def engine_candidates(name: str, session: Any) -> list[WarmupStep]:
+    """Every optimization profile's min, opt and max shapes (each distinct one once); the first is
+    the engine's floor. A repeat sends ones where the first sent zeros."""
     steps, seen = [], set()
     for i, prof in enumerate(session.profiles or [{}]):
         for point in ("min", "opt", "max"):
@@ -115,9 +213,12 @@ def engine_plan(name: str, session: Any) -> list[WarmupStep]:
             if sig in seen:
                 continue
             seen.add(sig)
-            inputs = [{"name": t.name, "shape": shapes[t.name], "datatype": t.datatype,
-                       "data": [0] * int(math.prod(shapes[t.name]))} for t in session.inputs]
-            steps.append(WarmupStep(f"profile{i}_{point}", f"/v2/models/{name}/infer", {"inputs": inputs}))
+
+            def body(fill: int) -> dict[str, Any]:
+                return {"inputs": [{"name": t.name, "shape": shapes[t.name], "datatype": t.datatype,
+                                    "data": [fill] * int(math.prod(shapes[t.name]))} for t in session.inputs]}
+            work = sum(int(math.prod(v)) for v in shapes.values())
+            steps.append(WarmupStep(f"profile{i}_{point}", f"/v2/models/{name}/infer", body(0), body(1), work))
     return steps
 
 
@@ -132,18 +233,75 @@ def _tokens(body: bytes, stream: bool) -> dict[str, Any]:
             "completion_tokens": usage.get("completion_tokens", 0)}
 
 
-async def run_warmup(http: LoopbackHTTP, steps: list[WarmupStep]) -> list[dict[str, Any]]:
-    """Run each step over loopback HTTP; raise WarmupError on the first one that is not a 200."""
-    results = []
+async def run_step(http: LoopbackHTTP, name: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One request over loopback HTTP, timed; WarmupError when it is not a 200."""
+    t0 = time.perf_counter()
+    status, data = await http.request("POST", path, body)
+    seconds = time.perf_counter() - t0
+    if status != 200 or b'data: {"error"' in data:
+        raise WarmupError(f"warm-up step {name!r} ({path}) failed with HTTP {status}: "
+                          f"{data[:300].decode('utf-8', 'replace')}")
+    model = body.get("model") or path.split("/")[3]
+    return {"name": name, "path": path, "model": model, "status": status, "seconds": round(seconds, 4),
+            **_tokens(data, bool(body.get("stream")))}
+
+
+async def run_steps(http: LoopbackHTTP, steps: list[dict[str, Any]], budget_s: float
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A stored plan's steps in order while their calibrated first-run times fit the budget:
+    (what ran, what did not fit)."""
+    ran, left_out, planned = [], [], 0.0
+    for s in steps:
+        planned += float(s.get("first_s", 0.0))
+        if planned > budget_s:
+            left_out.append({"name": s["name"], "why": f"over budget ({planned:.2f} s > {budget_s:.2f} s)"})
+            continue
+        ran.append(await run_step(http, s["name"], s["path"], s["body"]))
+    return ran, left_out
+
+
+class _Estimator:
+    """Predicts a request's seconds from the median seconds-per-work of the repeats measured so
+    far (the median: one repeat slowed by another process must not skip the rest)."""
+
+    def __init__(self) -> None:
+        self.rates: list[float] = []
+
+    def add(self, work: int, seconds: float) -> None:
+        self.rates.append(seconds / max(1, work))
+
+    def predict(self, work: int) -> float | None:
+        return sorted(self.rates)[len(self.rates) // 2] * work if self.rates else None
+
+
+async def calibrate(http: LoopbackHTTP, steps: list[WarmupStep], rule: KeepRule, budget_s: float
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run each candidate twice (first, then the same shape with other tokens) while the
+    predicted cost fits the budget: (one row per candidate, the kept steps)."""
+    rows: list[dict[str, Any]] = []
+    kept: list[dict[str, Any]] = []
+    est, t0 = _Estimator(), time.perf_counter()
     for step in steps:
-        t0 = time.perf_counter()
-        status, body = await http.request("POST", step.path, step.body)
-        seconds = time.perf_counter() - t0
-        if status != 200 or b'data: {"error"' in body:
-            raise WarmupError(f"warm-up step {step.name!r} ({step.path}) failed with HTTP {status}: "
-                              f"{body[:300].decode('utf-8', 'replace')}")
-        model = step.body.get("model") or step.path.split("/")[3]
-        results.append({"name": step.name, "path": step.path, "model": model,
-                        "status": status, "seconds": round(seconds, 4),
-                        **_tokens(body, bool(step.body.get("stream")))})
-    return results
+        row: dict[str, Any] = {"name": step.name, "path": step.path, "kept": False}
+        left, guess = budget_s - (time.perf_counter() - t0), est.predict(step.work)
+        if left <= 0 or (guess is not None and 2 * guess > left):
+            row["why"] = (f"over budget: ~{2 * guess:.2f} s predicted, {max(left, 0):.2f} s left"
+                          if guess is not None else "over budget")
+            rows.append(row)
+            continue
+        first = await run_step(http, step.name, step.path, step.body)
+        repeat = await run_step(http, step.name, step.path, step.repeat or step.body)
+        est.add(step.work, repeat["seconds"])
+        gain, need = first["seconds"] - repeat["seconds"], rule.threshold(repeat["seconds"])
+        row.update(first_s=first["seconds"], repeat_s=repeat["seconds"], gain_s=round(gain, 4),
+                   threshold_s=round(need, 4), kept=gain > need,
+                   why=(f"first run {gain * 1000:.1f} ms slower than the repeat "
+                        f"{'>' if gain > need else '<='} threshold {need * 1000:.1f} ms"))
+        for k in ("prompt_tokens", "completion_tokens", "events", "output_shapes"):
+            if k in first:
+                row[k] = first[k]
+        rows.append(row)
+        if row["kept"]:
+            kept.append({"name": step.name, "path": step.path, "body": step.body,
+                         "first_s": first["seconds"], "repeat_s": repeat["seconds"]})
+    return rows, kept

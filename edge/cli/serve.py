@@ -24,12 +24,14 @@ def serve(config: Optional[str] = ConfigOpt) -> None:
     raise typer.Exit(ColdStart(config, timer=timer).run())
 
 
-def warmup(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt) -> None:
+def warmup(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt,
+           calibrate: bool = typer.Option(False, "--calibrate",
+                                          help="measure the warm-up candidates anew and store the plan")) -> None:
     """Rehearse a start (page-in, load, lock, warm-up) without serving, and report each phase."""
     from edge.start import ColdStart
     from edge.timing import format_report
 
-    report = ColdStart(config).rehearse()
+    report = ColdStart(config).rehearse(recalibrate=calibrate)
     typer.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
