@@ -26,6 +26,7 @@ import logging
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,6 +100,9 @@ class ColdStart:
         self.sockets: list[socket.socket] = []
         self.loaded: Loaded | None = None
         self.recalibrate = False  # `edge warmup --calibrate`: measure anew whatever is stored
+        # Test hook: called with the loaded set just before the warm-up, so that a test can put a
+        # double at the backend boundary (a wrapper around a model's llama object); None in service.
+        self.before_warm: Callable[[Loaded], None] | None = None
 
     # -- the start, top to bottom ----------------------------------------------------------------
     def run(self) -> int:
@@ -137,6 +141,8 @@ class ColdStart:
         loaded = self.load()
 
         async def go() -> dict[str, Any]:
+            if self.before_warm is not None:
+                self.before_warm(loaded)
             await self.warm(loaded)
             return self.timer.report(config=self.config.source, sockets=[], models=loaded.infos,
                                      warmup=loaded.warmup, calibration=loaded.plans, rehearsal=True)
@@ -273,25 +279,32 @@ class ColdStart:
         return loaded.warmup
 
     async def _warm_targets(self, loaded: Loaded) -> list[Any]:
-        """What to warm, each with its plan key: models, then engines that ask for a warm-up."""
-        from edge.device import detect
-        from edge.llama_gpu import llama_build
+        """What to warm: models, then engines that ask for a warm-up. Each plan key needs the
+        device identity, found on a thread while the first floor request runs."""
         from edge.warmplan import WarmTarget, engine_plan_key, model_plan_key
         from edge.warmup import engine_candidates, model_candidates, model_floor
 
         cfg, state = self.config, loaded.state
-        device = detect()
-        build = llama_build() if state.workers else None
+        identity = asyncio.ensure_future(asyncio.to_thread(_device_and_build, bool(state.workers)))
+
+        async def model_key(model: Any) -> dict[str, Any]:
+            device, build = await identity
+            return model_plan_key(model, device, build)
+
+        async def engine_key(stored: Any) -> dict[str, Any]:
+            device, _ = await identity
+            return engine_plan_key({**stored.key.as_dict(), "sha256": stored.sha256}, device)
+
         targets = []
         for name, w in state.workers.items():
-            key = model_plan_key(w.model, device, build)
             make = functools.partial(w.call, model_candidates, w.model, cfg.warmup)
-            targets.append(WarmTarget("model", name, key, model_floor(w.model, cfg.warmup), make))
+            targets.append(WarmTarget("model", name, functools.partial(model_key, w.model),
+                                      model_floor(w.model, cfg.warmup), make))
         for name, eng in state.engines.items():
             if next(e for e in cfg.engines if e.name == name).warmup:
                 steps = engine_candidates(name, eng.session)
-                key = engine_plan_key({**eng.stored.key.as_dict(), "sha256": eng.stored.sha256}, device)
-                targets.append(WarmTarget("engine", name, key, steps[0], functools.partial(_ready, steps[1:])))
+                targets.append(WarmTarget("engine", name, functools.partial(engine_key, eng.stored), steps[0],
+                                          functools.partial(_ready, steps[1:])))
         return targets
 
     def mark_ready(self, loaded: Loaded) -> str:
@@ -311,6 +324,13 @@ class ColdStart:
                  extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
         return (f"ready: serving {', '.join(loaded.names)} on {', '.join(addresses)} "
                 f"(start {report['ready_s']:.2f} s)")
+
+
+def _device_and_build(llama: bool) -> tuple[Any, str | None]:
+    from edge.device import detect
+    from edge.llama_gpu import llama_build
+
+    return detect(), (llama_build() if llama else None)
 
 
 async def _ready(value: Any) -> Any:

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -172,9 +172,9 @@ class WarmTarget:
 
     kind: str
     name: str
-    key: dict[str, Any]
+    key: Callable[[], Awaitable[dict[str, Any]]]  # the plan key, found while the floor runs
     floor: WarmupStep
-    candidates: Callable[[], Any]  # -> awaitable list[WarmupStep]
+    candidates: Callable[[], Awaitable[list[WarmupStep]]]
 
 
 async def warm_one(http: LoopbackHTTP, target: WarmTarget, cfg: WarmupConfig, store: PlanStore, *,
@@ -182,12 +182,13 @@ async def warm_one(http: LoopbackHTTP, target: WarmTarget, cfg: WarmupConfig, st
     """The floor, then the stored plan for this key, or a calibration that makes and stores one."""
     floor = await run_step(http, "floor", target.floor.path, target.floor.body)
     floor["floor"] = True
+    key = await target.key()
     if not cfg.enabled:
         return WarmResult(target.kind, target.name, "floor only", "[warmup] enabled = false", [floor])
     if recalibrate:
         plan, why, warn = None, "recalibration asked for (edge warmup --calibrate)", False
     else:
-        plan, why, warn = store.load(target.kind, target.name, target.key)
+        plan, why, warn = store.load(target.kind, target.name, key)
     if warn:
         log.warning("warm-up plan of %s: %s", target.name, why)
     path = str(store.path(target.kind, target.name))
@@ -198,7 +199,7 @@ async def warm_one(http: LoopbackHTTP, target: WarmTarget, cfg: WarmupConfig, st
     status(f"calibrating the warm-up of {target.name}: {why}")
     rule = KeepRule(cfg.min_gain_s, cfg.min_gain_ratio)
     rows, kept = await calibrate(http, await target.candidates(), rule, cfg.budget_s)
-    new = Plan(target.key, kept, rows)
+    new = Plan(key, kept, rows)
     try:
         store.save(target.kind, target.name, new)
     except OSError as exc:  # a read-only cache dir costs a calibration per start, not the start

@@ -115,36 +115,66 @@ class _Texts:
 
     def __init__(self, model: GGUFModel) -> None:
         self.model = model
-        self.used_first: set[int] = set()
+        self.used: list[tuple[int, ...]] = []
+        self.made: set[str] = set()
         self.next_word = 0
 
-    def _tokens(self, text: str) -> list[int]:
-        return self.model.llama.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+    def _count(self, text: str) -> int:
+        return len(self.model.tokenize_prompt(text))  # as a request counts it: BOS included
+
+    def _word(self, i: int) -> tuple[int, ...]:
+        return tuple(self.model.llama.tokenize(WORDS[i].encode(), add_bos=False, special=False))
 
     def _start(self) -> int:
-        for _ in range(len(WORDS)):
-            i, self.next_word = self.next_word, (self.next_word + 1) % len(WORDS)
-            first = self._tokens(WORDS[i])[:1]
-            if first and first[0] not in self.used_first:
-                self.used_first.add(first[0])
-                return i
-        return self.next_word  # every first token used (a byte-level vocabulary): reuse
+        """An unused word that shares the shortest token prefix with the previous text's first
+        word: none where the vocabulary has whole words (Gemma), only the dummy-prefix bytes of
+        a byte-level one."""
+        if len(self.used) >= len(WORDS):
+            self.used.clear()  # every word has started a text: a new round
+        taken = set(self.used)
+        order = [i for i in ((self.next_word + k) % len(WORDS) for k in range(len(WORDS)))
+                 if self._word(i) not in taken]
+
+        def overlap(i: int) -> int:  # llama.cpp's cache holds the last request: compare with it
+            return _shared(self._word(i), self.used[-1]) if self.used else 0
+        pick = min(order, key=overlap)  # min keeps the first of equals: the rotation order
+        self.used.append(self._word(pick))
+        self.next_word = (pick + 1) % len(WORDS)
+        return pick
 
     def make(self, n: int) -> str:
-        """A text of `n` tokens (the request adds BOS), cut at a token boundary."""
+        """A text a request counts as `n` tokens (BOS included), cut at a token boundary, never
+        one this set made before."""
+        text = self._make(n)
+        self.made.add(text)
+        return text
+
+    def _make(self, n: int) -> str:
         start = self._start()
         words = WORDS[start:] + WORDS[:start]
-        reps = n // max(1, len(self._tokens(" ".join(words)))) + 2
-        full = self._tokens(" ".join(words * reps))
-        take = n
-        text = ""
-        for _ in range(6):  # detokenize-retokenize may merge or split a token at the cut
-            text = self.model.llama.detokenize(full[:take]).decode("utf-8", "ignore").strip()
-            got = len(self._tokens(text))
-            if got == n:
-                break
+        reps = n // max(1, self._count(" ".join(words))) + 2
+        full = self.model.tokenize_prompt(" ".join(words * reps))  # BOS first
+        take, text = n, ""
+        for _ in range(8):  # detokenize-retokenize may merge or split a token at the cut
+            raw = self.model.llama.detokenize(full[1:take]).decode("utf-8", "ignore")
+            text = raw.lstrip(" \u2581")  # a byte-level vocabulary hands back its space mark
+            got = self._count(text)
+            if got == n and text not in self.made:
+                return text
             take = max(1, take + n - got)
+        # a cut that never lands (a short text in a byte-level vocabulary): words, then single
+        # vocabulary entries, that a request counts as n tokens
+        phrases = (" ".join(words[k:j]) for k in range(len(words)) for j in range(k + 1, min(len(words), k + n + 1)))
+        pieces = (self.model.llama.detokenize([t]).decode("utf-8", "ignore").strip()
+                  for t in range(self.model.llama.n_vocab()))
+        for p in (*phrases, *pieces):
+            if p and p not in self.made and self._count(p) == n:
+                return p
         return text
+
+
+def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _sampled(model: GGUFModel) -> dict[str, Any]:
@@ -172,8 +202,8 @@ def model_candidates(model: GGUFModel, cfg: WarmupConfig) -> list[WarmupStep]:
             key = "messages" if path == CHAT else "prompt"
             value = [{"role": "user", "content": text}] if path == CHAT else text
             return {**sampled, key: value, "max_tokens": max_tokens, **({"stream": True} if stream else {})}
-        one = body(first if first is not None else texts.make(n_total - 1))
-        return WarmupStep(name, path, one, body(texts.make(n_total - 1)),
+        one = body(first if first is not None else texts.make(n_total))
+        return WarmupStep(name, path, one, body(texts.make(n_total)),
                           work=n_total + DECODE_WEIGHT * max_tokens)
 
     short = len(model.tokenize_prompt(cfg.short_prompt))

@@ -82,9 +82,8 @@ def test_start_report_covers_the_real_load(gemma_service) -> None:
     allowed = mlock["cap_ipc_lock"] or mlock["limit_bytes"] is None or \
         mlock["limit_bytes"] >= mlock["expected_bytes"]
     assert mlock["ok"] is allowed, mlock
-    steps = {s["name"]: s for s in phases["warmup"]["detail"]["steps"]}
-    assert steps["long_prefill"]["prompt_tokens"] >= 200  # half of n_ctx=512, give or take BOS
-    assert steps["decode_stream"]["events"] >= 2
+    floor = phases["warmup"]["detail"]["steps"][0]
+    assert floor["name"] == "floor" and floor["events"] >= 1  # streamed, through HTTP and the sampler
 
 
 def test_builtin_default_is_assembled_verified_and_served(tmp_path: Path, gemma_path: Path) -> None:
