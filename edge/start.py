@@ -4,7 +4,8 @@ Read `ColdStart.run()` top to bottom to learn what a start is (DESIGN.md, "The p
 start"); every step is a timed phase of the start report, named once in `Phases`:
 
     config → sockets → resolve_models → page_in ‖ validate ‖ imports → model_load ‖ imports_http
-    → mlock_verify → engines → warmup → http_setup → ready → serve (until SIGTERM, then drain)
+    → mlock_verify → engines → warmup (floor, then the stored plan or a calibration) → http_setup
+    → ready → serve (until SIGTERM, then drain)
 
 The sockets are listening before anything slow happens, so a connection made at any point of
 the start waits in the kernel's backlog and is accepted only once warm-up is done.
@@ -39,6 +40,7 @@ from edge.timing import StartTimer, write_report
 
 if TYPE_CHECKING:
     from edge.app import ServiceState
+    from edge.gguf import GGUFInfo
     from edge.modelfile import ModelFile
     from edge.worker import ModelWorker
 
@@ -64,6 +66,7 @@ class Phases:
     ENGINE_READ = "engine_read"
     CUDA_CONTEXT = "cuda_context"
     ENGINE_DESERIALIZE = "engine_deserialize"
+    WARMUP_SETUP = "warmup_setup"  # the candidates' targets and keys, the loopback HTTP server
     WARMUP = "warmup"
     HTTP_SETUP = "http_setup"
     READY = "ready"
@@ -99,6 +102,7 @@ class ColdStart:
         self.notifier = notifier or Notifier()
         self.sockets: list[socket.socket] = []
         self.loaded: Loaded | None = None
+        self._validations: list[concurrent.futures.Future[tuple[float, float, GGUFInfo]]] = []
         self.recalibrate = False  # `edge warmup --calibrate`: measure anew whatever is stored
         # Test hook: called with the loaded set just before the warm-up, so that a test can put a
         # double at the backend boundary (a wrapper around a model's llama object); None in service.
@@ -198,22 +202,25 @@ class ColdStart:
         return Loaded(build_app(state), state, infos + engine_infos)
 
     def start_model_files(self) -> list[ModelFile]:
-        """Resolve every model file, start its page-in, and validate it from the warming pages."""
+        """Resolve every model file, start its page-in, and start validating it from the warming
+        pages on a thread: validation runs beside the backend imports (`finish_model_files`
+        joins it)."""
         from edge.modelfile import ModelFile, VerifiedCache, resolve_model
 
         cfg = self.config
         verified = VerifiedCache(cache_dir(cfg) / "verified.json")
         with self.timer.phase(Phases.RESOLVE_MODELS):
             models = [resolve_model(m, cache_dir(cfg), verified) for m in cfg.models]
-        files = []
-        for m in models:
-            f = ModelFile(m, verified).start()
-            with self.timer.phase(Phases.VALIDATE, model=m.name) as ph:
-                info = f.validate()
-                ph.bytes = info.size
-                ph.detail.update(info.summary())
-            files.append(f)
+        files = [ModelFile(m, verified).start() for m in models]
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-validate")
+        self._validations = [pool.submit(self._validate, f) for f in files]
+        pool.shutdown(wait=False)  # the queued validations still run; joined by finish_model_files
         return files
+
+    def _validate(self, f: ModelFile) -> tuple[float, float, GGUFInfo]:
+        start = self.timer.now()
+        info = f.validate()
+        return start, self.timer.now(), info
 
     def import_backends(self) -> None:
         """llama_cpp (and onnxruntime) imported beside the page-in threads."""
@@ -224,7 +231,12 @@ class ColdStart:
                 ["onnxruntime"] if any(e.backend == "onnxruntime" for e in cfg.engines) else []))
 
     def finish_model_files(self, files: list[ModelFile]) -> None:
-        """Join the page-ins (their real start and end in the report); check the sha256."""
+        """Join the validations and page-ins (their real start and end in the report); check the
+        sha256. A file that fails validation raises here, before llama.cpp sees it."""
+        for f, done in zip(files, self._validations):
+            start, end, info = done.result()
+            ph = self.timer.add(Phases.VALIDATE, start, end, nbytes=info.size, model=f.cfg.name)
+            ph.detail.update(info.summary())
         mono0 = time.monotonic() - self.timer.now()
         for f in files:
             res = f.finish()
@@ -266,8 +278,10 @@ class ColdStart:
 
         cfg, state = self.config, loaded.state
         store = PlanStore(cache_dir(cfg) / "warmup")
-        targets = await self._warm_targets(loaded)
-        async with LoopbackHTTP(loaded.app) as http:
+        with self.timer.phase(Phases.WARMUP_SETUP):  # what to warm; the loopback server started
+            targets = await self._warm_targets(loaded)
+            http = await LoopbackHTTP(loaded.app).__aenter__()
+        async with http:
             for target in targets:
                 self.notifier.status(f"warming up {target.name}")
                 with self.timer.phase(Phases.WARMUP, **{target.kind: target.name}) as ph:
