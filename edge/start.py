@@ -313,12 +313,12 @@ class ColdStart:
         for name, w in state.workers.items():
             make = functools.partial(w.call, model_candidates, w.model, cfg.warmup)
             targets.append(WarmTarget("model", name, functools.partial(model_key, w.model),
-                                      model_floor(w.model, cfg.warmup), make))
+                                      model_floor(w.model, cfg.warmup), make, w.call))
         for name, eng in state.engines.items():
             if next(e for e in cfg.engines if e.name == name).warmup:
-                steps = engine_candidates(name, eng.session)
-                targets.append(WarmTarget("engine", name, functools.partial(engine_key, eng.stored), steps[0],
-                                          functools.partial(_ready, steps[1:])))
+                cands = engine_candidates(name, eng.session)
+                targets.append(WarmTarget("engine", name, functools.partial(engine_key, eng.stored),
+                                          cands[0].build(), functools.partial(_ready, cands[1:]), _call))
         return targets
 
     def mark_ready(self, loaded: Loaded) -> str:
@@ -349,6 +349,10 @@ def _device_and_build(llama: bool) -> tuple[Any, str | None]:
 
 async def _ready(value: Any) -> Any:
     return value
+
+
+async def _call(fn: Callable[[], Any]) -> Any:
+    return fn()
 
 
 def _import(names: list[str]) -> list[str]:

@@ -145,9 +145,7 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("warmup"):
         lines += ["", f"{'warm-up step':<19}{'seconds':>9}  what ran"]
         for w in report["warmup"]:
-            what = "kept by calibration, run as its first measurement" if w.get("calibration") else \
-                f"{w.get('model')}: {_warm_detail(w)}"
-            lines.append(f"{w['name']:<19}{w['seconds']:>9.3f}  {what}")
+            lines.append(f"{w['name']:<19}{w['seconds']:>9.3f}  {w.get('model')}: {_warm_detail(w)}")
     for plan in report.get("calibration") or []:
         lines += _plan_lines(plan)
     return "\n".join(lines)

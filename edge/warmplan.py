@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge.config import WarmupConfig
 from edge.fsutil import atomic_write
-from edge.warmup import KeepRule, LoopbackHTTP, WarmupStep, calibrate, run_step, run_steps
+from edge.warmup import Candidate, KeepRule, LoopbackHTTP, WarmupStep, calibrate, run_step, run_steps
 
 if TYPE_CHECKING:
     from edge.device import DeviceInfo
@@ -152,7 +152,7 @@ class WarmResult:
     name: str
     plan: str  # calibrated | stored | floor only
     why: str
-    steps: list[dict[str, Any]]  # what ran to warm up, floor first
+    steps: list[dict[str, Any]]  # every warm-up request that ran, floor first (calibration: both runs)
     candidates: list[dict[str, Any]] = field(default_factory=list)
     left_out: list[dict[str, Any]] = field(default_factory=list)  # plan steps over the budget
     plan_file: str | None = None
@@ -162,7 +162,7 @@ class WarmResult:
     def as_dict(self) -> dict[str, Any]:
         out = {self.kind: self.name, "plan": self.plan, "why": self.why, "plan_file": self.plan_file,
                "calibrated_at": self.calibrated_at, "candidates": self.candidates,
-               "left_out": self.left_out, "kept": [s["name"] for s in self.steps if s["name"] != "floor"]}
+               "left_out": self.left_out, "kept": [c["name"] for c in self.candidates if c.get("kept")]}
         return {**out, **({"warning": self.warning} if self.warning else {})}
 
 
@@ -174,7 +174,8 @@ class WarmTarget:
     name: str
     key: Callable[[], Awaitable[dict[str, Any]]]  # the plan key, found while the floor runs
     floor: WarmupStep
-    candidates: Callable[[], Awaitable[list[WarmupStep]]]
+    candidates: Callable[[], Awaitable[list[Candidate]]]
+    build: Callable[[Callable[[], WarmupStep]], Awaitable[WarmupStep]]  # where a candidate is made
 
 
 async def warm_one(http: LoopbackHTTP, target: WarmTarget, cfg: WarmupConfig, store: PlanStore, *,
@@ -198,14 +199,12 @@ async def warm_one(http: LoopbackHTTP, target: WarmTarget, cfg: WarmupConfig, st
                           left_out, path, calibrated_at=plan.calibrated_at)
     status(f"calibrating the warm-up of {target.name}: {why}")
     rule = KeepRule(cfg.min_gain_s, cfg.min_gain_ratio)
-    rows, kept = await calibrate(http, await target.candidates(), rule, cfg.budget_s)
+    rows, kept, ran = await calibrate(http, await target.candidates(), rule, cfg.budget_s, target.build)
     new = Plan(key, kept, rows)
     try:
         store.save(target.kind, target.name, new)
     except OSError as exc:  # a read-only cache dir costs a calibration per start, not the start
         log.warning("warm-up plan of %s not stored in %s: %s", target.name, path, exc)
         path = f"not stored: {exc}"
-    steps = [floor] + [{"name": k["name"], "path": k["path"], "seconds": k["first_s"], "calibration": True}
-                       for k in kept]
-    return WarmResult(target.kind, target.name, "calibrated", why, steps, rows, [], path,
+    return WarmResult(target.kind, target.name, "calibrated", why, [floor, *ran], rows, [], path,
                       why if warn else None, new.calibrated_at)

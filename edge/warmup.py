@@ -15,10 +15,12 @@ always runs first: readiness means one real request has succeeded.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import time
 from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from edge.config import WarmupConfig
@@ -28,7 +30,7 @@ from edge.httpwire import encode_request, parse_response
 if TYPE_CHECKING:
     from edge.llm import GGUFModel
 
-__all__ = ["KeepRule", "LoopbackHTTP", "WarmupStep", "WarmupError", "calibrate", "engine_candidates",
+__all__ = ["Candidate", "KeepRule", "LoopbackHTTP", "WarmupStep", "WarmupError", "calibrate", "engine_candidates",
            "model_candidates", "model_floor", "run_step", "run_steps"]
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -56,7 +58,16 @@ class WarmupStep:
     path: str
     body: dict[str, Any]
     repeat: dict[str, Any] | None = None
-    work: int = 1  # prompt tokens + DECODE_WEIGHT x max_tokens, or tensor elements: for the budget
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A step not made yet: `build` makes its two bodies (tokenizing: on the model's thread)."""
+
+    name: str
+    path: str
+    work: int  # prompt tokens + DECODE_WEIGHT x max_tokens, or tensor elements: for the budget
+    build: Callable[[], WarmupStep]
 
 
 @dataclass(frozen=True)
@@ -167,7 +178,7 @@ class _Texts:
         phrases = (" ".join(words[k:j]) for k in range(len(words)) for j in range(k + 1, min(len(words), k + n + 1)))
         pieces = (self.model.llama.detokenize([t]).decode("utf-8", "ignore").strip()
                   for t in range(self.model.llama.n_vocab()))
-        for p in (*phrases, *pieces):
+        for p in itertools.chain(phrases, pieces):
             if p and p not in self.made and self._count(p) == n:
                 return p
         return text
@@ -188,30 +199,32 @@ def model_floor(model: GGUFModel, cfg: WarmupConfig) -> WarmupStep:
                                              "max_tokens": 2, "stream": True})
 
 
-def model_candidates(model: GGUFModel, cfg: WarmupConfig) -> list[WarmupStep]:
-    """Every candidate step for one model, cheapest paths first, then by prompt length (on the
-    model's worker thread: it tokenizes)."""
+def model_candidates(model: GGUFModel, cfg: WarmupConfig) -> list[Candidate]:
+    """Every candidate for one model, cheapest paths first, then by prompt length. Runs on the
+    model's worker thread, as do the `build`s: a candidate's texts are made only when it runs."""
     texts = _Texts(model)
     sampled = _sampled(model)
     decode = min(cfg.decode_tokens, max(1, model.n_ctx // 4))
     fits = model.n_ctx - decode - 1
 
     def pair(name: str, path: str, n_total: int, max_tokens: int, stream: bool = False,
-             first: str | None = None) -> WarmupStep:
+             first: str | None = None) -> Candidate:
         def body(text: str) -> dict[str, Any]:
             key = "messages" if path == CHAT else "prompt"
             value = [{"role": "user", "content": text}] if path == CHAT else text
             return {**sampled, key: value, "max_tokens": max_tokens, **({"stream": True} if stream else {})}
-        one = body(first if first is not None else texts.make(n_total))
-        return WarmupStep(name, path, one, body(texts.make(n_total)),
-                          work=n_total + DECODE_WEIGHT * max_tokens)
+
+        def build() -> WarmupStep:
+            one = body(first if first is not None else texts.make(n_total))
+            return WarmupStep(name, path, one, body(texts.make(n_total)))
+        return Candidate(name, path, n_total + DECODE_WEIGHT * max_tokens, build)
 
     short = len(model.tokenize_prompt(cfg.short_prompt))
     steps = [pair("tok1", COMPLETIONS, 2, 1), pair("short", COMPLETIONS, max(short, 3), 1),
              pair("decode_stream", COMPLETIONS, max(short, 3), decode, stream=True)]
     if cfg.chat and (model.cfg.chat_template or model.info.chat_template):
         steps += [pair("chat", CHAT, 8, min(4, decode)), pair("chat_stream", CHAT, 8, min(4, decode), True)]
-    sized: list[tuple[int, WarmupStep]] = []
+    sized: list[tuple[int, Candidate]] = []
     for i, p in enumerate(cfg.prompts):
         n = len(model.tokenize_prompt(p))
         if n <= fits:
@@ -231,10 +244,10 @@ def _prompt_lengths(model: GGUFModel, cfg: WarmupConfig) -> list[int]:
     return out + ([n_long] if n_long > 8 else [])
 
 
-def engine_candidates(name: str, session: Any) -> list[WarmupStep]:
+def engine_candidates(name: str, session: Any) -> list[Candidate]:
     """Every optimization profile's min, opt and max shapes (each distinct one once); the first is
     the engine's floor. A repeat sends ones where the first sent zeros."""
-    steps, seen = [], set()
+    out, seen = [], set()
     for i, prof in enumerate(session.profiles or [{}]):
         for point in ("min", "opt", "max"):
             shapes = {t.name: prof.get(t.name, {}).get(point) or [max(d, 1) for d in t.shape]
@@ -244,12 +257,13 @@ def engine_candidates(name: str, session: Any) -> list[WarmupStep]:
                 continue
             seen.add(sig)
 
-            def body(fill: int) -> dict[str, Any]:
+            def body(fill: int, shapes: dict[str, list[int]] = shapes) -> dict[str, Any]:
                 return {"inputs": [{"name": t.name, "shape": shapes[t.name], "datatype": t.datatype,
                                     "data": [fill] * int(math.prod(shapes[t.name]))} for t in session.inputs]}
-            work = sum(int(math.prod(v)) for v in shapes.values())
-            steps.append(WarmupStep(f"profile{i}_{point}", f"/v2/models/{name}/infer", body(0), body(1), work))
-    return steps
+            step = WarmupStep(f"profile{i}_{point}", f"/v2/models/{name}/infer", body(0), body(1))
+            out.append(Candidate(step.name, step.path, sum(int(math.prod(v)) for v in shapes.values()),
+                                 lambda step=step: step))
+    return out
 
 
 def _tokens(body: bytes, stream: bool) -> dict[str, Any]:
@@ -304,34 +318,43 @@ class _Estimator:
         return sorted(self.rates)[len(self.rates) // 2] * work if self.rates else None
 
 
-async def calibrate(http: LoopbackHTTP, steps: list[WarmupStep], rule: KeepRule, budget_s: float
-                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+async def calibrate(http: LoopbackHTTP, candidates: list[Candidate], rule: KeepRule, budget_s: float,
+                    build: Callable[[Callable[[], WarmupStep]], Awaitable[WarmupStep]]
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """Run each candidate twice (first, then the same shape with other tokens) while the
-    predicted cost fits the budget: (one row per candidate, the kept steps)."""
+    predicted cost fits the budget: (one row per candidate, the kept steps, every request that
+    ran). `build` makes a candidate's step where it must be made (a model's worker thread)."""
     rows: list[dict[str, Any]] = []
     kept: list[dict[str, Any]] = []
+    ran: list[dict[str, Any]] = []
     est, t0 = _Estimator(), time.perf_counter()
-    for step in steps:
-        row: dict[str, Any] = {"name": step.name, "path": step.path, "kept": False}
-        left, guess = budget_s - (time.perf_counter() - t0), est.predict(step.work)
+    for cand in candidates:
+        row: dict[str, Any] = {"name": cand.name, "path": cand.path, "kept": False}
+        left, guess = budget_s - (time.perf_counter() - t0), est.predict(cand.work)
         if left <= 0 or (guess is not None and 2 * guess > left):
             row["why"] = (f"over budget: ~{2 * guess:.2f} s predicted, {max(left, 0):.2f} s left"
                           if guess is not None else "over budget")
             rows.append(row)
             continue
+        step = await build(cand.build)
         first = await run_step(http, step.name, step.path, step.body)
-        repeat = await run_step(http, step.name, step.path, step.repeat or step.body)
-        est.add(step.work, repeat["seconds"])
-        gain, need = first["seconds"] - repeat["seconds"], rule.threshold(repeat["seconds"])
-        row.update(first_s=first["seconds"], repeat_s=repeat["seconds"], gain_s=round(gain, 4),
-                   threshold_s=round(need, 4), kept=gain > need,
-                   why=(f"first run {gain * 1000:.1f} ms slower than the repeat "
-                        f"{'>' if gain > need else '<='} threshold {need * 1000:.1f} ms"))
-        for k in ("prompt_tokens", "completion_tokens", "events", "output_shapes"):
-            if k in first:
-                row[k] = first[k]
-        rows.append(row)
+        repeat = await run_step(http, f"{step.name}.repeat", step.path, step.repeat or step.body)
+        ran += [first, repeat]
+        est.add(cand.work, repeat["seconds"])
+        rows.append(_row(row, first, repeat, rule))
         if row["kept"]:
             kept.append({"name": step.name, "path": step.path, "body": step.body,
                          "first_s": first["seconds"], "repeat_s": repeat["seconds"]})
-    return rows, kept
+    return rows, kept, ran
+
+
+def _row(row: dict[str, Any], first: dict[str, Any], repeat: dict[str, Any], rule: KeepRule) -> dict[str, Any]:
+    gain, need = first["seconds"] - repeat["seconds"], rule.threshold(repeat["seconds"])
+    row.update(first_s=first["seconds"], repeat_s=repeat["seconds"], gain_s=round(gain, 4),
+               threshold_s=round(need, 4), kept=gain > need,
+               why=(f"first run {gain * 1000:.1f} ms slower than the repeat "
+                    f"{'>' if gain > need else '<='} threshold {need * 1000:.1f} ms"))
+    for k in ("prompt_tokens", "completion_tokens", "events", "output_shapes"):
+        if k in first:
+            row[k] = first[k]
+    return row

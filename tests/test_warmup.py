@@ -97,6 +97,8 @@ def test_a_first_use_cost_is_kept_and_a_step_without_one_dropped(config: Path) -
     assert slow["kept"] is True and slow["first_s"] >= DELAY_S > slow["threshold_s"]
     assert slow["gain_s"] > slow["threshold_s"]
     assert by_name["len64"]["kept"] is False and by_name["len64"]["gain_s"] <= by_name["len64"]["threshold_s"]
+    ran = [w["name"] for w in report["warmup"]]  # every request sent, the repeats too
+    assert ran[0] == "floor" and ran.index("len65") + 1 == ran.index("len65.repeat")
     stored = json.loads(plan_file(config).read_text())
     assert "len65" in [s["name"] for s in stored["steps"]] and "len64" not in [s["name"] for s in stored["steps"]]
     # the repeat is the same shape with other tokens: no prefix beyond BOS and a byte-level
