@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
@@ -86,6 +86,7 @@ class UnitOptions:
     watchdog_s: int = 30
     start_timeout_s: int = 300
     stop_timeout_s: int = 45  # above the service's drain_timeout_s (30 by default)
+    groups: tuple[str, ...] = ("video", "render")  # GPU device access on L4T and desktop distros
 
     @property
     def loopback_only(self) -> bool:
@@ -173,7 +174,7 @@ def render_service(o: UnitOptions) -> str:
     if not o.user:
         lines += [
             "DynamicUser=yes",
-            "SupplementaryGroups=video render",
+            *([f"SupplementaryGroups={' '.join(o.groups)}"] if o.groups else []),
             "CapabilityBoundingSet=",
             "AmbientCapabilities=",
             "KeyringMode=private",
@@ -214,8 +215,22 @@ def install_starter_config(path: Path) -> bool:
         tmp.unlink(missing_ok=True)
 
 
+def existing_groups(prefix: str, groups: tuple[str, ...]) -> tuple[str, ...]:
+    """The groups of `groups` that <prefix>/etc/group has: a missing one fails the start (216/GROUP)."""
+    try:
+        text = (Path(prefix) / "etc" / "group").read_text()
+    except OSError:
+        return groups
+    have = {line.split(":", 1)[0] for line in text.splitlines()}
+    return tuple(g for g in groups if g in have)
+
+
 def install_units(o: UnitOptions, prefix: str = "/") -> list[Path]:
-    """Write edge.socket and edge.service atomically into the unit directory; return their paths."""
+    """Write edge.socket and edge.service atomically into the unit directory; return their paths.
+
+    SupplementaryGroups= keeps only groups this system has (a headless Debian without udev has
+    no `render`)."""
+    o = replace(o, groups=existing_groups(prefix, o.groups))
     folder = unit_dir(prefix, o.user)
     folder.mkdir(parents=True, exist_ok=True)
     written = []

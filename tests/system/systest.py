@@ -69,9 +69,11 @@ class Machine:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         self.leader = int(wait_for("the container's PID 1", self._find_leader, timeout))
-        r = self.run("systemctl is-system-running --wait", check=False, timeout=timeout)
-        if r.stdout.strip() not in ("running", "degraded"):
-            raise RuntimeError(f"container did not boot: {r.stdout.strip()} {r.stderr.strip()}")
+        # PID 1 exists before its private bus socket does: retry until systemctl reaches it
+        state = wait_for("systemd in the container to answer", lambda: self.run(
+            "systemctl is-system-running --wait", check=False, timeout=timeout).stdout.strip(), timeout, 0.2)
+        if state not in ("running", "degraded"):
+            raise RuntimeError(f"the container's systemd is {state!r} after boot")
 
     def _find_leader(self) -> int | None:
         assert self.proc is not None
