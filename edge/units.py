@@ -17,7 +17,7 @@ from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
 from edge.fsutil import atomic_write, fsync_dir
 
 __all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "install_starter_config",
-           "default_edge_command", "STARTER_CONFIG", "START_LIMIT_BURST", "START_LIMIT_INTERVAL_S"]
+           "render_rearm", "REARM_UNIT", "default_edge_command", "STARTER_CONFIG", "START_LIMIT_BURST", "START_LIMIT_INTERVAL_S"]
 
 # Device nodes CUDA opens, by platform. DeviceAllow= takes a node path (systemd stat()s it when
 # the service starts; a node this device lacks allows nothing) or `char-<name>` with a driver name
@@ -93,9 +93,15 @@ class UnitOptions:
         return all(a.split(":")[0] in ("127.0.0.1", "localhost", "[::1]") for a in self.listen)
 
 
+REARM_UNIT = "edge-socket-rearm.service"
+
+
 def render_socket(o: UnitOptions) -> str:
     lines = ["[Unit]", "Description=edge inference service socket (holds connections across restarts)",
-             "", "[Socket]"]
+             # systemd stops a socket whose service hits its start limit (result
+             # service-start-limit-hit), and each later connection would do it again: the socket
+             # is started again at once, never rate-limited, so something always listens
+             f"OnFailure={REARM_UNIT}", "StartLimitIntervalSec=0", "", "[Socket]"]
     lines += [f"ListenStream={a}" for a in o.listen]
     if o.unix_socket:
         lines += [f"ListenStream={o.unix_socket}", "SocketMode=0660"]
@@ -186,6 +192,13 @@ def render_service(o: UnitOptions) -> str:
     return "\n".join(lines)
 
 
+def render_rearm(o: UnitOptions) -> str:
+    return "\n".join([
+        "[Unit]", "Description=listen again on edge.socket after edge.service hit its start limit",
+        "StartLimitIntervalSec=0", "", "[Service]", "Type=oneshot",
+        "ExecStart=systemctl " + ("--user " if o.user else "") + "start --no-block edge.socket", ""])
+
+
 def unit_dir(prefix: str, user: bool) -> Path:
     if user:
         base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
@@ -234,7 +247,8 @@ def install_units(o: UnitOptions, prefix: str = "/") -> list[Path]:
     folder = unit_dir(prefix, o.user)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in (("edge.socket", render_socket(o)), ("edge.service", render_service(o))):
+    for name, text in (("edge.socket", render_socket(o)), ("edge.service", render_service(o)),
+                       (REARM_UNIT, render_rearm(o))):
         atomic_write(folder / name, text, mode=0o644)
         written.append(folder / name)
     return written

@@ -264,14 +264,15 @@ def test_restartable_start_failure_is_bounded_and_the_socket_survives(tiny: Mach
     # systemd 252 keeps Result=exit-code of the last run and logs the refusal
     assert int(s["NRestarts"]) <= burst, s
     assert "Start request repeated too quickly" in m.run("journalctl -u edge.service --no-pager -o cat").stdout
-    # a client connecting now must not make the socket trigger starts until it fails itself
-    code = ("import socket;s=socket.create_connection(('127.0.0.1',%d),timeout=5);"
-            "s.sendall(b'GET /healthz HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n');s.settimeout(3)\n"
-            "try: s.recv(1)\nexcept OSError: pass" % PORT)
-    m.net([sys.executable, "-c", code]).wait(timeout=30)
-    sock = m.show("edge.socket", "ActiveState", "Result")
-    assert sock["ActiveState"] == "active", f"edge.socket died with the service: {sock}"
-    assert m.listen_backlog(PORT) == 4096
+    # clients connecting now must not leave edge.socket dead (systemd stops it on every start
+    # the limit refuses; edge-socket-rearm.service starts it again)
+    code = ("import socket\nfor _ in range(8):\n"
+            " try:\n  s=socket.create_connection(('127.0.0.1',%d),timeout=5);s.settimeout(3);s.recv(1)\n"
+            " except OSError: pass" % PORT)
+    m.net([sys.executable, "-c", code]).wait(timeout=120)
+    wait_for("edge.socket to listen again", lambda: m.show("edge.socket", "ActiveState")["ActiveState"] == "active"
+             and m.listen_backlog(PORT) == 4096, 30, step=0.2)
+    assert m.show("edge.service", "NRestarts")["NRestarts"] == s["NRestarts"]  # no new tries
     _serving(m)
 
 
