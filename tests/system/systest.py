@@ -62,7 +62,8 @@ class Machine:
     def boot(self, timeout: float = 120) -> None:
         cmd = ["systemd-nspawn", "-q", "-b", "-D", str(self.rootfs), "--volatile=overlay",
                "--private-network", "--register=no", "--keep-unit", f"--machine={self.name}",
-               # a device's PID 1 has CAP_SYS_RESOURCE, so LimitMEMLOCK=infinity takes effect
+               # a device's PID 1 has CAP_SYS_RESOURCE, so LimitMEMLOCK=infinity takes effect;
+               # only where the host has it to give (a host that lacks it: the limit stays 8 MiB)
                "--capability=CAP_SYS_RESOURCE"]
         cmd += [f"--bind-ro={host}:{guest}" for host, guest in self.binds.items()]
         with open(self.log, "wb") as out:
