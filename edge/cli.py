@@ -144,7 +144,7 @@ def units_install(prefix: str = typer.Option("/", "--prefix", help="root to inst
                   unix_socket: Optional[str] = UnixOpt, socket_group: Optional[str] = GroupOpt,
                   user: bool = UserOpt) -> None:
     """Write edge.socket and edge.service (atomically) and say which systemctl commands to run."""
-    from edge.units import install_starter_config, install_units
+    from edge.units import install_starter_config, install_units, reclaim_config_dir
 
     o = _unit_options(edge, config, listen, unix_socket, socket_group, user)
     try:
@@ -155,6 +155,8 @@ def units_install(prefix: str = typer.Option("/", "--prefix", help="root to inst
         typer.echo(f"wrote {p}")
     cfg = Path(prefix) / o.config.lstrip("/")
     try:
+        if reclaim_config_dir(cfg.parent):
+            typer.echo(f"gave {cfg.parent} back to root (an older unit had handed it to the service)")
         written = install_starter_config(cfg)
     except OSError as exc:
         raise EdgeError(f"cannot write the starter config {cfg}: {exc.strerror}") from None

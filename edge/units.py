@@ -16,7 +16,7 @@ from pathlib import Path
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
 from edge.fsutil import atomic_write, fsync_dir
 
-__all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "install_starter_config",
+__all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "install_starter_config", "reclaim_config_dir",
            "render_rearm", "REARM_UNIT", "default_edge_command", "STARTER_CONFIG", "START_LIMIT_BURST", "START_LIMIT_INTERVAL_S"]
 
 # Device nodes CUDA opens, by platform. DeviceAllow= takes a node path (systemd stat()s it when
@@ -236,6 +236,20 @@ def existing_groups(prefix: str, groups: tuple[str, ...]) -> tuple[str, ...]:
         return groups
     have = {line.split(":", 1)[0] for line in text.splitlines()}
     return tuple(g for g in groups if g in have)
+
+
+def reclaim_config_dir(folder: Path) -> bool:
+    """Give `folder` (and what is in it) back to root if a dynamic uid owns it; True if it did.
+
+    Units before this one had ConfigurationDirectory=edge with DynamicUser=yes, which chowns
+    /etc/edge to the service's uid on every start; that uid may later be handed to another service.
+    """
+    if os.geteuid() != 0 or not folder.is_dir() or folder.stat().st_uid == 0:
+        return False
+    for here, dirs, files in os.walk(folder):
+        for name in [here, *(os.path.join(here, n) for n in dirs + files)]:
+            os.chown(name, 0, 0, follow_symlinks=False)
+    return True
 
 
 def install_units(o: UnitOptions, prefix: str = "/") -> list[Path]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ from edge.config import parse_config
 from edge.doctor import _limit_bytes, run_checks, unit_config
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
 from edge.units import (GPU_DEVICE_CLASSES, REARM_UNIT, STARTER_CONFIG, UnitOptions, existing_groups,
-                        install_starter_config, install_units, render_rearm, render_service, render_socket)
+                        install_starter_config, install_units, reclaim_config_dir, render_rearm, render_service, render_socket)
 
 ROOT = Path(__file__).resolve().parent.parent
 analyze = pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze")
@@ -207,3 +208,15 @@ def test_doctor_reads_the_units_exec_start_and_limits(tmp_path: Path, tiny_gguf:
     other = write_config(tmp_path / "other.toml", tiny_gguf)
     warn = [c for c in run_checks(str(other), [sysdir]) if c.name == "units" and c.level == "warn"]
     assert warn and str(cfg) in warn[0].message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_install_gives_a_config_dir_owned_by_a_dynamic_uid_back_to_root(tmp_path: Path) -> None:
+    etc = tmp_path / "etc" / "edge"
+    etc.mkdir(parents=True)
+    (etc / "ota.pub").write_text("key")
+    for p in (etc, etc / "ota.pub"):
+        os.chown(p, 61234, 61234)  # what ConfigurationDirectory= + DynamicUser= left behind
+    assert reclaim_config_dir(etc) is True
+    assert {p.stat().st_uid for p in (etc, etc / "ota.pub")} == {0}
+    assert reclaim_config_dir(etc) is False
