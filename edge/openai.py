@@ -101,7 +101,7 @@ def _check_fields(body: dict[str, Any], chat: bool) -> None:
             if (name == "best_of" and val == 1) or (name == "suffix" and val == ""):
                 continue
             raise _bad(name, f"{name} is not supported: {REFUSED[name]}")
-        if name in IGNORED:
+        if name in IGNORED and (chat or name == "user"):
             _check_ignored(name, val)
             continue
         where = "chat completions" if chat else "completions"
