@@ -249,7 +249,8 @@ def build_app(state: ServiceState) -> Starlette:
 
     async def models(request: Request) -> Response:
         data = [{"id": n, "object": "model", "created": state.created, "owned_by": "edge",
-                 "context_length": w.model.n_ctx, "meta": {"n_ctx": w.model.n_ctx, **w.model.info.summary()}}
+                 "context_length": w.model.n_ctx, "meta": {"n_ctx": w.model.n_ctx, "tools": w.model.supports_tools,
+                          **w.model.info.summary()}}
                 for n, w in state.workers.items()]
         return JSONResponse({"object": "list", "data": data})
 

@@ -44,7 +44,15 @@ def completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
         offsets.append(offset)
         offset += len(_text(t.token))
     return {"tokens": [_text(t.token) for t in lps], "token_logprobs": [t.logprob for t in lps],
-            "top_logprobs": [{_text(b): lp for b, lp in t.top} for t in lps], "text_offset": offsets}
+            "top_logprobs": [_by_text(t.top) for t in lps], "text_offset": offsets}
+
+
+def _by_text(top: list[tuple[bytes, float]]) -> dict[str, float]:
+    """Completions key alternatives by text: of tokens that print alike, the likeliest counts."""
+    out: dict[str, float] = {}
+    for b, lp in top:
+        out.setdefault(_text(b), lp)
+    return out
 
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
