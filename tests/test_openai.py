@@ -42,13 +42,15 @@ HI = [{"role": "user", "content": "Hello"}]
 class Service:
     """`edge serve` as a subprocess on a socket bound to 127.0.0.1:0, and clients for it."""
 
-    def __init__(self, pid1: PidOne, config: Path) -> None:
-        self.pid1, self.config = pid1, config
+    def __init__(self, pid1: PidOne, config: Path, timeout: float = 120) -> None:
+        self.pid1, self.config, self.timeout = pid1, config, timeout
         self.base = f"http://{pid1.address[0]}:{pid1.address[1]}/v1"
-        self.client = openai.OpenAI(base_url=self.base, api_key="none", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(base_url=self.base, api_key="none", max_retries=0, timeout=timeout)
 
     def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.base, api_key="none", max_retries=0, timeout=120)
+        # a queued stream is silent until its turn: the read timeout covers the whole queue
+        return openai.AsyncOpenAI(base_url=self.base, api_key="none", max_retries=0,
+                                  timeout=self.timeout)
 
     def metric(self, name: str) -> float:
         import httpx
@@ -403,13 +405,18 @@ QUESTION = "Question: What is the capital of France?\nAnswer:"
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory, gemma_path: Path):
     d = tmp_path_factory.mktemp("gemma-openai")
-    config = write_config(d / "edge.toml", gemma_path, n_ctx=1024)
+    # the packaged GGUF carries no chat template: Gemma 3's turn format, without tools
+    template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
+                "{{ 'model' if m['role'] == 'assistant' else 'user' }}\\n{{ m['content'] }}"
+                "<end_of_turn>\\n{% endfor %}<start_of_turn>model\\n")
+    config = write_config(d / "edge.toml", gemma_path, n_ctx=1024,
+                          extra_model=f'chat_template = "{template}"')
     config.write_text(config.read_text().replace('name = "tiny"', 'name = "gemma"'))
     pid1 = PidOne([*EDGE, "serve", "--config", str(config)])
     pid1.__enter__()
     pid1.start()
     pid1.wait_for("READY", "1", timeout=300)
-    svc = Service(pid1, config)
+    svc = Service(pid1, config, timeout=600)
     yield svc
     stop(svc)
 
@@ -459,7 +466,7 @@ def test_gemma_template_without_tools_refuses_them_and_streams_finish(gemma: Ser
 
     async def one(client: openai.AsyncOpenAI, i: int) -> str | None:
         stream = await client.chat.completions.create(
-            model="gemma", messages=[{"role": "user", "content": f"Count to {i + 2}."}], max_tokens=12,
+            model="gemma", messages=[{"role": "user", "content": f"Count to {i + 2}."}], max_tokens=6,
             stream=True, stream_options={"include_usage": True})
         reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
         return next((r for r in reasons if r), None)
