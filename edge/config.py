@@ -87,6 +87,7 @@ class ModelConfig:
     prefetch_threads: int = field(default=4, metadata=_range(1, 64))
     chat_template: str | None = None  # overrides the template stored in the GGUF
     max_tokens_default: int = field(default=256, metadata=_range(1, 1 << 20))
+    max_choices: int = field(default=8, metadata=_range(1, 128))  # bound on n x prompts per request
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ class Metrics:
         self.latency_count: Counter[str] = Counter()
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.client_aborts = 0
         self.start_phases: dict[str, float] = {}
 
     def request(self, path: str, status: int, seconds: float) -> None:
@@ -31,6 +32,9 @@ class Metrics:
     def tokens(self, prompt: int, completion: int) -> None:
         self.prompt_tokens += prompt
         self.completion_tokens += completion
+
+    def client_abort(self) -> None:
+        self.client_aborts += 1
 
     def render(self, state: Any) -> str:
         out = [
@@ -52,6 +56,7 @@ class Metrics:
         out += ["# TYPE edge_prompt_tokens_total counter", f"edge_prompt_tokens_total {self.prompt_tokens}",
                 "# TYPE edge_completion_tokens_total counter",
                 f"edge_completion_tokens_total {self.completion_tokens}",
+                "# TYPE edge_client_aborts_total counter", f"edge_client_aborts_total {self.client_aborts}",
                 "# TYPE edge_queue_depth gauge"]
         out += [f'edge_queue_depth{{model="{n}"}} {w.pending}' for n, w in state.workers.items()]
         out.append("# TYPE edge_start_phase_seconds gauge")
