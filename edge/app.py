@@ -167,10 +167,10 @@ async def _complete(request: Request, state: ServiceState, chat: bool) -> Respon
         return StreamingResponse(_sse(worker, job, shape, metrics), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     parts, finish = [], None
-    async for piece in worker.stream(job):
+    async for piece in metrics.generation(shape.model, worker.stream(job)):
         parts.append(piece.text)
         finish = piece.finish_reason or finish
-    metrics.tokens(len(tokens), job.completion_tokens)
+    metrics.tokens(len(tokens), job.completion_tokens, model=shape.model)
     usage = {"prompt_tokens": len(tokens), "completion_tokens": job.completion_tokens,
              "total_tokens": len(tokens) + job.completion_tokens}
     return JSONResponse(shape.whole("".join(parts), finish, usage))
@@ -180,26 +180,24 @@ async def _sse(worker: ModelWorker, job: Job, shape: _Completion, metrics: Metri
     if shape.chat:
         yield shape.chunk("", None)  # the role-only first delta clients expect
     try:
-        async for piece in worker.stream(job):
+        async for piece in metrics.generation(shape.model, worker.stream(job)):
             if piece.text or piece.finish_reason:
                 yield shape.chunk(piece.text, piece.finish_reason)
     except EdgeError as exc:  # headers are gone: report in-band, as OpenAI does
         yield b"data: " + json.dumps({"error": {"message": str(exc)}}).encode() + b"\n\n"
     finally:  # counted also when the client went away mid-stream
-        metrics.tokens(len(job.tokens), job.completion_tokens)
+        metrics.tokens(len(job.tokens), job.completion_tokens, model=shape.model)
     yield b"data: [DONE]\n\n"
 
 
-def build_app(state: ServiceState) -> Starlette:
+def build_app(state: ServiceState) -> Any:
     async def guarded(request: Request, handler: Any) -> Response:
-        t0 = time.perf_counter()
         try:
             resp = await handler(request)
         except EdgeError as exc:
             resp = _error(exc)
         except Exception as exc:  # never let one request take the service down
             resp = _error(BackendError(f"internal error: {type(exc).__name__}: {exc}"))
-        state.metrics.request(request.url.path, resp.status_code, time.perf_counter() - t0)
         return resp
 
     async def completions(request: Request) -> Response:
@@ -237,4 +235,5 @@ def build_app(state: ServiceState) -> Starlette:
         from edge.kserve import kserve_routes
 
         routes += kserve_routes(state, guarded)
-    return Starlette(routes=routes)
+    # every request, 404/405 included, timed to the end of its body; counted by route template
+    return state.metrics.instrument(Starlette(routes=routes), state)

@@ -225,7 +225,7 @@ async def _run(app: Any, state: Any, cfg: Config, sockets: list[socket.socket], 
     timer.add("ready", now, now, sockets=len(addresses))
     report = timer.report(config=cfg.source, sockets=addresses, models=infos, warmup=warm)
     path = write_report(report, state_path)
-    state.metrics.start_phases = {p["name"]: p["seconds"] for p in report["phases"]}
+    state.metrics.set_phases(report["phases"])
     log.info("start report %s: ready in %.2f s", path, report["ready_s"],
              extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
     ready_text = (f"ready: serving {', '.join([*state.workers, *state.engines])} on "

@@ -30,6 +30,13 @@ class EngineWorker(Worker):
         self.session = session
         self.stored = stored
 
+    async def call(self, fn: Any, *args: Any) -> Any:
+        self.pending += 1  # queued or running: the queue depth that /metrics shows
+        try:
+            return await super().call(fn, *args)
+        finally:
+            self.pending -= 1
+
 
 def store_for(cfg: Config, e: EngineConfig) -> EngineStore:
     return EngineStore(e.store or cache_dir(cfg) / "engines")
