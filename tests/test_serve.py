@@ -192,8 +192,8 @@ def test_client_that_goes_away_mid_stream_stops_generation(tmp_path: Path, tiny_
             c = http.client.HTTPConnection(*pid1.address, timeout=30)
             c.request("GET", "/metrics")
             text = c.getresponse().read().decode()
-            return int(next(line.split()[1] for line in text.splitlines()
-                            if line.startswith("edge_completion_tokens_total")))
+            return int(float(next(line.split()[1] for line in text.splitlines()
+                                  if line.startswith("edge_completion_tokens_total"))))
 
         _, full = post(pid1.address, "/v1/completions", {"prompt": "Hello", "max_tokens": 480, "temperature": 0})
         assert full["usage"]["completion_tokens"] == 480  # left alone, this request runs to the end
