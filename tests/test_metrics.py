@@ -173,9 +173,12 @@ def test_stream_is_timed_to_its_last_chunk(service: Service) -> None:
     server_s = value(after, "edge_request_duration_seconds", "edge_request_duration_seconds_sum", **labels) - \
         value(before, "edge_request_duration_seconds", "edge_request_duration_seconds_sum", **labels)
     assert n == 1
-    # The server's clock runs from the request's arrival to the last chunk: it covers the stream
-    # the client saw (first bytes to the last event) and fits inside the client's send-to-EOF span.
-    assert t_done - t_first <= server_s <= t_end - t_sent, (t_done - t_first, server_s, t_end - t_sent)
+    # The server's clock runs from the request's arrival to the last chunk (its connection closes
+    # only after that): it fits inside the client's send-to-EOF span, and covers the stream the
+    # client saw, first bytes to the last event. That second span is widened by how late the
+    # client's process is woken for the last event (milliseconds on contended cores): hence 0.9 of
+    # it; a clock stopped when the response object is made reads under a hundredth.
+    assert 0.9 * (t_done - t_first) <= server_s <= t_end - t_sent, (t_done - t_first, server_s, t_end - t_sent)
     ttft = value(after, "edge_time_to_first_token_seconds", "edge_time_to_first_token_seconds_count", model="tiny") \
         - value(before, "edge_time_to_first_token_seconds", "edge_time_to_first_token_seconds_count", model="tiny")
     assert ttft == 1
