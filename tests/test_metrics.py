@@ -21,7 +21,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import EDGE, write_config
 from edge.app import ServiceState, build_app
+from edge.device import detect
+from edge.engines.build import build_engine
+from edge.engines.recipe import load_recipe
+from edge.engines.store import EngineStore
 from edge.metrics import UNMATCHED, Metrics
+
+RECIPE = Path(__file__).resolve().parent.parent / "engines" / "mlp-demo.toml"
 
 Families = dict[str, list]  # family name -> its samples
 
@@ -64,7 +70,11 @@ def _wait_ready(notify: socket.socket, proc: subprocess.Popen, log: Path, timeou
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Iterator[Service]:
     tmp = tmp_path_factory.mktemp("metrics")
-    cfg = write_config(tmp / "edge.toml", tiny_gguf, n_ctx=512)
+    # a language model and an engine side by side: both are warmed up, each phase per target
+    build_engine(load_recipe(RECIPE), "onnxruntime", EngineStore(tmp / "store"), detect(), log=lambda s: None)
+    engine = (f'[[engines]]\nname = "mlp"\nbackend = "onnxruntime"\nrecipe = "{RECIPE}"\n'
+              f'store = "{tmp / "store"}"\n')
+    cfg = write_config(tmp / "edge.toml", tiny_gguf, n_ctx=512, extra=engine)
     listener = socket.create_server(("127.0.0.1", 0))
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp / "notify"))
@@ -115,18 +125,19 @@ def scrape(service: Service) -> Families:
 
 def test_warmup_traffic_is_counted_apart(service: Service) -> None:
     fams = families(service.first_scrape)
-    steps = next(p for p in service.report["phases"] if p["name"] == "warmup")["detail"]["steps"]
-    assert len(steps) >= 3
+    steps = [s for p in service.report["phases"] if p["name"] == "warmup" for s in p["detail"]["steps"]]
+    assert {s["model"] for s in steps} == {"tiny", "mlp"}
     # every warm-up request crossed the middleware, and none of them counts as production traffic
-    assert value(fams, "edge_warmup_requests", "edge_warmup_requests_total", route="/v1/completions") + \
-        value(fams, "edge_warmup_requests", "edge_warmup_requests_total", route="/v1/chat/completions") \
-        == len(steps)
+    assert value(fams, "edge_warmup_requests", "edge_warmup_requests_total") == len(steps)
+    assert value(fams, "edge_warmup_requests", "edge_warmup_requests_total",
+                 route="/v2/models/{name}/infer") == sum(s["model"] == "mlp" for s in steps)
     assert value(fams, "edge_requests", "edge_requests_total") == 0
     assert value(fams, "edge_request_duration_seconds", "edge_request_duration_seconds_count") == 0
     assert value(fams, "edge_completion_tokens", "edge_completion_tokens_total") == 0
     assert value(fams, "edge_time_to_first_token_seconds", "edge_time_to_first_token_seconds_count") == 0
     assert value(fams, "edge_ready", "edge_ready") == 1
     assert value(fams, "edge_queue_depth", "edge_queue_depth", model="tiny", kind="model") == 0
+    assert value(fams, "edge_queue_depth", "edge_queue_depth", model="mlp", kind="engine") == 0
 
 
 def test_hostile_path_404_405_keep_exposition_parseable(service: Service) -> None:
@@ -135,10 +146,11 @@ def test_hostile_path_404_405_keep_exposition_parseable(service: Service) -> Non
     assert raw(service.address, b'GET /v1/x"%0A%5C%22%7D%201 HTTP/1.1').startswith(b"HTTP/1.1 404")
     assert get(service.address, "/v1/completions")[0] == 405
     assert raw(service.address, b"BREW /healthz HTTP/1.1").startswith(b"HTTP/1.1 405")
+    assert get(service.address, '/v2/models/no"pe%0A/infer', "POST", {"inputs": []})[0] == 404
     after = scrape(service)  # parses: text_string_to_metric_families raises on a broken exposition
     routes = {s.labels["route"] for s in after["edge_requests"]}
     assert routes <= {UNMATCHED, "/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz",
-                      "/readyz", "/metrics"}
+                      "/readyz", "/metrics", "/v2/models/{name}", "/v2/models/{name}/infer"}
 
     def delta(**labels: str) -> float:
         return value(after, "edge_requests", "edge_requests_total", **labels) - \
@@ -147,6 +159,7 @@ def test_hostile_path_404_405_keep_exposition_parseable(service: Service) -> Non
     assert delta(route=UNMATCHED, method="GET", status="404") == 1
     assert delta(route="/v1/completions", method="GET", status="405") == 1
     assert delta(route="/healthz", method="OTHER", status="405") == 1
+    assert delta(route="/v2/models/{name}/infer", method="POST", status="404") == 1
 
 
 def test_stream_is_timed_to_its_last_chunk(service: Service) -> None:
@@ -218,9 +231,12 @@ def test_start_phases_per_model(service: Service) -> None:
     samples = {(s.labels["phase"], s.labels["model"], s.labels["kind"]): s.value
                for s in fams["edge_start_phase_seconds"] if s.labels["event"] == "start"}
     for p in service.report["phases"]:
-        target = p["detail"].get("model", "")
-        assert samples[(p["name"], target, "model" if target else "")] == pytest.approx(p["seconds"]), p["name"]
-    assert ("warmup", "tiny", "model") in samples and ("model_load", "tiny", "model") in samples
+        kind = next((k for k in ("model", "engine") if k in p["detail"]), "")
+        key = (p["name"], p["detail"].get(kind, ""), kind)
+        assert samples[key] == pytest.approx(p["seconds"]), key
+    # the model's warm-up and the engine's are two series, not one overwriting the other
+    assert {k for k in samples if k[0] == "warmup"} == {("warmup", "tiny", "model"), ("warmup", "mlp", "engine")}
+    assert ("model_load", "tiny", "model") in samples
 
 
 def test_model_and_engine_phases_do_not_overwrite_each_other() -> None:
