@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from edge.errors import BackendError, EdgeError, RequestError
 from edge.llm import GenParams, Job, ModelWorker
-from edge.metrics import Metrics
+from edge.metrics import Metrics, MetricsMiddleware
 
 __all__ = ["ServiceState", "build_app"]
 
@@ -190,7 +190,7 @@ async def _sse(worker: ModelWorker, job: Job, shape: _Completion, metrics: Metri
     yield b"data: [DONE]\n\n"
 
 
-def build_app(state: ServiceState) -> Any:
+def build_app(state: ServiceState) -> MetricsMiddleware:
     async def guarded(request: Request, handler: Any) -> Response:
         try:
             resp = await handler(request)

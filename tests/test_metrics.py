@@ -91,7 +91,8 @@ def service(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Iterat
         listener.close()
 
 
-def get(address: tuple[str, int], path: str, method: str = "GET", body: dict | None = None) -> tuple[int, bytes]:
+def get(address: tuple[str, int], path: str, method: str = "GET",
+        body: dict | None = None) -> tuple[int, bytes]:
     c = http.client.HTTPConnection(*address, timeout=60)
     c.request(method, path, body=json.dumps(body) if body is not None else None,
               headers={"Content-Type": "application/json"})
@@ -115,6 +116,10 @@ def value(fams: Families, family: str, sample: str, **labels: str) -> float:
     """The sum of `sample` over the series of `family` whose labels include `labels`."""
     return sum(s.value for s in fams.get(family, []) if s.name == sample
                and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def delta(before: Families, after: Families, family: str, sample: str, **labels: str) -> float:
+    return value(after, family, sample, **labels) - value(before, family, sample, **labels)
 
 
 def scrape(service: Service) -> Families:
@@ -152,14 +157,13 @@ def test_hostile_path_404_405_keep_exposition_parseable(service: Service) -> Non
     assert routes <= {UNMATCHED, "/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz",
                       "/readyz", "/metrics", "/v2/models/{name}", "/v2/models/{name}/infer"}
 
-    def delta(**labels: str) -> float:
-        return value(after, "edge_requests", "edge_requests_total", **labels) - \
-            value(before, "edge_requests", "edge_requests_total", **labels)
+    def more(**labels: str) -> float:
+        return delta(before, after, "edge_requests", "edge_requests_total", **labels)
 
-    assert delta(route=UNMATCHED, method="GET", status="404") == 1
-    assert delta(route="/v1/completions", method="GET", status="405") == 1
-    assert delta(route="/healthz", method="OTHER", status="405") == 1
-    assert delta(route="/v2/models/{name}/infer", method="POST", status="404") == 1
+    assert more(route=UNMATCHED, method="GET", status="404") == 1
+    assert more(route="/v1/completions", method="GET", status="405") == 1
+    assert more(route="/healthz", method="OTHER", status="405") == 1
+    assert more(route="/v2/models/{name}/infer", method="POST", status="404") == 1
 
 
 def test_stream_is_timed_to_its_last_chunk(service: Service) -> None:
@@ -180,21 +184,18 @@ def test_stream_is_timed_to_its_last_chunk(service: Service) -> None:
         t_end = time.perf_counter()
     assert got.startswith(b"HTTP/1.1 200") and got.count(b"data: {") > 10
     after = scrape(service)
-    labels = {"route": "/v1/completions", "method": "POST"}
-    n = value(after, "edge_request_duration_seconds", "edge_request_duration_seconds_count", **labels) - \
-        value(before, "edge_request_duration_seconds", "edge_request_duration_seconds_count", **labels)
-    server_s = value(after, "edge_request_duration_seconds", "edge_request_duration_seconds_sum", **labels) - \
-        value(before, "edge_request_duration_seconds", "edge_request_duration_seconds_sum", **labels)
-    assert n == 1
+    fam, labels = "edge_request_duration_seconds", {"route": "/v1/completions", "method": "POST"}
+    assert delta(before, after, fam, fam + "_count", **labels) == 1
+    server_s = delta(before, after, fam, fam + "_sum", **labels)
     # The server's clock runs from the request's arrival to the last chunk (its connection closes
     # only after that): it fits inside the client's send-to-EOF span, and covers the stream the
     # client saw, first bytes to the last event. That second span is widened by how late the
     # client's process is woken for the last event (milliseconds on contended cores): hence 0.9 of
     # it; a clock stopped when the response object is made reads under a hundredth.
-    assert 0.9 * (t_done - t_first) <= server_s <= t_end - t_sent, (t_done - t_first, server_s, t_end - t_sent)
-    ttft = value(after, "edge_time_to_first_token_seconds", "edge_time_to_first_token_seconds_count", model="tiny") \
-        - value(before, "edge_time_to_first_token_seconds", "edge_time_to_first_token_seconds_count", model="tiny")
-    assert ttft == 1
+    assert 0.9 * (t_done - t_first) <= server_s <= t_end - t_sent, \
+        (t_done - t_first, server_s, t_end - t_sent)
+    fam = "edge_time_to_first_token_seconds"
+    assert delta(before, after, fam, fam + "_count", model="tiny") == 1
 
 
 def test_tokens_counted_per_model(service: Service) -> None:
@@ -211,7 +212,10 @@ def test_tokens_counted_per_model(service: Service) -> None:
 
 
 def test_client_abort_counted_per_model(service: Service) -> None:
-    before = value(scrape(service), "edge_client_aborts", "edge_client_aborts_total", model="tiny")
+    def aborts() -> float:
+        return value(scrape(service), "edge_client_aborts", "edge_client_aborts_total", model="tiny")
+
+    before = aborts()
     body = json.dumps({"prompt": "Hello", "max_tokens": 480, "temperature": 0, "stream": True}).encode()
     with socket.create_connection(service.address, timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -221,7 +225,7 @@ def test_client_abort_counted_per_model(service: Service) -> None:
             got += s.recv(4096)
     # gone after the first chunk: the service notices at its next send or disconnect check
     deadline = time.monotonic() + 30
-    while (now := value(scrape(service), "edge_client_aborts", "edge_client_aborts_total", model="tiny")) == before:
+    while (now := aborts()) == before:
         assert time.monotonic() < deadline, "the abort was never counted"
     assert now == before + 1
 
@@ -235,7 +239,8 @@ def test_start_phases_per_model(service: Service) -> None:
         key = (p["name"], p["detail"].get(kind, ""), kind)
         assert samples[key] == pytest.approx(p["seconds"]), key
     # the model's warm-up and the engine's are two series, not one overwriting the other
-    assert {k for k in samples if k[0] == "warmup"} == {("warmup", "tiny", "model"), ("warmup", "mlp", "engine")}
+    assert {k for k in samples if k[0] == "warmup"} == {("warmup", "tiny", "model"),
+                                                          ("warmup", "mlp", "engine")}
     assert ("model_load", "tiny", "model") in samples
 
 
