@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from edge.errors import BackendError, EdgeError, RequestError
 from edge.llm import GenParams, GGUFModel, Job
-from edge.metrics import Metrics
+from edge.metrics import Metrics, MetricsMiddleware
 from edge.openai import Ask, Limits, grammar, parse
 from edge.openai_shapes import Choice, Shape, parse_tool_calls
 from edge.worker import ModelWorker
@@ -145,11 +145,11 @@ def _finish_tools(run: _Run, c: Choice) -> None:
         c.text, c.finish = "", "tool_calls"
 
 
-async def _choices(run: _Run) -> list[Choice]:
+async def _choices(run: _Run, metrics: Metrics) -> list[Choice]:
     out = []
     for i, job in enumerate(run.jobs):
         c = Choice(i, text=run.echoes[i])
-        async for piece in run.worker.stream(job, admitted=True):
+        async for piece in metrics.generation(run.shape.model, run.worker.stream(job, admitted=True)):
             c.text += piece.text
             c.logprobs += piece.logprobs
             c.finish = piece.finish_reason or c.finish
@@ -189,13 +189,13 @@ async def _complete(request: Request, state: ServiceState, chat: bool) -> Respon
         return StreamingResponse(_sse(run, state.metrics), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        choices = await _unless_disconnected(request, _choices(run))
+        choices = await _unless_disconnected(request, _choices(run, state.metrics))
     except _ClientGone:
-        state.metrics.client_abort()
+        state.metrics.client_abort(run.shape.model)
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
     finally:
         run.worker.release()
-        state.metrics.tokens(run.n_prompt, run.usage()["completion_tokens"])
+        state.metrics.tokens(run.n_prompt, run.usage()["completion_tokens"], model=run.shape.model)
     return JSONResponse(run.shape.whole(choices, run.usage()))
 
 
@@ -208,7 +208,7 @@ async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
             c = Choice(i, text=run.echoes[i])
             if c.text and not run.buffered():
                 yield shape.chunk(c)
-            async for piece in run.worker.stream(job, admitted=True):
+            async for piece in metrics.generation(shape.model, run.worker.stream(job, admitted=True)):
                 if run.buffered():
                     c.text, c.finish = c.text + piece.text, piece.finish_reason or c.finish
                 elif piece.text or piece.finish_reason or piece.logprobs:
@@ -224,22 +224,20 @@ async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
         yield b"data: " + json.dumps({"error": {"message": str(exc)}}).encode() + b"\n\n"
     finally:  # counted also when the client went away mid-stream
         run.worker.release()
-        metrics.tokens(run.n_prompt, run.usage()["completion_tokens"])
+        metrics.tokens(run.n_prompt, run.usage()["completion_tokens"], model=shape.model)
         if not finished:
-            metrics.client_abort()
+            metrics.client_abort(shape.model)
     yield b"data: [DONE]\n\n"
 
 
-def build_app(state: ServiceState) -> Starlette:
+def build_app(state: ServiceState) -> MetricsMiddleware:
     async def guarded(request: Request, handler: Any) -> Response:
-        t0 = time.perf_counter()
         try:
             resp = await handler(request)
         except EdgeError as exc:
             resp = _error(exc)
         except Exception as exc:  # never let one request take the service down
             resp = _error(BackendError(f"internal error: {type(exc).__name__}: {exc}"))
-        state.metrics.request(request.url.path, resp.status_code, time.perf_counter() - t0)
         return resp
 
     async def completions(request: Request) -> Response:
@@ -278,4 +276,4 @@ def build_app(state: ServiceState) -> Starlette:
         from edge.kserve import kserve_routes
 
         routes += kserve_routes(state, guarded)
-    return Starlette(routes=routes)
+    return state.metrics.instrument(Starlette(routes=routes), state)

@@ -277,7 +277,7 @@ class ColdStart:
         report = self.timer.report(config=self.config.source, sockets=addresses, models=loaded.infos,
                                    warmup=loaded.warmup)
         path: Path = write_report(report, state_dir(self.config))
-        loaded.state.metrics.start_phases = {p["name"]: p["seconds"] for p in report["phases"]}
+        loaded.state.metrics.set_phases(report["phases"])
         log.info("start report %s: ready in %.2f s", path, report["ready_s"],
                  extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
         return (f"ready: serving {', '.join(loaded.names)} on {', '.join(addresses)} "

@@ -101,6 +101,13 @@ class EngineWorker(Worker):
         super().__init__(name)
         self.stored = stored
 
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self.pending += 1  # queued or running: the queue depth that /metrics shows
+        try:
+            return await super().call(fn, *args)
+        finally:
+            self.pending -= 1
+
     def open(self, data: bytes,
              make: Callable[[StoredEngine, bytes], EngineSession] | None = None) -> EngineSession:
         if make is None:

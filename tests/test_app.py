@@ -76,8 +76,8 @@ def test_models_health_ready_and_metrics(model) -> None:
     assert run(call(state, "GET", "/readyz")).status_code == 200
     run(call(state, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2}))
     text = run(call(state, "GET", "/metrics")).text
-    assert 'edge_requests_total{path="/v1/completions",status="200"} 1' in text
-    assert "edge_ready 1" in text
+    assert 'edge_requests_total{method="POST",route="/v1/completions",status="200"} 1.0' in text
+    assert "edge_ready 1.0" in text
     state.ready = False
     r = run(call(state, "GET", "/readyz"))
     assert r.status_code == 503 and r.json()["status"] == "starting"
