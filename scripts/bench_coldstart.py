@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import (EDGE, Answer, Peer, Started, completion, edge_config, emit,  # noqa: E402
+from benchlib import (EDGE, WORDS, Answer, Peer, Started, completion, edge_config, emit,  # noqa: E402
                       env_for_bench, gemma_path, llama_cpp_server, llama_server, novel_prompts,
                       proc_memory, request_until_answered, start_edge, start_peer, summary)
 from edge.pagein import evict  # noqa: E402
@@ -275,6 +275,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.max_tokens < 2 or args.rounds < 1 or args.steady < 1:
         ap.error("need --max-tokens >= 2, --rounds >= 1 and --steady >= 1")
+    if args.rounds * (3 + args.steady) > len(WORDS):
+        ap.error(f"--rounds x (3 + --steady) must be at most {len(WORDS)}: one first word per prompt")
     env = env_for_bench()
     model = gemma_path()
     work = Path(tempfile.mkdtemp(prefix="edge-bench-"))
