@@ -198,7 +198,8 @@ def make_prompts(model: Path, args: argparse.Namespace) -> list[Prompts]:
     return [Prompts(t[0], t[1], t[2], t[3:]) for t in rounds]
 
 
-def contenders(args: argparse.Namespace, model: Path, work: Path, env: dict[str, str]) -> tuple[list[Contender], dict[str, str]]:
+def contenders(args: argparse.Namespace, model: Path, work: Path,
+               env: dict[str, str]) -> tuple[list[Contender], dict[str, str]]:
     """edge and the peers that can run here; the skipped ones with the reason."""
     cfg = edge_config(work / "edge", model, args.n_ctx, n_threads=args.threads, n_batch=args.n_batch)
     out = [Contender(EDGE_NAME, lambda: start_edge(cfg, env), [*EDGE, "serve", "--config", str(cfg)],
