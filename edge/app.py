@@ -8,6 +8,7 @@ serving after any of them.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,11 +21,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from edge.errors import BackendError, EdgeError, RequestError
+from edge.limits import check_prompt_text
 from edge.llm import GenParams, Job
 from edge.metrics import Metrics
 from edge.worker import ModelWorker
 
 __all__ = ["ServiceState", "build_app"]
+
+log = logging.getLogger("edge")
 
 
 @dataclass
@@ -153,10 +157,14 @@ async def _complete(request: Request, state: ServiceState, chat: bool) -> Respon
     stream = _field(body, "stream", (bool,), False)
     m = worker.model
     if chat:
-        tokens, stop = await worker.call(m.tokenize_chat, _messages(body))
+        messages = _messages(body)
+        check_prompt_text(m, [msg["content"] for msg in messages], "messages")
+        tokens, stop = await worker.call(m.tokenize_chat, messages)
         params = GenParams(**{**params.__dict__, "stop": params.stop + stop})
     else:
-        tokens = await worker.call(m.tokenize_prompt, _prompt(body))
+        prompt = _prompt(body)
+        check_prompt_text(m, [prompt], "prompt")
+        tokens = await worker.call(m.tokenize_prompt, prompt)
     if body.get("max_tokens") is None and len(tokens) < m.n_ctx:
         # no explicit limit: the configured default, but never more than the context has left
         params = GenParams(**{**params.__dict__, "max_tokens": min(params.max_tokens, m.n_ctx - len(tokens))})
@@ -199,6 +207,7 @@ def build_app(state: ServiceState) -> Starlette:
         except EdgeError as exc:
             resp = _error(exc)
         except Exception as exc:  # never let one request take the service down
+            log.exception("internal error answering %s", request.url.path)
             resp = _error(BackendError(f"internal error: {type(exc).__name__}: {exc}"))
         state.metrics.request(request.url.path, resp.status_code, time.perf_counter() - t0)
         return resp

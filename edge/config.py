@@ -21,6 +21,8 @@ from edge.errors import ConfigError
 __all__ = [
     "BUILTIN_PREFIX",
     "DEFAULT_LISTEN",
+    "DEFAULT_MAX_CONNECTIONS",
+    "LOG_LEVELS",
     "DEFAULT_URL",
     "SYSTEM_CONFIG",
     "load",
@@ -46,6 +48,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8088
 DEFAULT_LISTEN = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 DEFAULT_URL = f"http://{DEFAULT_LISTEN}"
+DEFAULT_MAX_CONNECTIONS = 1024
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
@@ -61,7 +65,16 @@ class ServerConfig:
     backlog: int = field(default=1024, metadata=_range(1, 65535))
     drain_timeout_s: float = field(default=30.0, metadata=_range(0, 3600))
     max_queue: int = field(default=64, metadata=_range(1, 100000))
-    log_level: str = "info"
+    log_level: str = field(default="info", metadata={"choices": LOG_LEVELS})
+    # What one client may hold or send (edge.limits): beyond max_connections new connections
+    # wait in the listen backlog; a request head must be complete within header_timeout_s of
+    # the connection's opening (or of the end of its keep-alive idle time), a body within
+    # body_timeout_s (else 408); a body over max_body_bytes is a 413.
+    max_connections: int = field(default=DEFAULT_MAX_CONNECTIONS, metadata=_range(1, 1 << 20))
+    header_timeout_s: float = field(default=10.0, metadata=_range(0.1, 3600))
+    body_timeout_s: float = field(default=30.0, metadata=_range(0.1, 3600))
+    keepalive_timeout_s: float = field(default=5.0, metadata=_range(0.1, 3600))
+    max_body_bytes: int = field(default=8 << 20, metadata=_range(1024, 1 << 31))
 
 
 @dataclass(frozen=True)
@@ -284,6 +297,9 @@ def build_dataclass(cls: type, raw: Any, source: str, where: str) -> Any:
         val = values[name]
         if (lo is not None and val < lo) or (hi is not None and val > hi):
             raise ConfigError(source, key, f"expected a value in [{lo}, {hi}], found {val!r}")
+        choices = f.metadata.get("choices")
+        if choices and val not in choices:
+            raise ConfigError(source, key, f"expected one of {list(choices)}, found {val!r}")
     return cls(**values)
 
 

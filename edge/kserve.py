@@ -8,6 +8,7 @@ says which input and what was expected.
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -19,7 +20,9 @@ from starlette.routing import Route
 from edge.engines.runtime import KSERVE_DTYPES, TensorSpec, check_feeds
 from edge.errors import RequestError
 
-__all__ = ["kserve_routes"]
+__all__ = ["kserve_routes", "MAX_ELEMENTS"]
+
+MAX_ELEMENTS = 1 << 31  # per tensor (and per dimension): past numpy's and the engines' int32 sizes
 
 
 def _tensor(t: Any, i: int) -> tuple[str, np.ndarray]:
@@ -39,9 +42,13 @@ def _tensor(t: Any, i: int) -> tuple[str, np.ndarray]:
         arr = np.asarray(data, dtype=KSERVE_DTYPES[dtype])
     except (TypeError, ValueError):
         raise RequestError(f"{where} ({name}): data is not a list of {dtype} numbers", param="inputs") from None
-    if arr.size != int(np.prod(shape)):
+    count = math.prod(shape)  # exact: numpy's product wraps around at 2**63
+    if count > MAX_ELEMENTS or any(d > MAX_ELEMENTS for d in shape):
+        raise RequestError(f"{where} ({name}): shape {shape} holds {count} values, more than any "
+                           f"tensor may ({MAX_ELEMENTS})", param="inputs")
+    if arr.size != count:
         raise RequestError(f"{where} ({name}): {arr.size} values do not fill shape {shape} "
-                           f"({int(np.prod(shape))} values)", param="inputs")
+                           f"({count} values)", param="inputs")
     return name, arr.reshape(shape)
 
 

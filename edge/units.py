@@ -13,8 +13,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edge.config import DEFAULT_MAX_CONNECTIONS
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
 from edge.fsutil import atomic_write
+from edge.limits import nofile_for
 
 __all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "default_edge_command"]
 
@@ -50,6 +52,7 @@ class UnitOptions:
     watchdog_s: int = 30
     start_timeout_s: int = 300
     stop_timeout_s: int = 45  # above the service's drain_timeout_s (30 by default)
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # the config's server.max_connections
 
     @property
     def loopback_only(self) -> bool:
@@ -98,6 +101,7 @@ def render_service(o: UnitOptions) -> str:
         f"WatchdogSec={o.watchdog_s}",
         "KillMode=mixed",
         "LimitMEMLOCK=infinity",
+        f"LimitNOFILE={nofile_for(o.max_connections)}",  # server.max_connections + files
         "StateDirectory=edge",
         "CacheDirectory=edge",
         "ConfigurationDirectory=edge",

@@ -43,12 +43,25 @@ class ModelWorker(Worker):
         self.model = model
         self.max_queue = max_queue
 
-    async def stream(self, job: Job) -> AsyncIterator[Piece]:
-        """Pieces of one generation; cancelling the consumer stops generation at the next token."""
+    def admit(self) -> None:
         if self.pending >= self.max_queue:
             raise RequestError(f"model {self.model.cfg.name!r} has {self.pending} requests queued "
                                f"(max_queue = {self.max_queue}); retry later", status=503,
                                code="server_busy")
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A call on the model's thread (tokenizing a request) waits in the same bounded queue
+        as generations: a flood of long prompts is a 503, not a wait for everyone."""
+        self.admit()
+        self.pending += 1
+        try:
+            return await super().call(fn, *args)
+        finally:
+            self.pending -= 1
+
+    async def stream(self, job: Job) -> AsyncIterator[Piece]:
+        """Pieces of one generation; cancelling the consumer stops generation at the next token."""
+        self.admit()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
 
