@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from edge import toml as tomllib
+import tempfile
 import types
+
+from edge import toml as tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,8 @@ __all__ = [
     "build_dataclass",
     "state_dir",
     "cache_dir",
+    "check_writable",
+    "write_probe",
 ]
 
 BUILTIN_PREFIX = "builtin:"
@@ -216,6 +220,13 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
         seen.add(m.name)
         if m.sha256 is not None and (len(m.sha256) != 64 or set(m.sha256.lower()) - set("0123456789abcdef")):
             raise ConfigError(source, f"{where}.sha256", f"expected 64 hex digits, found {m.sha256!r}")
+        if m.path.startswith(BUILTIN_PREFIX):
+            from edge.modelfile import BUILTINS  # light: the table, not the model
+
+            name = m.path[len(BUILTIN_PREFIX):]
+            if name not in BUILTINS:
+                raise ConfigError(source, f"{where}.path", f"unknown builtin model {name!r}; expected "
+                                  f"one of {[BUILTIN_PREFIX + n for n in BUILTINS]} or a .gguf path")
         path = m.path
         if base_dir is not None and not path.startswith(BUILTIN_PREFIX) and not os.path.isabs(path):
             path = str((base_dir / path).resolve())  # relative paths are relative to the config file
@@ -256,6 +267,36 @@ def state_dir(cfg: Config) -> Path:
 def cache_dir(cfg: Config) -> Path:
     """Where engines and the assembled default model live: config, else CacheDirectory=, else a default."""
     return _dir(cfg.paths.cache_dir, "CACHE_DIRECTORY", "/var/cache/edge", "cache")
+
+
+def check_writable(cfg: Config) -> None:
+    """Prove state_dir and cache_dir writable by a real write (a temp file created, fsynced and
+    removed) before anything slow happens: a start report or an assembled model that cannot be
+    written would otherwise fail the start at its end. ConfigError names the path (exit 78)."""
+    for key, path in (("paths.state_dir", state_dir(cfg)), ("paths.cache_dir", cache_dir(cfg))):
+        problem = write_probe(path)
+        if problem:
+            raise ConfigError(cfg.source, key, f"{path} is not writable ({problem}): set {key} to a "
+                              "writable folder, or fix its permissions (under systemd: StateDirectory=/"
+                              "CacheDirectory=)")
+
+
+def write_probe(path: Path) -> str | None:
+    """None if a file can be created, fsynced and removed in `path` (made if missing), else why not."""
+    if path.exists() and not path.is_dir():
+        return "not a folder"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".edge-write-probe-", dir=path)
+        try:
+            os.write(fd, b"edge")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 _XDG = {"state": ("XDG_STATE_HOME", ".local/state"), "cache": ("XDG_CACHE_HOME", ".cache")}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import signal
 import socket
 import stat
 import struct
@@ -209,8 +210,10 @@ def build_server(app: Any, state: ServiceState, cfg: ServerConfig, notifier: Not
     return server
 
 
-async def serve_http(server: Any, sockets: list[socket.socket], notifier: Notifier, ready_text: str) -> None:
-    """Serve until the drain ends; READY=1 once the sockets are being accepted on, not before."""
+async def serve_http(server: Any, sockets: list[socket.socket], notifier: Notifier, ready_text: str,
+                     stopped: asyncio.Event | None = None) -> None:
+    """Serve until the drain ends; READY=1 once the sockets are being accepted on, not before.
+    `stopped`: set by a signal that came before uvicorn took the signals over (drained at once)."""
     server.config.backlog = max(listen_backlog(s) for s in sockets)
     gated = server.guard.gate(sockets, connection_limit(server.guard.cfg))
     serving = asyncio.create_task(server.serve(sockets=gated))
@@ -218,6 +221,8 @@ async def serve_http(server: Any, sockets: list[socket.socket], notifier: Notifi
         await asyncio.sleep(0.001)
     if server.started:
         notifier.ready(ready_text)
+        if stopped is not None and stopped.is_set():
+            server.handle_exit(signal.SIGTERM, None)
     watchdog = asyncio.create_task(_watchdog(notifier)) if watchdog_interval_s() else None
     sweeper = asyncio.create_task(server.guard.run(server.server_state.connections))
     try:

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from edge.device import DeviceInfo
-from edge.errors import EngineError
+from edge.errors import EngineError, MissingDependency
 
 __all__ = ["EngineKey", "device_fields", "BACKENDS"]
 
@@ -67,6 +67,6 @@ def device_fields(backend: str, device: DeviceInfo) -> dict[str, Any]:
         return {"backend": backend, "target": device.sm, "cuda": device.cuda, "tensorrt": device.tensorrt}
     if backend == "onnxruntime":
         if not device.onnxruntime:
-            raise EngineError("ONNX Runtime is not installed: pip install onnxruntime")
+            raise MissingDependency("onnxruntime", "ort", "serving ONNX Runtime engines")
         return {"backend": backend, "target": f"cpu-{device.cpu_arch}", "onnxruntime": device.onnxruntime}
     raise EngineError(f"unknown engine backend {backend!r}: expected one of {list(BACKENDS)}")
