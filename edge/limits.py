@@ -8,6 +8,10 @@ Connection level (`ConnectionGuard`, over uvicorn's h11 protocol):
   kept-alive connection: of the end of `keepalive_timeout_s` idle time), so idle or slowloris
   connections are closed, never held forever.
 
+uvicorn's own `limit_concurrency` is not used: it answers 503 (plain text) only once a request
+has been read, so idle connections still take a file descriptor each, and it counts idle
+connections as load.
+
 Request level (`LimitsMiddleware`, plain ASGI around the app):
 - a body over `max_body_bytes` is a 413 as soon as that is known: from Content-Length before
   anything is read, else while counting the streamed bytes;

@@ -93,6 +93,7 @@ def test_idle_flood_is_capped_then_timed_out_and_others_are_served(tmp_path, tin
         # queued behind all of it is answered.
         _answers(pid1.address)
         assert all(_closed_by_server(c) for c in flood)
+        assert "connection limit reached: 8 open (server.max_connections)" in pid1.log_tail(100_000)
     finally:
         for c in flood:
             c.close()
