@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import select
 import socket
 import struct
@@ -267,3 +268,37 @@ def test_kserve_shape_overflow_is_400_naming_the_input(engine_service, shape, wo
     status, _ = post(pid1.address, "/v2/models/mlp/infer",
                      {"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": [0.0] * 16}]})
     assert status == 200
+
+
+def test_file_descriptor_limit_fits_max_connections(tmp_path, tiny_gguf) -> None:
+    from conftest import EDGE
+    from edge.config import ServerConfig
+    from edge.limits import nofile_for
+    from edge.units import UnitOptions, render_service
+    from kit import PidOne
+
+    assert f"LimitNOFILE={nofile_for(ServerConfig().max_connections)}\n" in render_service(UnitOptions())
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
+    cfg.write_text(cfg.read_text().replace("[server]\n", "[server]\nmax_connections = 100\n"))
+    # A soft limit below what 100 connections need is raised (the hard one allows it) ...
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < nofile_for(100):
+        pytest.skip(f"the hard RLIMIT_NOFILE here ({hard}) is below {nofile_for(100)}")
+    hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    argv = ["prlimit", f"--nofile=64:{hard_text}", "--", *EDGE, "serve", "--config", str(cfg)]
+    with PidOne(argv) as pid1:
+        pid1.start()
+        pid1.wait_for("READY", "1")
+        limits = Path(f"/proc/{pid1.proc.pid}/limits").read_text()
+        assert re.search(rf"Max open files\s+{nofile_for(100)}\s+{hard_text}\s", limits), limits
+        _answers(pid1.address)
+    # ... and where the hard limit cannot hold them, fewer are served, with a warning.
+    argv[1] = "--nofile=600:600"
+    with PidOne(argv) as pid1:
+        pid1.start()
+        pid1.wait_for("READY", "1")
+        _answers(pid1.address)
+        assert "RLIMIT_NOFILE is 600 (LimitNOFILE= of the unit): serving at most 450 connections" \
+            in pid1.log_tail(100_000)
