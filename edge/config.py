@@ -213,6 +213,7 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
     resolved = []
     for i, m in enumerate(cfg.models):
         where = f"models[{i}]"
+        _check_name(m.name, source, f"{where}.name")
         if m.kind not in MODEL_KINDS:
             raise ConfigError(source, f"{where}.kind", f"expected one of {list(MODEL_KINDS)}, found {m.kind!r}")
         if m.name in seen:
@@ -232,15 +233,26 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
             path = str((base_dir / path).resolve())  # relative paths are relative to the config file
         resolved.append(dataclasses.replace(m, path=path))
     object.__setattr__(cfg, "models", resolved)
+    if not cfg.server.host.strip():
+        raise ConfigError(source, "server.host", "expected an address such as \"127.0.0.1\", found an "
+                          "empty string (which would listen on every interface)")
     mode = cfg.server.unix_socket_mode
     if not (mode.isdigit() and set(mode) <= set("01234567") and len(mode) <= 4):
         raise ConfigError(source, "server.unix_socket_mode", f"expected an octal mode such as \"0660\", found {mode!r}")
+
+
+def _check_name(name: str, source: str, key: str) -> None:
+    # Names are path segments of the API (/v2/models/{name}) and labels of the metrics.
+    if not name or name != name.strip() or any(c in name for c in "/?#%\"\\") or not name.isprintable():
+        raise ConfigError(source, key, f"expected a name without spaces around it, '/', '?', '#', '%', "
+                          f"quotes or backslashes, found {name!r}")
 
 
 def _check_engines(cfg: Config, source: str, base_dir: Path | None) -> None:
     resolved, seen = [], set()
     for i, e in enumerate(cfg.engines):
         where = f"engines[{i}]"
+        _check_name(e.name, source, f"{where}.name")
         if e.backend not in ("tensorrt", "onnxruntime"):
             raise ConfigError(source, f"{where}.backend", f"expected 'tensorrt' or 'onnxruntime', found {e.backend!r}")
         if e.name in seen:

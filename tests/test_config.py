@@ -83,6 +83,9 @@ def test_the_readme_example_config_is_valid() -> None:
     (MIN + "[server]\nmax_connections = 0\n", "server.max_connections", "[1, 1048576]"),
     (MIN + "[server]\nheader_timeout_s = 0\n", "server.header_timeout_s", "[0.1, 3600]"),
     (MIN + "[server]\nmax_body_bytes = 10\n", "server.max_body_bytes", "[1024, 2147483648]"),
+    (MIN.replace('"m"', '"a/b"'), "models[0].name", "expected a name without"),
+    (MIN.replace('"m"', '""'), "models[0].name", "found ''"),
+    (MIN + '[server]\nhost = ""\n', "server.host", "empty string"),
     (MIN + '[[models]]\nname = "n"\npath = "builtin:nope"\n', "models[1].path",
      "unknown builtin model 'nope'; expected one of ['builtin:gemma3-270m']"),
 ])

@@ -109,6 +109,18 @@ def test_slowloris_head_is_closed(tmp_path, tiny_gguf, service) -> None:
     _answers(pid1.address)
 
 
+def test_idle_keepalive_connection_is_closed(tmp_path, tiny_gguf, service) -> None:
+    pid1 = _server(tmp_path, tiny_gguf, service, "keepalive_timeout_s = 0.5")
+    with socket.create_connection(pid1.address, timeout=30) as c:
+        body = json.dumps(NORMAL).encode()
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        first = c.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200") and b"connection: close" not in first.lower()
+        assert _closed_by_server(c)  # kept alive, then closed once idle
+    _answers(pid1.address)
+
+
 def test_slow_body_is_408_and_large_body_413(tmp_path, tiny_gguf, service) -> None:
     pid1 = _server(tmp_path, tiny_gguf, service, "body_timeout_s = 1.0\nmax_body_bytes = 4096")
     with socket.create_connection(pid1.address, timeout=30) as c:
