@@ -314,3 +314,21 @@ def test_file_descriptor_limit_fits_max_connections(tmp_path, tiny_gguf) -> None
         _answers(pid1.address)
         assert "RLIMIT_NOFILE is 600 (LimitNOFILE= of the unit): serving at most 450 connections" \
             in pid1.log_tail(100_000)
+
+
+def test_readme_limits_match_the_config() -> None:
+    from edge import toml
+    from edge.config import ServerConfig
+    from edge.limits import FD_RESERVE
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    server = toml.loads(block.split("[paths]", 1)[0])["server"]
+    defaults = ServerConfig()
+    for name, value in server.items():
+        assert getattr(defaults, name) == value, name
+    section = readme.split("### Limits", 1)[1].split("\n## ", 1)[0]
+    for name in ("max_connections", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s",
+                 "max_body_bytes", "max_queue"):
+        assert f"`{name}`" in section and name in server, name
+    assert f"`max_connections` + {FD_RESERVE}" in section
