@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from edge.errors import BackendError, EdgeError, RequestError
+from edge.limits import check_prompt_text
 from edge.llm import GenParams, GGUFModel, Job
 from edge.metrics import Metrics, MetricsMiddleware
 from edge.openai import Ask, Limits, grammar, parse
@@ -106,6 +107,15 @@ def _tokenize(m: GGUFModel, ask: Ask) -> list[tuple[list[int], tuple[str, ...], 
             for p in ask.prompts]
 
 
+def _check_bytes(m: GGUFModel, ask: Ask) -> None:
+    if ask.chat:
+        texts = [c if isinstance(c, str) else " ".join(p.get("text", "") for p in c if isinstance(p, dict))
+                 for c in (msg.get("content") for msg in ask.messages) if isinstance(c, (str, list))]
+        check_prompt_text(m, texts, "messages")
+    else:
+        check_prompt_text(m, [p for p in ask.prompts if isinstance(p, str)], "prompt")
+
+
 async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Run:
     worker = state.worker(body.get("model"))
     m = worker.model
@@ -115,6 +125,7 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
     gbnf = grammar(*ask.schema) if ask.schema else None
     if gbnf is not None and ask.schema is not None:
         await worker.call(m.check_grammar, gbnf, ask.schema[1])
+    _check_bytes(m, ask)  # before tokenizing: a prompt that cannot fit never holds the worker
     prompts = await worker.call(_tokenize, m, ask)
     if len(prompts) * ask.n > m.cfg.max_choices:
         raise RequestError(f"{len(prompts)} prompts x n={ask.n} is more than the "
@@ -237,6 +248,7 @@ def build_app(state: ServiceState) -> MetricsMiddleware:
         except EdgeError as exc:
             resp = _error(exc)
         except Exception as exc:  # never let one request take the service down
+            log.exception("internal error answering %s", request.url.path)
             resp = _error(BackendError(f"internal error: {type(exc).__name__}: {exc}"))
         return resp
 

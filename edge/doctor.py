@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge.config import BUILTIN_PREFIX, Config, cache_dir, find_config, load_config, state_dir
+from edge.config import BUILTIN_PREFIX, Config, cache_dir, find_config, load_config, state_dir, write_probe
 from edge.errors import ConfigError, EdgeError
 
 __all__ = ["Check", "run_checks"]
@@ -201,13 +201,19 @@ def _units(unit_dirs: list[Path]) -> tuple[list[Check], str | None]:
                   "edge units install && systemctl daemon-reload && systemctl enable --now edge.socket edge.service")], None
 
 
-def _state(cfg: Config) -> Check:
-    d = state_dir(cfg)
-    probe = d if d.exists() else d.parent
-    if os.access(probe, os.W_OK):
-        return Check("state dir", "ok", f"{d} is writable (start reports go there)")
-    return Check("state dir", "warn", f"{d} is not writable by this user",
-                 "under systemd, StateDirectory=edge creates it; from a shell set paths.state_dir")
+def _dirs(cfg: Config) -> list[Check]:
+    # The same real write a start makes before loading (edge.config.check_writable).
+    checks = []
+    for name, d, what in (("state dir", state_dir(cfg), "start reports, OTA versions"),
+                          ("cache dir", cache_dir(cfg), "engines, the assembled default model")):
+        problem = write_probe(d)
+        if problem:
+            checks.append(Check(name, "fail", f"{d} is not writable: {problem} (a start exits 78)",
+                                "under systemd, StateDirectory=/CacheDirectory= create it; from a "
+                                "shell set paths.state_dir / paths.cache_dir"))
+        else:
+            checks.append(Check(name, "ok", f"{d} is writable ({what} go there)"))
+    return checks
 
 
 def _device() -> Check:
@@ -276,7 +282,7 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
         lambda: [_memlock(cfg, unit_text)],
         lambda: [_memory(cfg)],
         lambda: unit_checks,
-        lambda: [_state(cfg)],
+        lambda: _dirs(cfg),
     ]
     for step in steps:
         checks += step()

@@ -6,6 +6,8 @@ Every method of a loaded model runs on its worker thread (edge.worker.ModelWorke
 from __future__ import annotations
 
 import codecs
+import logging
+import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -17,7 +19,9 @@ from edge.errors import BackendError, ModelError, RequestError, require
 from edge.gguf import GGUFInfo
 from edge.mlock import MlockStatus, mlock_status, vm_locked_bytes
 
-__all__ = ["GenParams", "GGUFModel", "Job", "Piece", "load_gguf_model"]
+__all__ = ["GenParams", "GGUFModel", "Job", "Piece", "diagnose_load_failure", "load_gguf_model"]
+
+log = logging.getLogger("edge")
 
 
 @dataclass(frozen=True)
@@ -228,6 +232,11 @@ def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
     from edge.llama_gpu import require_gpu_offload
 
     require_gpu_offload(llama_cpp, cfg.name, cfg.n_gpu_layers)  # a CPU-only build would ignore it
+    trained = info.context_length
+    if trained and cfg.n_ctx > trained:
+        log.warning("%s: n_ctx = %d is more than the %d tokens %s was trained for (%s.context_length): "
+                    "output past %d tokens is unreliable", cfg.name, cfg.n_ctx, trained, info.path,
+                    info.architecture, trained)
     before = vm_locked_bytes()
     try:
         llama = llama_cpp.Llama(
@@ -236,7 +245,28 @@ def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
             use_mmap=cfg.use_mmap, use_mlock=cfg.use_mlock, verbose=False,
         )
     except (ValueError, RuntimeError) as exc:
-        raise ModelError(info.path, f"llama.cpp could not load the model: {exc}") from None
+        why = diagnose_load_failure(info, llama_cpp)
+        raise ModelError(info.path, f"llama.cpp could not load the model: {exc}"
+                         + (f"; {why}" if why else "")) from None
     status = mlock_status(cfg.use_mlock, vm_locked_bytes() - before, info, use_mmap=cfg.use_mmap,
                           n_gpu_layers=cfg.n_gpu_layers)
     return GGUFModel(cfg, info, llama, status)
+
+
+def diagnose_load_failure(info: GGUFInfo, llama_cpp: Any) -> str:
+    """edge's own reading of why llama.cpp refused a file the GGUF validator passed (llama.cpp
+    only says "Failed to load model"): an architecture this llama.cpp was not built with (its
+    names are NUL-terminated strings in libllama), or hyperparameters the architecture needs."""
+    arch = info.architecture
+    lib = getattr(getattr(llama_cpp, "llama_cpp", None), "_lib", None)
+    try:
+        with open(str(getattr(lib, "_name", "")), "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+            known = m.find(b"\0" + arch.encode() + b"\0") >= 0
+    except (OSError, ValueError):
+        return ""
+    if not known:
+        return (f"its architecture {arch!r} (general.architecture) is not one this llama.cpp knows "
+                "(llama-cpp-python too old, or not a llama.cpp model)")
+    missing = [f"{arch}.{k}" for k in ("context_length", "embedding_length", "block_count")
+               if f"{arch}.{k}" not in info.metadata]
+    return f"the GGUF lacks {', '.join(missing)}, which {arch!r} models need" if missing else ""

@@ -13,8 +13,10 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from edge.config import DEFAULT_MAX_CONNECTIONS
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
 from edge.fsutil import atomic_write, fsync_dir
+from edge.limits import nofile_for
 
 __all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "install_starter_config", "reclaim_config_dir",
            "render_rearm", "REARM_UNIT", "default_edge_command", "STARTER_CONFIG", "START_LIMIT_BURST", "START_LIMIT_INTERVAL_S"]
@@ -87,6 +89,7 @@ class UnitOptions:
     start_timeout_s: int = 300
     stop_timeout_s: int = 45  # above the service's drain_timeout_s (30 by default)
     groups: tuple[str, ...] = ("video", "render")  # GPU device access on L4T and desktop distros
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # the config's server.max_connections
 
     @property
     def loopback_only(self) -> bool:
@@ -146,6 +149,7 @@ def render_service(o: UnitOptions) -> str:
         # CUDA's PTX JIT cache (default ~/.nv, absent for a DynamicUser): a writable place kept
         # across restarts, so kernels are compiled once per driver, not once per start
         "Environment=CUDA_CACHE_PATH=%C/edge/cuda",
+        f"LimitNOFILE={nofile_for(o.max_connections)}",  # server.max_connections + files
         "StateDirectory=edge",
         "CacheDirectory=edge",
         # No ConfigurationDirectory=: with DynamicUser= it chowns /etc/edge to the service's uid,

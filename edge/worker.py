@@ -54,6 +54,15 @@ class ModelWorker(Worker):
     def release(self) -> None:
         self.pending -= 1
 
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A call on the model's thread (tokenizing a request) waits in the same bounded queue
+        as generations: a flood of long prompts is a 503, not a wait for everyone."""
+        self.admit()
+        try:
+            return await super().call(fn, *args)
+        finally:
+            self.release()
+
     async def stream(self, job: Job, admitted: bool = False) -> AsyncIterator[Piece]:
         """Pieces of one generation; cancelling the consumer stops generation at the next token.
         `admitted`: the caller holds a place taken with admit() and releases it itself."""
