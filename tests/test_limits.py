@@ -243,36 +243,12 @@ def test_inherited_socket_keeps_its_backlog(tiny_config, service) -> None:
     assert _tcp_info(pid1.listener)[1] == 300
 
 
-@pytest.fixture(scope="module")
-def engine_service(tmp_path_factory: pytest.TempPathFactory):
-    pytest.importorskip("onnxruntime")
-    from edge.device import detect
-    from edge.engines.build import build_engine
-    from edge.engines.recipe import load_recipe
-    from edge.engines.store import EngineStore
-    from kit import PidOne
-
-    from conftest import EDGE
-
-    recipe = Path(__file__).resolve().parent.parent / "engines" / "mlp-demo.toml"
-    d = tmp_path_factory.mktemp("engine-limits")
-    build_engine(load_recipe(recipe), "onnxruntime", EngineStore(d / "store"), detect(), log=lambda s: None)
-    cfg = d / "edge.toml"
-    cfg.write_text(f'[paths]\nstate_dir = "{d / "state"}"\ncache_dir = "{d / "cache"}"\n'
-                   f'[[engines]]\nname = "mlp"\nbackend = "onnxruntime"\nrecipe = "{recipe}"\n'
-                   f'store = "{d / "store"}"\n')
-    with PidOne([*EDGE, "serve", "--config", str(cfg)]) as pid1:
-        pid1.start()
-        pid1.wait_for("READY", "1")
-        yield pid1
-
-
 @pytest.mark.parametrize("shape, words", [
     ([4294967296, 4294967296, 16], "holds 295147905179352825856 values, more than any tensor may"),
     ([0, 1 << 40], "more than any tensor may"),
 ])
-def test_kserve_shape_overflow_is_400_naming_the_input(engine_service, shape, words) -> None:
-    pid1 = engine_service
+def test_kserve_shape_overflow_is_400_naming_the_input(ort_service, shape, words) -> None:
+    pid1, _ = ort_service
     status, body = post(pid1.address, "/v2/models/mlp/infer",
                         {"inputs": [{"name": "x", "shape": shape, "datatype": "FP32", "data": []}]})
     assert status == 400, body
