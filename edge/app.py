@@ -7,11 +7,13 @@ serving after any of them.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -20,11 +22,16 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from edge.errors import BackendError, EdgeError, RequestError
-from edge.llm import GenParams, Job
-from edge.metrics import Metrics
+from edge.limits import check_prompt_text
+from edge.llm import GenParams, GGUFModel, Job
+from edge.metrics import Metrics, MetricsMiddleware
+from edge.openai import Ask, Limits, grammar, parse
+from edge.openai_shapes import Choice, Shape, parse_tool_calls
 from edge.worker import ModelWorker
 
 __all__ = ["ServiceState", "build_app"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,140 +74,182 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def _field(body: dict[str, Any], name: str, types: tuple[type, ...], default: Any,
-           lo: float | None = None, hi: float | None = None) -> Any:
-    val = body.get(name, default)
-    if val is None:
-        return default
-    if isinstance(val, bool) and bool not in types or not isinstance(val, types):
-        raise RequestError(f"{name} must be {' or '.join(t.__name__ for t in types)}, "
-                           f"found {json.dumps(val)[:40]}", param=name)
-    if (lo is not None and val < lo) or (hi is not None and val > hi):
-        raise RequestError(f"{name} must be in [{lo}, {hi}], found {val}", param=name)
-    return val
+@dataclass
+class _Run:
+    """One request's generations: its jobs in choice order and how to answer."""
+    worker: ModelWorker
+    ask: Ask
+    jobs: list[Job]
+    echoes: list[str]  # per choice: the prompt text `echo` puts before the completion
+    n_prompt: int
+    shape: Shape
+
+    def usage(self) -> dict[str, int]:
+        done = sum(j.completion_tokens for j in self.jobs)
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": done,
+                "total_tokens": self.n_prompt + done}
+
+    def tool_names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.ask.tools or []]
+
+    def buffered(self) -> bool:
+        """Tool calls are known only once the text is whole: such choices stream in one chunk."""
+        return bool(self.ask.tools) and self.ask.tool_choice != "none"
 
 
-def _params(body: dict[str, Any], worker: ModelWorker) -> GenParams:
+def _tokenize(m: GGUFModel, ask: Ask) -> list[tuple[list[int], tuple[str, ...], str]]:
+    """(tokens, template stop strings, echo text) per prompt; runs on the model's thread."""
+    if ask.chat:
+        tokens, stops = m.tokenize_chat(ask.messages, ask.tools, ask.tool_choice)
+        return [(tokens, stops, "")]
+    return [(m.tokenize_prompt(p), (), p) if isinstance(p, str) else
+            (list(p), (), b"".join(m.token_bytes(t) for t in p).decode("utf-8", "replace"))
+            for p in ask.prompts]
+
+
+def _check_bytes(m: GGUFModel, ask: Ask) -> None:
+    if ask.chat:
+        texts = [c if isinstance(c, str) else " ".join(p.get("text", "") for p in c if isinstance(p, dict))
+                 for c in (msg.get("content") for msg in ask.messages) if isinstance(c, (str, list))]
+        check_prompt_text(m, texts, "messages")
+    else:
+        check_prompt_text(m, [p for p in ask.prompts if isinstance(p, str)], "prompt")
+
+
+async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Run:
+    worker = state.worker(body.get("model"))
     m = worker.model
-    if _field(body, "n", (int,), 1) != 1:
-        raise RequestError("n must be 1: edge returns one choice per request", param="n")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError("stop must be a string or a list of up to 4 non-empty strings", param="stop")
-    return GenParams(
-        max_tokens=_field(body, "max_tokens", (int,), m.cfg.max_tokens_default, 1, m.n_ctx),
-        temperature=float(_field(body, "temperature", (int, float), 0.8, 0.0, 2.0)),
-        top_p=float(_field(body, "top_p", (int, float), 0.95, 0.0, 1.0)),
-        top_k=_field(body, "top_k", (int,), 40, 0, 1 << 20),
-        stop=tuple(stop),
-        seed=_field(body, "seed", (int,), None, 0, 2**32 - 1),
-    )
+    ask = parse(body, chat, Limits(m.n_ctx, m.n_vocab, m.cfg.max_choices, m.supports_tools))
+    if ask.user is not None:
+        log.info("request from user %r", ask.user)
+    gbnf = grammar(*ask.schema) if ask.schema else None
+    if gbnf is not None and ask.schema is not None:
+        await worker.call(m.check_grammar, gbnf, ask.schema[1])
+    _check_bytes(m, ask)  # before tokenizing: a prompt that cannot fit never holds the worker
+    prompts = await worker.call(_tokenize, m, ask)
+    if len(prompts) * ask.n > m.cfg.max_choices:
+        raise RequestError(f"{len(prompts)} prompts x n={ask.n} is more than the "
+                           f"{m.cfg.max_choices} choices this model allows per request "
+                           "(models[].max_choices)", param="n")
+    jobs, echoes = [], []
+    for tokens, stops, echo in prompts:
+        max_tokens = ask.max_tokens
+        if max_tokens is None:  # the configured default, but never more than the context has left
+            max_tokens = min(m.cfg.max_tokens_default, max(1, m.n_ctx - len(tokens)))
+        m.check_fits(len(tokens), max_tokens)
+        params = GenParams(max_tokens=max_tokens, grammar=gbnf,
+                           **{**ask.sampling, "stop": ask.sampling["stop"] + stops})
+        # n choices from one seed: seed, seed+1, ... (the same seed would give n equal choices)
+        jobs += [Job(tokens=tokens, params=params if params.seed is None else
+                     replace(params, seed=(params.seed + j) % (2**32 - 1))) for j in range(ask.n)]
+        echoes += [echo if ask.echo else ""] * ask.n
+    shape = Shape(chat, m.cfg.name, ask.sampling["logprobs"] is not None)
+    return _Run(worker, ask, jobs, echoes, sum(len(t) for t, _, _ in prompts), shape)
 
 
-def _prompt(body: dict[str, Any]) -> str:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise RequestError("prompt must be a string (or a list of one string)", param="prompt")
-    return prompt
+def _finish_tools(run: _Run, c: Choice) -> None:
+    if not run.buffered():
+        return
+    calls = parse_tool_calls(c.text, run.tool_names())
+    if calls:
+        c.tool_calls = calls if run.ask.parallel_tool_calls else calls[:1]
+        c.text, c.finish = "", "tool_calls"
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise RequestError("messages must be a non-empty list", param="messages")
-    for i, msg in enumerate(msgs):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) \
-                or not isinstance(msg.get("content"), str):
-            raise RequestError(f"messages[{i}] must be an object with string role and content",
-                               param="messages")
-    return msgs
+async def _choices(run: _Run, metrics: Metrics) -> list[Choice]:
+    out = []
+    for i, job in enumerate(run.jobs):
+        c = Choice(i, text=run.echoes[i])
+        async for piece in metrics.generation(run.shape.model, run.worker.stream(job, admitted=True)):
+            c.text += piece.text
+            c.logprobs += piece.logprobs
+            c.finish = piece.finish_reason or c.finish
+        _finish_tools(run, c)
+        out.append(c)
+    return out
 
 
-class _Completion:
-    """One request's shape: how to turn pieces into OpenAI JSON, streamed or whole."""
+class _ClientGone(Exception):
+    pass
 
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat, self.model = chat, model
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.object = "chat.completion" if chat else "text_completion"
-        self.created = int(time.time())
 
-    def _choice(self, text: str, finish: str | None, delta: bool) -> dict[str, Any]:
-        if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        key = "delta" if delta else "message"
-        content = {"content": text} if (text or not delta) else {}
-        return {"index": 0, key: {"role": "assistant", **content}, "finish_reason": finish}
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work` unless the client goes away first; then cancel it (generation stops at the
+    next token, a queued job never starts) and raise _ClientGone."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
-    def whole(self, text: str, finish: str | None, usage: dict[str, int]) -> dict[str, Any]:
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [self._choice(text, finish, False)], "usage": usage}
-
-    def chunk(self, text: str, finish: str | None) -> bytes:
-        obj = self.object + (".chunk" if self.chat else "")
-        data = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": [self._choice(text, finish, True)]}
-        return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise _ClientGone
 
 
 async def _complete(request: Request, state: ServiceState, chat: bool) -> Response:
-    body = await _json_body(request)
-    worker = state.worker(body.get("model"))
-    params = _params(body, worker)
-    stream = _field(body, "stream", (bool,), False)
-    m = worker.model
-    if chat:
-        tokens, stop = await worker.call(m.tokenize_chat, _messages(body))
-        params = GenParams(**{**params.__dict__, "stop": params.stop + stop})
-    else:
-        tokens = await worker.call(m.tokenize_prompt, _prompt(body))
-    if body.get("max_tokens") is None and len(tokens) < m.n_ctx:
-        # no explicit limit: the configured default, but never more than the context has left
-        params = GenParams(**{**params.__dict__, "max_tokens": min(params.max_tokens, m.n_ctx - len(tokens))})
-    m.check_fits(len(tokens), params.max_tokens)
-    job = Job(tokens=tokens, params=params)
-    shape = _Completion(chat, m.cfg.name)
-    metrics = state.metrics
-    if stream:
-        return StreamingResponse(_sse(worker, job, shape, metrics), media_type="text/event-stream",
+    run = await _prepare(await _json_body(request), state, chat)
+    run.worker.admit()  # a full queue is a 503 here, before any byte, streamed or not
+    if run.ask.stream:
+        return StreamingResponse(_sse(run, state.metrics), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    parts, finish = [], None
-    async for piece in worker.stream(job):
-        parts.append(piece.text)
-        finish = piece.finish_reason or finish
-    metrics.tokens(len(tokens), job.completion_tokens)
-    usage = {"prompt_tokens": len(tokens), "completion_tokens": job.completion_tokens,
-             "total_tokens": len(tokens) + job.completion_tokens}
-    return JSONResponse(shape.whole("".join(parts), finish, usage))
-
-
-async def _sse(worker: ModelWorker, job: Job, shape: _Completion, metrics: Metrics) -> AsyncIterator[bytes]:
-    if shape.chat:
-        yield shape.chunk("", None)  # the role-only first delta clients expect
     try:
-        async for piece in worker.stream(job):
-            if piece.text or piece.finish_reason:
-                yield shape.chunk(piece.text, piece.finish_reason)
+        choices = await _unless_disconnected(request, _choices(run, state.metrics))
+    except _ClientGone:
+        state.metrics.client_abort(run.shape.model)
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    finally:
+        run.worker.release()
+        state.metrics.tokens(run.n_prompt, run.usage()["completion_tokens"], model=run.shape.model)
+    return JSONResponse(run.shape.whole(choices, run.usage()))
+
+
+async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
+    shape, finished = run.shape, False
+    try:
+        for i, job in enumerate(run.jobs):
+            if shape.chat:
+                yield shape.role_chunk(i)
+            c = Choice(i, text=run.echoes[i])
+            if c.text and not run.buffered():
+                yield shape.chunk(c)
+            async for piece in metrics.generation(shape.model, run.worker.stream(job, admitted=True)):
+                if run.buffered():
+                    c.text, c.finish = c.text + piece.text, piece.finish_reason or c.finish
+                elif piece.text or piece.finish_reason or piece.logprobs:
+                    yield shape.chunk(Choice(i, piece.text, piece.logprobs, piece.finish_reason))
+            if run.buffered():
+                _finish_tools(run, c)
+                yield shape.chunk(c)
+        if run.ask.include_usage:
+            yield shape.usage_chunk(run.usage())
+        finished = True
     except EdgeError as exc:  # headers are gone: report in-band, as OpenAI does
+        finished = True
         yield b"data: " + json.dumps({"error": {"message": str(exc)}}).encode() + b"\n\n"
     finally:  # counted also when the client went away mid-stream
-        metrics.tokens(len(job.tokens), job.completion_tokens)
+        run.worker.release()
+        metrics.tokens(run.n_prompt, run.usage()["completion_tokens"], model=shape.model)
+        if not finished:
+            metrics.client_abort(shape.model)
     yield b"data: [DONE]\n\n"
 
 
-def build_app(state: ServiceState) -> Starlette:
+def build_app(state: ServiceState) -> MetricsMiddleware:
     async def guarded(request: Request, handler: Any) -> Response:
-        t0 = time.perf_counter()
         try:
             resp = await handler(request)
         except EdgeError as exc:
             resp = _error(exc)
         except Exception as exc:  # never let one request take the service down
+            log.exception("internal error answering %s", request.url.path)
             resp = _error(BackendError(f"internal error: {type(exc).__name__}: {exc}"))
-        state.metrics.request(request.url.path, resp.status_code, time.perf_counter() - t0)
         return resp
 
     async def completions(request: Request) -> Response:
@@ -211,7 +260,8 @@ def build_app(state: ServiceState) -> Starlette:
 
     async def models(request: Request) -> Response:
         data = [{"id": n, "object": "model", "created": state.created, "owned_by": "edge",
-                 "meta": {"n_ctx": w.model.n_ctx, **w.model.info.summary()}}
+                 "context_length": w.model.n_ctx, "meta": {"n_ctx": w.model.n_ctx, "tools": w.model.supports_tools,
+                          **w.model.info.summary()}}
                 for n, w in state.workers.items()]
         return JSONResponse({"object": "list", "data": data})
 
@@ -238,4 +288,4 @@ def build_app(state: ServiceState) -> Starlette:
         from edge.kserve import kserve_routes
 
         routes += kserve_routes(state, guarded)
-    return Starlette(routes=routes)
+    return state.metrics.instrument(Starlette(routes=routes), state)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from edge import toml as tomllib
+import tempfile
 import types
+
+from edge import toml as tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,8 @@ from edge.errors import ConfigError
 __all__ = [
     "BUILTIN_PREFIX",
     "DEFAULT_LISTEN",
+    "DEFAULT_MAX_CONNECTIONS",
+    "LOG_LEVELS",
     "DEFAULT_URL",
     "SYSTEM_CONFIG",
     "load",
@@ -37,6 +41,8 @@ __all__ = [
     "build_dataclass",
     "state_dir",
     "cache_dir",
+    "check_writable",
+    "write_probe",
 ]
 
 BUILTIN_PREFIX = "builtin:"
@@ -46,6 +52,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8088
 DEFAULT_LISTEN = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 DEFAULT_URL = f"http://{DEFAULT_LISTEN}"
+DEFAULT_MAX_CONNECTIONS = 1024
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
@@ -61,7 +69,16 @@ class ServerConfig:
     backlog: int = field(default=1024, metadata=_range(1, 65535))
     drain_timeout_s: float = field(default=30.0, metadata=_range(0, 3600))
     max_queue: int = field(default=64, metadata=_range(1, 100000))
-    log_level: str = "info"
+    log_level: str = field(default="info", metadata={"choices": LOG_LEVELS})
+    # What one client may hold or send (edge.limits): beyond max_connections new connections
+    # wait in the listen backlog; a request head must be complete within header_timeout_s of
+    # the connection's opening (or of the end of its keep-alive idle time), a body within
+    # body_timeout_s (else 408); a body over max_body_bytes is a 413.
+    max_connections: int = field(default=DEFAULT_MAX_CONNECTIONS, metadata=_range(1, 1 << 20))
+    header_timeout_s: float = field(default=10.0, metadata=_range(0.1, 3600))
+    body_timeout_s: float = field(default=30.0, metadata=_range(0.1, 3600))
+    keepalive_timeout_s: float = field(default=5.0, metadata=_range(0.1, 3600))
+    max_body_bytes: int = field(default=8 << 20, metadata=_range(1024, 1 << 31))
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,7 @@ class ModelConfig:
     prefetch_threads: int = field(default=4, metadata=_range(1, 64))
     chat_template: str | None = None  # overrides the template stored in the GGUF
     max_tokens_default: int = field(default=256, metadata=_range(1, 1 << 20))
+    max_choices: int = field(default=8, metadata=_range(1, 128))  # bound on n x prompts per request
 
 
 @dataclass(frozen=True)
@@ -205,6 +223,7 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
     resolved = []
     for i, m in enumerate(cfg.models):
         where = f"models[{i}]"
+        _check_name(m.name, source, f"{where}.name")
         if m.kind not in MODEL_KINDS:
             raise ConfigError(source, f"{where}.kind", f"expected one of {list(MODEL_KINDS)}, found {m.kind!r}")
         if m.name in seen:
@@ -212,20 +231,38 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
         seen.add(m.name)
         if m.sha256 is not None and (len(m.sha256) != 64 or set(m.sha256.lower()) - set("0123456789abcdef")):
             raise ConfigError(source, f"{where}.sha256", f"expected 64 hex digits, found {m.sha256!r}")
+        if m.path.startswith(BUILTIN_PREFIX):
+            from edge.modelfile import BUILTINS  # light: the table, not the model
+
+            name = m.path[len(BUILTIN_PREFIX):]
+            if name not in BUILTINS:
+                raise ConfigError(source, f"{where}.path", f"unknown builtin model {name!r}; expected "
+                                  f"one of {[BUILTIN_PREFIX + n for n in BUILTINS]} or a .gguf path")
         path = m.path
         if base_dir is not None and not path.startswith(BUILTIN_PREFIX) and not os.path.isabs(path):
             path = str((base_dir / path).resolve())  # relative paths are relative to the config file
         resolved.append(dataclasses.replace(m, path=path))
     object.__setattr__(cfg, "models", resolved)
+    if not cfg.server.host.strip():
+        raise ConfigError(source, "server.host", "expected an address such as \"127.0.0.1\", found an "
+                          "empty string (which would listen on every interface)")
     mode = cfg.server.unix_socket_mode
     if not (mode.isdigit() and set(mode) <= set("01234567") and len(mode) <= 4):
         raise ConfigError(source, "server.unix_socket_mode", f"expected an octal mode such as \"0660\", found {mode!r}")
+
+
+def _check_name(name: str, source: str, key: str) -> None:
+    # Names are path segments of the API (/v2/models/{name}) and labels of the metrics.
+    if not name or name != name.strip() or any(c in name for c in "/?#%\"\\") or not name.isprintable():
+        raise ConfigError(source, key, f"expected a name without spaces around it, '/', '?', '#', '%', "
+                          f"quotes or backslashes, found {name!r}")
 
 
 def _check_engines(cfg: Config, source: str, base_dir: Path | None) -> None:
     resolved, seen = [], set()
     for i, e in enumerate(cfg.engines):
         where = f"engines[{i}]"
+        _check_name(e.name, source, f"{where}.name")
         if e.backend not in ("tensorrt", "onnxruntime"):
             raise ConfigError(source, f"{where}.backend", f"expected 'tensorrt' or 'onnxruntime', found {e.backend!r}")
         if e.name in seen:
@@ -252,6 +289,36 @@ def state_dir(cfg: Config) -> Path:
 def cache_dir(cfg: Config) -> Path:
     """Where engines and the assembled default model live: config, else CacheDirectory=, else a default."""
     return _dir(cfg.paths.cache_dir, "CACHE_DIRECTORY", "/var/cache/edge", "cache")
+
+
+def check_writable(cfg: Config) -> None:
+    """Prove state_dir and cache_dir writable by a real write (a temp file created, fsynced and
+    removed) before anything slow happens: a start report or an assembled model that cannot be
+    written would otherwise fail the start at its end. ConfigError names the path (exit 78)."""
+    for key, path in (("paths.state_dir", state_dir(cfg)), ("paths.cache_dir", cache_dir(cfg))):
+        problem = write_probe(path)
+        if problem:
+            raise ConfigError(cfg.source, key, f"{path} is not writable ({problem}): set {key} to a "
+                              "writable folder, or fix its permissions (under systemd: StateDirectory=/"
+                              "CacheDirectory=)")
+
+
+def write_probe(path: Path) -> str | None:
+    """None if a file can be created, fsynced and removed in `path` (made if missing), else why not."""
+    if path.exists() and not path.is_dir():
+        return "not a folder"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".edge-write-probe-", dir=path)
+        try:
+            os.write(fd, b"edge")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 _XDG = {"state": ("XDG_STATE_HOME", ".local/state"), "cache": ("XDG_CACHE_HOME", ".cache")}
@@ -293,6 +360,9 @@ def build_dataclass(cls: type, raw: Any, source: str, where: str) -> Any:
         val = values[name]
         if (lo is not None and val < lo) or (hi is not None and val > hi):
             raise ConfigError(source, key, f"expected a value in [{lo}, {hi}], found {val!r}")
+        choices = f.metadata.get("choices")
+        if choices and val not in choices:
+            raise ConfigError(source, key, f"expected one of {list(choices)}, found {val!r}")
     return cls(**values)
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge.config import BUILTIN_PREFIX, Config, cache_dir, find_config, load_config, state_dir
+from edge.config import BUILTIN_PREFIX, Config, cache_dir, find_config, load_config, state_dir, write_probe
 from edge.errors import ConfigError, EdgeError
 
 __all__ = ["Check", "run_checks"]
@@ -26,15 +27,32 @@ class Check:
     fix: str = ""
 
 
-def _config(path: str | None) -> tuple[Config | None, Check]:
+def _config(path: str | None, origin: str = "") -> tuple[Config | None, Check]:
     found = find_config(path)
     try:
         cfg = load_config(found)
     except ConfigError as exc:
-        return None, Check("config", "fail", str(exc), "correct the field named above")
+        fix = "correct the field named above"
+        if "does not exist" in str(exc):
+            fix = "create it (`edge units install` writes a starter config where none exists)"
+        return None, Check("config", "fail", str(exc) + origin, fix)
     where = found or "no config file: the embedded default model"
     served = [m.name for m in cfg.models] + [e.name for e in cfg.engines]
-    return cfg, Check("config", "ok", f"valid ({where}); serves: {', '.join(served)}")
+    return cfg, Check("config", "ok", f"valid ({where}){origin}; serves: {', '.join(served)}")
+
+
+def unit_config(unit_text: str) -> str | None:
+    """The --config the unit's ExecStart= passes to `edge serve`, if any."""
+    m = re.search(r"^ExecStart=(.+)$", unit_text, re.M)
+    if not m:
+        return None
+    args = shlex.split(m.group(1).lstrip("-@:+!"))
+    for i, a in enumerate(args):
+        if a == "--config" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def _model_files(cfg: Config) -> list[Check]:
@@ -64,10 +82,93 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 10 * 2**20 else f"{n / 2**20:.0f} MiB"
 
 
-def _memlock(cfg: Config, unit_text: str | None) -> Check:
-    from edge.mlock import memlock_verdict
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_CAP_SYS_RESOURCE = 24
 
-    level, message, fix = memlock_verdict(cfg, unit_text)
+
+def _limit_bytes(value: str) -> int | None:
+    """LimitMEMLOCK= value (soft[:hard], K/M/G/T suffixes) as bytes of the soft limit; None = infinity."""
+    soft = value.split(":")[0].strip()
+    if soft == "infinity":
+        return None
+    m = re.fullmatch(r"(\d+)\s*([KMGT]?)B?", soft, re.I)
+    if not m:
+        raise ValueError(value)
+    return int(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
+
+
+def _show(s: int | None) -> str:
+    return "infinity" if s is None else _mib(s)
+
+
+def _running_limit() -> tuple[int, int | None] | None:
+    """(pid, soft RLIMIT_MEMLOCK) of the running edge.service, None if it is not running."""
+    import subprocess
+
+    try:
+        r = subprocess.run(["systemctl", "show", "--property=MainPID", "--value", "edge.service"],
+                           capture_output=True, text=True, timeout=10)
+        pid = int(r.stdout.strip() or 0)
+        limits = Path(f"/proc/{pid}/limits").read_text() if pid else ""
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"^Max locked memory\s+(\S+)", limits, re.M)
+    if not m:
+        return None
+    return pid, None if m.group(1) == "unlimited" else int(m.group(1))
+
+
+def _pid1_can_raise(need: int) -> str | None:
+    """Why systemd (PID 1) cannot give a service `need` bytes of MEMLOCK, or None if it can."""
+    try:
+        status = Path("/proc/1/status").read_text()
+        limits = Path("/proc/1/limits").read_text()
+    except OSError:
+        return None
+    cap = re.search(r"^CapEff:\s*([0-9a-f]+)", status, re.M)
+    hard = re.search(r"^Max locked memory\s+\S+\s+(\S+)", limits, re.M)
+    if not cap or not hard or int(cap.group(1), 16) >> _CAP_SYS_RESOURCE & 1:
+        return None
+    if hard.group(1) == "unlimited" or int(hard.group(1)) >= need:
+        return None
+    return (f"PID 1 lacks CAP_SYS_RESOURCE and its own hard RLIMIT_MEMLOCK is {_mib(int(hard.group(1)))} "
+            "(a container?), so systemd cannot raise LimitMEMLOCK=")
+
+
+def _memlock_unit(need: int, unit_text: str) -> Check:
+    """What the unit asks for, what systemd can give, and — if it runs — what the service got."""
+    m = re.search(r"^LimitMEMLOCK=(.+)$", unit_text, re.M)
+    fix = "set LimitMEMLOCK=infinity in [Service] (edge units install does)"
+    try:
+        asked = _limit_bytes(m.group(1)) if m else 8 * 2**20  # systemd's DefaultLimitMEMLOCK
+    except ValueError:
+        return Check("mlock", "fail", f"edge.service: LimitMEMLOCK={m.group(1)} is not a size", fix)
+    setting = f"LimitMEMLOCK={m.group(1)}" if m else "no LimitMEMLOCK= (systemd's default, 8 MiB)"
+    running = _running_limit()
+    if running is not None:
+        pid, got = running
+        msg = f"edge.service (pid {pid}) runs with RLIMIT_MEMLOCK {_show(got)} ({setting}); models need {_mib(need)}"
+        if got is None or got >= need:
+            return Check("mlock", "ok", msg)
+        why = _pid1_can_raise(need)
+        return Check("mlock", "fail", msg + (f": {why}" if why else ""),
+                     "give PID 1 CAP_SYS_RESOURCE / a higher hard limit" if why else fix)
+    if asked is not None and asked < need:
+        return Check("mlock", "fail", f"edge.service has {setting}; {_mib(need)} of models need locking", fix)
+    why = _pid1_can_raise(need)
+    if why:
+        return Check("mlock", "fail", f"edge.service has {setting}, but {why}",
+                     "run edge on the host's systemd, or give the container CAP_SYS_RESOURCE")
+    return Check("mlock", "ok", f"edge.service has {setting} for {_mib(need)} of models "
+                 "(from the unit's text: edge.service is not running, so the limit it gets is not verified)")
+
+
+def _memlock(cfg: Config, unit_text: str | None) -> Check:
+    from edge.mlock import memlock_verdict, models_bytes
+
+    if unit_text is not None and any(m.use_mlock for m in cfg.models):
+        return _memlock_unit(models_bytes(cfg), unit_text)
+    level, message, fix = memlock_verdict(cfg, None)
     return Check("mlock", level, message, fix)
 
 
@@ -100,13 +201,19 @@ def _units(unit_dirs: list[Path]) -> tuple[list[Check], str | None]:
                   "edge units install && systemctl daemon-reload && systemctl enable --now edge.socket edge.service")], None
 
 
-def _state(cfg: Config) -> Check:
-    d = state_dir(cfg)
-    probe = d if d.exists() else d.parent
-    if os.access(probe, os.W_OK):
-        return Check("state dir", "ok", f"{d} is writable (start reports go there)")
-    return Check("state dir", "warn", f"{d} is not writable by this user",
-                 "under systemd, StateDirectory=edge creates it; from a shell set paths.state_dir")
+def _dirs(cfg: Config) -> list[Check]:
+    # The same real write a start makes before loading (edge.config.check_writable).
+    checks = []
+    for name, d, what in (("state dir", state_dir(cfg), "start reports, OTA versions"),
+                          ("cache dir", cache_dir(cfg), "engines, the assembled default model")):
+        problem = write_probe(d)
+        if problem:
+            checks.append(Check(name, "fail", f"{d} is not writable: {problem} (a start exits 78)",
+                                "under systemd, StateDirectory=/CacheDirectory= create it; from a "
+                                "shell set paths.state_dir / paths.cache_dir"))
+        else:
+            checks.append(Check(name, "ok", f"{d} is writable ({what} go there)"))
+    return checks
 
 
 def _device() -> Check:
@@ -153,11 +260,20 @@ def _engines(cfg: Config) -> list[Check]:
 
 
 def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
-    cfg, first = _config(config)
+    """Check `config`, or — when none is given and edge.service is installed — the config the
+    unit's ExecStart= runs, so that doctor tests what systemd will start."""
+    unit_checks, unit_text = _units(unit_dirs)
+    from_unit = unit_config(unit_text) if unit_text else None
+    origin = ""
+    if config is None and from_unit:
+        config, origin = from_unit, " (the config edge.service runs: its ExecStart= --config)"
+    elif config is not None and from_unit and Path(config).resolve() != Path(from_unit).resolve():
+        unit_checks.append(Check("units", "warn", f"edge.service runs --config {from_unit}, not {config}",
+                                 "run `edge doctor` without --config to check what the unit runs"))
+    cfg, first = _config(config, origin)
     checks = [first]
     if cfg is None:
-        return checks
-    unit_checks, unit_text = _units(unit_dirs)
+        return checks + unit_checks
     steps: list[Callable[[], list[Check]]] = [
         lambda: [_device()],
         lambda: _model_files(cfg),
@@ -166,7 +282,7 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
         lambda: [_memlock(cfg, unit_text)],
         lambda: [_memory(cfg)],
         lambda: unit_checks,
-        lambda: [_state(cfg)],
+        lambda: _dirs(cfg),
     ]
     for step in steps:
         checks += step()

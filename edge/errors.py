@@ -1,11 +1,12 @@
 """Every error edge raises on purpose, with the exit code it ends a command with.
 
-    EdgeError                     70  anything else (a restart may help)
+    EdgeError                     70  anything else (a restart may help); also any unexpected
+                                      exception, at the CLI boundary (its traceback logged once)
     ├── ConfigError               78  the config file, or one field of it, is invalid
     ├── ModelError                65  a model file is missing, truncated, not GGUF, or fails its sha256
     ├── EngineError               65  no engine for this device's key, or it fails its sha256
     ├── MlockError                77  require_mlock = true and the lock did not take
-    ├── MissingDependency         69  a needed package is not installed (names the extra)
+    ├── MissingDependency         69  a needed package is not installed (names a real extra)
     ├── BackendError              70  a native backend (llama.cpp, TensorRT) failed
     ├── WarmupError               70  a warm-up request failed: not fit to serve
     ├── StoppedDuringStart         0  SIGTERM before READY: nothing was accepted, exit cleanly

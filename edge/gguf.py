@@ -36,6 +36,7 @@ GGML_BLOCKS: dict[int, tuple[int, int]] = {
 # metadata value type -> struct format (scalars); 8 = string, 9 = array
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _KEEP_ARRAYS = {"tokenizer.ggml.tokens": "n_vocab"}  # arrays kept under another name (a count)
+MAX_TOKEN_BYTES = "edge.max_token_bytes"  # derived while skipping the vocabulary
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,12 @@ class GGUFInfo:
         return int(v) if v is not None else None
 
     @property
+    def max_token_bytes(self) -> int | None:
+        """The longest vocabulary entry in bytes: no token stands for more text than this."""
+        v = self.metadata.get(MAX_TOKEN_BYTES)
+        return int(v) if v is not None else None
+
+    @property
     def chat_template(self) -> str | None:
         v = self.metadata.get("tokenizer.chat_template")
         return v if isinstance(v, str) else None
@@ -71,6 +78,7 @@ class GGUFInfo:
 class _Reader:
     def __init__(self, buf: mmap.mmap | bytes, path: str) -> None:
         self.buf, self.pos, self.path = buf, 0, path
+        self.longest_token: int | None = None
 
     def unpack(self, fmt: str) -> Any:
         size = struct.calcsize("<" + fmt)
@@ -94,18 +102,22 @@ class _Reader:
             raise ModelError(self.path, f"corrupt GGUF header: string at offset {self.pos - n} "
                                         "is not UTF-8") from None
 
-    def _skip_strings(self, count: int, key: str) -> None:
+    def _skip_strings(self, count: int, key: str) -> int:
         # Vocabularies hold ~10^5 strings: skip them by their lengths alone, without decoding.
-        buf, pos, size, unpack = self.buf, self.pos, len(self.buf), struct.unpack_from
+        # Returns the longest (for the vocabulary: a bound on the bytes one token stands for).
+        buf, pos, size, unpack, longest = self.buf, self.pos, len(self.buf), struct.unpack_from, 0
         for _ in range(count):
             if pos + 8 > size:
                 pos = size + 1
                 break
-            pos += 8 + unpack("<Q", buf, pos)[0]
+            n = unpack("<Q", buf, pos)[0]
+            longest = n if n > longest else longest
+            pos += 8 + n
         if pos > size:
             raise ModelError(self.path, f"truncated GGUF header: array {key!r} runs past the end "
                                         f"of the file ({size} bytes)")
         self.pos = pos
+        return longest
 
     def value(self, vtype: int, key: str) -> Any:
         if vtype in _SCALARS:
@@ -122,7 +134,9 @@ class _Reader:
                     raise ModelError(self.path, f"truncated GGUF header: array {key!r} runs past the end")
                 return count
             if etype == 8:
-                self._skip_strings(count, key)
+                longest = self._skip_strings(count, key)
+                if key == "tokenizer.ggml.tokens":
+                    self.longest_token = longest
                 return count
             for _ in range(count):
                 self.value(etype, key)
@@ -180,6 +194,8 @@ def _parse(r: _Reader, size: int) -> GGUFInfo:
         block = GGML_BLOCKS.get(ttype)
         nbytes = (n_elems // block[0]) * block[1] if block else 0
         ends.append((offset + nbytes, name))
+    if r.longest_token is not None:
+        meta[MAX_TOKEN_BYTES] = r.longest_token
     align = int(meta.get("general.alignment", 32)) or 32
     data_offset = (r.pos + align - 1) // align * align
     end, name = max(ends, default=(0, ""))

@@ -10,6 +10,7 @@ only, so engines can name wire types without pulling in the HTTP stack.
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -26,7 +27,9 @@ if TYPE_CHECKING:
 
     from edge.engines.runtime import TensorSpec
 
-__all__ = ["KSERVE_DTYPES", "kserve_datatype", "kserve_routes"]
+__all__ = ["KSERVE_DTYPES", "MAX_ELEMENTS", "kserve_datatype", "kserve_routes"]
+
+MAX_ELEMENTS = 1 << 31  # per tensor (and per dimension): past numpy's and the engines' int32 sizes
 
 # KServe v2 datatype <-> numpy (BF16/FP8 have no NumPy type: engines with them are refused at load)
 KSERVE_DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64,
@@ -58,9 +61,13 @@ def _tensor(t: Any, i: int) -> tuple[str, np.ndarray]:
         arr = np.asarray(data, dtype=KSERVE_DTYPES[dtype])
     except (TypeError, ValueError):
         raise RequestError(f"{where} ({name}): data is not a list of {dtype} numbers", param="inputs") from None
-    if arr.size != int(np.prod(shape)):
+    count = math.prod(shape)  # exact: numpy's product wraps around at 2**63
+    if count > MAX_ELEMENTS or any(d > MAX_ELEMENTS for d in shape):
+        raise RequestError(f"{where} ({name}): shape {shape} holds {count} values, more than any "
+                           f"tensor may ({MAX_ELEMENTS})", param="inputs")
+    if arr.size != count:
         raise RequestError(f"{where} ({name}): {arr.size} values do not fill shape {shape} "
-                           f"({int(np.prod(shape))} values)", param="inputs")
+                           f"({count} values)", param="inputs")
     return name, arr.reshape(shape)
 
 

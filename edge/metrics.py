@@ -1,59 +1,226 @@
-"""Prometheus text exposition of the service's counters; no client library needed."""
+"""Prometheus metrics through prometheus_client: one registry per app, an ASGI middleware that
+times every request to the end of its body, and the start report's phases.
+
+Labels are bounded: requests are labelled by the route TEMPLATE that matched
+(`/v2/models/{name}/infer`), never the raw path, with `<unmatched>` for anything else, and by a
+known method or `OTHER`. The exposition is written by `generate_latest`, which escapes label
+values, so no request can make it unparseable.
+
+Warm-up traffic is recognised by a key in the ASGI scope that only the warm-up's private
+loopback transport (`warmup_transport`) sets. A scope key is not something an HTTP client can
+send: no header, path or body reaches it, so an external client cannot pass its traffic off as
+warm-up to hide it. Warm-up requests are counted apart (`edge_warmup_requests_total`) and kept
+out of every production family; the per-model families (tokens, time to first token, aborts) are
+recorded in the handler, so the middleware tells them through a context variable, which each
+request's task (and the tasks it spawns) sees on its own.
+"""
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Any
+import contextvars
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any, TypeVar
 
-__all__ = ["Metrics"]
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+__all__ = ["Metrics", "MetricsMiddleware", "UNMATCHED", "WARMUP_SCOPE_KEY",
+           "warmup_transport"]
+
+UNMATCHED = "<unmatched>"
+WARMUP_SCOPE_KEY = "edge.warmup"
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# Not state: a declaration whose value lives in each request's context (set by the middleware).
+_IN_WARMUP: contextvars.ContextVar[bool] = contextvars.ContextVar("edge_metrics_in_warmup", default=False)
+
+T = TypeVar("T")
+ASGIApp = Any  # (scope, receive, send) -> awaitable
 
 
 class Metrics:
+    """The service's metric families, in a registry of their own (tests build their own)."""
+
     def __init__(self) -> None:
-        self.requests: Counter[tuple[str, int]] = Counter()
-        self.latency_buckets: Counter[tuple[str, float]] = Counter()
-        self.latency_sum: Counter[str] = Counter()
-        self.latency_count: Counter[str] = Counter()
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.start_phases: dict[str, float] = {}
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter("edge_requests", "HTTP requests answered, by route template, "
+                                "method and status (warm-up excluded).",
+                                ["route", "method", "status"], registry=reg)
+        self.duration = Histogram("edge_request_duration_seconds", "Time from the request's arrival "
+                                  "to the last byte of its response body handed to the server "
+                                  "(streams included) or the client's disconnect.",
+                                  ["route", "method"], buckets=_DURATION_BUCKETS, registry=reg)
+        self.warmup_requests = Counter("edge_warmup_requests", "Warm-up requests sent over the "
+                                       "private loopback socket before READY, by route and status.",
+                                       ["route", "status"], registry=reg)
+        self.ttft = Histogram("edge_time_to_first_token_seconds", "Time from a generation's "
+                              "submission (queue wait and prefill included) to its first token.",
+                              ["model"], buckets=_TTFT_BUCKETS, registry=reg)
+        self.prompt_tokens = Counter("edge_prompt_tokens", "Prompt tokens processed, by model.",
+                                     ["model"], registry=reg)
+        self.completion_tokens = Counter("edge_completion_tokens", "Completion tokens generated, "
+                                         "by model.", ["model"], registry=reg)
+        self.aborts = Counter("edge_client_aborts", "Generations stopped early because the client "
+                              "went away, by model.", ["model"], registry=reg)
+        self._state = _StateCollector()
+        reg.register(self._state)
 
-    def request(self, path: str, status: int, seconds: float) -> None:
-        self.requests[(path, status)] += 1
-        self.latency_sum[path] += seconds
-        self.latency_count[path] += 1
-        for b in _BUCKETS:
-            if seconds <= b:
-                self.latency_buckets[(path, b)] += 1
+    # -- what the app records ------------------------------------------------------------------
+    def tokens(self, prompt: int, completion: int, model: str = "") -> None:
+        if _IN_WARMUP.get():
+            return
+        self.prompt_tokens.labels(model).inc(prompt)
+        self.completion_tokens.labels(model).inc(completion)
 
-    def tokens(self, prompt: int, completion: int) -> None:
-        self.prompt_tokens += prompt
-        self.completion_tokens += completion
+    async def generation(self, model: str, pieces: AsyncIterator[T]) -> AsyncIterator[T]:
+        """`pieces` passed through, timing the first one (client aborts are counted by the route,
+        which knows whether the client left: `client_abort`)."""
+        t0, first, warm = time.perf_counter(), True, _IN_WARMUP.get()
+        try:
+            async for piece in pieces:
+                if first and not warm:
+                    self.ttft.labels(model).observe(time.perf_counter() - t0)
+                first = False
+                yield piece
+        finally:
+            # `async for` does not close what it iterates: stop the generation behind it now,
+            # not when the garbage collector gets to it.
+            aclose = getattr(pieces, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
-    def render(self, state: Any) -> str:
-        out = [
-            "# HELP edge_ready 1 once warm-up finished and the service accepts traffic.",
-            "# TYPE edge_ready gauge",
-            f"edge_ready {int(state.ready and not state.stopping)}",
-            "# TYPE edge_requests_total counter",
-        ]
-        out += [f'edge_requests_total{{path="{p}",status="{s}"}} {n}'
-                for (p, s), n in sorted(self.requests.items())]
-        out.append("# TYPE edge_request_seconds histogram")
-        for path in sorted(self.latency_count):
-            for b in _BUCKETS:
-                out.append(f'edge_request_seconds_bucket{{path="{path}",le="{b}"}} '
-                           f"{self.latency_buckets[(path, b)]}")
-            out.append(f'edge_request_seconds_bucket{{path="{path}",le="+Inf"}} {self.latency_count[path]}')
-            out.append(f'edge_request_seconds_sum{{path="{path}"}} {self.latency_sum[path]:.6f}')
-            out.append(f'edge_request_seconds_count{{path="{path}"}} {self.latency_count[path]}')
-        out += ["# TYPE edge_prompt_tokens_total counter", f"edge_prompt_tokens_total {self.prompt_tokens}",
-                "# TYPE edge_completion_tokens_total counter",
-                f"edge_completion_tokens_total {self.completion_tokens}",
-                "# TYPE edge_queue_depth gauge"]
-        out += [f'edge_queue_depth{{model="{n}"}} {w.pending}' for n, w in state.workers.items()]
-        out.append("# TYPE edge_start_phase_seconds gauge")
-        out += [f'edge_start_phase_seconds{{phase="{k}"}} {v:.4f}' for k, v in self.start_phases.items()]
-        return "\n".join(out) + "\n"
+    def client_abort(self, model: str) -> None:
+        """The client went away before its answer was whole (queued, generating or streaming)."""
+        if not _IN_WARMUP.get():
+            self.aborts.labels(model).inc()
+
+    def set_phases(self, phases: Iterable[dict[str, Any]], event: str = "start") -> None:
+        """The phases of a start report (`report["phases"]`); a later call for the same event
+        (a reload) replaces that event's phases."""
+        self._state.phases[event] = _phase_samples(phases)
+
+    # -- what the app serves -------------------------------------------------------------------
+    def instrument(self, app: ASGIApp, state: Any) -> "MetricsMiddleware":
+        """`app` wrapped in the timing middleware; readiness and queue depths read from `state`
+        at each scrape."""
+        self._state.state = state
+        return MetricsMiddleware(app, self)
+
+    def render(self, state: Any = None) -> str:
+        """The text exposition (the state was bound by `instrument`)."""
+        return generate_latest(self.registry).decode("utf-8")
+
+    def _observe(self, route: str, method: str, status: int, seconds: float, warm: bool) -> None:
+        if warm:
+            self.warmup_requests.labels(route, str(status)).inc()
+            return
+        self.requests.labels(route, method, str(status)).inc()
+        self.duration.labels(route, method).observe(seconds)
+
+
+def _phase_samples(phases: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], float]:
+    out: dict[tuple[str, str, str], float] = {}
+    for p in phases:
+        detail = p.get("detail") or {}
+        kind = "model" if "model" in detail else "engine" if "engine" in detail else ""
+        key = (str(p["name"]), str(detail.get(kind, "")) if kind else "", kind)
+        out[key] = out.get(key, 0.0) + float(p["seconds"])  # a phase run twice for one target: summed
+    return out
+
+
+class _StateCollector:
+    """Families read from the live service at scrape time: readiness, queue depths, phases."""
+
+    def __init__(self) -> None:
+        self.state: Any = None
+        self.phases: dict[str, dict[tuple[str, str, str], float]] = {}
+
+    def describe(self) -> list[Metric]:
+        return []  # families depend on the state; nothing to check for clashes up front
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.state
+        ready = GaugeMetricFamily("edge_ready", "1 once warm-up finished and the service accepts "
+                                  "traffic; 0 while starting or draining.")
+        ready.add_metric([], float(bool(st is not None and st.ready and not st.stopping)))
+        yield ready
+        depth = GaugeMetricFamily("edge_queue_depth", "Requests queued or running on a model's or "
+                                  "engine's worker.", labels=["model", "kind"])
+        for kind, workers in (("model", getattr(st, "workers", {})), ("engine", getattr(st, "engines", {}))):
+            for name, worker in workers.items():
+                depth.add_metric([name, kind], float(getattr(worker, "pending", 0)))
+        yield depth
+        phases = GaugeMetricFamily("edge_start_phase_seconds", "Duration of each phase of the last "
+                                   "start (event=start) or reload, per model or engine (empty for "
+                                   "process-wide phases).", labels=["event", "phase", "model", "kind"])
+        for event, samples in self.phases.items():
+            for (phase, target, kind), seconds in samples.items():
+                phases.add_metric([event, phase, target, kind], seconds)
+        yield phases
+
+
+class MetricsMiddleware:
+    """Times each HTTP request from arrival to the last body chunk sent (or the disconnect)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+        self.routes = getattr(app, "routes", [])
+
+    def route_of(self, scope: dict[str, Any]) -> str:
+        """The template of the route that matches the path, also when only the method does not
+        (a 405); `<unmatched>` for a 404."""
+        from starlette.routing import Match
+
+        partial = None
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return getattr(route, "path", UNMATCHED)
+            if match == Match.PARTIAL and partial is None:
+                partial = getattr(route, "path", UNMATCHED)
+        return partial or UNMATCHED
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        warm = scope.get(WARMUP_SCOPE_KEY) is True
+        method = scope["method"] if scope["method"] in _METHODS else "OTHER"
+        route = self.route_of(scope)
+        status, done = 500, False
+
+        def observe() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.metrics._observe(route, method, status, time.perf_counter() - t0, warm)
+
+        async def timed_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                observe()
+
+        token = _IN_WARMUP.set(warm)
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            _IN_WARMUP.reset(token)
+            observe()  # the client went away (or the app failed) before the last chunk
+
+
+def warmup_transport(app: ASGIApp) -> ASGIApp:
+    """`app` as served on the warm-up's private loopback socket: every request's scope carries
+    the warm-up key (set here, by the transport, never from anything the client sends)."""
+
+    async def marked(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await app({**scope, WARMUP_SCOPE_KEY: True}, receive, send)
+
+    return marked

@@ -9,25 +9,32 @@ imports it in the start's imports_http phase.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
+import signal
 import socket
 import stat
+import struct
+import termios
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.config import ServerConfig
 from edge.errors import EdgeError
+from edge.limits import ConnectionGuard, LimitsMiddleware, RequestLimits, connection_limit
 from edge.systemd import Notifier, watchdog_interval_s
 
 if TYPE_CHECKING:
     from edge.app import ServiceState
 
-__all__ = ["bind_sockets", "describe_socket", "build_server", "serve_http", "ACCEPT_GRACE_MIN_S",
-           "ACCEPT_GRACE_MAX_S"]
+__all__ = ["bind_sockets", "describe_socket", "build_server", "listen_backlog", "serve_http",
+           "ACCEPT_GRACE_MIN_S", "ACCEPT_GRACE_MAX_S", "DRAIN_IDLE_S"]
 
-# After SIGTERM: how long accepted connections get to have their request read (at least, at most).
+# After SIGTERM: how long accepted connections get to have their request read (at least, at most),
+# and how long an idle keep-alive connection gets to carry one more request.
 ACCEPT_GRACE_MIN_S = 0.1
 ACCEPT_GRACE_MAX_S = 5.0
+DRAIN_IDLE_S = 1.0
 
 
 def bind_sockets(cfg: ServerConfig, source: str = "config") -> list[socket.socket]:
@@ -65,11 +72,25 @@ def describe_socket(sock: socket.socket) -> str:
 
 
 class Drain:
-    """SIGTERM/SIGINT while serving: stop accepting, let every accepted connection have its
-    request read, then let uvicorn finish the in-flight requests (drain_timeout_s) and exit 0."""
+    """SIGTERM/SIGINT while serving: stop accepting (what waits in the backlog stays there for
+    the next process), then let every connection finish without a client seeing a reset:
 
-    def __init__(self, state: ServiceState, notifier: Notifier, loop: asyncio.AbstractEventLoop) -> None:
-        self.state, self.notifier, self.loop = state, notifier, loop
+    - a connection with a request in progress finishes it; its response says `Connection: close`;
+    - an accepted connection with no request yet gets its request read and answered;
+    - an idle keep-alive connection may still carry the request its client is sending right
+      now: it gets `DRAIN_IDLE_S` to do so (answered with `Connection: close`), and is closed
+      after that only while no byte of a request has arrived on it.
+
+    uvicorn's own shutdown would close connections that have no request in progress at once
+    (resetting requests already on their way), and asyncio's Server.close() drops connections
+    whose accept() ran but whose transport is not made yet; so the drain waits until no
+    connection is left (or drain_timeout_s), and only then lets uvicorn shut down."""
+
+    def __init__(self, state: ServiceState, notifier: Notifier, loop: asyncio.AbstractEventLoop,
+                 guard: ConnectionGuard, timeout_s: float) -> None:
+        self.state, self.notifier, self.loop, self.guard = state, notifier, loop, guard
+        self.timeout_s = timeout_s
+        self.stopped_at = 0.0
 
     def on_signal(self, server: Any) -> None:
         if server.should_exit or self.state.stopping:
@@ -81,32 +102,94 @@ class Drain:
         self.loop.call_soon_threadsafe(self._stop_accepting, server)
 
     def _stop_accepting(self, server: Any) -> None:
-        # Stop accepting, then wait until every connection already accepted has had its
-        # request read, and only then let uvicorn shut down; what is still in the backlog
-        # stays there for the next process. Two races make clients see resets otherwise:
-        # uvicorn's shutdown closes connections that have no request yet, and asyncio's
-        # Server.close() drops (unclosed, later reset) connections whose accept() ran but
-        # whose transport was not made yet. So accepting stops by removing the listening
-        # sockets' readers, and the Server is closed later by uvicorn.
+        self.guard.close_gates()
         for srv in getattr(server, "servers", []):
             for sock in srv.sockets:
                 self.loop.remove_reader(sock.fileno())
-        deadline = self.loop.time() + ACCEPT_GRACE_MAX_S
-        self.loop.call_later(ACCEPT_GRACE_MIN_S, self._exit_when_no_request_pending, server, deadline)
+        self.stopped_at = self.loop.time()
+        self.loop.call_later(ACCEPT_GRACE_MIN_S, self._tick, server)
 
-    def _exit_when_no_request_pending(self, server: Any, deadline: float) -> None:
-        waiting = [c for c in server.server_state.connections if getattr(c, "cycle", 1) is None]
-        if not waiting or self.loop.time() >= deadline:
+    def _tick(self, server: Any) -> None:
+        now = self.loop.time()
+        conns = server.server_state.connections
+        for conn in list(conns):
+            if self._may_close(conn, now):
+                conn.transport.close()
+        if not conns or now - self.stopped_at >= self.timeout_s:
             server.should_exit = True
         else:
-            self.loop.call_later(0.05, self._exit_when_no_request_pending, server, deadline)
+            self.loop.call_later(0.02, self._tick, server)
+
+    def _may_close(self, conn: Any, now: float) -> bool:
+        """An idle connection, quiet for long enough since the drain began, with no request
+        bytes arrived (in the kernel or h11's buffer)."""
+        cycle = getattr(conn, "cycle", None)
+        fresh = cycle is None
+        if not fresh and not cycle.response_complete:
+            return False  # a request in progress
+        quiet = min(self.guard.waited(conn, now), now - self.stopped_at)
+        if quiet < (ACCEPT_GRACE_MAX_S if fresh else DRAIN_IDLE_S) or conn.transport.is_closing():
+            return False
+        return not _request_arriving(conn)
+
+
+def _request_arriving(conn: Any) -> bool:
+    buffered = getattr(conn, "conn", None)  # the h11.Connection: part of a request head read
+    if buffered is not None and buffered.trailing_data[0]:
+        return True
+    sock = conn.transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        waiting = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return False
+    return waiting > 0
+
+
+def _close_when_draining(app: Any, state: ServiceState) -> Any:
+    """ASGI: once the drain began, every response tells its client not to reuse the connection."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        async def send_closing(message: Any) -> None:
+            if message["type"] == "http.response.start" and state.stopping:
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await app(scope, receive, send_closing if scope["type"] == "http" else send)
+
+    return wrapped
+
+
+def listen_backlog(sock: socket.socket) -> int:
+    """The backlog the listening socket has now (as systemd's Backlog= or bind_sockets set it),
+    so that uvicorn's listen() keeps it: TCP_INFO's tcpi_sacked is sk_max_ack_backlog on a
+    listening socket. Unix sockets do not report it: net.core.somaxconn, the most the kernel
+    grants, is never less than what was set."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+            if info[0] == _TCP_LISTEN:
+                return struct.unpack_from("I", info, 28)[0]
+        except OSError:
+            pass
+    try:
+        return int(Path("/proc/sys/net/core/somaxconn").read_text())
+    except (OSError, ValueError):
+        return 4096
+
+
+_TCP_LISTEN = 10
 
 
 def build_server(app: Any, state: ServiceState, cfg: ServerConfig, notifier: Notifier) -> Any:
-    """The uvicorn server, loaded (protocol modules imported) before READY, not on first accept."""
+    """The uvicorn server, loaded (protocol modules imported) before READY, not on first accept;
+    the app wrapped in the request limits and the drain's `Connection: close`."""
     import uvicorn
 
-    drain = Drain(state, notifier, asyncio.get_running_loop())
+    guard = ConnectionGuard(cfg)
+    drain = Drain(state, notifier, asyncio.get_running_loop(), guard, cfg.drain_timeout_s)
 
     class Server(uvicorn.Server):
         # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would make a
@@ -114,24 +197,38 @@ def build_server(app: Any, state: ServiceState, cfg: ServerConfig, notifier: Not
         def handle_exit(self, sig: int, frame: Any) -> None:
             drain.on_signal(self)
 
-    config = uvicorn.Config(app, loop="asyncio", lifespan="off", access_log=False, log_config=None,
-                            log_level="warning", timeout_keep_alive=5,
-                            timeout_graceful_shutdown=int(cfg.drain_timeout_s) or None)
+    wrapped = _close_when_draining(LimitsMiddleware(app, RequestLimits.of(cfg)), state)
+    # h11: ConnectionGuard and Drain read its protocol objects. The drain has waited for the
+    # in-flight requests already when uvicorn's graceful shutdown begins: 1 s is its last word.
+    config = uvicorn.Config(wrapped, loop="asyncio", http="h11", lifespan="off", access_log=False,
+                            log_config=None, log_level="warning", timeout_keep_alive=cfg.keepalive_timeout_s,
+                            timeout_graceful_shutdown=1)
     config.load()
-    return Server(config)
+    server = Server(config)
+    server.guard = guard
+    server.max_connections = cfg.max_connections
+    return server
 
 
-async def serve_http(server: Any, sockets: list[socket.socket], notifier: Notifier, ready_text: str) -> None:
-    """Serve until the drain ends; READY=1 once the sockets are being accepted on, not before."""
-    serving = asyncio.create_task(server.serve(sockets=sockets))
+async def serve_http(server: Any, sockets: list[socket.socket], notifier: Notifier, ready_text: str,
+                     stopped: asyncio.Event | None = None) -> None:
+    """Serve until the drain ends; READY=1 once the sockets are being accepted on, not before.
+    `stopped`: set by a signal that came before uvicorn took the signals over (drained at once)."""
+    server.config.backlog = max(listen_backlog(s) for s in sockets)
+    gated = server.guard.gate(sockets, connection_limit(server.guard.cfg))
+    serving = asyncio.create_task(server.serve(sockets=gated))
     while not server.started and not serving.done():
         await asyncio.sleep(0.001)
     if server.started:
         notifier.ready(ready_text)
+        if stopped is not None and stopped.is_set():
+            server.handle_exit(signal.SIGTERM, None)
     watchdog = asyncio.create_task(_watchdog(notifier)) if watchdog_interval_s() else None
+    sweeper = asyncio.create_task(server.guard.run(server.server_state.connections))
     try:
         await serving
     finally:
+        sweeper.cancel()
         if watchdog:
             watchdog.cancel()
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edge.config import Config, cache_dir, find_config, load_config, state_dir
-from edge.errors import StoppedDuringStart
+from edge.config import Config, cache_dir, check_writable, find_config, load_config, state_dir
+from edge.errors import StoppedDuringStart, require
 from edge.mlock import enforce
 from edge.systemd import Notifier, listen_sockets, setup_logging
 from edge.timing import StartTimer, write_report
@@ -119,21 +119,43 @@ class ColdStart:
             self.loaded = self.load()
             return asyncio.run(self._warm_and_serve(self.loaded))
         except StoppedDuringStart:
+            if self.loaded is not None:
+                self.loaded.close()  # lets a cancelled warm-up generation end first
             log.info("stopped by SIGTERM before ready")
             return 0
 
     async def _warm_and_serve(self, loaded: Loaded) -> int:
         from edge.serving import build_server, serve_http
 
-        await self.warm(loaded)
+        stop = await self._warm_unless_stopped(loaded)
         with self.timer.phase(Phases.HTTP_SETUP):
             server = build_server(loaded.app, loaded.state, self.config.server, self.notifier)
             gc.collect()
             gc.freeze()  # warm-up garbage is gone; what lives now is never scanned again
+        if stop.is_set():
+            raise StoppedDuringStart("SIGTERM before ready")
         ready_text = self.mark_ready(loaded)
-        await serve_http(server, self.sockets, self.notifier, ready_text)
+        await serve_http(server, self.sockets, self.notifier, ready_text, stop)
         loaded.close()
         return 0
+
+    async def _warm_unless_stopped(self, loaded: Loaded) -> asyncio.Event:
+        """The warm-up, given up at SIGTERM/SIGINT. From here on a signal only sets the returned
+        event (the loop delivers it): raised inside whatever the loop runs, it would fail a
+        warm-up request (exit 70) or break a lock (hang). uvicorn takes the signals over later."""
+        loop, stop = asyncio.get_running_loop(), asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        warming = asyncio.ensure_future(self.warm(loaded))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({warming, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not stop.is_set():
+            stopped.cancel()
+            warming.result()  # the warm-up's own error, if any
+            return stop
+        warming.cancel()
+        await asyncio.wait({warming})
+        raise StoppedDuringStart("SIGTERM during warm-up")
 
     def rehearse(self, recalibrate: bool = False) -> dict[str, Any]:
         """Everything a start does up to READY, with no socket and no report written: what a
@@ -167,6 +189,7 @@ class ColdStart:
         if self.cfg is None:
             with self.timer.phase(Phases.CONFIG):
                 self.cfg = load_config(find_config(self.config_path))
+                check_writable(self.cfg)  # before the load, not at READY
         setup_logging(self.cfg.server.log_level)
         return self.cfg
 
@@ -333,7 +356,7 @@ class ColdStart:
         report = self.timer.report(config=self.config.source, sockets=addresses, models=loaded.infos,
                                    warmup=loaded.warmup, calibration=loaded.plans)
         path: Path = write_report(report, state_dir(self.config))
-        loaded.state.metrics.start_phases = {p["name"]: p["seconds"] for p in report["phases"]}
+        loaded.state.metrics.set_phases(report["phases"])
         log.info("start report %s: ready in %.2f s", path, report["ready_s"],
                  extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
         return (f"ready: serving {', '.join(loaded.names)} on {', '.join(addresses)} "
@@ -355,9 +378,18 @@ async def _call(fn: Callable[[], Any]) -> Any:
     return fn()
 
 
+# module -> (extra of edge that brings it, pip package, what needs it); the rest: plain imports
+_BACKENDS = {"llama_cpp": (None, "llama-cpp-python", "loading GGUF models"),
+             "onnxruntime": ("ort", "onnxruntime", "serving ONNX Runtime engines")}
+
+
 def _import(names: list[str]) -> list[str]:
     for name in names:
-        importlib.import_module(name)
+        if name in _BACKENDS:
+            extra, package, purpose = _BACKENDS[name]
+            require(name, extra, purpose, package=package)
+        else:
+            importlib.import_module(name)
     return names
 
 

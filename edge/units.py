@@ -10,23 +10,61 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from edge.config import DEFAULT_MAX_CONNECTIONS
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
-from edge.fsutil import atomic_write
+from edge.fsutil import atomic_write, fsync_dir
+from edge.limits import nofile_for
 
-__all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "default_edge_command"]
+__all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "install_starter_config", "reclaim_config_dir",
+           "render_rearm", "REARM_UNIT", "default_edge_command", "STARTER_CONFIG", "START_LIMIT_BURST", "START_LIMIT_INTERVAL_S"]
 
-# Jetson (nvgpu/nvhost) and discrete-GPU (nvidia) device nodes CUDA opens. A node that does not
-# exist on a given device is simply not there to allow; systemd logs nothing for it.
-GPU_DEVICES = [
+# Device nodes CUDA opens, by platform. DeviceAllow= takes a node path (systemd stat()s it when
+# the service starts; a node this device lacks allows nothing) or `char-<name>` with a driver name
+# from /proc/devices, which covers every minor the driver has now or creates later (nvidia0..N).
+# Misc-class nodes (/dev/nvmap: major 10 "misc") can only be named by path: `char-misc` would
+# allow every misc device.
+JETSON_JP5_DEVICES = [  # L4T r35 (JetPack 5): nvgpu built in, nodes flat under /dev
     "/dev/nvmap", "/dev/nvhost-ctrl", "/dev/nvhost-ctrl-gpu", "/dev/nvhost-prof-gpu",
     "/dev/nvhost-gpu", "/dev/nvhost-as-gpu", "/dev/nvhost-dbg-gpu", "/dev/nvhost-tsg-gpu",
-    "/dev/nvhost-sched-gpu", "/dev/nvhost-power-gpu", "/dev/nvhost-nvsched-gpu",
-    "/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset",
+    "/dev/nvhost-sched-gpu", "/dev/nvhost-power-gpu", "/dev/nvhost-nvsched-gpu", "/dev/nvhost-ctxsw-gpu",
+    "/dev/nvhost-ctrl-nvdla0", "/dev/nvhost-ctrl-nvdla1", "/dev/nvhost-nvdla0", "/dev/nvhost-nvdla1",
 ]
-GPU_DEVICE_CLASSES = ["char-nvidia-frontend", "char-nvidia-uvm", "char-nvgpu", "char-nvhost"]
+JETSON_JP6_DEVICES = [  # L4T r36 (JetPack 6): out-of-tree nvgpu, the iGPU under /dev/nvgpu/igpu0
+    "/dev/nvgpu/igpu0/ctrl", "/dev/nvgpu/igpu0/as", "/dev/nvgpu/igpu0/channel", "/dev/nvgpu/igpu0/tsg",
+    "/dev/nvgpu/igpu0/dbg", "/dev/nvgpu/igpu0/prof", "/dev/nvgpu/igpu0/prof-ctx",
+    "/dev/nvgpu/igpu0/prof-dev", "/dev/nvgpu/igpu0/sched", "/dev/nvgpu/igpu0/power",
+    "/dev/nvgpu/igpu0/ctxsw", "/dev/nvgpu/igpu0/nvsched", "/dev/nvgpu/igpu0/nvsched_ctrl_fifo",
+    "/dev/host1x-fence",
+]
+DGPU_DEVICES = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset"]
+# Driver names in /proc/devices: "nvidia-frontend" (older drivers) or "nvidia"/"nvidiactl"/
+# "nvidia-modeset" (R470+) for major 195, "nvidia-uvm", "nvidia-caps" (MIG); "nvgpu"/"nvhost"
+# where the Jetson kernel registers its GPU nodes under those names. A name not in /proc/devices
+# allows nothing.
+GPU_DEVICE_CLASSES = ["char-nvidia-frontend", "char-nvidia", "char-nvidiactl", "char-nvidia-modeset",
+                      "char-nvidia-uvm", "char-nvidia-caps", "char-nvgpu", "char-nvhost"]
+GPU_DEVICES = JETSON_JP5_DEVICES + JETSON_JP6_DEVICES + DGPU_DEVICES
+
+# A start that fails with a restartable code is retried this often within this window, then the
+# service stays failed (RestartSec=2 alone would retry forever: the default limit of 5 starts in
+# 10 s is never reached by a start that takes more than 0 s to fail).
+START_LIMIT_BURST = 5
+START_LIMIT_INTERVAL_S = 600
+
+STARTER_CONFIG = """\
+# Starter config written by `edge units install` (it never overwrites an existing file).
+# Every field and its default: README "Config". After editing: systemctl restart edge.service
+[server]
+drain_timeout_s = 30.0
+
+[[models]]
+name = "gemma3-270m"
+path = "builtin:gemma3-270m"   # the embedded default model (extra `default-model`); or a .gguf path
+use_mlock = true
+"""
 
 
 def default_edge_command() -> str:
@@ -50,15 +88,23 @@ class UnitOptions:
     watchdog_s: int = 30
     start_timeout_s: int = 300
     stop_timeout_s: int = 45  # above the service's drain_timeout_s (30 by default)
+    groups: tuple[str, ...] = ("video", "render")  # GPU device access on L4T and desktop distros
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # the config's server.max_connections
 
     @property
     def loopback_only(self) -> bool:
         return all(a.split(":")[0] in ("127.0.0.1", "localhost", "[::1]") for a in self.listen)
 
 
+REARM_UNIT = "edge-socket-rearm.service"
+
+
 def render_socket(o: UnitOptions) -> str:
     lines = ["[Unit]", "Description=edge inference service socket (holds connections across restarts)",
-             "", "[Socket]"]
+             # systemd stops a socket whose service hits its start limit (result
+             # service-start-limit-hit), and each later connection would do it again: the socket
+             # is started again at once, never rate-limited, so something always listens
+             f"OnFailure={REARM_UNIT}", "StartLimitIntervalSec=0", "", "[Socket]"]
     lines += [f"ListenStream={a}" for a in o.listen]
     if o.unix_socket:
         lines += [f"ListenStream={o.unix_socket}", "SocketMode=0660"]
@@ -84,6 +130,8 @@ def render_service(o: UnitOptions) -> str:
         "Description=edge inference service (paged-in, locked and warmed up before READY)",
         "Requires=edge.socket",
         "After=edge.socket network.target",
+        f"StartLimitIntervalSec={START_LIMIT_INTERVAL_S}",
+        f"StartLimitBurst={START_LIMIT_BURST}",
         "",
         "[Service]",
         "Type=notify",
@@ -98,9 +146,15 @@ def render_service(o: UnitOptions) -> str:
         f"WatchdogSec={o.watchdog_s}",
         "KillMode=mixed",
         "LimitMEMLOCK=infinity",
+        # CUDA's PTX JIT cache (default ~/.nv, absent for a DynamicUser): a writable place kept
+        # across restarts, so kernels are compiled once per driver, not once per start
+        "Environment=CUDA_CACHE_PATH=%C/edge/cuda",
+        f"LimitNOFILE={nofile_for(o.max_connections)}",  # server.max_connections + files
         "StateDirectory=edge",
         "CacheDirectory=edge",
-        "ConfigurationDirectory=edge",
+        # No ConfigurationDirectory=: with DynamicUser= it chowns /etc/edge to the service's uid,
+        # which could then rewrite its own config and the OTA key. ProtectSystem=strict keeps
+        # /etc read-only; the config is root's, world-readable.
         "UMask=0077",
         "NoNewPrivileges=yes",
         "ProtectSystem=strict",
@@ -120,6 +174,8 @@ def render_service(o: UnitOptions) -> str:
         "LockPersonality=yes",
         "SystemCallArchitectures=native",
         "SystemCallFilter=@system-service",
+        # mincore (page-in's resident_before) is in no syscall group of systemd 252
+        "SystemCallFilter=mincore",
         "SystemCallFilter=~@privileged",
         "SystemCallErrorNumber=EPERM",
     ]
@@ -128,7 +184,7 @@ def render_service(o: UnitOptions) -> str:
     if not o.user:
         lines += [
             "DynamicUser=yes",
-            "SupplementaryGroups=video render",
+            *([f"SupplementaryGroups={' '.join(o.groups)}"] if o.groups else []),
             "CapabilityBoundingSet=",
             "AmbientCapabilities=",
             "KeyringMode=private",
@@ -140,6 +196,13 @@ def render_service(o: UnitOptions) -> str:
     return "\n".join(lines)
 
 
+def render_rearm(o: UnitOptions) -> str:
+    return "\n".join([
+        "[Unit]", "Description=listen again on edge.socket after edge.service hit its start limit",
+        "StartLimitIntervalSec=0", "", "[Service]", "Type=oneshot",
+        "ExecStart=systemctl " + ("--user " if o.user else "") + "start --no-block edge.socket", ""])
+
+
 def unit_dir(prefix: str, user: bool) -> Path:
     if user:
         base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
@@ -147,12 +210,63 @@ def unit_dir(prefix: str, user: bool) -> Path:
     return Path(prefix) / "etc" / "systemd" / "system"
 
 
+def install_starter_config(path: Path) -> bool:
+    """Write STARTER_CONFIG to `path` unless a file is there; True if written.
+
+    Written to a temp file, fsynced, then hard-linked into place: the link fails if a config
+    appeared meanwhile, so an existing one is never replaced and no half-written file is seen.
+    """
+    if path.exists():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        atomic_write(tmp, STARTER_CONFIG, mode=0o644)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        fsync_dir(path.parent)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def existing_groups(prefix: str, groups: tuple[str, ...]) -> tuple[str, ...]:
+    """The groups of `groups` that <prefix>/etc/group has: a missing one fails the start (216/GROUP)."""
+    try:
+        text = (Path(prefix) / "etc" / "group").read_text()
+    except OSError:
+        return groups
+    have = {line.split(":", 1)[0] for line in text.splitlines()}
+    return tuple(g for g in groups if g in have)
+
+
+def reclaim_config_dir(folder: Path) -> bool:
+    """Give `folder` (and what is in it) back to root if a dynamic uid owns it; True if it did.
+
+    Units before this one had ConfigurationDirectory=edge with DynamicUser=yes, which chowns
+    /etc/edge to the service's uid on every start; that uid may later be handed to another service.
+    """
+    if os.geteuid() != 0 or not folder.is_dir() or folder.stat().st_uid == 0:
+        return False
+    for here, dirs, files in os.walk(folder):
+        for name in [here, *(os.path.join(here, n) for n in dirs + files)]:
+            os.chown(name, 0, 0, follow_symlinks=False)
+    return True
+
+
 def install_units(o: UnitOptions, prefix: str = "/") -> list[Path]:
-    """Write edge.socket and edge.service atomically into the unit directory; return their paths."""
+    """Write edge.socket and edge.service atomically into the unit directory; return their paths.
+
+    SupplementaryGroups= keeps only groups this system has (a headless Debian without udev has
+    no `render`)."""
+    o = replace(o, groups=existing_groups(prefix, o.groups))
     folder = unit_dir(prefix, o.user)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in (("edge.socket", render_socket(o)), ("edge.service", render_service(o))):
+    for name, text in (("edge.socket", render_socket(o)), ("edge.service", render_service(o)),
+                       (REARM_UNIT, render_rearm(o))):
         atomic_write(folder / name, text, mode=0o644)
         written.append(folder / name)
     return written

@@ -88,7 +88,9 @@ class LoopbackHTTP:
     READY."""
 
     def __init__(self, app: Any) -> None:
-        self.app = app
+        from edge.metrics import warmup_transport
+
+        self.app = warmup_transport(app)  # its requests are marked warm-up, apart from production
 
     async def __aenter__(self) -> "LoopbackHTTP":
         import functools

@@ -43,26 +43,47 @@ class ModelWorker(Worker):
         self.model = model
         self.max_queue = max_queue
 
-    async def stream(self, job: Job) -> AsyncIterator[Piece]:
-        """Pieces of one generation; cancelling the consumer stops generation at the next token."""
+    def admit(self) -> None:
+        """Take a place in the queue, or refuse with 503 -- before any response byte is sent."""
         if self.pending >= self.max_queue:
             raise RequestError(f"model {self.model.cfg.name!r} has {self.pending} requests queued "
                                f"(max_queue = {self.max_queue}); retry later", status=503,
                                code="server_busy")
+        self.pending += 1
+
+    def release(self) -> None:
+        self.pending -= 1
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A call on the model's thread (tokenizing a request) waits in the same bounded queue
+        as generations: a flood of long prompts is a 503, not a wait for everyone."""
+        self.admit()
+        try:
+            return await super().call(fn, *args)
+        finally:
+            self.release()
+
+    async def stream(self, job: Job, admitted: bool = False) -> AsyncIterator[Piece]:
+        """Pieces of one generation; cancelling the consumer stops generation at the next token.
+        `admitted`: the caller holds a place taken with admit() and releases it itself."""
+        if not admitted:
+            self.admit()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
 
         def run() -> None:
+            end: BaseException | None = None
             try:
-                for piece in self.model.generate(job):
+                # a job whose client left while it was queued is not even prefilled
+                pieces = iter(()) if job.cancel.is_set() else self.model.generate(job)
+                for piece in pieces:
                     loop.call_soon_threadsafe(queue.put_nowait, piece)
                     if job.cancel.is_set():
                         break
-                loop.call_soon_threadsafe(queue.put_nowait, None)
             except BaseException as exc:
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
+                end = exc
+            loop.call_soon_threadsafe(queue.put_nowait, end)
 
-        self.pending += 1
         try:
             fut = loop.run_in_executor(self._pool, run)
             while True:
@@ -75,7 +96,8 @@ class ModelWorker(Worker):
             await fut
         finally:
             job.cancel.set()
-            self.pending -= 1
+            if not admitted:
+                self.release()
 
 
 class EngineWorker(Worker):
@@ -87,6 +109,13 @@ class EngineWorker(Worker):
     def __init__(self, name: str, stored: StoredEngine) -> None:
         super().__init__(name)
         self.stored = stored
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self.pending += 1  # queued or running: the queue depth that /metrics shows
+        try:
+            return await super().call(fn, *args)
+        finally:
+            self.pending -= 1
 
     def open(self, data: bytes,
              make: Callable[[StoredEngine, bytes], EngineSession] | None = None) -> EngineSession:

@@ -1,82 +1,128 @@
-"""Cold start of edge vs llama-cpp-python's own server (the peer), same model, same run.
+"""Cold start of edge vs two peers on the same model, same run: llama-cpp-python's server
+(`python -m llama_cpp.server`) and llama.cpp's own `llama-server` (built by
+scripts/build-llama-server from the llama.cpp vendored in the installed llama-cpp-python).
 
-Prints JSON (also to .bench/coldstart.json) and a short table to stderr. Rounds alternate edge
-and peer so that drift on the machine hits both alike. Targets are reported, not asserted.
+Per round, in an order that rotates every round so that drift on the machine hits all alike:
+- hot page cache: each server is spawned and a client sends a novel prompt from the spawn on,
+  retrying while refused / 503: time to first served answer (TTFSA);
+- steady: each server is spawned, its readiness awaited (edge: READY=1; peers: their health
+  route), then a first novel request and N more novel requests: first / steady median;
+- cold page cache: the model file's pages are dropped (POSIX_FADV_DONTNEED) before each spawn.
+Every request has its own prompt (distinct first word, same token count, max_tokens > 1); the
+warm-up edge is configured with contains none of them. Prints JSON (also .bench/coldstart.json)
+and a table to stderr. Targets are reported, never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test kit (tests/kit)
 
-from benchlib import (EDGE, REQUEST, edge_config, emit, env_for_bench, free_port, gemma_path,  # noqa: E402
-                      proc_memory, request_until_answered, start_peer, summary, wait_peer_up)
-from kit import PidOne  # noqa: E402
+from benchlib import (EDGE, WORDS, Answer, Peer, Started, completion, edge_config, emit,  # noqa: E402
+                      env_for_bench, gemma_path, llama_cpp_server, llama_server, novel_prompts,
+                      proc_memory, request_until_answered, start_edge, start_peer, summary)
 from edge.pagein import evict  # noqa: E402
 
-
-def edge_ttfts(cfg: Path, env: dict[str, str]) -> tuple[float, dict[str, Any]]:
-    with PidOne([*EDGE, "serve", "--config", str(cfg)], env=env) as pid1:
-        t0 = time.monotonic()
-        pid1.start()
-        request_until_answered(pid1.address, REQUEST)
-        ttfts = time.monotonic() - t0
-        pid1.wait_for("READY", "1")
-        report = json.loads((cfg.parent / "state" / "last-start.json").read_text())
-        assert pid1.stop() == 0, pid1.log_tail()
-    return ttfts, report
+EDGE_NAME = "edge"
+# issue 11's targets: edge's TTFSA over each peer's, hot and cold alike.
+TTFSA_TARGETS = {"llama_cpp.server": 0.7, "llama-server": 1.1}
+FIRST_OVER_STEADY_TARGET = 1.05
 
 
-def peer_ttfts(model: Path, n_ctx: int, log: Path) -> float:
-    port = free_port()
-    t0 = time.monotonic()
-    proc = start_peer(model, port, n_ctx, log)
-    try:
-        request_until_answered(("127.0.0.1", port), REQUEST)
-        return time.monotonic() - t0
-    finally:
-        proc.terminate()
-        proc.wait(60)
+@dataclass
+class Contender:
+    """One server under test: how to start it and, for edge, where its start report is."""
+
+    name: str
+    launch: Callable[[], AbstractContextManager[Started]]
+    argv: list[str]
+    report_path: Path | None = None
 
 
-def steady(address: tuple[str, int], pid: int, n: int = 10) -> dict[str, Any]:
-    first = request_until_answered(address, REQUEST)
-    rest = [request_until_answered(address, REQUEST) for _ in range(n)]
-    return {"first_s": first, "steady_s": statistics.median(rest), **proc_memory(pid)}
+@dataclass
+class Prompts:
+    """This round's novel prompts, the same for every server (same work for each)."""
+
+    hot: str
+    cold: str
+    first: str
+    steady: list[str]
 
 
-def edge_steady(cfg: Path, env: dict[str, str]) -> dict[str, Any]:
-    with PidOne([*EDGE, "serve", "--config", str(cfg)], env=env) as pid1:
-        pid1.start()
-        pid1.wait_for("READY", "1")
-        out = steady(pid1.address, pid1.proc.pid)
-        assert pid1.stop() == 0
-    return out
+class Record:
+    """Every number measured, by server and metric; edge's start phases by cache state."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, dict[str, list[float]]] = {}
+        self.tokens: dict[str, dict[str, set[int]]] = {}
+        self.memory: dict[str, dict[str, int]] = {}
+        self.phases: dict[str, dict[str, list[float]]] = {"hot": {}, "cold": {}}
+
+    def add(self, who: str, key: str, val: float) -> None:
+        self.runs.setdefault(who, {}).setdefault(key, []).append(val)
+
+    def answer(self, who: str, a: Answer) -> None:
+        t = self.tokens.setdefault(who, {"prompt": set(), "completion": set()})
+        t["prompt"].add(a.prompt_tokens)
+        t["completion"].add(a.completion_tokens)
+
+    def start_report(self, cache: str, report: dict[str, Any]) -> None:
+        for ph in report.get("phases", []):
+            self.phases[cache].setdefault(ph["name"], []).append(ph["seconds"])
+        self.phases[cache].setdefault("ready_s", []).append(report["ready_s"])
 
 
-def peer_steady(model: Path, n_ctx: int, log: Path) -> dict[str, Any]:
-    port = free_port()
-    proc = start_peer(model, port, n_ctx, log)
-    try:
-        wait_peer_up(("127.0.0.1", port), proc)
-        return steady(("127.0.0.1", port), proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(60)
+def edge_report(c: Contender, s: Started) -> dict[str, Any]:
+    s.ready_at()  # the report is complete once READY=1 is sent
+    assert c.report_path is not None
+    return json.loads(c.report_path.read_text())
 
 
-def raw_read_s(model: Path) -> float:
-    evict(model)
+def ttfsa(c: Contender, rec: Record, prompt: str, max_tokens: int, cache: str) -> None:
+    """Spawn, and send the request from the spawn on: time to first served answer."""
+    with c.launch() as s:
+        a = request_until_answered(s.address, completion(prompt, max_tokens), alive=s.alive)
+        rec.add(c.name, f"ttfsa_{cache}_s", time.monotonic() - s.t0)
+        rec.answer(c.name, a)
+        if c.report_path is not None:
+            rec.start_report(cache, edge_report(c, s))
+
+
+def steady(c: Contender, rec: Record, p: Prompts, max_tokens: int) -> None:
+    """Spawn, await readiness, then the first request and the steady ones, all novel."""
+    with c.launch() as s:
+        rec.add(c.name, "ready_hot_s", s.ready_s())
+        first = request_until_answered(s.address, completion(p.first, max_tokens), alive=s.alive)
+        rest = [request_until_answered(s.address, completion(t, max_tokens), alive=s.alive)
+                for t in p.steady]
+        for a in (first, *rest):
+            rec.answer(c.name, a)
+        med = statistics.median(a.seconds for a in rest)
+        rec.add(c.name, "first_request_s", first.seconds)
+        rec.add(c.name, "steady_request_s", med)
+        rec.add(c.name, "first_over_steady", first.seconds / med)
+        mem = proc_memory(s.pid)
+        old = rec.memory.get(c.name, {})
+        rec.memory[c.name] = {k: max(old.get(k, 0), mem[k]) for k in ("peak_rss_bytes", "locked_bytes")}
+        if c.report_path is not None:
+            rec.start_report("hot", edge_report(c, s))
+
+
+def read_file_s(model: Path) -> float:
     t0 = time.monotonic()
     with open(model, "rb", buffering=0) as f:
         buf = bytearray(8 << 20)
@@ -85,108 +131,165 @@ def raw_read_s(model: Path) -> float:
     return time.monotonic() - t0
 
 
+def one_round(r: int, contenders: list[Contender], rec: Record, p: Prompts, args: argparse.Namespace,
+              model: Path) -> None:
+    order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
+    print(f"round {r + 1}/{args.rounds}: {', '.join(c.name for c in order)}", file=sys.stderr)
+    read_file_s(model)  # hot: the whole file in the page cache
+    for c in order:
+        ttfsa(c, rec, p.hot, args.max_tokens, "hot")
+    for c in order:
+        steady(c, rec, p, args.max_tokens)
+    if args.cold:
+        evict(model)
+        rec.add("raw", "sequential_read_cold_s", read_file_s(model))
+        for c in order:
+            evict(model)
+            ttfsa(c, rec, p.cold, args.max_tokens, "cold")
+
+
 def cli_times(env: dict[str, str], n: int = 5) -> dict[str, float]:
     helps, imports = [], []
+    edge_bin = Path(sys.executable).with_name("edge")
+    help_cmd = [str(edge_bin), "--help"] if edge_bin.exists() else [*EDGE, "--help"]
     for _ in range(n):
         t0 = time.monotonic()
-        subprocess.run([*EDGE[:1], "-m", "edge.cli", "--help"], env=env, capture_output=True, check=True)
+        subprocess.run(help_cmd, env=env, capture_output=True, check=True)
         helps.append(time.monotonic() - t0)
         out = subprocess.run([sys.executable, "-c", "import time; t = time.perf_counter(); import edge.cli; "
                               "print(time.perf_counter() - t)"], env=env, capture_output=True, text=True, check=True)
         imports.append(float(out.stdout))
-    edge_bin = Path(sys.executable).with_name("edge")
-    scripts = []
-    if edge_bin.exists():
-        for _ in range(n):
-            t0 = time.monotonic()
-            subprocess.run([str(edge_bin), "--help"], env=env, capture_output=True, check=True)
-            scripts.append(time.monotonic() - t0)
-    return {"help_s": statistics.median(scripts or helps), "import_edge_cli_s": statistics.median(imports)}
+    return {"help_s": round(statistics.median(helps), 4), "import_edge_cli_s": round(statistics.median(imports), 4)}
 
 
-def ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b else None
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def comparisons(rec: Record, peers: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """edge / peer: the ratio of the medians, and the summary of the per-round paired ratios."""
+    e = rec.runs[EDGE_NAME]
+    of_medians: dict[str, Any] = {}
+    paired: dict[str, Any] = {}
+    for peer in peers:
+        p = rec.runs[peer]
+        keys = [k for k in e if k in p]
+        of_medians[peer] = {k: ratio(statistics.median(e[k]), statistics.median(p[k])) for k in keys}
+        of_medians[peer]["peak_rss"] = ratio(rec.memory[EDGE_NAME]["peak_rss_bytes"],
+                                             rec.memory[peer]["peak_rss_bytes"])
+        paired[peer] = {k: summary([a / b for a, b in zip(e[k], p[k])]) for k in keys if k.startswith("ttfsa")}
+    return of_medians, paired
+
+
+def targets(rec: Record, ratios: dict[str, Any]) -> dict[str, bool]:
+    out = {}
+    for peer, limit in TTFSA_TARGETS.items():
+        for k, v in ratios.get(peer, {}).items():
+            if k.startswith("ttfsa") and v is not None:
+                out[f"{k} <= {limit} x {peer}"] = v <= limit
+    fos = statistics.median(rec.runs[EDGE_NAME]["first_over_steady"])
+    out[f"edge first request <= {FIRST_OVER_STEADY_TARGET} x steady"] = fos <= FIRST_OVER_STEADY_TARGET
+    return out
+
+
+def make_prompts(model: Path, args: argparse.Namespace) -> list[Prompts]:
+    per_round = 3 + args.steady
+    texts = novel_prompts(model, args.prompt_tokens, list(range(args.rounds * per_round)))
+    rounds = [texts[i * per_round:(i + 1) * per_round] for i in range(args.rounds)]
+    return [Prompts(t[0], t[1], t[2], t[3:]) for t in rounds]
+
+
+def contenders(args: argparse.Namespace, model: Path, work: Path,
+               env: dict[str, str]) -> tuple[list[Contender], dict[str, str]]:
+    """edge and the peers that can run here; the skipped ones with the reason."""
+    cfg = edge_config(work / "edge", model, args.n_ctx, n_threads=args.threads, n_batch=args.n_batch)
+    out = [Contender(EDGE_NAME, lambda: start_edge(cfg, env), [*EDGE, "serve", "--config", str(cfg)],
+                     work / "edge" / "state" / "last-start.json")]
+    peers: list[Peer] = [llama_cpp_server(model, args.n_ctx, args.threads, args.n_batch)]
+    skipped: dict[str, str] = {}
+    if args.llama_server and os.access(args.llama_server, os.X_OK):
+        peers.append(llama_server(args.llama_server, model, args.n_ctx, args.threads, args.n_batch))
+    else:
+        skipped["llama-server"] = args.llama_server_skipped or (
+            f"no executable at {args.llama_server}" if args.llama_server
+            else "not given (--llama-server; scripts/build-llama-server builds it)")
+        print(f"llama-server skipped: {skipped['llama-server']}", file=sys.stderr)
+    for peer in peers:
+        log = work / f"{peer.name}.log"
+        out.append(Contender(peer.name, lambda peer=peer, log=log: start_peer(peer, log), peer.argv("<free port>")))
+    return out, skipped
+
+
+def result_of(rec: Record, cs: list[Contender], skipped: dict[str, str], args: argparse.Namespace,
+              model: Path, env: dict[str, str]) -> dict[str, Any]:
+    peers = [c.name for c in cs if c.name != EDGE_NAME]
+    ratios, paired = comparisons(rec, peers)
+    size = model.stat().st_size
+    servers: dict[str, Any] = {
+        c.name: {k: summary(v) for k, v in rec.runs[c.name].items()}
+        | {"memory": rec.memory[c.name], "argv": c.argv,
+           "tokens_seen": {k: sorted(v) for k, v in rec.tokens[c.name].items()}} for c in cs}
+    servers |= {name: {"skipped": why} for name, why in skipped.items()}
+    raw = rec.runs.get("raw", {}).get("sequential_read_cold_s", [])
+    return {
+        "model": str(model), "model_bytes": size, "n_ctx": args.n_ctx, "threads": args.threads,
+        "n_batch": args.n_batch, "rounds": args.rounds, "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens, "steady_requests": args.steady,
+        "servers": servers,
+        "ratios_edge_over_peer": ratios,
+        "paired_round_ratios_edge_over_peer": paired,
+        "edge_start_phases_median_s": {cache: {k: round(statistics.median(v), 4) for k, v in ph.items()}
+                                       for cache, ph in rec.phases.items() if ph},
+        "cold_cache": {"raw_sequential_read_s": summary(raw),
+                       "raw_read_mb_per_s": round(size / statistics.median(raw) / 1e6, 1) if raw else None},
+        "cli": cli_times(env),
+        "edge_warmup_prompts": [],
+        "targets_met": targets(rec, ratios),
+    }
+
+
+def print_table(result: dict[str, Any], names: list[str]) -> None:
+    peers = [n for n in names if n != EDGE_NAME]
+    head = "".join(f"{n:>18}" for n in names) + "".join(f"{'edge/' + p:>22}" for p in peers)
+    print(f"\n{'':20}{head}", file=sys.stderr)
+    s, r = result["servers"], result["ratios_edge_over_peer"]
+    for k in ("ttfsa_hot_s", "ttfsa_cold_s", "ready_hot_s", "first_request_s", "steady_request_s",
+              "first_over_steady"):
+        cells = "".join(f"{s[n].get(k, {}).get('median', float('nan')):>18.3f}" for n in names)
+        cells += "".join(f"{r[p].get(k) if r[p].get(k) is not None else float('nan'):>22.3f}" for p in peers)
+        print(f"{k:20}{cells}", file=sys.stderr)
+    for t, ok in result["targets_met"].items():
+        print(f"target {t}: {'met' if ok else 'MISSED'}", file=sys.stderr)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--n-ctx", type=int, default=2048)
+    ap.add_argument("--n-batch", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="for every server alike")
+    ap.add_argument("--prompt-tokens", type=int, default=96, help="length of every novel prompt, BOS included")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (> 1)")
+    ap.add_argument("--steady", type=int, default=6, help="novel requests after the first one")
+    ap.add_argument("--no-cold", dest="cold", action="store_false", help="skip the cold page-cache starts")
+    ap.add_argument("--llama-server", type=Path, help="llama.cpp's server binary (second peer)")
+    ap.add_argument("--llama-server-skipped", help="why there is no llama-server (reported)")
     args = ap.parse_args()
+    if args.max_tokens < 2 or args.rounds < 1 or args.steady < 1:
+        ap.error("need --max-tokens >= 2, --rounds >= 1 and --steady >= 1")
+    if args.rounds * (3 + args.steady) > len(WORDS):
+        ap.error(f"--rounds x (3 + --steady) must be at most {len(WORDS)}: one first word per prompt")
     env = env_for_bench()
     model = gemma_path()
     work = Path(tempfile.mkdtemp(prefix="edge-bench-"))
-    cfg = edge_config(work / "edge", model, args.n_ctx)
-    log = work / "peer.log"
-    runs: dict[str, dict[str, list[float]]] = {"edge": {}, "peer": {}}
-    mem: dict[str, dict[str, int]] = {}
-    page_in_rates, raw_reads = [], []
-    phases: dict[str, list[float]] = {}
-
-    def add(who: str, key: str, val: float) -> None:
-        runs[who].setdefault(key, []).append(val)
-
+    prompts = make_prompts(model, args)
+    cs, skipped = contenders(args, model, work, env)
+    rec = Record()
     for r in range(args.rounds):
-        print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
-        t, report = edge_ttfts(cfg, env)
-        add("edge", "ttfts_hot_s", t)
-        for ph in report["phases"]:
-            phases.setdefault(ph["name"], []).append(ph["seconds"])
-        phases.setdefault("ready_s", []).append(report["ready_s"])
-        add("peer", "ttfts_hot_s", peer_ttfts(model, args.n_ctx, log))
-        for who, fn in (("edge", lambda: edge_steady(cfg, env)), ("peer", lambda: peer_steady(model, args.n_ctx, log))):
-            s = fn()
-            add(who, "first_request_s", s["first_s"])
-            add(who, "steady_request_s", s["steady_s"])
-            add(who, "first_over_steady", s["first_s"] / s["steady_s"])
-            mem[who] = {k: max(mem.get(who, {}).get(k, 0), s[k]) for k in ("peak_rss_bytes", "locked_bytes")}
-        raw_reads.append(raw_read_s(model))
-        evict(model)
-        t, report = edge_ttfts(cfg, env)
-        add("edge", "ttfts_cold_s", t)
-        page = next(p for p in report["phases"] if p["name"] == "page_in")
-        page_in_rates.append(page.get("mb_per_s", 0.0))
-        evict(model)
-        add("peer", "ttfts_cold_s", peer_ttfts(model, args.n_ctx, log))
-
-    size = model.stat().st_size
-    result: dict[str, Any] = {
-        "model": str(model), "model_bytes": size, "n_ctx": args.n_ctx, "rounds": args.rounds,
-        "edge": {k: summary(v) for k, v in runs["edge"].items()} | {"memory": mem["edge"]},
-        "peer": {k: summary(v) for k, v in runs["peer"].items()} | {"memory": mem["peer"]},
-        "cold_cache": {"raw_sequential_read_s": summary(raw_reads),
-                       "raw_read_mb_per_s": round(size / statistics.median(raw_reads) / 1e6, 1),
-                       "edge_page_in_mb_per_s": summary(page_in_rates)},
-        "cli": cli_times(env),
-        "edge_start_phases_hot_median_s": {k: round(statistics.median(v), 4) for k, v in phases.items()},
-        "edge_warmup_prompts": [REQUEST["prompt"]],
-    }
-    e, p = result["edge"], result["peer"]
-    result["ratios_edge_over_peer"] = {
-        k: ratio(e[k]["median"], p[k]["median"]) for k in runs["edge"] if k in runs["peer"]
-    } | {"peak_rss": ratio(e["memory"]["peak_rss_bytes"], p["memory"]["peak_rss_bytes"])}
-    targets = {
-        "ttfts_hot <= 0.7 x peer": result["ratios_edge_over_peer"]["ttfts_hot_s"] <= 0.7,
-        "edge first request <= 1.05 x steady": e["first_over_steady"]["median"] <= 1.05,
-        "edge --help <= 0.25 s": result["cli"]["help_s"] <= 0.25,
-    }
-    result["targets_met"] = targets
+        one_round(r, cs, rec, prompts[r], args, model)
+    result = result_of(rec, cs, skipped, args, model, env)
     emit(result, "coldstart")
-    rows = [("TTFTS hot (s)", "ttfts_hot_s"), ("TTFTS cold (s)", "ttfts_cold_s"),
-            ("first request (s)", "first_request_s"), ("steady request (s)", "steady_request_s"),
-            ("first / steady", "first_over_steady")]
-    print(f"\n{'':22}{'edge':>10}{'peer':>10}{'edge/peer':>11}", file=sys.stderr)
-    for label, k in rows:
-        print(f"{label:22}{e[k]['median']:>10.3f}{p[k]['median']:>10.3f}"
-              f"{result['ratios_edge_over_peer'][k]:>11.3f}", file=sys.stderr)
-    print(f"{'peak RSS (MiB)':22}{e['memory']['peak_rss_bytes'] / 2**20:>10.0f}"
-          f"{p['memory']['peak_rss_bytes'] / 2**20:>10.0f}", file=sys.stderr)
-    print(f"{'locked (MiB)':22}{e['memory']['locked_bytes'] / 2**20:>10.0f}"
-          f"{p['memory']['locked_bytes'] / 2**20:>10.0f}", file=sys.stderr)
-    print(f"edge --help {result['cli']['help_s']:.3f} s; import edge.cli {result['cli']['import_edge_cli_s']:.3f} s; "
-          f"raw read {result['cold_cache']['raw_read_mb_per_s']} MB/s", file=sys.stderr)
-    for t, ok in targets.items():
-        print(f"target {t}: {'met' if ok else 'MISSED'}", file=sys.stderr)
+    print_table(result, [c.name for c in cs])
     return 0
 
 

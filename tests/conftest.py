@@ -88,3 +88,27 @@ def service() -> Iterator[Callable[..., PidOne]]:
     yield start
     for pid1 in started:
         pid1.close()
+
+
+@pytest.fixture(scope="session")
+def ort_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PidOne, Path]]:
+    """`edge serve` of the demo engine (engines/mlp-demo.toml) built with ONNX Runtime into a
+    fresh store: (the PID-1 stand-in, its folder). Shared by the engine and limits tests."""
+    pytest.importorskip("onnxruntime")
+    from edge.device import detect
+    from edge.engines.build import build_engine
+    from edge.engines.recipe import load_recipe
+    from edge.engines.store import EngineStore
+
+    recipe = Path(__file__).resolve().parent.parent / "engines" / "mlp-demo.toml"
+    d = tmp_path_factory.mktemp("engine-svc")
+    build_engine(load_recipe(recipe), "onnxruntime", EngineStore(d / "store"), detect(), log=lambda s: None)
+    cfg = d / "edge.toml"
+    cfg.write_text(f'[server]\nport = 0\n[paths]\nstate_dir = "{d / "state"}"\ncache_dir = "{d / "cache"}"\n'
+                   f'[[engines]]\nname = "mlp"\nbackend = "onnxruntime"\nrecipe = "{recipe}"\n'
+                   f'store = "{d / "store"}"\n')
+    with PidOne([*EDGE, "serve", "--config", str(cfg)]) as pid1:
+        pid1.start()
+        pid1.wait_for("READY", "1")
+        yield pid1, d
+        assert pid1.stop() == 0

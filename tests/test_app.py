@@ -76,8 +76,8 @@ def test_models_health_ready_and_metrics(model) -> None:
     assert run(call(state, "GET", "/readyz")).status_code == 200
     run(call(state, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2}))
     text = run(call(state, "GET", "/metrics")).text
-    assert 'edge_requests_total{path="/v1/completions",status="200"} 1' in text
-    assert "edge_ready 1" in text
+    assert 'edge_requests_total{method="POST",route="/v1/completions",status="200"} 1.0' in text
+    assert "edge_ready 1.0" in text
     state.ready = False
     r = run(call(state, "GET", "/readyz"))
     assert r.status_code == 503 and r.json()["status"] == "starting"
@@ -94,7 +94,7 @@ def test_models_health_ready_and_metrics(model) -> None:
     ("/v1/completions", {"json": {"prompt": "x", "max_tokens": "5"}}, 400, "max_tokens must be int"),
     ("/v1/completions", {"json": {"prompt": "x", "max_tokens": True}}, 400, "max_tokens must be int"),
     ("/v1/completions", {"json": {"prompt": 5}}, 400, "prompt must be a string"),
-    ("/v1/completions", {"json": {"prompt": "x", "n": 3}}, 400, "n must be 1"),
+    ("/v1/completions", {"json": {"prompt": "x", "n": 9}}, 400, "n must be in"),
     ("/v1/completions", {"json": {"prompt": "x", "temperature": 9}}, 400, "temperature"),
     ("/v1/completions", {"json": {"prompt": "x", "stop": [1]}}, 400, "stop must be"),
     ("/v1/completions", {"json": {"prompt": "word " * 400, "max_tokens": 4}}, 400, "more than the context"),
@@ -162,3 +162,19 @@ def test_without_max_tokens_a_long_prompt_gets_what_the_context_has_left(model) 
     assert usage["prompt_tokens"] == n_prompt and usage["total_tokens"] <= model.n_ctx
     explicit = run(call(state, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 8}))
     assert explicit.status_code == 400  # an explicit limit that does not fit stays an error
+
+
+def test_a_full_queue_refuses_streams_before_the_first_byte_and_frees_every_place(model) -> None:
+    state = make_state(model, max_queue=1)
+
+    async def burst() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=build_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://edge") as client:
+            return await asyncio.gather(*[client.post("/v1/completions", json={
+                "prompt": "Hello", "max_tokens": 8, "stream": True}) for _ in range(6)])
+
+    responses = run(burst())
+    busy = [r for r in responses if r.status_code == 503]
+    assert busy and all(r.headers["retry-after"] == "1" and "data:" not in r.text for r in busy)
+    assert all(r.text.endswith("data: [DONE]\n\n") for r in responses if r.status_code == 200)
+    assert state.workers["tiny"].pending == 0  # every admitted stream gave its place back

@@ -76,3 +76,35 @@ def test_the_readme_example_config_is_valid() -> None:
     cfg = parse_config(example, source="README.md")
     assert cfg.models[0].path == BUILTIN_PREFIX + "gemma3-270m"
     assert cfg.warmup.long_prefill_fraction == 0.5
+
+
+@pytest.mark.parametrize("text, field, words", [
+    (MIN + '[server]\nlog_level = "verbose"\n', "server.log_level", "expected one of ['debug', 'info'"),
+    (MIN + "[server]\nmax_connections = 0\n", "server.max_connections", "[1, 1048576]"),
+    (MIN + "[server]\nheader_timeout_s = 0\n", "server.header_timeout_s", "[0.1, 3600]"),
+    (MIN + "[server]\nmax_body_bytes = 10\n", "server.max_body_bytes", "[1024, 2147483648]"),
+    (MIN.replace('"m"', '"a/b"'), "models[0].name", "expected a name without"),
+    (MIN.replace('"m"', '""'), "models[0].name", "found ''"),
+    (MIN + '[server]\nhost = ""\n', "server.host", "empty string"),
+    (MIN + '[[models]]\nname = "n"\npath = "builtin:nope"\n', "models[1].path",
+     "unknown builtin model 'nope'; expected one of ['builtin:gemma3-270m']"),
+])
+def test_more_bad_fields(text: str, field: str, words: str) -> None:
+    e = err(text)
+    assert (e.source, e.field) == ("edge.toml", field) and words in e.message, e.message
+
+
+def test_unwritable_state_or_cache_dir_is_a_config_error(tmp_path: Path) -> None:
+    from edge.config import check_writable
+
+    (tmp_path / "file").write_text("not a folder")
+    ok = parse_config(MIN + f'[paths]\nstate_dir = "{tmp_path / "s"}"\ncache_dir = "{tmp_path / "c"}"\n',
+                      source="edge.toml")
+    check_writable(ok)
+    assert not any(p.name.startswith(".edge-write-probe") for p in (tmp_path / "s").iterdir())
+    bad = parse_config(MIN + f'[paths]\nstate_dir = "{tmp_path / "s"}"\ncache_dir = "{tmp_path / "file" / "c"}"\n',
+                       source="edge.toml")
+    with pytest.raises(ConfigError) as info:
+        check_writable(bad)
+    assert info.value.field == "paths.cache_dir" and str(tmp_path / "file" / "c") in info.value.message
+    assert info.value.exit_code == EX_CONFIG

@@ -17,7 +17,7 @@ from onnxgen import make_mlp
 from edge.engines.recipe import check_onnx, load_recipe
 from edge.engines.store import EngineStore
 from edge.errors import ConfigError
-from kit import PidOne, post
+from kit import post
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "engines" / "mlp-demo.toml"
@@ -96,21 +96,6 @@ def test_trt_build_without_a_gpu_says_what_is_missing(tmp_path: Path) -> None:
         pytest.skip("this machine has a GPU: covered by the GPU test")
     assert r.returncode == 65 and "TensorRT engines need GPU SM arch" in r.stderr
     assert not list(tmp_path.rglob("*.engine"))
-
-
-@pytest.fixture(scope="module")
-def ort_service(tmp_path_factory: pytest.TempPathFactory):
-    d = tmp_path_factory.mktemp("engine-svc")
-    build_engine(load_recipe(RECIPE), "onnxruntime", EngineStore(d / "store"), detect(), log=lambda s: None)
-    cfg = d / "edge.toml"
-    cfg.write_text(f'[server]\nport = 0\n[paths]\nstate_dir = "{d / "state"}"\ncache_dir = "{d / "cache"}"\n'
-                   f'[[engines]]\nname = "mlp"\nbackend = "onnxruntime"\nrecipe = "{RECIPE}"\n'
-                   f'store = "{d / "store"}"\n')
-    with PidOne([*EDGE, "serve", "--config", str(cfg)]) as pid1:
-        pid1.start()
-        pid1.wait_for("READY", "1")
-        yield pid1, d
-        assert pid1.stop() == 0
 
 
 def test_served_engine_matches_the_onnx_model(ort_service) -> None:

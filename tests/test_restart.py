@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from conftest import write_config
-from kit import ClientLoad, get
+from kit import ClientLoad, metric
 
 
 def test_two_restarts_under_load_refuse_nothing(tmp_path: Path, tiny_gguf: Path, service) -> None:
@@ -32,10 +32,8 @@ def test_two_restarts_under_load_refuse_nothing(tmp_path: Path, tiny_gguf: Path,
         pid1.wait_for("READY", "1")
         load.wait_ok(gone + 20)
         # The new process counted client requests of its own (its counters start at zero).
-        _, metrics = get(pid1.address, "/metrics")
-        served = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                     if line.startswith('edge_requests_total{path="/v1/completions",status="200"}'))
-        assert served >= 20, metrics
+        served = metric(pid1.address, "edge_requests_total", route="/v1/completions", status="200")
+        assert served >= 20
     result = load.stop()
     assert pid1.stop() == 0
     print(f"\nrestart under load: {result.ok} ok, {result.refused} refused, {result.errors} errors, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -10,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from conftest import EDGE, write_config
-from edge.doctor import run_checks
+from edge.config import parse_config
+from edge.doctor import _limit_bytes, run_checks, unit_config
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
-from edge.units import UnitOptions, install_units, render_service, render_socket
+from edge.units import (GPU_DEVICE_CLASSES, REARM_UNIT, STARTER_CONFIG, UnitOptions, existing_groups,
+                        install_starter_config, install_units, reclaim_config_dir, render_rearm, render_service, render_socket)
 
 ROOT = Path(__file__).resolve().parent.parent
 analyze = pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze")
@@ -77,6 +80,7 @@ def test_shipped_units_match_the_renderer() -> None:
     o = UnitOptions(edge="/opt/edge/venv/bin/edge")
     assert (ROOT / "systemd" / "edge.service").read_text() == render_service(o)
     assert (ROOT / "systemd" / "edge.socket").read_text() == render_socket(o)
+    assert (ROOT / "systemd" / REARM_UNIT).read_text() == render_rearm(o)
 
 
 def test_units_install_writes_atomically_and_tells_what_to_run(tmp_path: Path) -> None:
@@ -84,10 +88,18 @@ def test_units_install_writes_atomically_and_tells_what_to_run(tmp_path: Path) -
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     d = tmp_path / "etc" / "systemd" / "system"
-    assert sorted(p.name for p in d.iterdir()) == ["edge.service", "edge.socket"]  # no temp files
+    assert sorted(p.name for p in d.iterdir()) == [REARM_UNIT, "edge.service", "edge.socket"]  # no temp files
     assert "ListenStream=127.0.0.1:9999" in (d / "edge.socket").read_text()
     assert (d / "edge.service").stat().st_mode & 0o777 == 0o644
     assert "systemctl daemon-reload" in r.stdout and "enable --now edge.socket edge.service" in r.stdout
+    starter = tmp_path / "etc" / "edge" / "edge.toml"
+    assert starter.read_text() == STARTER_CONFIG and starter.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in starter.parent.iterdir()) == ["edge.toml"]
+    starter.write_text("# mine\n")
+    r = subprocess.run([*EDGE, "units", "install", "--prefix", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and f"kept {starter}" in r.stdout
+    assert starter.read_text() == "# mine\n"  # never overwritten
     printed = subprocess.run([*EDGE, "units", "print", "--listen", "127.0.0.1:9999"], capture_output=True,
                              text=True, timeout=60).stdout
     assert (d / "edge.service").read_text() in printed
@@ -118,8 +130,9 @@ def test_doctor_reports_each_problem_with_its_fix(tmp_path: Path, tiny_gguf: Pat
     assert _levels(run_checks(str(cfg), [sysdir]))["mlock"] == "ok"
     svc = sysdir / "edge.service"
     svc.write_text(svc.read_text().replace("LimitMEMLOCK=infinity\n", ""))
-    bad = next(c for c in run_checks(str(cfg), [sysdir]) if c.name == "mlock")
-    assert bad.level == "fail" and "LimitMEMLOCK=infinity" in bad.fix
+    small = next(c for c in run_checks(str(cfg), [sysdir]) if c.name == "mlock")
+    # without LimitMEMLOCK= the service gets systemd's default 8 MiB: enough for the tiny model
+    assert small.level == "ok" and "8 MiB" in small.message and "not verified" in small.message
 
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(tiny_gguf.read_bytes()[:4000])
@@ -137,3 +150,73 @@ def test_doctor_cli_exit_codes(tmp_path: Path, tiny_gguf: Path) -> None:
     r = subprocess.run([*EDGE, "doctor", "--config", str(good), "--json"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and '"name": "model tiny"' in r.stdout
+
+
+def test_starter_config_is_valid_and_never_replaces_one(tmp_path: Path) -> None:
+    cfg = parse_config(STARTER_CONFIG, source="starter")
+    assert [m.path for m in cfg.models] == ["builtin:gemma3-270m"]
+    target = tmp_path / "etc" / "edge" / "edge.toml"
+    assert install_starter_config(target) is True and target.read_text() == STARTER_CONFIG
+    target.write_text("x")
+    assert install_starter_config(target) is False and target.read_text() == "x"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["edge.toml"]  # no temp file left
+
+
+def test_service_unit_fixes_from_the_real_systemd_run() -> None:
+    text = render_service(UnitOptions())
+    assert "ConfigurationDirectory=" not in text.replace("# No ConfigurationDirectory=", "")
+    assert re.search(r"^SystemCallFilter=mincore$", text, re.M)
+    assert re.search(r"^StartLimitBurst=\d+$", text, re.M) and re.search(r"^StartLimitIntervalSec=\d+$", text, re.M)
+    assert text.index("StartLimitBurst=") < text.index("[Service]")  # a [Unit] setting
+    assert "Environment=CUDA_CACHE_PATH=%C/edge/cuda" in text
+    for node in ("/dev/nvmap", "/dev/nvhost-ctxsw-gpu", "/dev/nvgpu/igpu0/ctrl", "/dev/nvidiactl",
+                 "/dev/nvidia-uvm", *GPU_DEVICE_CLASSES):
+        assert re.search(rf"^DeviceAllow={re.escape(node)} rw$", text, re.M), node
+    sock = render_socket(UnitOptions())
+    assert f"OnFailure={REARM_UNIT}" in sock and "StartLimitIntervalSec=0" in sock
+    assert "ExecStart=systemctl start --no-block edge.socket" in render_rearm(UnitOptions())
+
+
+def test_install_keeps_only_groups_the_system_has(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "group").write_text("root:x:0:\nvideo:x:44:\n")
+    assert existing_groups(str(tmp_path), ("video", "render")) == ("video",)
+    install_units(UnitOptions(), prefix=str(tmp_path))
+    svc = (tmp_path / "etc" / "systemd" / "system" / "edge.service").read_text()
+    assert re.search(r"^SupplementaryGroups=video$", svc, re.M)
+
+
+def test_doctor_reads_the_units_exec_start_and_limits(tmp_path: Path, tiny_gguf: Path) -> None:
+    assert unit_config("ExecStart=/opt/edge/venv/bin/edge serve --config /etc/edge/edge.toml\n") == "/etc/edge/edge.toml"
+    assert unit_config("ExecStart=-/x/edge serve --config=/a/b.toml\n") == "/a/b.toml"
+    assert unit_config("ExecStart=/x/edge serve\n") is None
+    assert _limit_bytes("infinity") is None and _limit_bytes("64M") == 64 * 2**20
+    assert _limit_bytes("8M:16M") == 8 * 2**20 and _limit_bytes("4096") == 4096
+
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
+    sysdir = tmp_path / "root" / "etc" / "systemd" / "system"
+    install_units(UnitOptions(config=str(tmp_path / "missing.toml")), prefix=str(tmp_path / "root"))
+    first = run_checks(None, [sysdir])[0]  # no --config: doctor checks what the unit runs
+    assert first.level == "fail" and "missing.toml" in first.message and "edge units install" in first.fix
+    install_units(UnitOptions(config=str(cfg)), prefix=str(tmp_path / "root"))
+    checks = {c.name: c for c in run_checks(None, [sysdir])}
+    assert checks["config"].level == "ok" and "the config edge.service runs" in checks["config"].message
+    svc = sysdir / "edge.service"
+    svc.write_text(svc.read_text().replace("LimitMEMLOCK=infinity", "LimitMEMLOCK=1K"))
+    mlock = next(c for c in run_checks(None, [sysdir]) if c.name == "mlock")
+    assert mlock.level == "fail" and "LimitMEMLOCK=1K" in mlock.message
+    other = write_config(tmp_path / "other.toml", tiny_gguf)
+    warn = [c for c in run_checks(str(other), [sysdir]) if c.name == "units" and c.level == "warn"]
+    assert warn and str(cfg) in warn[0].message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_install_gives_a_config_dir_owned_by_a_dynamic_uid_back_to_root(tmp_path: Path) -> None:
+    etc = tmp_path / "etc" / "edge"
+    etc.mkdir(parents=True)
+    (etc / "ota.pub").write_text("key")
+    for p in (etc, etc / "ota.pub"):
+        os.chown(p, 61234, 61234)  # what ConfigurationDirectory= + DynamicUser= left behind
+    assert reclaim_config_dir(etc) is True
+    assert {p.stat().st_uid for p in (etc, etc / "ota.pub")} == {0}
+    assert reclaim_config_dir(etc) is False

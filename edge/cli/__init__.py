@@ -4,12 +4,14 @@ needs it, so `edge --help` stays fast and imports no native or HTTP stack."""
 
 from __future__ import annotations
 
+import logging
 import sys
+import traceback
 
 import typer
 
 from edge.cli import doctor, engines, serve, units
-from edge.errors import EdgeError
+from edge.errors import EX_SOFTWARE, EdgeError
 
 __all__ = ["app", "main"]
 
@@ -33,3 +35,16 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception:  # a bug, not a bad input: its traceback once, and the code that says so
+        _internal_error()
+        sys.exit(EX_SOFTWARE)
+
+
+def _internal_error() -> None:
+    log = logging.getLogger("edge")
+    if log.handlers:  # `edge serve` set up logging (the journal under systemd): the traceback goes there
+        log.critical("internal error; exiting %d", EX_SOFTWARE, exc_info=True)
+    else:
+        traceback.print_exc()
+        print(f"edge: internal error (a bug: please report the traceback above); exiting {EX_SOFTWARE}",
+              file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -47,7 +48,7 @@ def units_install(prefix: str = typer.Option("/", "--prefix", help="root to inst
                   unix_socket: Optional[str] = UnixOpt, socket_group: Optional[str] = GroupOpt,
                   user: bool = UserOpt) -> None:
     """Write edge.socket and edge.service (atomically) and say which systemctl commands to run."""
-    from edge.units import install_units
+    from edge.units import install_starter_config, install_units, reclaim_config_dir
 
     o = _options(edge, config, listen, unix_socket, socket_group, user)
     try:
@@ -56,6 +57,15 @@ def units_install(prefix: str = typer.Option("/", "--prefix", help="root to inst
         raise EdgeError(f"cannot write units under {prefix}: {exc.strerror} ({exc.filename})") from None
     for p in paths:
         typer.echo(f"wrote {p}")
+    cfg = Path(prefix) / o.config.lstrip("/")
+    try:
+        if reclaim_config_dir(cfg.parent):
+            typer.echo(f"gave {cfg.parent} back to root (an older unit had handed it to the service)")
+        written = install_starter_config(cfg)
+    except OSError as exc:
+        raise EdgeError(f"cannot write the starter config {cfg}: {exc.strerror}") from None
+    typer.echo(f"wrote {cfg} (starter config: the embedded default model)" if written
+               else f"kept {cfg} (already there)")
     ctl = "systemctl --user" if user else "systemctl"
     typer.echo(f"next:\n  {ctl} daemon-reload\n  {ctl} enable --now edge.socket edge.service\n"
                f"  (the service starts at boot so the model is warm before the first request)")

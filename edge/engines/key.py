@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.device import DeviceInfo
-from edge.errors import EngineError
+from edge.errors import EngineError, MissingDependency
 
 if TYPE_CHECKING:
     from edge.config import EngineConfig
@@ -128,7 +128,7 @@ def device_fields(backend: str, device: DeviceInfo) -> dict[str, Any]:
                 "cuda": device.cuda.split(".")[0] if device.cuda else None, "tensorrt": device.tensorrt}
     if backend == "onnxruntime":
         if not device.onnxruntime:
-            raise EngineError("ONNX Runtime is not installed: pip install onnxruntime")
+            raise MissingDependency("onnxruntime", "ort", "serving ONNX Runtime engines")
         return {"backend": backend, "target": f"cpu-{device.cpu_arch}", "onnxruntime": device.onnxruntime}
     raise EngineError(f"unknown engine backend {backend!r}: expected one of {list(BACKENDS)}")
 

@@ -42,7 +42,7 @@ def _crypto() -> Any:
     except ImportError:
         from edge.errors import MissingDependency
 
-        raise MissingDependency("cryptography", "default", "signing and verifying OTA bundles") from None
+        raise MissingDependency("cryptography", None, "signing and verifying OTA bundles") from None
     return serialization, ed25519
 
 

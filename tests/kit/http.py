@@ -30,7 +30,22 @@ def get(address: tuple[str, int], path: str, timeout: float = 60) -> tuple[int, 
     return call(address, "GET", path, None, timeout)
 
 
-def metric(address: tuple[str, int], name: str) -> float:
-    """One sample of the service's /metrics (Prometheus text), by its full name."""
+def metric(address: tuple[str, int], name: str, **labels: str) -> float:
+    """A sample of the service's /metrics by its full name, summed over the series whose labels
+    include `labels` (0 for a family with no series yet); KeyError for an unknown family."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     _, text = get(address, "/metrics")
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+    total, known = 0.0, False
+    for fam in text_string_to_metric_families(text):
+        if not name.startswith(fam.name):
+            continue
+        for s in fam.samples:
+            if s.name == name:
+                known = True
+                if all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        known = known or name in (fam.name, fam.name + "_total")
+    if not known:
+        raise KeyError(f"{name} is not in /metrics")
+    return total

@@ -1,0 +1,364 @@
+"""What one client may hold and send: connections, request heads, bodies, prompt sizes.
+
+Connection level (`ConnectionGuard`, over uvicorn's h11 protocol):
+- at most `server.max_connections` open connections: beyond that the listening socket is not
+  accepted on, so new connections wait in the kernel's listen backlog (bounded, served in order
+  as slots free) instead of exhausting file descriptors for everyone;
+- a request head must be complete within `header_timeout_s` of the connection's opening (on a
+  kept-alive connection: of the end of `keepalive_timeout_s` idle time), so idle or slowloris
+  connections are closed, never held forever.
+
+uvicorn's own `limit_concurrency` is not used: it answers 503 (plain text) only once a request
+has been read, so idle connections still take a file descriptor each, and it counts idle
+connections as load.
+
+Request level (`LimitsMiddleware`, plain ASGI around the app):
+- a body over `max_body_bytes` is a 413 as soon as that is known: from Content-Length before
+  anything is read, else while counting the streamed bytes;
+- a body not complete within `body_timeout_s` is a 408;
+- a JSON string holding a lone UTF-16 surrogate (`"\\ud800"`, which no backend can encode) is a
+  400 naming the field;
+- the app then gets the whole body at once; an exception escaping it is logged once, with its
+  traceback, and answered 500 (an internal failure, never one of the input checks above).
+
+`check_prompt_bytes` refuses a prompt that cannot fit the context before it is tokenized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import re
+import socket
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from edge.config import ServerConfig
+from edge.errors import RequestError
+
+__all__ = ["AcceptPaused", "ConnectionGuard", "GatedSocket", "LimitsMiddleware", "RequestLimits",
+           "check_prompt_bytes", "check_prompt_text", "connection_limit", "lone_surrogate_path",
+           "nofile_for"]
+
+log = logging.getLogger("edge")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+# -- connections ---------------------------------------------------------------------------------
+class AcceptPaused(OSError):
+    """Raised by `GatedSocket.accept()` at the connection limit. asyncio handles it as it handles
+    EMFILE: it stops reading the listening socket and tries again a second later, while the
+    connections wait in the kernel's backlog. Nothing is logged for it (`ConnectionGuard`)."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.EMFILE, "edge: connection limit reached")
+
+
+class GatedSocket(socket.socket):
+    """A listening socket that accepts only while fewer than `limit` accepted connections are
+    open (counted by their socket objects, which the transports close) and while `open`."""
+
+    def __init__(self, sock: socket.socket, limit: int) -> None:
+        super().__init__(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        self.limit = limit
+        self.open = True  # False: the drain stopped accepting for good
+        self.accepted: list[socket.socket] = []
+        self.saturated = False
+
+    def live(self) -> int:
+        self.accepted = [s for s in self.accepted if s.fileno() != -1]
+        return len(self.accepted)
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if not self.open:
+            raise AcceptPaused()
+        if len(self.accepted) >= self.limit and self.live() >= self.limit:
+            if not self.saturated:
+                log.warning("connection limit reached: %d open (server.max_connections); new "
+                            "connections wait in the listen backlog", self.limit)
+            self.saturated = True
+            raise AcceptPaused()
+        self.saturated = False
+        conn, addr = super().accept()
+        self.accepted.append(conn)
+        return conn, addr
+
+
+def _quiet_accept_pauses(loop: asyncio.AbstractEventLoop) -> None:
+    previous = loop.get_exception_handler()
+
+    def handler(lp: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if isinstance(context.get("exception"), AcceptPaused):
+            return
+        if previous is not None:
+            previous(lp, context)
+        else:
+            lp.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+class ConnectionGuard:
+    """The connection limit and the header timeout for one uvicorn server.
+
+    Reads uvicorn's h11 protocol objects (`cycle`, `transport`; pinned by tests/test_limits.py):
+    a connection is "waiting for a head" while it has no request cycle, or its last response
+    is complete. Swept every `tick` seconds, so a timeout fires up to one tick late."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.tick = min(max(min(cfg.header_timeout_s, cfg.keepalive_timeout_s) / 4, 0.05), 1.0)
+        self._since: dict[Any, tuple[Any, float]] = {}  # connection -> (phase key, first seen)
+        self.sockets: list[GatedSocket] = []
+
+    def gate(self, sockets: list[socket.socket], limit: int) -> list[socket.socket]:
+        _quiet_accept_pauses(asyncio.get_running_loop())
+        self.sockets = [GatedSocket(s, limit) for s in sockets]
+        return list(self.sockets)
+
+    def close_gates(self) -> None:
+        for s in self.sockets:
+            s.open = False
+
+    def head_limit(self, conn: Any) -> float | None:
+        """How long this connection may wait for a complete request head, or None (in a request)."""
+        cycle = getattr(conn, "cycle", None)
+        if cycle is None:
+            return self.cfg.header_timeout_s
+        if cycle.response_complete:
+            return self.cfg.keepalive_timeout_s + self.cfg.header_timeout_s
+        return None
+
+    def waited(self, conn: Any, now: float) -> float:
+        """Seconds this connection has been in its present phase (0 the first time it is seen)."""
+        key = (id(getattr(conn, "cycle", None)), self.head_limit(conn) is None)
+        seen = self._since.get(conn)
+        if seen is None or seen[0] != key:
+            self._since[conn] = (key, now)
+            return 0.0
+        return now - seen[1]
+
+    def sweep(self, connections: set[Any], now: float) -> None:
+        for conn in list(self._since):
+            if conn not in connections:
+                del self._since[conn]
+        for conn in list(connections):
+            limit = self.head_limit(conn)
+            waited = self.waited(conn, now)
+            if limit is not None and waited >= limit and not conn.transport.is_closing():
+                log.debug("closing a connection with no complete request head after %.1f s", waited)
+                conn.transport.close()
+
+    async def run(self, connections: set[Any]) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self.sweep(connections, loop.time())
+            await asyncio.sleep(self.tick)
+
+
+# -- requests ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestLimits:
+    max_body_bytes: int
+    body_timeout_s: float
+
+    @classmethod
+    def of(cls, cfg: ServerConfig) -> "RequestLimits":
+        return cls(cfg.max_body_bytes, cfg.body_timeout_s)
+
+
+class _Disconnected(Exception):
+    pass
+
+
+# A JSON \u escape of a UTF-16 surrogate (D800-DFFF); only bodies that have one are walked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class LimitsMiddleware:
+    """ASGI: body size and time limits, lone surrogates refused, and the last-resort catch-all."""
+
+    def __init__(self, app: ASGIApp, limits: RequestLimits) -> None:
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            body = await self._body(scope, receive)
+        except RequestError as exc:
+            await send_error(send, exc)
+            return
+        except _Disconnected:
+            return  # the client went away before its body arrived: nobody to answer
+        try:
+            await self.app(scope, _replay(body, receive), tracked)
+        except Exception:
+            log.exception("internal error answering %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await send_error(send, RequestError("internal error (logged by the service)",
+                                                    status=500, code="internal_error"))
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.limits.max_body_bytes
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            raise _too_large(declared, limit)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.body_timeout_s
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                raise RequestError(f"request body not complete after {self.limits.body_timeout_s:g} s "
+                                   f"(server.body_timeout_s): {size} bytes arrived", status=408,
+                                   code="request_timeout") from None
+            if message["type"] == "http.disconnect":
+                raise _Disconnected()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit, counted=True)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if _SURROGATE_ESCAPE.search(body):
+            _refuse_lone_surrogates(body)
+        return body
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # h11 has refused a malformed one already
+    return None
+
+
+def _too_large(size: int, limit: int, counted: bool = False) -> RequestError:
+    what = f"more than {limit} bytes arrived" if counted else f"Content-Length is {size} bytes"
+    return RequestError(f"request body too large: {what}; the limit is {limit} bytes "
+                        "(server.max_body_bytes)", status=413, code="request_too_large")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: only http.disconnect is left to come
+
+    return replay
+
+
+async def send_error(send: Send, exc: RequestError) -> None:
+    """The service's JSON error body ({"error": {...}}, as the app answers) for `exc`."""
+    body = json.dumps({"error": {"message": str(exc), "type": "invalid_request_error" if exc.status < 500
+                                 else "server_error", "param": exc.param, "code": exc.code}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if exc.status == 408:  # the rest of a slow body is not worth waiting for
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """The JSON path (`messages[0].content`) of the first string holding a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "<body>"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and lone_surrogate_path(key) is not None:
+            return f"{path}.{key!r}" if path else repr(key)
+        sub = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)
+        found = lone_surrogate_path(item, sub)
+        if found is not None:
+            return found
+    return None
+
+
+def _refuse_lone_surrogates(body: bytes) -> None:
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return  # not JSON: the route says so
+    path = lone_surrogate_path(value)
+    if path is not None:
+        raise RequestError(f"{path}: the string holds a lone UTF-16 surrogate (such as \\ud800), "
+                           "which is not valid Unicode text", param=path.split(".")[0].split("[")[0])
+
+
+def check_prompt_text(model: Any, texts: list[str], param: str) -> None:
+    """`check_prompt_bytes` for a loaded model (edge.llm.GGUFModel) and the texts of a request."""
+    n_bytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    check_prompt_bytes(n_bytes, model.n_ctx, model.info.max_token_bytes, param)
+
+
+def check_prompt_bytes(n_bytes: int, n_ctx: int, max_token_bytes: int | None, param: str) -> None:
+    """Refuse, before tokenizing, a prompt of `n_bytes` (UTF-8) that cannot fit `n_ctx` tokens:
+    no token of the vocabulary is longer than `max_token_bytes` (from the GGUF), so such a prompt
+    has more than n_ctx tokens whatever it says. Tokenizing it would hold the model's worker."""
+    per_token = max_token_bytes or 64
+    if n_bytes > n_ctx * per_token:
+        raise RequestError(f"{param} is {n_bytes} bytes: more than the context of {n_ctx} tokens can "
+                           f"hold (no token of this model is longer than {per_token} bytes)",
+                           param=param, code="context_length_exceeded")
+
+
+# -- file descriptors ----------------------------------------------------------------------------
+FD_RESERVE = 1024  # model and engine files, thread pools, eventfds, sd_notify, logs, /proc reads
+
+
+def nofile_for(max_connections: int) -> int:
+    """RLIMIT_NOFILE that `max_connections` open connections need (the unit's LimitNOFILE=)."""
+    return max_connections + FD_RESERVE
+
+
+def connection_limit(cfg: ServerConfig) -> int:
+    """`server.max_connections`, raising the soft RLIMIT_NOFILE to fit it (up to the hard one);
+    lowered, with a warning, where the hard limit cannot hold it."""
+    import resource
+
+    need = nofile_for(cfg.max_connections)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return cfg.max_connections
+    limit = max(1, soft - min(FD_RESERVE, soft // 4))
+    log.warning("server.max_connections = %d needs %d file descriptors, but RLIMIT_NOFILE is %d "
+                "(LimitNOFILE= of the unit): serving at most %d connections", cfg.max_connections,
+                need, soft, limit)
+    return limit
