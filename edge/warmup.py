@@ -104,21 +104,29 @@ class LoopbackHTTP:
         config.load()
         self._sock = socket.create_server(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
+        self._state = ServerState()
         factory = functools.partial(config.http_protocol_class, config=config,
-                                    server_state=ServerState(), app_state={})
+                                    server_state=self._state, app_state={})
         self._server = await asyncio.get_running_loop().create_server(factory, sock=self._sock)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self._server.close()
+        if self._state.tasks:
+            # A request still runs (the warm-up was cancelled by SIGTERM): it ends with its
+            # generation; cancelled by the loop's shutdown instead, uvicorn would log it as an
+            # ASGI application error.
+            await asyncio.wait(set(self._state.tasks))
         await self._server.wait_closed()
 
     async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
         """One request on its own connection: (status, body with chunked framing removed)."""
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-        writer.write(encode_request(method, path, body))
-        raw = await reader.read()
-        writer.close()
+        try:
+            writer.write(encode_request(method, path, body))
+            raw = await reader.read()
+        finally:
+            writer.close()
         return parse_response(raw)
 
 
