@@ -319,14 +319,16 @@ class ColdStart:
         """What to warm: models, then engines that ask for a warm-up. Each plan key needs the
         device identity, found on a thread while the first floor request runs."""
         from edge.warmplan import WarmTarget, engine_plan_key, model_plan_key
-        from edge.warmup import engine_candidates, model_candidates, model_floor
+        from edge.warmup import check_prompts, engine_candidates, model_candidates, model_floor
 
         cfg, state = self.config, loaded.state
         identity = asyncio.ensure_future(asyncio.to_thread(_device_and_build, bool(state.workers)))
 
-        async def model_key(model: Any) -> dict[str, Any]:
+        async def model_key(w: Any) -> dict[str, Any]:
+            lengths = await w.call(check_prompts, w.model, cfg.warmup)  # a prompt that cannot fit fails
             device, build = await identity
-            return model_plan_key(model, device, build)
+            return {**model_plan_key(w.model, device, build), "prompts": _digest(cfg.warmup.prompts),
+                    "prompt_tokens": lengths}
 
         async def engine_key(stored: Any) -> dict[str, Any]:
             device, _ = await identity
@@ -335,7 +337,7 @@ class ColdStart:
         targets = []
         for name, w in state.workers.items():
             make = functools.partial(w.call, model_candidates, w.model, cfg.warmup)
-            targets.append(WarmTarget("model", name, functools.partial(model_key, w.model),
+            targets.append(WarmTarget("model", name, functools.partial(model_key, w),
                                       model_floor(w.model, cfg.warmup), make, w.call))
         for name, eng in state.engines.items():
             if next(e for e in cfg.engines if e.name == name).warmup:
@@ -368,6 +370,13 @@ def _device_and_build(llama: bool) -> tuple[Any, str | None]:
     from edge.llama_gpu import llama_build
 
     return detect(), (llama_build() if llama else None)
+
+
+def _digest(prompts: list[str]) -> str:
+    """The workload prompts in a plan key: new prompts are new candidates."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
 
 
 async def _ready(value: Any) -> Any:

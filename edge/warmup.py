@@ -30,8 +30,8 @@ from edge.httpwire import encode_request, parse_response
 if TYPE_CHECKING:
     from edge.llm import GGUFModel
 
-__all__ = ["Candidate", "KeepRule", "LoopbackHTTP", "WarmupStep", "WarmupError", "calibrate", "engine_candidates",
-           "model_candidates", "model_floor", "run_step", "run_steps"]
+__all__ = ["Candidate", "KeepRule", "LoopbackHTTP", "WarmupStep", "WarmupError", "calibrate", "check_prompts",
+           "engine_candidates", "model_candidates", "model_floor", "run_step", "run_steps"]
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # Prompt texts are cut from this passage, each starting at a different word, so that no prompt
@@ -235,14 +235,24 @@ def model_candidates(model: GGUFModel, cfg: WarmupConfig) -> list[Candidate]:
     if cfg.chat and (model.cfg.chat_template or model.info.chat_template):
         steps += [pair("chat", CHAT, 8, min(4, decode)), pair("chat_stream", CHAT, 8, min(4, decode), True)]
     sized: list[tuple[int, Candidate]] = []
-    for i, p in enumerate(cfg.prompts):
-        n = len(model.tokenize_prompt(p))
-        if n <= fits:
-            sized.append((n, pair(f"prompt_{i}", COMPLETIONS, n, decode, first=p)))
+    for i, n in enumerate(check_prompts(model, cfg)):
+        sized.append((n, pair(f"prompt_{i}", COMPLETIONS, n, decode, first=cfg.prompts[i])))
     for n in sorted(set(_prompt_lengths(model, cfg))):
         if 3 <= n <= fits:
             sized.append((n, pair(f"len{n}", COMPLETIONS, n, 1)))
     return steps + [s for _, s in sorted(sized, key=lambda x: x[0])]
+
+
+def check_prompts(model: GGUFModel, cfg: WarmupConfig) -> list[int]:
+    """Each workload prompt's length in tokens; WarmupError when one cannot be served with
+    decode_tokens in the model's context (whatever the plan: the config is wrong)."""
+    decode = min(cfg.decode_tokens, max(1, model.n_ctx // 4))
+    lengths = [len(model.tokenize_prompt(p)) for p in cfg.prompts]
+    for i, n in enumerate(lengths):
+        if n + decode > model.n_ctx:
+            raise WarmupError(f"warm-up: [warmup] prompts[{i}] is {n} tokens; with {decode} to generate "
+                              f"that is more than the context of model {model.cfg.name!r} ({model.n_ctx} tokens)")
+    return lengths
 
 
 def _prompt_lengths(model: GGUFModel, cfg: WarmupConfig) -> list[int]:

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import EDGE, write_config
 from edge.config import parse_config
-from edge.errors import ConfigError
+from edge.errors import ConfigError, WarmupError
 from edge.start import ColdStart, Loaded
 
 DELAY_S = 1.5  # the double's first-use cost
@@ -129,6 +129,17 @@ def test_a_changed_key_recalibrates_and_says_why(config: Path, tiny_gguf: Path) 
     assert plan["plan"] == "calibrated" and "n_ctx 256 → 320" in plan["why"]
     assert len(double.prompts) > 2 * len(plan["candidates"]) - 1  # every candidate twice (budget is ample)
     assert json.loads(plan_file(config).read_text())["key"]["n_ctx"] == 320
+
+
+def test_new_workload_prompts_recalibrate_and_one_that_cannot_fit_fails(config: Path, tiny_gguf: Path) -> None:
+    rehearse(config)
+    write_config(config, tiny_gguf, extra_model=TINY, extra=CALIBRATION + 'prompts = ["the world"]\n')
+    report, _ = rehearse(config)
+    assert plan_of(report)["plan"] == "calibrated" and "prompts" in plan_of(report)["why"]
+    assert "prompt_0" in rows(report)
+    write_config(config, tiny_gguf, extra_model=TINY, extra=CALIBRATION + f'prompts = ["{"word " * 300}"]\n')
+    with pytest.raises(WarmupError, match=r"prompts\[0\] is \d+ tokens.*context of model 'tiny' \(256 tokens\)"):
+        rehearse(config)
 
 
 def test_edge_warmup_calibrate_measures_anew(config: Path) -> None:
