@@ -62,6 +62,7 @@ class ServerConfig:
     drain_timeout_s: float = field(default=30.0, metadata=_range(0, 3600))
     max_queue: int = field(default=64, metadata=_range(1, 100000))
     log_level: str = "info"
+    reload: str = "auto"  # auto | overlap | sequential: how a reload makes room (README "Reload")
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class Config:
 
 
 MODEL_KINDS = ("gguf",)
+RELOAD_MODES = ("auto", "overlap", "sequential")
 
 
 def default_config() -> Config:
@@ -208,6 +210,9 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
             path = str((base_dir / path).resolve())  # relative paths are relative to the config file
         resolved.append(dataclasses.replace(m, path=path))
     object.__setattr__(cfg, "models", resolved)
+    if cfg.server.reload not in RELOAD_MODES:
+        raise ConfigError(source, "server.reload", f"expected one of {list(RELOAD_MODES)}, "
+                          f"found {cfg.server.reload!r}")
     mode = cfg.server.unix_socket_mode
     if not (mode.isdigit() and set(mode) <= set("01234567") and len(mode) <= 4):
         raise ConfigError(source, "server.unix_socket_mode", f"expected an octal mode such as \"0660\", found {mode!r}")

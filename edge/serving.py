@@ -1,5 +1,6 @@
 """HTTP lifecycle: listening sockets, the uvicorn server on sockets bound by someone else,
-READY=1 once they are accepted on, the watchdog, and the drain after SIGTERM.
+READY=1 once they are accepted on, the watchdog, the drain after SIGTERM, and the `Dispatcher`
+that routes every request to the loaded set that is current when it arrives (a reload's switch).
 
 Nothing here imports uvicorn at module level: `bind_sockets` runs before the HTTP stack is
 imported (connections made during the start wait in the kernel's backlog), and `build_server`
@@ -20,10 +21,10 @@ from edge.errors import EdgeError
 from edge.systemd import Notifier, watchdog_interval_s
 
 if TYPE_CHECKING:
-    from edge.app import ServiceState
+    from edge.start import Loaded
 
-__all__ = ["bind_sockets", "describe_socket", "build_server", "serve_http", "ACCEPT_GRACE_MIN_S",
-           "ACCEPT_GRACE_MAX_S"]
+__all__ = ["bind_sockets", "describe_socket", "build_server", "serve_http", "Dispatcher", "Route",
+           "ACCEPT_GRACE_MIN_S", "ACCEPT_GRACE_MAX_S"]
 
 # After SIGTERM: how long accepted connections get to have their request read (at least, at most).
 ACCEPT_GRACE_MIN_S = 0.1
@@ -64,19 +65,98 @@ def describe_socket(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if sock.family == socket.AF_INET6 else f"{host}:{port}"
 
 
+class Route:
+    """One loaded set behind the dispatcher and the requests it is answering right now."""
+
+    def __init__(self, loaded: Loaded) -> None:
+        self.loaded = loaded
+        self.active = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def drained(self, timeout: float | None) -> bool:
+        """Wait until no request (stream included) is in this set any more; False on timeout."""
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+
+class Dispatcher:
+    """The ASGI app uvicorn serves: each request (each one of a keep-alive connection too) goes
+    to the set that is current when it arrives and stays there until its response (or stream)
+    ends. `switch()` is one reference swap; `hold()` parks new requests while a sequential reload
+    has no set to offer, and `switch()` releases them."""
+
+    def __init__(self, loaded: Loaded) -> None:
+        self.route = Route(loaded)
+        self._held: asyncio.Event | None = None
+        self._stopping = False
+
+    @property
+    def loaded(self) -> Loaded:
+        return self.route.loaded
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        self._stopping = value
+        self.route.loaded.state.stopping = value
+
+    def hold(self) -> None:
+        self._held = asyncio.Event()
+
+    def switch(self, loaded: Loaded) -> Route:
+        """Make `loaded` current (and ready); the previous route, to drain."""
+        loaded.state.ready, loaded.state.stopping = True, self._stopping
+        old, self.route = self.route, Route(loaded)
+        if self._held is not None:
+            self._held.set()
+            self._held = None
+        return old
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self._held is not None:
+            if scope.get("path") in ("/healthz", "/readyz"):
+                return await _answer_while_held(scope, send)
+            await self._held.wait()
+        route = self.route
+        route.active += 1
+        route.idle.clear()
+        try:
+            await route.loaded.app(scope, receive, send)
+        finally:
+            route.active -= 1
+            if route.active == 0:
+                route.idle.set()
+
+
+async def _answer_while_held(scope: dict[str, Any], send: Any) -> None:
+    # A sequential reload: alive, but not ready (clients wait, health checks must not).
+    ready = scope["path"] == "/readyz"
+    body = b'{"status": "reloading"}' if ready else b'{"status": "alive"}'
+    await send({"type": "http.response.start", "status": 503 if ready else 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class Drain:
     """SIGTERM/SIGINT while serving: stop accepting, let every accepted connection have its
     request read, then let uvicorn finish the in-flight requests (drain_timeout_s) and exit 0."""
 
-    def __init__(self, state: ServiceState, notifier: Notifier, loop: asyncio.AbstractEventLoop) -> None:
-        self.state, self.notifier, self.loop = state, notifier, loop
+    def __init__(self, dispatcher: Dispatcher, notifier: Notifier, loop: asyncio.AbstractEventLoop) -> None:
+        self.dispatcher, self.notifier, self.loop = dispatcher, notifier, loop
 
     def on_signal(self, server: Any) -> None:
-        if server.should_exit or self.state.stopping:
+        if server.should_exit or self.dispatcher.stopping:
             server.force_exit = True  # a second signal: stop waiting for in-flight requests
             server.should_exit = True
             return
-        self.state.stopping = True
+        self.dispatcher.stopping = True
         self.notifier.stopping()
         self.loop.call_soon_threadsafe(self._stop_accepting, server)
 
@@ -102,11 +182,11 @@ class Drain:
             self.loop.call_later(0.05, self._exit_when_no_request_pending, server, deadline)
 
 
-def build_server(app: Any, state: ServiceState, cfg: ServerConfig, notifier: Notifier) -> Any:
+def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier) -> Any:
     """The uvicorn server, loaded (protocol modules imported) before READY, not on first accept."""
     import uvicorn
 
-    drain = Drain(state, notifier, asyncio.get_running_loop())
+    drain = Drain(dispatcher, notifier, asyncio.get_running_loop())
 
     class Server(uvicorn.Server):
         # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would make a
@@ -114,7 +194,7 @@ def build_server(app: Any, state: ServiceState, cfg: ServerConfig, notifier: Not
         def handle_exit(self, sig: int, frame: Any) -> None:
             drain.on_signal(self)
 
-    config = uvicorn.Config(app, loop="asyncio", lifespan="off", access_log=False, log_config=None,
+    config = uvicorn.Config(dispatcher, loop="asyncio", lifespan="off", access_log=False, log_config=None,
                             log_level="warning", timeout_keep_alive=5,
                             timeout_graceful_shutdown=int(cfg.drain_timeout_s) or None)
     config.load()
