@@ -85,6 +85,7 @@ class Loaded:
     warmup: list[dict[str, Any]] = field(default_factory=list)
     keys: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # name -> what makes it the same
     kept: list[str] = field(default_factory=list)  # workers taken over from the previous set
+    closed: set[str] = field(default_factory=set)
 
     @property
     def names(self) -> list[str]:
@@ -98,8 +99,12 @@ class Loaded:
         shared = {id(w) for w in keep.workers().values()} if keep else set()
         freed = []
         for name, worker in self.workers().items():
-            if id(worker) not in shared:
-                worker.close()
+            if id(worker) not in shared and name not in self.closed:
+                worker.close()  # waits for the job on its thread, if any
+                llama = getattr(getattr(worker, "model", None), "llama", None)
+                if hasattr(llama, "close"):
+                    llama.close()  # the context and the mapping now, not whenever GC gets to it
+                self.closed.add(name)
                 freed.append(name)
         return freed
 
@@ -108,8 +113,8 @@ class Loaded:
         state = dataclasses.replace(
             self.state, workers={n: w for n, w in self.state.workers.items() if n in names},
             engines={n: e for n, e in self.state.engines.items() if n in names})
-        return Loaded(None, state, [i for i in self.infos if i["name"] in names],
-                      keys={n: k for n, k in self.keys.items() if n in names})
+        return Loaded(None, state, [i for n, i in zip(self.names, self.infos) if n in names],
+                      keys={n: k for n, k in self.keys.items() if n in names}, closed=self.closed)
 
 
 @dataclass
@@ -245,7 +250,7 @@ class ColdStart:
                 w.max_queue = self.config.server.max_queue
         new = {**loaded_workers, **engines}
         pick = {**plan.kept, **new}
-        by_name = {i["name"]: i for i in infos + engine_infos}
+        by_name = {**dict(zip(loaded_workers, infos)), **dict(zip(engines, engine_infos))}
         by_name.update({n: {**i, "kept": True} for n, i in plan.kept_infos.items()})
         state = ServiceState(workers={m.name: pick[m.name] for m in self.config.models},
                              engines={e.name: pick[e.name] for e in self.config.engines})
@@ -284,7 +289,7 @@ class ColdStart:
             else:
                 plan.engines.append(e)
         if previous:
-            plan.kept_infos = {i["name"]: i for i in previous.infos if i["name"] in plan.kept}
+            plan.kept_infos = {n: i for n, i in zip(previous.names, previous.infos) if n in plan.kept}
         return plan
 
     def import_backends(self, plan: LoadPlan) -> None:
