@@ -19,6 +19,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import signal
 import socket
 import time
@@ -61,6 +62,7 @@ class Reloader:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.AbstractServer | None = None
         self._path: Path | None = None
+        self._making: asyncio.Task[Any] | None = None  # the reload now loading/warming, if any
 
     # -- triggers ----------------------------------------------------------------------------
     async def __aenter__(self) -> "Reloader":
@@ -85,8 +87,10 @@ class Reloader:
             self._server.close()
             if self._path is not None:
                 self._path.unlink(missing_ok=True)
+        if self._making is not None:  # stopping: a set that never served is not worth waiting for
+            self._making.cancel()
         for task in list(self._tasks):
-            await asyncio.gather(task, return_exceptions=True)  # a reload in flight finishes or fails
+            await asyncio.gather(task, return_exceptions=True)  # drains end (nothing is served now)
 
     def _spawn(self, config: str | None, timeout: float | None) -> None:
         task = asyncio.get_running_loop().create_task(self.reload(config, timeout))
@@ -125,14 +129,20 @@ class Reloader:
             if self.dispatcher.stopping:
                 return _failed(EdgeError("the service is stopping: no reload"))
             run = _Run(self, config if config is not None else self.start.config_path)
+            self._making = asyncio.current_task()
             try:
                 new = await asyncio.wait_for(run.make(), None if end is None else max(0.0, end - loop.time()))
+                if self.dispatcher.stopping:  # SIGTERM came during the load: nothing more to say
+                    await asyncio.to_thread(new.close, run.old)
+                    return _failed(EdgeError("the service began stopping during the reload"))
             except asyncio.TimeoutError:
                 return await run.failed(EdgeError(f"the reload did not finish within {timeout} s (--timeout)"))
             except EdgeError as exc:
                 return await run.failed(exc)
             except Exception as exc:  # never let a reload take the serving set down
                 return await run.failed(EdgeError(f"internal error: {type(exc).__name__}: {exc}"))
+            finally:
+                self._making = None
             old = run.switch(new)
             task = loop.create_task(self._drain_then_release(run, old, new))
             self._tasks.add(task)
@@ -184,11 +194,29 @@ class _Run:
             await self._clear_room(plan)
         new = await self._load(plan)
         try:
-            await cs.warm(new)
+            await self._warm(new)
         except BaseException:
             await asyncio.to_thread(new.close, self.old)
             raise
         return new
+
+    async def _warm(self, new: Loaded) -> None:
+        """The start's warm-up. Overlapping, the new models run it on half the CPU threads, so
+        that the serving set keeps most of the cores (ggml's threads spin at their barriers: two
+        full pools on few cores slow both); every thread count is back before the switch."""
+        quiet = self.decision is not None and self.decision.mode == "overlap"
+        fresh = [w for n, w in new.state.workers.items() if n not in new.kept]
+        threads = max(1, (os.cpu_count() or 1) // 2)
+        if quiet:
+            self.extra["warmup_threads"] = threads
+            for w in fresh:
+                await w.call(_set_threads, w.model, threads)
+        try:
+            await self.cs.warm(new)
+        finally:
+            if quiet:
+                for w in fresh:
+                    await w.call(_set_threads, w.model, None)
 
     async def _clear_room(self, plan: LoadPlan) -> None:
         """Sequential: park new requests in the dispatcher, let the old set finish what it has,
@@ -250,7 +278,8 @@ class _Run:
             await self._roll_back()
         if self.r.fatal is None:
             self._write()
-            self.r.start.notifier.send(f"READY=1\nSTATUS=reload failed: {exc}")
+            if not self.r.dispatcher.stopping:  # after STOPPING=1, no READY=1
+                self.r.start.notifier.send(f"READY=1\nSTATUS=reload failed: {exc}")
         return {**_failed(exc), "report": self.summary()}
 
     async def _roll_back(self) -> None:
@@ -297,6 +326,14 @@ def _guard(cfg: Config, plan: LoadPlan, old: Loaded) -> Decision:
     return decide(cfg.server.reload, need, reading)
 
 
+def _set_threads(model: Any, n: int | None) -> None:
+    """On the model's worker thread: n threads for decode and batch, or (None) its own counts."""
+    import llama_cpp
+
+    cp = model.llama.context_params
+    llama_cpp.llama_set_n_threads(model.llama._ctx.ctx, n or cp.n_threads, n or cp.n_threads_batch)
+
+
 def _collect() -> None:
     # The start froze what lived at READY (gc.freeze): unfreeze so the old set can be collected.
     gc.unfreeze()
@@ -316,8 +353,6 @@ def _bind_private(path: Path) -> socket.socket:
         path.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        import os
-
         os.fchmod(sock.fileno(), 0o600)
         sock.bind(str(path))
         os.chmod(path, 0o600)

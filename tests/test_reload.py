@@ -239,6 +239,14 @@ def test_memory_guard_over_the_limit_reloads_sequentially(tmp_path: Path, models
     assert report["freed"] == ["tiny"]  # freed before the new one was loaded, "keep" was kept
     phases = [p["name"] for p in report["phases"]]
     assert phases.index("drain_old") < phases.index("model_load")
+
+    # A sequential reload that fails after the old set was freed loads that set again.
+    warm_fail = write_config(tmp_path / "warm.toml", models["a"], extra_model='chat_template = "{{ nope() }}"')
+    r = edge_reload(warm_fail)
+    assert r.returncode == 70 and "warm-up step 'chat'" in r.stderr, r.stderr
+    assert answer(pid1.address) == new
+    report = last_reload(cfg_a)
+    assert report["rolled_back"] is True and report["mode"] == "sequential" and report["error"]
     assert pid1.stop() == 0
 
 
