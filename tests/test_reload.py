@@ -169,6 +169,10 @@ def test_reload_under_load_switches_every_client_exactly_once(tmp_path: Path, mo
     assert [p["detail"].get("model") for p in report["phases"] if p["name"] == "warmup"] == ["tiny"]
     status = subprocess.run([*EDGE, "status", "--config", str(cfg_a)], capture_output=True, text=True, timeout=60)
     assert "last reload:" in status.stdout and "kept: keep   loaded: tiny" in status.stdout, status.stdout
+    as_json = subprocess.run([*EDGE, "status", "--json", "--config", str(cfg_a)], capture_output=True,
+                             text=True, timeout=60)
+    shown = json.loads(as_json.stdout)
+    assert shown["pid"] == shown["last_reload"]["pid"] == pid1.proc.pid and shown["last_reload"]["kept"] == ["keep"]
     assert pid1.stop() == 0
     assert not control.exists()
 
