@@ -241,6 +241,10 @@ class _Run:
             raise
 
     def switch(self, new: Loaded) -> Route:
+        for name in new.kept:  # a kept model takes the new queue bound once it is the new set's
+            worker = new.state.workers.get(name)
+            if worker is not None:
+                worker.max_queue = self.cs.config.server.max_queue
         at = self.timer.now()
         old = self.r.dispatcher.switch(new)
         self.timer.add(Phases.SWITCH, at, at)

@@ -245,9 +245,6 @@ class ColdStart:
         from edge.engines.serve import load_engines
 
         engines, engine_infos = load_engines(dataclasses.replace(self.config, engines=plan.engines), self.timer)
-        for w in plan.kept.values():
-            if hasattr(w, "max_queue"):
-                w.max_queue = self.config.server.max_queue
         new = {**loaded_workers, **engines}
         pick = {**plan.kept, **new}
         by_name = {**dict(zip(loaded_workers, infos)), **dict(zip(engines, engine_infos))}
