@@ -201,22 +201,28 @@ class _Run:
         return new
 
     async def _warm(self, new: Loaded) -> None:
-        """The start's warm-up. Overlapping, the new models run it on half the CPU threads, so
-        that the serving set keeps most of the cores (ggml's threads spin at their barriers: two
-        full pools on few cores slow both); every thread count is back before the switch."""
-        quiet = self.decision is not None and self.decision.mode == "overlap"
+        """The start's warm-up. Overlapping, the cores are split for its duration: the new models
+        warm up on a quarter of them (at least one), the serving ones run on the rest, and every
+        thread count is back before the switch. ggml's threads spin at their barriers, so two
+        full thread pools on the same few cores slow serving far more than their share."""
+        if self.decision is None or self.decision.mode != "overlap":
+            return await self.cs.warm(new)
+        cores = os.cpu_count() or 1
+        warm_n = max(1, cores // 4)
         fresh = [w for n, w in new.state.workers.items() if n not in new.kept]
-        threads = max(1, (os.cpu_count() or 1) // 2)
-        if quiet:
-            self.extra["warmup_threads"] = threads
-            for w in fresh:
-                await w.call(_set_threads, w.model, threads)
+        serving = list(self.old.state.workers.values())
+        self.extra["warmup_threads"] = warm_n
+        self.extra["serving_threads_while_warming"] = max(1, cores - warm_n)
+        # queued behind the serving requests on each worker's thread; not waited for here
+        split = [asyncio.ensure_future(w.call(_set_threads, w.model, max(1, cores - warm_n))) for w in serving]
         try:
+            for w in fresh:
+                await w.call(_set_threads, w.model, warm_n)
             await self.cs.warm(new)
         finally:
-            if quiet:
-                for w in fresh:
-                    await w.call(_set_threads, w.model, None)
+            await asyncio.gather(*split, return_exceptions=True)
+            await asyncio.gather(*(w.call(_set_threads, w.model, None) for w in fresh + serving),
+                                 return_exceptions=True)
 
     async def _clear_room(self, plan: LoadPlan) -> None:
         """Sequential: park new requests in the dispatcher, let the old set finish what it has,
@@ -331,11 +337,12 @@ def _guard(cfg: Config, plan: LoadPlan, old: Loaded) -> Decision:
 
 
 def _set_threads(model: Any, n: int | None) -> None:
-    """On the model's worker thread: n threads for decode and batch, or (None) its own counts."""
+    """On the model's worker thread: at most n threads for decode and batch, or (None) its own."""
     import llama_cpp
 
     cp = model.llama.context_params
-    llama_cpp.llama_set_n_threads(model.llama._ctx.ctx, n or cp.n_threads, n or cp.n_threads_batch)
+    llama_cpp.llama_set_n_threads(model.llama._ctx.ctx, min(n or cp.n_threads, cp.n_threads),
+                                  min(n or cp.n_threads_batch, cp.n_threads_batch))
 
 
 def _collect() -> None:
