@@ -79,6 +79,7 @@ class ServerConfig:
     body_timeout_s: float = field(default=30.0, metadata=_range(0.1, 3600))
     keepalive_timeout_s: float = field(default=5.0, metadata=_range(0.1, 3600))
     max_body_bytes: int = field(default=8 << 20, metadata=_range(1024, 1 << 31))
+    reload: str = "auto"  # auto | overlap | sequential: how a reload makes room (README "Reload")
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ class Config:
 
 
 MODEL_KINDS = ("gguf",)
+RELOAD_MODES = ("auto", "overlap", "sequential")
 
 
 def default_config() -> Config:
@@ -246,6 +248,9 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
     if not cfg.server.host.strip():
         raise ConfigError(source, "server.host", "expected an address such as \"127.0.0.1\", found an "
                           "empty string (which would listen on every interface)")
+    if cfg.server.reload not in RELOAD_MODES:
+        raise ConfigError(source, "server.reload", f"expected one of {list(RELOAD_MODES)}, "
+                          f"found {cfg.server.reload!r}")
     mode = cfg.server.unix_socket_mode
     if not (mode.isdigit() and set(mode) <= set("01234567") and len(mode) <= 4):
         raise ConfigError(source, "server.unix_socket_mode", f"expected an octal mode such as \"0660\", found {mode!r}")

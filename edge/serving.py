@@ -1,5 +1,6 @@
 """HTTP lifecycle: listening sockets, the uvicorn server on sockets bound by someone else,
-READY=1 once they are accepted on, the watchdog, and the drain after SIGTERM.
+READY=1 once they are accepted on, the watchdog, the drain after SIGTERM, and the `Dispatcher`
+that routes every request to the loaded set that is current when it arrives (a reload's switch).
 
 Nothing here imports uvicorn at module level: `bind_sockets` runs before the HTTP stack is
 imported (connections made during the start wait in the kernel's backlog), and `build_server`
@@ -25,10 +26,10 @@ from edge.limits import ConnectionGuard, LimitsMiddleware, RequestLimits, connec
 from edge.systemd import Notifier, watchdog_interval_s
 
 if TYPE_CHECKING:
-    from edge.app import ServiceState
+    from edge.start import Loaded
 
-__all__ = ["bind_sockets", "describe_socket", "build_server", "listen_backlog", "serve_http",
-           "ACCEPT_GRACE_MIN_S", "ACCEPT_GRACE_MAX_S", "DRAIN_IDLE_S"]
+__all__ = ["bind_sockets", "describe_socket", "build_server", "listen_backlog", "serve_http", "Dispatcher",
+           "Route", "ACCEPT_GRACE_MIN_S", "ACCEPT_GRACE_MAX_S", "DRAIN_IDLE_S"]
 
 # After SIGTERM: how long accepted connections get to have their request read (at least, at most),
 # and how long an idle keep-alive connection gets to carry one more request.
@@ -71,6 +72,85 @@ def describe_socket(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if sock.family == socket.AF_INET6 else f"{host}:{port}"
 
 
+class Route:
+    """One loaded set behind the dispatcher and the requests it is answering right now."""
+
+    def __init__(self, loaded: Loaded) -> None:
+        self.loaded = loaded
+        self.active = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def drained(self, timeout: float | None) -> bool:
+        """Wait until no request (stream included) is in this set any more; False on timeout."""
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+
+class Dispatcher:
+    """The ASGI app uvicorn serves: each request (each one of a keep-alive connection too) goes
+    to the set that is current when it arrives and stays there until its response (or stream)
+    ends. `switch()` is one reference swap; `hold()` parks new requests while a sequential reload
+    has no set to offer, and `switch()` releases them."""
+
+    def __init__(self, loaded: Loaded) -> None:
+        self.route = Route(loaded)
+        self._held: asyncio.Event | None = None
+        self._stopping = False
+
+    @property
+    def loaded(self) -> Loaded:
+        return self.route.loaded
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        self._stopping = value
+        self.route.loaded.state.stopping = value
+
+    def hold(self) -> None:
+        self._held = asyncio.Event()
+
+    def switch(self, loaded: Loaded) -> Route:
+        """Make `loaded` current (and ready); the previous route, to drain."""
+        loaded.state.ready, loaded.state.stopping = True, self._stopping
+        old, self.route = self.route, Route(loaded)
+        if self._held is not None:
+            self._held.set()
+            self._held = None
+        return old
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self._held is not None:
+            if scope.get("path") in ("/healthz", "/readyz"):
+                return await _answer_while_held(scope, send)
+            await self._held.wait()
+        route = self.route
+        route.active += 1
+        route.idle.clear()
+        try:
+            await route.loaded.app(scope, receive, send)
+        finally:
+            route.active -= 1
+            if route.active == 0:
+                route.idle.set()
+
+
+async def _answer_while_held(scope: dict[str, Any], send: Any) -> None:
+    # A sequential reload: alive, but not ready (clients wait, health checks must not).
+    ready = scope["path"] == "/readyz"
+    body = b'{"status": "reloading"}' if ready else b'{"status": "alive"}'
+    await send({"type": "http.response.start", "status": 503 if ready else 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class Drain:
     """SIGTERM/SIGINT while serving: stop accepting (what waits in the backlog stays there for
     the next process), then let every connection finish without a client seeing a reset:
@@ -86,18 +166,18 @@ class Drain:
     whose accept() ran but whose transport is not made yet; so the drain waits until no
     connection is left (or drain_timeout_s), and only then lets uvicorn shut down."""
 
-    def __init__(self, state: ServiceState, notifier: Notifier, loop: asyncio.AbstractEventLoop,
+    def __init__(self, dispatcher: Dispatcher, notifier: Notifier, loop: asyncio.AbstractEventLoop,
                  guard: ConnectionGuard, timeout_s: float) -> None:
-        self.state, self.notifier, self.loop, self.guard = state, notifier, loop, guard
+        self.dispatcher, self.notifier, self.loop, self.guard = dispatcher, notifier, loop, guard
         self.timeout_s = timeout_s
         self.stopped_at = 0.0
 
     def on_signal(self, server: Any) -> None:
-        if server.should_exit or self.state.stopping:
+        if server.should_exit or self.dispatcher.stopping:
             server.force_exit = True  # a second signal: stop waiting for in-flight requests
             server.should_exit = True
             return
-        self.state.stopping = True
+        self.dispatcher.stopping = True
         self.notifier.stopping()
         self.loop.call_soon_threadsafe(self._stop_accepting, server)
 
@@ -147,12 +227,12 @@ def _request_arriving(conn: Any) -> bool:
     return waiting > 0
 
 
-def _close_when_draining(app: Any, state: ServiceState) -> Any:
+def _close_when_draining(app: Any, dispatcher: Dispatcher) -> Any:
     """ASGI: once the drain began, every response tells its client not to reuse the connection."""
 
     async def wrapped(scope: Any, receive: Any, send: Any) -> None:
         async def send_closing(message: Any) -> None:
-            if message["type"] == "http.response.start" and state.stopping:
+            if message["type"] == "http.response.start" and dispatcher.stopping:
                 headers = [h for h in message.get("headers", []) if h[0].lower() != b"connection"]
                 message = {**message, "headers": [*headers, (b"connection", b"close")]}
             await send(message)
@@ -183,13 +263,13 @@ def listen_backlog(sock: socket.socket) -> int:
 _TCP_LISTEN = 10
 
 
-def build_server(app: Any, state: ServiceState, cfg: ServerConfig, notifier: Notifier) -> Any:
+def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier) -> Any:
     """The uvicorn server, loaded (protocol modules imported) before READY, not on first accept;
-    the app wrapped in the request limits and the drain's `Connection: close`."""
+    the dispatcher wrapped in the request limits and the drain's `Connection: close`."""
     import uvicorn
 
     guard = ConnectionGuard(cfg)
-    drain = Drain(state, notifier, asyncio.get_running_loop(), guard, cfg.drain_timeout_s)
+    drain = Drain(dispatcher, notifier, asyncio.get_running_loop(), guard, cfg.drain_timeout_s)
 
     class Server(uvicorn.Server):
         # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would make a
@@ -197,7 +277,7 @@ def build_server(app: Any, state: ServiceState, cfg: ServerConfig, notifier: Not
         def handle_exit(self, sig: int, frame: Any) -> None:
             drain.on_signal(self)
 
-    wrapped = _close_when_draining(LimitsMiddleware(app, RequestLimits.of(cfg)), state)
+    wrapped = _close_when_draining(LimitsMiddleware(dispatcher, RequestLimits.of(cfg)), dispatcher)
     # h11: ConnectionGuard and Drain read its protocol objects. The drain has waited for the
     # in-flight requests already when uvicorn's graceful shutdown begins: 1 s is its last word.
     config = uvicorn.Config(wrapped, loop="asyncio", http="h11", lifespan="off", access_log=False,

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import gc
 import importlib
 import json
 import logging
+import os
 import signal
 import socket
 import time
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edge.config import Config, cache_dir, check_writable, find_config, load_config, state_dir
+from edge.config import Config, EngineConfig, ModelConfig, cache_dir, check_writable, find_config, load_config, state_dir
 from edge.errors import StoppedDuringStart, require
 from edge.mlock import enforce
 from edge.systemd import Notifier, listen_sockets, setup_logging
@@ -41,10 +43,11 @@ from edge.timing import StartTimer, write_report
 if TYPE_CHECKING:
     from edge.app import ServiceState
     from edge.gguf import GGUFInfo
+    from edge.metrics import Metrics
     from edge.modelfile import ModelFile
     from edge.worker import ModelWorker
 
-__all__ = ["ColdStart", "Loaded", "Phases"]
+__all__ = ["ColdStart", "Loaded", "LoadPlan", "Phases", "model_key"]
 
 log = logging.getLogger("edge")
 
@@ -70,6 +73,11 @@ class Phases:
     WARMUP = "warmup"
     HTTP_SETUP = "http_setup"
     READY = "ready"
+    # a reload (edge.reload) adds these to the load-and-warm phases above
+    MEMORY_GUARD = "memory_guard"
+    DRAIN_OLD = "drain_old"  # sequential: the old set drains and is freed before the load
+    SWITCH = "switch"
+    DRAIN = "drain"
 
 
 @dataclass
@@ -81,14 +89,60 @@ class Loaded:
     infos: list[dict[str, Any]]
     warmup: list[dict[str, Any]] = field(default_factory=list)
     plans: list[dict[str, Any]] = field(default_factory=list)  # per model/engine: plan, candidates
+    keys: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # name -> what makes it the same
+    kept: list[str] = field(default_factory=list)  # workers taken over from the previous set
+    closed: set[str] = field(default_factory=set)
 
     @property
     def names(self) -> list[str]:
         return [*self.state.workers, *self.state.engines]
 
-    def close(self) -> None:
-        for worker in [*self.state.workers.values(), *self.state.engines.values()]:
-            worker.close()
+    def workers(self) -> dict[str, Any]:
+        return {**self.state.workers, **self.state.engines}
+
+    def close(self, keep: Loaded | None = None) -> list[str]:
+        """Close every worker that `keep` (the set taking over) does not share; their names."""
+        shared = {id(w) for w in keep.workers().values()} if keep else set()
+        freed = []
+        for name, worker in self.workers().items():
+            if id(worker) not in shared and name not in self.closed:
+                worker.close()  # waits for the job on its thread, if any
+                llama = getattr(getattr(worker, "model", None), "llama", None)
+                if hasattr(llama, "close"):
+                    llama.close()  # the context and the mapping now, not whenever GC gets to it
+                self.closed.add(name)
+                freed.append(name)
+        return freed
+
+    def only(self, names: list[str]) -> Loaded:
+        """This set cut down to `names` (what is left of it while a sequential reload loads)."""
+        state = dataclasses.replace(
+            self.state, workers={n: w for n, w in self.state.workers.items() if n in names},
+            engines={n: e for n, e in self.state.engines.items() if n in names})
+        return Loaded(None, state, [i for n, i in zip(self.names, self.infos) if n in names],
+                      keys={n: k for n, k in self.keys.items() if n in names}, closed=self.closed)
+
+
+@dataclass
+class LoadPlan:
+    """What a load will do: model files to load, engines to load, workers to take over."""
+
+    files: list[ModelFile]
+    engines: list[EngineConfig]
+    keys: dict[str, tuple[Any, ...]]
+    kept: dict[str, Any] = field(default_factory=dict)  # name -> worker of the previous set
+    kept_infos: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def model_key(m: ModelConfig) -> tuple[Any, ...]:
+    """A model is the same one when its resolved file (same inode, size and mtime) and every
+    setting that shapes the loaded model are; page-in settings do not."""
+    try:
+        st = os.stat(m.path)
+        ident: tuple[int, ...] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        ident = ()
+    return ("model", dataclasses.replace(m, prefetch=True, prefetch_threads=1), ident)
 
 
 class ColdStart:
@@ -107,6 +161,7 @@ class ColdStart:
         # Test hook: called with the loaded set just before the warm-up, so that a test can put a
         # double at the backend boundary (a wrapper around a model's llama object); None in service.
         self.before_warm: Callable[[Loaded], None] | None = None
+        self.hup_pending = False  # SIGHUP before READY: reload once serving
 
     # -- the start, top to bottom ----------------------------------------------------------------
     def run(self) -> int:
@@ -114,6 +169,7 @@ class ColdStart:
         self.read_config()
         self.open_sockets()
         signal.signal(signal.SIGTERM, _stop_during_start)
+        signal.signal(signal.SIGHUP, self._hup_during_start)
         self.notifier.extend_while()
         try:
             self.loaded = self.load()
@@ -125,19 +181,28 @@ class ColdStart:
             return 0
 
     async def _warm_and_serve(self, loaded: Loaded) -> int:
-        from edge.serving import build_server, serve_http
+        from edge.reload import Reloader
+        from edge.serving import Dispatcher, build_server, serve_http
 
         stop = await self._warm_unless_stopped(loaded)
         with self.timer.phase(Phases.HTTP_SETUP):
-            server = build_server(loaded.app, loaded.state, self.config.server, self.notifier)
+            dispatcher = Dispatcher(loaded)  # a reload swaps the set behind it
+            server = build_server(dispatcher, self.config.server, self.notifier)
+            reloader = Reloader(self, dispatcher, lambda: server.handle_exit(signal.SIGTERM, None))
             gc.collect()
             gc.freeze()  # warm-up garbage is gone; what lives now is never scanned again
         if stop.is_set():
             raise StoppedDuringStart("SIGTERM before ready")
         ready_text = self.mark_ready(loaded)
-        await serve_http(server, self.sockets, self.notifier, ready_text, stop)
-        loaded.close()
-        return 0
+        async with reloader:
+            await serve_http(server, self.sockets, self.notifier, ready_text, stop)
+        dispatcher.loaded.close()
+        return reloader.fatal.exit_code if reloader.fatal else 0
+
+    def _hup_during_start(self, sig: int, frame: Any) -> None:
+        log.info("SIGHUP during the start: reloading once ready")
+        self.hup_pending = True
+
 
     async def _warm_unless_stopped(self, loaded: Loaded) -> asyncio.Event:
         """The warm-up, given up at SIGTERM/SIGINT. From here on a signal only sets the returned
@@ -204,54 +269,83 @@ class ColdStart:
                 self.sockets = bind_sockets(self.config.server, self.config.source)
         return self.sockets
 
-    def load(self) -> Loaded:
-        """Model files, backends, models and engines: the load half of load-and-warm."""
-        files = self.start_model_files()
-        self.import_backends()
-        self.finish_model_files(files)
+    def load(self, plan: LoadPlan | None = None, metrics: Metrics | None = None) -> Loaded:
+        """Model files, backends, models and engines: the load half of load-and-warm. A reload
+        passes the plan it made (`prepare(previous)`) and the metrics that carry over."""
+        plan = plan or self.prepare()
+        self.import_backends(plan)
+        self.finish_model_files(plan.files)
         # llama.cpp loads with the GIL released: the HTTP stack is imported meanwhile.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-load") as pool:
-            loading = pool.submit(self.load_models, files)
+            loading = pool.submit(self.load_models, plan.files)
             self.import_http()
-            workers, infos = loading.result()
+            loaded_workers, infos = loading.result()
         from edge.app import ServiceState, build_app
 
-        state = ServiceState(workers=workers)
+        engines: dict[str, Any] = {}
         engine_infos: list[dict[str, Any]] = []
-        if self.config.engines:  # the engine modules (numpy, the store) are imported only for engines
+        if plan.engines:  # the engine modules (numpy, the store) are imported only for engines
             from edge.engines.load import load_engines
 
-            state.engines, engine_infos = load_engines(self.config, self.timer)
-        return Loaded(build_app(state), state, infos + engine_infos)
+            engines, engine_infos = load_engines(dataclasses.replace(self.config, engines=plan.engines), self.timer)
+        new = {**loaded_workers, **engines}
+        pick = {**plan.kept, **new}
+        by_name = {**dict(zip(loaded_workers, infos)), **dict(zip(engines, engine_infos))}
+        by_name.update({n: {**i, "kept": True} for n, i in plan.kept_infos.items()})
+        state = ServiceState(workers={m.name: pick[m.name] for m in self.config.models},
+                             engines={e.name: pick[e.name] for e in self.config.engines})
+        if metrics is not None:
+            state.metrics = metrics
+        return Loaded(build_app(state), state, [by_name[n] for n in [*state.workers, *state.engines]],
+                      keys=plan.keys, kept=list(plan.kept))
 
-    def start_model_files(self) -> list[ModelFile]:
-        """Resolve every model file, start its page-in, and start validating it from the warming
-        pages on a thread: validation runs beside the backend imports (`finish_model_files`
-        joins it)."""
+    def prepare(self, previous: Loaded | None = None) -> LoadPlan:
+        """Resolve every model file; take over what `previous` already has loaded the same way;
+        start the page-in of the others and validate them from the warming pages: on a thread
+        beside the backend imports at a start (`finish_model_files` joins it), at once for a
+        reload (its memory guard reads every header)."""
         from edge.modelfile import ModelFile, VerifiedCache, resolve_model
 
         cfg = self.config
         verified = VerifiedCache(cache_dir(cfg) / "verified.json")
         with self.timer.phase(Phases.RESOLVE_MODELS):
             models = [resolve_model(m, cache_dir(cfg), verified) for m in cfg.models]
-        files = [ModelFile(m, verified).start() for m in models]
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-validate")
-        self._validations = [pool.submit(self._validate, f) for f in files]
-        pool.shutdown(wait=False)  # the queued validations still run; joined by finish_model_files
-        return files
+        plan = LoadPlan([], [], {})
+        before = previous.keys if previous else {}
+        old = previous.workers() if previous else {}
+        for m in models:
+            plan.keys[m.name] = model_key(m)
+            if before.get(m.name) == plan.keys[m.name] and plan.keys[m.name][2]:
+                plan.kept[m.name] = old[m.name]
+                continue
+            plan.files.append(ModelFile(m, verified).start())
+        if previous is None:
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-validate")
+            self._validations = [pool.submit(self._validate, f) for f in plan.files]
+            pool.shutdown(wait=False)  # the queued validations still run; joined by finish_model_files
+        else:
+            self._validations = [_done(self._validate(f)) for f in plan.files]
+        for e in cfg.engines:
+            plan.keys[e.name] = ("engine", e)
+            if before.get(e.name) == plan.keys[e.name]:
+                plan.kept[e.name] = old[e.name]
+            else:
+                plan.engines.append(e)
+        if previous:
+            plan.kept_infos = {n: i for n, i in zip(previous.names, previous.infos) if n in plan.kept}
+        return plan
 
     def _validate(self, f: ModelFile) -> tuple[float, float, GGUFInfo]:
         start = self.timer.now()
         info = f.validate()
         return start, self.timer.now(), info
 
-    def import_backends(self) -> None:
+    def import_backends(self, plan: LoadPlan) -> None:
         """llama_cpp (and onnxruntime) imported beside the page-in threads."""
-        cfg = self.config
         with self.timer.phase(Phases.IMPORTS) as ph:
             self.notifier.status("importing the inference backends")
-            ph.detail["modules"] = _import((["llama_cpp"] if cfg.models else []) + (
-                ["onnxruntime"] if any(e.backend == "onnxruntime" for e in cfg.engines) else []))
+            ph.detail["modules"] = _import((["llama_cpp"] if plan.files else []) + (
+                ["onnxruntime"] if any(e.backend == "onnxruntime" for e in plan.engines) else []))
 
     def finish_model_files(self, files: list[ModelFile]) -> None:
         """Join the validations and page-ins (their real start and end in the report); check the
@@ -299,7 +393,7 @@ class ColdStart:
         from edge.warmplan import PlanStore, warm_one
         from edge.warmup import LoopbackHTTP
 
-        cfg, state = self.config, loaded.state
+        cfg = self.config
         store = PlanStore(cache_dir(cfg) / "warmup")
         with self.timer.phase(Phases.WARMUP_SETUP):  # what to warm; the loopback server started
             targets = await self._warm_targets(loaded)
@@ -336,11 +430,13 @@ class ColdStart:
 
         targets = []
         for name, w in state.workers.items():
+            if name in loaded.kept:
+                continue  # serving already, and warm: its thread belongs to clients
             make = functools.partial(w.call, model_candidates, w.model, cfg.warmup)
             targets.append(WarmTarget("model", name, functools.partial(model_key, w),
                                       model_floor(w.model, cfg.warmup), make, w.call))
         for name, eng in state.engines.items():
-            if next(e for e in cfg.engines if e.name == name).warmup:
+            if name not in loaded.kept and next(e for e in cfg.engines if e.name == name).warmup:
                 cands = engine_candidates(name, eng.session)
                 targets.append(WarmTarget("engine", name, functools.partial(engine_key, eng.stored),
                                           cands[0].build(), functools.partial(_ready, cands[1:]), _call))
@@ -404,3 +500,9 @@ def _import(names: list[str]) -> list[str]:
 
 def _stop_during_start(sig: int, frame: Any) -> None:
     raise StoppedDuringStart("SIGTERM before ready")
+
+
+def _done(value: Any) -> concurrent.futures.Future[Any]:
+    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    fut.set_result(value)
+    return fut

@@ -20,10 +20,11 @@ from typing import Any
 
 from edge.fsutil import atomic_write
 
-__all__ = ["Phase", "StartTimer", "format_report", "write_report", "read_last_report", "process_age_s",
-           "REPORT_NAME"]
+__all__ = ["Phase", "StartTimer", "ReloadTimer", "format_report", "write_report", "read_last_report",
+           "process_age_s", "REPORT_NAME", "RELOAD_REPORT_NAME", "format_reload_report"]
 
 REPORT_NAME = "last-start.json"
+RELOAD_REPORT_NAME = "last-reload.json"
 
 
 def process_age_s() -> float:
@@ -97,34 +98,44 @@ class StartTimer:
         }
 
 
+class ReloadTimer(StartTimer):
+    """The phases of one reload: offsets from the moment the reload began, not from exec."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mono0 = time.monotonic()
+        self.started_at = time.time()
+
+
 def _version() -> str:
     from edge import __version__
 
     return __version__
 
 
-def write_report(report: dict[str, Any], state_dir: Path) -> Path:
-    """Write the report as reports/start-<time>-<pid>.json and, atomically, as last-start.json."""
+def write_report(report: dict[str, Any], state_dir: Path, kind: str = "start") -> Path:
+    """Write the report as reports/<kind>-<time>-<pid>.json and, atomically, as last-<kind>.json
+    (kind: start or reload)."""
     reports = state_dir / "reports"
     reports.mkdir(parents=True, exist_ok=True)
     data = json.dumps(report, indent=2, sort_keys=False) + "\n"
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    path = reports / f"start-{stamp}-{report['pid']}.json"
+    path = reports / f"{kind}-{stamp}-{report['pid']}.json"
     atomic_write(path, data)
-    atomic_write(state_dir / REPORT_NAME, data)
-    _prune(reports, keep=50)
+    atomic_write(state_dir / f"last-{kind}.json", data)
+    _prune(reports, kind, keep=50)
     return path
 
 
-def read_last_report(state_dir: Path) -> dict[str, Any] | None:
+def read_last_report(state_dir: Path, kind: str = "start") -> dict[str, Any] | None:
     try:
-        return json.loads((state_dir / REPORT_NAME).read_text())
+        return json.loads((state_dir / f"last-{kind}.json").read_text())
     except FileNotFoundError:
         return None
 
 
-def _prune(folder: Path, keep: int) -> None:
-    old = sorted(folder.glob("start-*.json"))[:-keep]
+def _prune(folder: Path, kind: str, keep: int) -> None:
+    old = sorted(folder.glob(f"{kind}-*.json"))[:-keep]
     for p in old:
         p.unlink(missing_ok=True)
 
@@ -168,6 +179,27 @@ def _plan_lines(plan: dict[str, Any]) -> list[str]:
         lines.append(f"{c['name']:<19}{first:>9}{repeat:>9}  {'yes' if c.get('kept') else 'no':<5} {c.get('why', '')}")
     lines += [f"not run: {x['name']}: {x['why']}" for x in plan.get("left_out", [])]
     return lines
+
+
+def format_reload_report(report: dict[str, Any]) -> str:
+    """A reload report: outcome, mode, what was kept and loaded, switch and drain, then phases."""
+    head = f"last reload: {report['started_at']}  pid {report['pid']}  config {report.get('config')}"
+    if report.get("error"):
+        outcome = f"FAILED after {report['ready_s']:.3f} s: {report['error']} (the old set kept serving)"
+    else:
+        drain = report.get("drain_s")
+        outcome = (f"switched at {report.get('switch_s', 0):.3f} s; old set drained in "
+                   + (f"{drain:.3f} s" if drain is not None else "(still draining)"))
+    mem = report.get("memory", {})
+    lines = [head, outcome, f"mode {report.get('mode')}: {mem.get('reason', '')}",
+             f"kept: {', '.join(report.get('kept', [])) or '-'}   "
+             f"loaded: {', '.join(report.get('loaded', [])) or '-'}   "
+             f"freed: {', '.join(report.get('freed', [])) or '-'}", "",
+             f"{'phase':<19}{'start s':>9}{'seconds':>9}  detail"]
+    for p in report["phases"]:
+        detail = ", ".join(f"{k}={v}" for k, v in p["detail"].items() if not isinstance(v, (list, dict)))
+        lines.append(f"{p['name']:<19}{p['start_s']:>9.3f}{p['seconds']:>9.3f}  {detail}")
+    return "\n".join(lines)
 
 
 def _warm_detail(w: dict[str, Any]) -> str:

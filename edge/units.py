@@ -137,6 +137,8 @@ def render_service(o: UnitOptions) -> str:
         "Type=notify",
         "NotifyAccess=main",
         f"ExecStart={o.edge} serve --config {o.config}",
+        # zero-gap reload (README "Reload"); below TimeoutStartSec=, which systemd also applies to reloads
+        f"ExecReload={o.edge} reload --config {o.config} --timeout {max(1, o.start_timeout_s - 15)}",
         "Restart=on-failure",
         "RestartSec=2",
         # config error, bad model file, mlock refused: a restart cannot fix these

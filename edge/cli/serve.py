@@ -1,9 +1,11 @@
-"""`edge serve`, `edge warmup`, `edge status`, `edge bench`: the service and its start report."""
+"""`edge serve`, `edge reload`, `edge warmup`, `edge status`, `edge bench`: the service, its
+reloads and their reports."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -35,17 +37,77 @@ def warmup(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt,
     typer.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
+def reload(config: Optional[str] = typer.Option(
+               None, "--config", "-c", help="the config to load (default: the one the service was "
+               "started with); its state directory also locates the service's control socket"),
+           timeout: float = typer.Option(600.0, "--timeout", min=1.0,
+                                         help="give up (the old set keeps serving) after this many seconds"),
+           socket_path: Optional[str] = typer.Option(None, "--socket", help="the service's control "
+                                                     "socket (default: <state_dir>/control.sock)"),
+           as_json: bool = JsonOpt) -> None:
+    """Reload the running service without a gap: the new set is loaded and warmed beside the old
+    one, then takes the traffic. Exit 0 once it serves; else the error's exit code and why (the
+    old set keeps serving)."""
+    from pathlib import Path
+
+    from edge.reload import control_path, request_reload
+
+    target = str(Path(config).resolve()) if config else None
+    path = Path(socket_path) if socket_path else control_path(_config_for_socket(config))
+    answer = request_reload(path, target, timeout)
+    if as_json:
+        typer.echo(json.dumps(answer, indent=2))
+    if not answer.get("ok"):
+        if not as_json:
+            typer.echo(f"edge: reload failed: {answer.get('error')}", err=True)
+        raise typer.Exit(int(answer.get("exit_code") or 70))
+    if not as_json:
+        r = answer.get("report") or {}
+        typer.echo(f"{answer.get('status')}\nkept: {', '.join(r.get('kept') or []) or '-'}; "
+                   f"loaded: {', '.join(r.get('loaded') or []) or '-'}; mode: {r.get('mode')} "
+                   f"({(r.get('memory') or {}).get('reason', '')})")
+        for field in r.get("needs_restart") or []:
+            typer.echo(f"note: {field} changed: applied at the next restart, not by a reload", err=True)
+
+
+def _config_for_socket(config: Optional[str]) -> Any:
+    """The config whose state_dir names the control socket. An invalid config is still sent to
+    the service (which reports the error and keeps serving): its paths.state_dir is read raw."""
+    from edge import toml
+    from edge.config import PathsConfig, default_config
+    from edge.errors import ConfigError
+
+    try:
+        return config_of(config)
+    except ConfigError:
+        try:
+            raw = toml.loads(open(config).read()) if config else {}
+        except (OSError, toml.TOMLDecodeError, UnicodeDecodeError):
+            raw = {}
+        paths = raw.get("paths") if isinstance(raw.get("paths"), dict) else {}
+        state = paths.get("state_dir") if isinstance(paths.get("state_dir"), str) else None
+        return dataclasses.replace(default_config(), paths=PathsConfig(state_dir=state))
+
+
 def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt) -> None:
-    """Show the report of the last start: every phase with seconds, bytes and rates."""
+    """Show the reports of the last start and of the last reload: phases, seconds, bytes, rates."""
     from edge.config import state_dir
-    from edge.timing import REPORT_NAME, format_report, read_last_report
+    from edge.timing import REPORT_NAME, format_reload_report, format_report, read_last_report
 
     cfg = config_of(config)
     report = read_last_report(state_dir(cfg))
     if report is None:
         typer.echo(f"no start report yet in {state_dir(cfg) / REPORT_NAME}: has `edge serve` run?", err=True)
         raise typer.Exit(1)
-    typer.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+    reload_report = read_last_report(state_dir(cfg), kind="reload")
+    if reload_report is not None and reload_report.get("pid") != report.get("pid"):
+        reload_report = None  # a reload of an earlier run of the service, not of this one
+    if as_json:  # the start report as before, the last reload beside it
+        typer.echo(json.dumps({**report, "last_reload": reload_report}, indent=2))
+        return
+    typer.echo(format_report(report))
+    if reload_report is not None:
+        typer.echo("\n" + format_reload_report(reload_report))
 
 
 def bench(url: str = typer.Option(DEFAULT_URL, "--url", help="the running service"),
@@ -68,5 +130,5 @@ def bench(url: str = typer.Option(DEFAULT_URL, "--url", help="the running servic
 
 
 def register(app: typer.Typer) -> None:
-    for command in (serve, warmup, bench, status):
+    for command in (serve, reload, warmup, bench, status):
         app.command()(command)
