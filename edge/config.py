@@ -151,6 +151,9 @@ class OtaConfig:
     restart_cmd: str | None = None  # instead of `systemctl restart <unit>`
     health_url: str | None = None  # default: http://<server.host>:<server.port>/readyz
     timeout_s: float = field(default=300.0, metadata=_range(1, 86400))
+    # restart: `systemctl restart` (or restart_cmd); reload: zero-gap `edge reload` of the running
+    # service (the new version warms beside the old; a failing one never takes traffic)
+    activation: str = field(default="restart", metadata={"choices": ("restart", "reload")})
 
 
 @dataclass(frozen=True)

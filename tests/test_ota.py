@@ -16,7 +16,7 @@ import pytest
 from conftest import EDGE
 from edge.ota.bundle import BundleError, build_bundle, keygen, open_bundle
 from edge.ota.install import Ota
-from kit import post
+from kit import PidOne, post
 from kit.ota import A, B, cfg_text, committed, edge_ota, install  # fixtures `kit`, `live`: kit/ota.py
 
 
@@ -261,3 +261,67 @@ def test_a_restart_that_hangs_counts_as_unhealthy(kit) -> None:
     assert not ok and "did not finish within" in why
     ok, why = command_activator("exit 4", "http://127.0.0.1:9/readyz", timeout=5).activate()
     assert not ok and "exited 4" in why
+
+
+def test_activation_by_reload_has_no_gap_and_a_failing_version_never_serves(kit) -> None:
+    """[ota] activation = "reload": the running process loads and warms the new version beside
+    the old one; clients never wait on a restart, and a version whose warm-up fails is never
+    served (the rollback is one more reload, the same process throughout)."""
+    from edge.ota.activate import ReloadActivator
+
+    ota, svc_state = kit["ota"], kit["dir"] / "svc-state"
+    paths = f'[paths]\nstate_dir = "{svc_state}"\n'
+    bundles = {}
+    for v, m in (("1.0.0", kit["a"]), ("2.0.0", kit["b"])):
+        bundles[v] = kit["dir"] / f"r{v}.edgeb"
+        build_bundle(bundles[v], version=v, files=[(m, f"models/{m.name}", "model", None)],
+                     config=cfg_text(m.name, paths), key=kit["key"])
+    bad = kit["dir"] / "r3.edgeb"  # loads, but its warm-up cannot pass
+    build_bundle(bad, version="3.0.0", files=[(kit["a"], "models/a.gguf", "model", None)], key=kit["key"],
+                 config=cfg_text("a.gguf", 'prompts = ["' + "word " * 300 + '"]\n' + paths))
+    assert ota.install(open_bundle(bundles["1.0.0"], kit["pub"]), activate=None)["result"] == "switched"
+    ota.commit()
+    current = ota.root / "current" / "edge.toml"
+    activator = ReloadActivator(current, svc_state / "control.sock", timeout=120)
+    req = {"prompt": "Hello", "max_tokens": 6, "temperature": 0}
+    with PidOne([*EDGE, "serve", "--config", str(current)]) as live:
+        live.start()
+        live.wait_for("READY", "1")
+        pid = live.proc.pid
+        text_a = post(live.address, "/v1/completions", req)[1]["choices"][0]["text"]
+        seen: list[list[str]] = [[] for _ in range(3)]
+        errors: list[str] = []
+        stop = threading.Event()
+
+        def client(i: int) -> None:
+            while not stop.is_set():
+                try:
+                    status, body = post(live.address, "/v1/completions", req, timeout=120)
+                except OSError as exc:
+                    errors.append(repr(exc))
+                    continue
+                if status != 200:
+                    errors.append(f"HTTP {status}")
+                else:
+                    seen[i].append(body["choices"][0]["text"])
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            assert ota.install(open_bundle(bundles["2.0.0"], kit["pub"]), activate=activator)["result"] == "committed"
+            text_b = post(live.address, "/v1/completions", req)[1]["choices"][0]["text"]
+            result = ota.install(open_bundle(bad, kit["pub"]), activate=activator)
+            assert result["result"] == "rolled back"
+            assert "warm-up" in json.dumps(ota.state()["history"][-1]).lower()
+            assert post(live.address, "/v1/completions", req)[1]["choices"][0]["text"] == text_b
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        assert live.proc.pid == pid and live.proc.poll() is None  # never restarted
+    assert text_b != text_a and errors == []
+    for answers in seen:  # per client: A's answers, then B's, never back, never the bad version's
+        assert set(answers) <= {text_a, text_b}
+        if text_b in answers:
+            assert text_a not in answers[answers.index(text_b):]

@@ -1,7 +1,8 @@
 """Activators put the switched `current` version into service and say whether it is healthy.
-Today every activator restarts the service (RestartActivator); a reload activator (the new
-config loaded beside the old one, traffic switched only when it is ready) implements the same
-interface. While waiting for the health URL, a ServiceWatch notices a service that exited or a
+RestartActivator restarts the service (a gap: clients wait in the backlog while the new
+version starts); ReloadActivator asks the running service for a zero-gap reload (the new version
+is loaded and warmed beside the old one and takes traffic only once its warm-up succeeded, so a
+bad bundle is never served and costs no gap). While waiting for the health URL, a ServiceWatch notices a service that exited or a
 unit that failed at once, and its own last error becomes the reason for the rollback.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["Activator", "ServiceWatch", "RestartActivator", "SystemdWatch", "PidWatch",
+__all__ = ["Activator", "ServiceWatch", "ReloadActivator", "RestartActivator", "SystemdWatch", "PidWatch",
            "command_activator", "systemd_activator"]
 
 
@@ -135,3 +136,28 @@ def command_activator(cmd: str, health_url: str, timeout: float, pid_file: Path 
 def systemd_activator(unit: str, health_url: str, timeout: float) -> RestartActivator:
     # For a Type=notify unit, `systemctl restart` returns only once READY=1 came, or the start failed.
     return RestartActivator(f"systemctl restart {unit}", health_url, timeout, SystemdWatch(unit))
+
+
+@dataclass
+class ReloadActivator:
+    """Activation by `edge reload`: the running service loads `config` (the OTA `current` link's
+    edge.toml, which now names the new version) beside what it serves, warms it over its real
+    HTTP path, and switches only then. Healthy = the switch happened; otherwise the old version
+    never stopped serving, and the service's own error is the reason. A rollback is the same
+    call after the links went back."""
+
+    config: Path
+    control: Path  # the service's control socket (<state_dir>/control.sock)
+    timeout: float
+
+    def activate(self) -> tuple[bool, str]:
+        from edge.errors import EdgeError
+        from edge.reload import request_reload
+
+        try:
+            answer = request_reload(self.control, str(self.config.resolve()), self.timeout)
+        except EdgeError as exc:
+            return False, f"reload: {exc}"
+        if answer.get("ok"):
+            return True, ""
+        return False, f"reload refused the version (exit {answer.get('exit_code')}): {answer.get('error')}"

@@ -26,11 +26,18 @@ def _ota(config: Optional[Path], keep: Optional[int] = None):
 
 
 def _activator(cfg: Any, restart_cmd: Optional[str], unit: Optional[str], health_url: Optional[str],
-               timeout: Optional[float], pid_file: Optional[Path] = None, log_file: Optional[Path] = None):
+               timeout: Optional[float], pid_file: Optional[Path] = None, log_file: Optional[Path] = None,
+               reload: bool = False):
     """Flags first, then the config's [ota] table."""
-    from edge.ota.activate import command_activator, systemd_activator
+    from edge.ota.activate import ReloadActivator, command_activator, systemd_activator
 
     o = cfg.ota
+    if reload or (o.activation == "reload" and not restart_cmd):
+        from edge.config import state_dir
+        from edge.reload import control_path
+
+        return ReloadActivator(state_dir(cfg) / "ota" / "current" / "edge.toml", control_path(cfg),
+                               timeout or o.timeout_s)
     url = health_url or o.health_url or f"http://{cfg.server.host}:{cfg.server.port}/readyz"
     cmd, wait = restart_cmd or o.restart_cmd, timeout or o.timeout_s
     if cmd:
@@ -40,6 +47,8 @@ def _activator(cfg: Any, restart_cmd: Optional[str], unit: Optional[str], health
 
 PidFileOpt = typer.Option(None, "--pid-file", help="with --restart-cmd: the service's pid file (an "
                           "exited service fails the health check at once)")
+ReloadOpt = typer.Option(False, "--reload", help="activate by a zero-gap reload of the running "
+                         "service instead of a restart ([ota] activation = \"reload\")")
 LogFileOpt = typer.Option(None, "--log-file", help="with --pid-file: the service's output (its last "
                           "lines become the rollback reason)")
 
@@ -123,7 +132,7 @@ def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[P
                                            "leave it pending for `edge ota commit` (Mender's ArtifactCommit)"),
             allow_downgrade: bool = typer.Option(False, "--allow-downgrade", help="install a version older "
                                                  "than the highest this device committed"),
-            pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt,
+            pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt, reload: bool = ReloadOpt,
             keep: Optional[int] = typer.Option(None, "--keep", min=2, help="versions kept on disk")) -> None:
     """Verify, check policy, stage, switch, restart, health-check; commit, or roll back on failure."""
     from edge.device import detect
@@ -135,7 +144,8 @@ def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[P
         raise EdgeError(f"no bundle signing key at {key}: install the fleet's public key there "
                         "([ota] pubkey in the config), pass --pubkey, or --insecure")
     b = open_bundle(bundle, None if insecure else key, insecure=insecure)
-    act = None if no_activate else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file)
+    act = None if no_activate else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file,
+                                              reload)
     result = ota.install(b, act, device=detect(), allow_downgrade=allow_downgrade, commit=not no_commit)
     _echo(result)
     if result["result"] == "rolled back":
