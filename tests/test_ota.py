@@ -3,6 +3,7 @@ load. Hostile bundles, policy and the kill-at-every-file-system-operation test: 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -18,6 +19,44 @@ from edge.ota.bundle import BundleError, build_bundle, keygen, open_bundle
 from edge.ota.install import Ota
 from kit import PidOne, post
 from kit.ota import A, B, cfg_text, committed, edge_ota, install  # fixtures `kit`, `live`: kit/ota.py
+
+
+@contextlib.contextmanager
+def _clients(address: tuple[str, int], req: dict, n: int):
+    """n clients asking `req` in a loop until the block ends: (answers per client, errors)."""
+    seen: list[list[str]] = [[] for _ in range(n)]
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            try:
+                status, body = post(address, "/v1/completions", req, timeout=120)
+            except OSError as exc:
+                errors.append(repr(exc))
+                continue
+            if status != 200:
+                errors.append(f"HTTP {status}")
+            else:
+                seen[i].append(body["choices"][0]["text"])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        yield seen, errors
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+def _one_way(seen: list[list[str]], text_a: str, text_b: str) -> None:
+    """Per client: A's answers, then B's, never back, and nothing else."""
+    for answers in seen:
+        assert set(answers) <= {text_a, text_b}
+        if text_b in answers:
+            assert text_a not in answers[answers.index(text_b):]
 
 
 def test_install_commit_status(kit) -> None:
@@ -196,25 +235,7 @@ def test_update_under_load_then_a_failing_bundle_rolls_back(kit, live) -> None:
         except (RuntimeError, TimeoutError) as exc:
             return False, str(exc)[-300:]
 
-    seen: list[list[str]] = [[] for _ in range(4)]
-    errors: list[str] = []
-    stop = threading.Event()
-
-    def client(i: int) -> None:
-        while not stop.is_set():
-            try:
-                status, body = post(live.address, "/v1/completions", req, timeout=120)
-                if status != 200:
-                    errors.append(f"HTTP {status}")
-                else:
-                    seen[i].append(body["choices"][0]["text"])
-            except OSError as exc:
-                errors.append(repr(exc))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    try:
+    with _clients(live.address, req, 4) as (seen, errors):
         result = ota.install(open_bundle(kit["bundles"]["B"], kit["pub"]), activate=restart)
         assert result["result"] == "committed"
         _, now = post(live.address, "/v1/completions", req)
@@ -227,15 +248,8 @@ def test_update_under_load_then_a_failing_bundle_rolls_back(kit, live) -> None:
         assert result["result"] == "rolled back" and "warm-up" in live.log_tail(20000)
         _, after = post(live.address, "/v1/completions", req)
         assert after["choices"][0]["text"] == text_b  # B kept serving
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
     assert errors == []
-    for answers in seen:
-        assert set(answers) <= {text_a, text_b}
-        if text_b in answers:  # A's answers, then B's, never back
-            assert text_a not in answers[answers.index(text_b):]
+    _one_way(seen, text_a, text_b)
     # every client was served across the update, and B answered after the switch (counts, not
     # throughput: this runs on loaded CI machines)
     assert all(seen) and any(text_b in answers for answers in seen)
@@ -289,39 +303,13 @@ def test_activation_by_reload_has_no_gap_and_a_failing_version_never_serves(kit)
         live.wait_for("READY", "1")
         pid = live.proc.pid
         text_a = post(live.address, "/v1/completions", req)[1]["choices"][0]["text"]
-        seen: list[list[str]] = [[] for _ in range(3)]
-        errors: list[str] = []
-        stop = threading.Event()
-
-        def client(i: int) -> None:
-            while not stop.is_set():
-                try:
-                    status, body = post(live.address, "/v1/completions", req, timeout=120)
-                except OSError as exc:
-                    errors.append(repr(exc))
-                    continue
-                if status != 200:
-                    errors.append(f"HTTP {status}")
-                else:
-                    seen[i].append(body["choices"][0]["text"])
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        try:
+        with _clients(live.address, req, 3) as (seen, errors):
             assert ota.install(open_bundle(bundles["2.0.0"], kit["pub"]), activate=activator)["result"] == "committed"
             text_b = post(live.address, "/v1/completions", req)[1]["choices"][0]["text"]
             result = ota.install(open_bundle(bad, kit["pub"]), activate=activator)
             assert result["result"] == "rolled back"
             assert "warm-up" in json.dumps(ota.state()["history"][-1]).lower()
             assert post(live.address, "/v1/completions", req)[1]["choices"][0]["text"] == text_b
-        finally:
-            stop.set()
-            for t in threads:
-                t.join()
         assert live.proc.pid == pid and live.proc.poll() is None  # never restarted
     assert text_b != text_a and errors == []
-    for answers in seen:  # per client: A's answers, then B's, never back, never the bad version's
-        assert set(answers) <= {text_a, text_b}
-        if text_b in answers:
-            assert text_a not in answers[answers.index(text_b):]
+    _one_way(seen, text_a, text_b)  # never the failing version's
