@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 if sys.version_info >= (3, 11):
-    import tomllib as _toml
+    import tomllib as _toml  # novermin (3.11+ only, behind the version check)
 else:  # pragma: no cover - exercised by the Python 3.10 CI check
     import tomli as _toml
 
