@@ -6,7 +6,6 @@ with a sentence and, where something is wrong, the fix.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from edge.config import BUILTIN_PREFIX, Config, cache_dir, find_config, load_config, state_dir, write_probe
 from edge.errors import ConfigError, EdgeError
+from edge.mlock import mib
 
 __all__ = ["Check", "run_checks"]
 
@@ -74,12 +74,8 @@ def _model_files(cfg: Config) -> list[Check]:
                                 "point models.path at a complete GGUF file (re-copy it if truncated)"))
             continue
         checks.append(Check(f"model {m.name}", "ok", f"{m.path}: GGUF v{info.version}, "
-                            f"{info.architecture}, {_mib(info.size)}, {info.tensor_count} tensors"))
+                            f"{info.architecture}, {mib(info.size)}, {info.tensor_count} tensors"))
     return checks
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n < 10 * 2**20 else f"{n / 2**20:.0f} MiB"
 
 
 _SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -98,7 +94,7 @@ def _limit_bytes(value: str) -> int | None:
 
 
 def _show(s: int | None) -> str:
-    return "infinity" if s is None else _mib(s)
+    return "infinity" if s is None else mib(s)
 
 
 def _running_limit() -> tuple[int, int | None] | None:
@@ -131,7 +127,7 @@ def _pid1_can_raise(need: int) -> str | None:
         return None
     if hard.group(1) == "unlimited" or int(hard.group(1)) >= need:
         return None
-    return (f"PID 1 lacks CAP_SYS_RESOURCE and its own hard RLIMIT_MEMLOCK is {_mib(int(hard.group(1)))} "
+    return (f"PID 1 lacks CAP_SYS_RESOURCE and its own hard RLIMIT_MEMLOCK is {mib(int(hard.group(1)))} "
             "(a container?), so systemd cannot raise LimitMEMLOCK=")
 
 
@@ -147,19 +143,19 @@ def _memlock_unit(need: int, unit_text: str) -> Check:
     running = _running_limit()
     if running is not None:
         pid, got = running
-        msg = f"edge.service (pid {pid}) runs with RLIMIT_MEMLOCK {_show(got)} ({setting}); models need {_mib(need)}"
+        msg = f"edge.service (pid {pid}) runs with RLIMIT_MEMLOCK {_show(got)} ({setting}); models need {mib(need)}"
         if got is None or got >= need:
             return Check("mlock", "ok", msg)
         why = _pid1_can_raise(need)
         return Check("mlock", "fail", msg + (f": {why}" if why else ""),
                      "give PID 1 CAP_SYS_RESOURCE / a higher hard limit" if why else fix)
     if asked is not None and asked < need:
-        return Check("mlock", "fail", f"edge.service has {setting}; {_mib(need)} of models need locking", fix)
+        return Check("mlock", "fail", f"edge.service has {setting}; {mib(need)} of models need locking", fix)
     why = _pid1_can_raise(need)
     if why:
         return Check("mlock", "fail", f"edge.service has {setting}, but {why}",
                      "run edge on the host's systemd, or give the container CAP_SYS_RESOURCE")
-    return Check("mlock", "ok", f"edge.service has {setting} for {_mib(need)} of models "
+    return Check("mlock", "ok", f"edge.service has {setting} for {mib(need)} of models "
                  "(from the unit's text: edge.service is not running, so the limit it gets is not verified)")
 
 
@@ -168,20 +164,22 @@ def _memlock(cfg: Config, unit_text: str | None) -> Check:
 
     if unit_text is not None and any(m.use_mlock for m in cfg.models):
         return _memlock_unit(models_bytes(cfg), unit_text)
-    level, message, fix = memlock_verdict(cfg, None)
+    level, message, fix = memlock_verdict(cfg)
     return Check("mlock", level, message, fix)
 
 
 def _memory(cfg: Config) -> Check:
+    from edge.memguard import read_memory
     from edge.mlock import models_bytes
 
     need = models_bytes(cfg)
     try:
-        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        avail = int(meminfo["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
+        avail = read_memory().available  # the reading the reload's memory guard uses
+    except OSError:
+        avail = 0
+    if not avail:
         return Check("memory", "warn", "cannot read MemAvailable from /proc/meminfo")
-    msg = f"{_mib(avail)} available, models need {_mib(need)} plus KV cache"
+    msg = f"{mib(avail)} available, models need {mib(need)} plus KV cache"
     if avail < need:
         return Check("memory", "fail", msg, "use a smaller quantization or free memory")
     if avail < need * 1.25:
@@ -254,7 +252,7 @@ def _engines(cfg: Config) -> list[Check]:
                                 "build it for this key with `edge build-engine` or ship it in an OTA bundle"))
             continue
         checks.append(Check(f"engine {e.name}", "ok", f"{stored.path.name} matches this device "
-                            f"({_mib(stored.bytes)}, built {stored.meta.get('created')} on "
+                            f"({mib(stored.bytes)}, built {stored.meta.get('created')} on "
                             f"{stored.meta.get('builder_host')})"))
     return checks
 

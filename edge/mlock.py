@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import resource
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from edge.errors import MlockError
 from edge.gguf import GGUFInfo
 
 __all__ = ["MlockStatus", "vm_locked_bytes", "mlock_status", "enforce", "models_bytes",
-           "memlock_verdict", "BUILTIN_MODEL_BYTES"]
+           "memlock_verdict", "mib", "BUILTIN_MODEL_BYTES"]
 
 log = logging.getLogger("edge")
 
@@ -108,26 +107,23 @@ def models_bytes(cfg: Config) -> int:
     return total
 
 
-def _mib(n: int) -> str:
+def mib(n: int) -> str:
+    """Bytes as MiB for messages: one decimal below 10 MiB."""
     return f"{n / 2**20:.1f} MiB" if n < 10 * 2**20 else f"{n / 2**20:.0f} MiB"
 
 
-def memlock_verdict(cfg: Config, unit_text: str | None) -> tuple[str, str, str]:
-    """Will the models lock? (level ok|warn|fail, message, fix), from the unit's LimitMEMLOCK
-    when a unit is installed, else from this process's RLIMIT_MEMLOCK and capabilities."""
+def memlock_verdict(cfg: Config) -> tuple[str, str, str]:
+    """Will the models lock for `edge serve` started from this process? (level ok|warn|fail,
+    message, fix), from its RLIMIT_MEMLOCK and capabilities. Under the unit, doctor checks the
+    unit's LimitMEMLOCK= and the running service's real limit instead."""
     need = models_bytes(cfg)
     if not any(m.use_mlock for m in cfg.models):
         return "ok", "use_mlock is off for every model: nothing to lock", ""
-    if unit_text is not None:
-        if re.search(r"^LimitMEMLOCK=infinity\s*$", unit_text, re.M):
-            return "ok", "edge.service sets LimitMEMLOCK=infinity: the models can be locked", ""
-        return ("fail", f"edge.service does not set LimitMEMLOCK=infinity; {_mib(need)} of models need locking",
-                "add LimitMEMLOCK=infinity to [Service] (edge units install does)")
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if os.geteuid() == 0:
-        return "ok", f"running as root (CAP_IPC_LOCK): {_mib(need)} of models can be locked", ""
+        return "ok", f"running as root (CAP_IPC_LOCK): {mib(need)} of models can be locked", ""
     if soft == resource.RLIM_INFINITY or soft >= need:
-        return "ok", f"RLIMIT_MEMLOCK of this shell allows locking {_mib(need)} of models", ""
-    return ("warn", f"RLIMIT_MEMLOCK is {_mib(soft)}, the models are {_mib(need)}: `edge serve` "
+        return "ok", f"RLIMIT_MEMLOCK of this shell allows locking {mib(need)} of models", ""
+    return ("warn", f"RLIMIT_MEMLOCK is {mib(soft)}, the models are {mib(need)}: `edge serve` "
             "from this shell cannot lock them",
             "run `ulimit -l unlimited` first, or run under edge.service (LimitMEMLOCK=infinity)")
