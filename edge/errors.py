@@ -31,6 +31,7 @@ __all__ = [
     "EX_SOFTWARE",
     "EX_UNAVAILABLE",
     "EXIT_CODES",
+    "JETPACK_TRT",
     "EdgeError",
     "ConfigError",
     "ModelError",
@@ -86,6 +87,10 @@ class EngineError(EdgeError):
 
 class MlockError(EdgeError):
     """The model could not be locked in RAM and the config requires it."""
+
+
+# Where TensorRT comes from on a Jetson (no pip wheel there): README "Installing the GPU path".
+JETPACK_TRT = "on a Jetson: JetPack's python3-libnvinfer, seen by a venv made with --system-site-packages"
 
 
 class MissingDependency(EdgeError):

@@ -22,7 +22,7 @@ from edge.device import DeviceInfo
 from edge.engines.key import build_key
 from edge.engines.recipe import Recipe, check_onnx, profile_shapes
 from edge.engines.store import EngineStore, StoredEngine
-from edge.errors import EngineError, MissingDependency
+from edge.errors import JETPACK_TRT, EngineError, require
 from edge.fsutil import atomic_write, sha256_file
 
 __all__ = ["build_engine"]
@@ -83,10 +83,7 @@ def save_timing_cache(path: Path, data: bytes, log: Callable[[str], None]) -> bo
 
 def _build_onnxruntime(job: BuildJob) -> None:
     recipe, progress, log = job.recipe, job.progress, job.log
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        raise MissingDependency("onnxruntime", "ort", "ONNX Runtime engine builds") from None
+    ort = require("onnxruntime", "ort", "ONNX Runtime engine builds")
     if recipe.precision != "fp32":
         log(f"  onnxruntime: the CPU engine runs in fp32 (precision {recipe.precision} applies to TensorRT)")
     progress("optimize graph", 0, 1)
@@ -105,11 +102,7 @@ def _build_onnxruntime(job: BuildJob) -> None:
 
 
 def _import_trt_builder() -> Any:
-    try:
-        import tensorrt as trt
-    except ImportError:
-        raise MissingDependency("tensorrt", "trt", "TensorRT engine builds (the full builder, "
-                                "not tensorrt-lean)") from None
+    trt = require("tensorrt", "trt-dgpu", f"TensorRT engine builds (the full builder, not tensorrt-lean; {JETPACK_TRT})")
     if not hasattr(trt, "Builder"):
         raise EngineError("this TensorRT install has no builder (lean/dispatch runtime only): "
                           "build engines on a host with the full tensorrt package")

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from edge.engines.store import StoredEngine
-from edge.errors import EngineError, MissingDependency, RequestError
+from edge.errors import EngineError, RequestError, require
 from edge.kserve import kserve_datatype
 
 __all__ = ["EngineSession", "TensorSpec", "check_feeds", "profile_for", "session_from_engine"]
@@ -86,10 +86,7 @@ class OrtSession:
     platform = "onnxruntime_ort"
 
     def __init__(self, stored: StoredEngine, data: bytes) -> None:
-        try:
-            import onnxruntime as ort
-        except ImportError:
-            raise MissingDependency("onnxruntime", "ort", "serving ONNX Runtime engines") from None
+        ort = require("onnxruntime", "ort", "serving ONNX Runtime engines")
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # done at build time
         so.add_session_config_entry("session.load_model_format", "ORT")

@@ -19,7 +19,7 @@ import numpy as np
 from edge.engines.cuda import CudaApi, PinnedBuffer, PrimaryContext, cuda_api
 from edge.engines.runtime import TensorSpec, profile_for
 from edge.engines.store import StoredEngine
-from edge.errors import EngineError, MissingDependency
+from edge.errors import JETPACK_TRT, EngineError, MissingDependency
 from edge.kserve import KSERVE_DTYPES
 
 __all__ = ["TrtSession", "import_trt_runtime", "io_specs"]
@@ -32,7 +32,7 @@ def import_trt_runtime() -> Any:
         try:
             import tensorrt_lean as trt  # the lean runtime: version-compatible engines only
         except ImportError:
-            raise MissingDependency("tensorrt", "trt", "serving TensorRT engines") from None
+            raise MissingDependency("tensorrt", "trt-dgpu", f"serving TensorRT engines ({JETPACK_TRT})") from None
     return trt
 
 

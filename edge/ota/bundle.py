@@ -36,14 +36,11 @@ class FileEntry:
 
 
 def _crypto() -> Any:
-    try:
-        from cryptography.hazmat.primitives import serialization
-        from cryptography.hazmat.primitives.asymmetric import ed25519
-    except ImportError:
-        from edge.errors import MissingDependency
+    from edge.errors import require
 
-        raise MissingDependency("cryptography", None, "signing and verifying OTA bundles") from None
-    return serialization, ed25519
+    purpose = "signing and verifying OTA bundles"
+    return (require("cryptography.hazmat.primitives.serialization", None, purpose),
+            require("cryptography.hazmat.primitives.asymmetric.ed25519", None, purpose))
 
 
 def keygen(private: Path) -> Path:
