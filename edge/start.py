@@ -64,11 +64,10 @@ class Phases:
     MODEL_LOAD = "model_load"
     IMPORTS_HTTP = "imports_http"
     MLOCK_VERIFY = "mlock_verify"
-    DEVICE = "device"  # engines (edge.engines.load): device, lookup, read, context, deserialize
+    DEVICE = "device"  # engines (edge.engines.load): device, lookup, read, deserialize
     ENGINE_LOOKUP = "engine_lookup"
     ENGINE_READ = "engine_read"
-    CUDA_CONTEXT = "cuda_context"
-    ENGINE_DESERIALIZE = "engine_deserialize"
+    ENGINE_DESERIALIZE = "engine_deserialize"  # on the worker thread: the CUDA context made current there too
     WARMUP_SETUP = "warmup_setup"  # the candidates' targets and keys, the loopback HTTP server
     WARMUP = "warmup"
     HTTP_SETUP = "http_setup"

@@ -17,6 +17,7 @@ from edge.device import DeviceInfo, detect
 from edge.engines.key import key_for
 from edge.engines.store import EngineStore, StoredEngine
 from edge.errors import EdgeError, EngineError
+from edge.start import Phases
 from edge.timing import StartTimer
 from edge.worker import EngineWorker
 
@@ -40,7 +41,7 @@ def read_verified(stored: StoredEngine) -> bytes:
 def load_engines(cfg: Config, timer: StartTimer) -> tuple[dict[str, EngineWorker], list[dict[str, Any]]]:
     if not cfg.engines:
         return {}, []
-    with timer.phase("device") as ph:
+    with timer.phase(Phases.DEVICE) as ph:
         device = detect()
         ph.detail.update({k: v for k, v in device.as_dict().items() if v})
     workers: dict[str, EngineWorker] = {}
@@ -57,15 +58,15 @@ def load_engines(cfg: Config, timer: StartTimer) -> tuple[dict[str, EngineWorker
 
 def _load_one(cfg: Config, e: EngineConfig, device: DeviceInfo, timer: StartTimer,
               workers: dict[str, EngineWorker]) -> dict[str, Any]:
-    with timer.phase("engine_lookup", engine=e.name, backend=e.backend) as ph:
+    with timer.phase(Phases.ENGINE_LOOKUP, engine=e.name, backend=e.backend) as ph:
         stored = store_for(cfg, e).find(key_for(e, device))
         ph.detail["file"] = stored.path.name
-    with timer.phase("engine_read", engine=e.name) as ph:
+    with timer.phase(Phases.ENGINE_READ, engine=e.name) as ph:
         data = read_verified(stored)
         ph.bytes = len(data)
         ph.detail["sha256"] = "verified"
     worker = EngineWorker(e.name, stored)
-    with timer.phase("engine_deserialize", engine=e.name, backend=e.backend):
+    with timer.phase(Phases.ENGINE_DESERIALIZE, engine=e.name, backend=e.backend):
         try:
             worker.open(data)
         except BaseException:
