@@ -180,6 +180,10 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
+    if await request.is_disconnected():  # left while queued (tokenizing waits behind generations)
+        if asyncio.iscoroutine(work):
+            work.close()
+        raise _ClientGone
     task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)

@@ -367,6 +367,7 @@ def test_a_client_leaving_a_queued_request_is_an_abort_and_never_runs(tiny: Serv
 
     before_tokens = tiny.metric("edge_completion_tokens_total")
     before_aborts = tiny.metric("edge_client_aborts_total")
+    before_first = tiny.metric("edge_time_to_first_token_seconds_count")
     long = {}
 
     def occupy() -> None:  # keeps the worker busy while the second request waits in the queue
@@ -374,8 +375,9 @@ def test_a_client_leaving_a_queued_request_is_an_abort_and_never_runs(tiny: Serv
                                json={"prompt": "Hello", "max_tokens": 500, "temperature": 0})
     t = threading.Thread(target=occupy)
     t.start()
-    for _ in range(400):  # bounded polling: the long request holds the worker
-        if tiny.metric("edge_queue_depth") >= 1:
+    for _ in range(400):  # bounded polling: the long request is generating, so it holds the worker
+        # (queue depth alone is not enough: tokenizing counts in it too, before generation starts)
+        if tiny.metric("edge_time_to_first_token_seconds_count") > before_first:
             break
         threading.Event().wait(0.01)
     body = json.dumps({"prompt": "Hello", "max_tokens": 500}).encode()
