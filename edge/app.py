@@ -23,8 +23,9 @@ from starlette.routing import Route
 
 from edge.errors import BackendError, EdgeError, RequestError
 from edge.limits import check_prompt_text
-from edge.llm import GenParams, GGUFModel, Job
-from edge.metrics import Metrics, MetricsMiddleware
+from edge.generate import GenParams, Job
+from edge.llm import GGUFModel
+from edge.metrics import Metrics, MetricsMiddleware, in_warmup
 from edge.openai import Ask, Limits, grammar, parse
 from edge.openai_shapes import Choice, Shape, parse_tool_calls
 from edge.worker import ModelWorker
@@ -84,10 +85,11 @@ class _Run:
     n_prompt: int
     shape: Shape
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         done = sum(j.completion_tokens for j in self.jobs)
+        cached = sum(j.cached_tokens for j in self.jobs[::self.ask.n])  # each prompt's first choice
         return {"prompt_tokens": self.n_prompt, "completion_tokens": done,
-                "total_tokens": self.n_prompt + done}
+                "total_tokens": self.n_prompt + done, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def tool_names(self) -> list[str]:
         return [t["function"]["name"] for t in self.ask.tools or []]
@@ -141,7 +143,8 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
                            **{**ask.sampling, "stop": ask.sampling["stop"] + stops})
         # n choices from one seed: seed, seed+1, ... (the same seed would give n equal choices)
         jobs += [Job(tokens=tokens, params=params if params.seed is None else
-                     replace(params, seed=(params.seed + j) % (2**32 - 1))) for j in range(ask.n)]
+                     replace(params, seed=(params.seed + j) % (2**32 - 1)),
+                     cache_prompt=ask.cache_prompt, remember=not in_warmup()) for j in range(ask.n)]
         echoes += [echo if ask.echo else ""] * ask.n
     shape = Shape(chat, m.cfg.name, ask.sampling["logprobs"] is not None)
     return _Run(worker, ask, jobs, echoes, sum(len(t) for t, _, _ in prompts), shape)
@@ -160,7 +163,8 @@ async def _choices(run: _Run, metrics: Metrics) -> list[Choice]:
     out = []
     for i, job in enumerate(run.jobs):
         c = Choice(i, text=run.echoes[i])
-        async for piece in metrics.generation(run.shape.model, run.worker.stream(job, admitted=True)):
+        pieces = run.worker.stream(job, admitted=True, eager=False)  # one answer: no per-token wake-ups
+        async for piece in metrics.generation(run.shape.model, pieces):
             c.text += piece.text
             c.logprobs += piece.logprobs
             c.finish = piece.finish_reason or c.finish
@@ -223,7 +227,8 @@ async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
             c = Choice(i, text=run.echoes[i])
             if c.text and not run.buffered():
                 yield shape.chunk(c)
-            async for piece in metrics.generation(shape.model, run.worker.stream(job, admitted=True)):
+            pieces = run.worker.stream(job, admitted=True, eager=not run.buffered())
+            async for piece in metrics.generation(shape.model, pieces):
                 if run.buffered():
                     c.text, c.finish = c.text + piece.text, piece.finish_reason or c.finish
                 elif piece.text or piece.finish_reason or piece.logprobs:

@@ -29,7 +29,9 @@ __all__ = [
     "SYSTEM_CONFIG",
     "load",
     "Config",
+    "MessageConfig",
     "ModelConfig",
+    "PrefixConfig",
     "PathsConfig",
     "ServerConfig",
     "WarmupConfig",
@@ -89,6 +91,26 @@ class PathsConfig:
 
 
 @dataclass(frozen=True)
+class MessageConfig:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    """A prefix every request of a deployment starts with, kept warm in the KV cache: exactly
+    one of `text` (a completion prefix), `file` (its text, relative to the config) or `messages`
+    (chat: the model's template rendered for them, `tools` included, up to where the next
+    message starts)."""
+
+    name: str
+    text: str | None = None
+    file: str | None = None
+    messages: list[MessageConfig] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     path: str
@@ -106,6 +128,23 @@ class ModelConfig:
     chat_template: str | None = None  # overrides the template stored in the GGUF
     max_tokens_default: int = field(default=256, metadata=_range(1, 1 << 20))
     max_choices: int = field(default=8, metadata=_range(1, 128))  # bound on n x prompts per request
+    # llama.cpp context settings, with llama-server's defaults: flash attention decided by
+    # llama.cpp for the device and model ("auto"), the physical batch (None: min(512, n_batch)),
+    # batch threads (0: n_threads)
+    flash_attn: bool | str = "auto"  # "auto" | true | false
+    n_ubatch: int | None = field(default=None, metadata=_range(1, 1 << 16))
+    n_threads_batch: int = field(default=0, metadata=_range(0, 1024))
+    # The prompt cache (edge.prefixcache): KV states of earlier prefixes in host memory, bounded
+    # by bytes (None: two full contexts' KV, at most 1/16 of RAM; 0: off); declared prefixes,
+    # restored from disk at every start; the N prefixes traffic reused most, saved at SIGTERM.
+    prompt_cache_mb: int | None = field(default=None, metadata=_range(0, 1 << 20))
+    prefixes: list[PrefixConfig] = field(default_factory=list)
+    learn_prefixes: int = field(default=0, metadata=_range(0, 64))
+
+    @property
+    def flash_attn_mode(self) -> str:
+        """"auto", "on" or "off" (llama.cpp's three)."""
+        return "auto" if self.flash_attn == "auto" else "on" if self.flash_attn else "off"
 
 
 @dataclass(frozen=True)
@@ -246,7 +285,7 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
         path = m.path
         if base_dir is not None and not path.startswith(BUILTIN_PREFIX) and not os.path.isabs(path):
             path = str((base_dir / path).resolve())  # relative paths are relative to the config file
-        resolved.append(dataclasses.replace(m, path=path))
+        resolved.append(_check_cache(dataclasses.replace(m, path=path), source, where, base_dir))
     object.__setattr__(cfg, "models", resolved)
     if not cfg.server.host.strip():
         raise ConfigError(source, "server.host", "expected an address such as \"127.0.0.1\", found an "
@@ -257,6 +296,57 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
     mode = cfg.server.unix_socket_mode
     if not (mode.isdigit() and set(mode) <= set("01234567") and len(mode) <= 4):
         raise ConfigError(source, "server.unix_socket_mode", f"expected an octal mode such as \"0660\", found {mode!r}")
+
+
+PREFIX_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_cache(m: ModelConfig, source: str, where: str, base_dir: Path | None) -> ModelConfig:
+    """flash_attn, n_ubatch and the prompt cache's fields; prefix files resolved."""
+    if isinstance(m.flash_attn, str) and m.flash_attn != "auto":
+        raise ConfigError(source, f"{where}.flash_attn", f"expected \"auto\", true or false, found {m.flash_attn!r}")
+    if m.n_ubatch is not None and m.n_ubatch > m.n_batch:
+        raise ConfigError(source, f"{where}.n_ubatch", f"expected at most n_batch ({m.n_batch}), found {m.n_ubatch}")
+    if (m.prefixes or m.learn_prefixes) and m.prompt_cache_mb == 0:
+        what = "prefixes" if m.prefixes else "learn_prefixes"
+        raise ConfigError(source, f"{where}.prompt_cache_mb", f"0 turns the prompt cache off, but {what} "
+                          "needs it: remove prompt_cache_mb (sized automatically) or set it above 0")
+    seen: set[str] = set()
+    prefixes = []
+    for j, p in enumerate(m.prefixes):
+        key = f"{where}.prefixes[{j}]"
+        if not p.name or not all(c.isalnum() or c in "-_." for c in p.name) or p.name.startswith("."):
+            raise ConfigError(source, f"{key}.name", f"expected letters, digits, '-', '_' or '.', found {p.name!r}")
+        if p.name in seen:
+            raise ConfigError(source, f"{key}.name", f"duplicate prefix name {p.name!r}")
+        seen.add(p.name)
+        given = [k for k in ("text", "file", "messages") if getattr(p, k) is not None]
+        if len(given) != 1:
+            raise ConfigError(source, key, f"expected exactly one of text, file or messages, found {given or 'none'}")
+        if p.tools is not None and p.messages is None:
+            raise ConfigError(source, f"{key}.tools", "tools belong to a chat prefix: give messages too")
+        if p.text == "" or p.messages == []:
+            raise ConfigError(source, f"{key}.{given[0]}", "expected a non-empty prefix")
+        for i, msg in enumerate(p.messages or []):
+            if msg.role not in PREFIX_ROLES:
+                raise ConfigError(source, f"{key}.messages[{i}].role",
+                                  f"expected one of {list(PREFIX_ROLES)}, found {msg.role!r}")
+        prefixes.append(_read_prefix_file(p, source, key, base_dir) if p.file is not None else p)
+    return dataclasses.replace(m, prefixes=prefixes)
+
+
+def _read_prefix_file(p: PrefixConfig, source: str, key: str, base_dir: Path | None) -> PrefixConfig:
+    """A `file` prefix becomes its text, read now (relative to the config file)."""
+    path = Path(p.file or "")
+    if base_dir is not None and not path.is_absolute():
+        path = (base_dir / path).resolve()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(source, f"{key}.file", f"cannot read {path} as UTF-8 text: {exc}") from None
+    if not text:
+        raise ConfigError(source, f"{key}.file", f"{path} is empty; expected the prefix's text")
+    return dataclasses.replace(p, file=str(path), text=text)
 
 
 def _check_name(name: str, source: str, key: str) -> None:
@@ -378,7 +468,16 @@ def _coerce(tp: Any, val: Any, source: str, key: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _coerce(args[0], val, source, key)
+        for arg in args[:-1]:  # `bool | str`: the first type the value is
+            try:
+                return _coerce(arg, val, source, key)
+            except ConfigError:
+                pass
+        return _coerce(args[-1], val, source, key)
+    if origin is dict:  # free-form tables (a tool's JSON schema): TOML already typed their values
+        if not isinstance(val, dict):
+            raise ConfigError(source, key, f"expected a table, found {_kind(val)}")
+        return val
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(val, list):

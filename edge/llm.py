@@ -1,107 +1,43 @@
 """The llama.cpp model: load (mmap + mlock, measured), tokenize, chat template, generate.
 
-Every method of a loaded model runs on its worker thread (edge.worker.ModelWorker).
+Every method of a loaded model runs on its worker thread (edge.worker.ModelWorker). The native
+calls are edge.llamacpp's, the generation loop edge.generate's, the KV cache edge.prefixcache's.
 """
 
 from __future__ import annotations
 
-import codecs
 import logging
 import mmap
 import os
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from edge.config import ModelConfig
 from edge.errors import BackendError, ModelError, RequestError, require
+from edge.generate import GenParams, Job, Piece, generate
 from edge.gguf import GGUFInfo
+from edge.llamacpp import ContextSettings, DecodeError, Native
 from edge.mlock import MlockStatus, mlock_status, vm_locked_bytes
+from edge.prefixcache import PromptCache, default_limit_bytes
 
-__all__ = ["GenParams", "GGUFModel", "Job", "Piece", "diagnose_load_failure", "load_gguf_model"]
+__all__ = ["GenParams", "GGUFModel", "Job", "Piece", "diagnose_load_failure", "load_gguf_model",
+           "settings_for"]
 
 log = logging.getLogger("edge")
 
 
-@dataclass(frozen=True)
-class GenParams:
-    max_tokens: int
-    temperature: float = 0.8
-    top_p: float = 0.95
-    top_k: int = 40
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    grammar: str | None = None  # GBNF, already checked with check_grammar
-    logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k likeliest
-
-
-@dataclass
-class TokenLogprob:
-    token: bytes
-    logprob: float
-    top: list[tuple[bytes, float]]
-
-
-@dataclass
-class Piece:
-    text: str
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-@dataclass
-class Job:
-    tokens: list[int]
-    params: GenParams
-    cancel: threading.Event = field(default_factory=threading.Event)
-    completion_tokens: int = 0
-
-
-class _Probe:
-    """First stage of llama.cpp's sampler chain (a llama-cpp-python logits processor): it sees the
-    model's raw logits in token-id order, so logprobs are the model's own distribution (before
-    penalties, bias and grammar), and logit_bias is applied before anything else samples."""
-
-    def __init__(self, bias: tuple[tuple[int, float], ...], top: int | None) -> None:
-        import numpy as np
-
-        self._np = np
-        # OpenAI: -100 "should result in a ban" -- make it one, whatever the logits' scale.
-        self.bias = [(t, -np.inf if b <= -100 else b) for t, b in bias]
-        self.top = top
-        self.logprobs: Any = None
-
-    def __call__(self, input_ids: Any, logits: Any) -> Any:
-        if self.top is not None:
-            np = self._np
-            m = float(logits.max())
-            self.logprobs = logits - (m + float(np.log(np.exp(logits - m).sum())))
-        for tok, b in self.bias:
-            logits[tok] += b
-        return logits
-
-    def entry(self, tok: int, piece: Any) -> TokenLogprob:
-        np, lp, k = self._np, self.logprobs, self.top or 0
-        best = np.argpartition(-lp, k)[:k] if k else []
-        best = sorted(best, key=lambda i: -lp[i])
-        return TokenLogprob(piece(tok), float(lp[tok]), [(piece(int(i)), float(lp[i])) for i in best])
-
-
 class GGUFModel:
-    """A llama-cpp model; every method must run on the model's worker thread."""
+    """A llama.cpp model, its context and its prompt cache; every method must run on the model's
+    worker thread."""
 
-    def __init__(self, cfg: ModelConfig, info: GGUFInfo, llama: Any, mlock: MlockStatus) -> None:
+    def __init__(self, cfg: ModelConfig, info: GGUFInfo, native: Native, mlock: MlockStatus) -> None:
         self.cfg = cfg
         self.info = info
-        self.llama = llama
+        self.native = native
         self.mlock = mlock
-        # llama.cpp may round the context up (to 256), but llama-cpp-python sizes its token
-        # buffers by the n_ctx asked for: the smaller one is the real limit.
-        self.n_ctx = min(int(cfg.n_ctx), int(llama.n_ctx()))
+        self.n_ctx = min(int(cfg.n_ctx), native.n_ctx)  # llama.cpp may round the context up
+        self.cache = PromptCache(native, default_limit_bytes(cfg, info) if cfg.prompt_cache_mb is None
+                                 else cfg.prompt_cache_mb << 20)
         self._formatter = self._make_formatter()
 
     def _make_formatter(self) -> Any:
@@ -110,9 +46,9 @@ class GGUFModel:
             return None
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        vocab = self.llama
-        eos = vocab.detokenize([vocab.token_eos()], special=True).decode("utf-8", "replace")
-        bos = vocab.detokenize([vocab.token_bos()], special=True).decode("utf-8", "replace")
+        n = self.native
+        eos = n.piece(n.eos, special=True).decode("utf-8", "replace")
+        bos = n.piece(n.bos, special=True).decode("utf-8", "replace")
         try:
             return Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
         except Exception as exc:  # jinja2.TemplateSyntaxError and friends
@@ -120,7 +56,11 @@ class GGUFModel:
             raise ModelError(self.info.path, f"chat template ({where}) does not compile: {exc}") from None
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
-        return self.llama.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+        return self.native.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+
+    def tokenize_text(self, text: str) -> list[int]:
+        """Plain text, no BOS, special-token names taken literally (warm-up candidates)."""
+        return self.native.tokenize(text.encode("utf-8"), add_bos=False, special=False)
 
     @property
     def supports_tools(self) -> bool:
@@ -128,8 +68,9 @@ class GGUFModel:
         template = self.cfg.chat_template or self.info.chat_template or ""
         return "tools" in template
 
-    def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                      tool_choice: Any = None) -> tuple[list[int], tuple[str, ...]]:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    tool_choice: Any = None) -> tuple[str, bool, tuple[str, ...]]:
+        """(prompt text, whether the template added BOS itself, the template's stop strings)."""
         if self._formatter is None:
             raise RequestError(f"model {self.cfg.name!r} has no chat template: set "
                                "models[].chat_template in the config, or use /v1/completions",
@@ -139,27 +80,28 @@ class GGUFModel:
         except Exception as exc:  # jinja2 errors from the model's own template
             raise RequestError(f"chat template rejected the messages: {exc}", param="messages") from None
         stop = out.stop if isinstance(out.stop, list) else [out.stop] if out.stop else []
-        tokens = self.llama.tokenize(out.prompt.encode("utf-8"), add_bos=not out.added_special,
-                                     special=True)
-        return tokens, tuple(s for s in stop if s)
+        return out.prompt, bool(out.added_special), tuple(s for s in stop if s)
+
+    def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                      tool_choice: Any = None) -> tuple[list[int], tuple[str, ...]]:
+        prompt, added_bos, stops = self.render_chat(messages, tools, tool_choice)
+        return self.native.tokenize(prompt.encode("utf-8"), add_bos=not added_bos, special=True), stops
 
     @property
     def n_vocab(self) -> int:
-        return int(self.llama.n_vocab())
+        return self.native.n_vocab
 
     def token_bytes(self, tok: int) -> bytes:
-        return bytes(self.llama.detokenize([tok], special=False))
+        return self.native.piece(tok)
 
     def check_grammar(self, gbnf: str, param: str) -> None:
         """Compile a grammar the way generation will: llama.cpp answers NULL for one it cannot
         parse, and a NULL sampler in the chain would crash the worker."""
-        import llama_cpp
-
-        sampler = llama_cpp.llama_sampler_init_grammar(self.llama._model.vocab, gbnf.encode("utf-8"),
-                                                       b"root")
+        lib = self.native.lib
+        sampler = lib.llama_sampler_init_grammar(self.native.vocab, gbnf.encode("utf-8"), b"root")
         if not sampler:
             raise RequestError(f"{param}: llama.cpp cannot compile the grammar made from it", param=param)
-        llama_cpp.llama_sampler_free(sampler)
+        lib.llama_sampler_free(sampler)
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
         if n_prompt + max_tokens > self.n_ctx:
@@ -169,65 +111,27 @@ class GGUFModel:
                                code="context_length_exceeded")
 
     def generate(self, job: Job) -> Iterator[Piece]:
-        import llama_cpp
-
-        p = job.params
-        # no seed: a fresh random one (llama.cpp's default seed means "random") per request
-        self.llama.set_seed(llama_cpp.LLAMA_DEFAULT_SEED if p.seed is None else p.seed)
-        probe = _Probe(p.logit_bias, p.logprobs) if p.logit_bias or p.logprobs is not None else None
-        grammar = llama_cpp.LlamaGrammar.from_string(p.grammar) if p.grammar else None
         try:
-            tokens = self.llama.generate(
-                job.tokens, top_k=p.top_k, top_p=p.top_p, temp=p.temperature, reset=True,
-                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                logits_processor=[probe] if probe else None, grammar=grammar)
-            yield from self._pieces(job, tokens, probe)
-        except RequestError:
-            raise
-        except Exception as exc:  # llama.cpp decode failures surface as RuntimeError
+            yield from generate(self.native, self.cache, job)
+        except DecodeError as exc:
             raise BackendError(f"llama.cpp failed while generating: {exc}") from exc
 
-    def _pieces(self, job: Job, tokens: Iterator[int], probe: _Probe | None) -> Iterator[Piece]:
-        p = job.params
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        held = ""  # text that may still turn out to be the start of a stop string
-        hold = max((len(s) for s in p.stop), default=0)
-        lps: list[TokenLogprob] = []
-        for tok in tokens:
-            if self._is_eog(tok):
-                yield Piece(held, "stop", lps)
-                return
-            job.completion_tokens += 1
-            if probe is not None and p.logprobs is not None:
-                lps.append(probe.entry(tok, self.token_bytes))
-            held += decoder.decode(self.token_bytes(tok))
-            cut = _find_stop(held, p.stop)
-            if cut is not None:
-                yield Piece(held[:cut], "stop", lps)
-                return
-            if job.completion_tokens >= p.max_tokens:
-                yield Piece(held + decoder.decode(b"", final=True), "length", lps)
-                return
-            if job.cancel.is_set():
-                return
-            if len(held) > hold:
-                keep = len(held) - hold if hold else len(held)
-                yield Piece(held[:keep], None, lps)
-                held, lps = held[keep:], []
-
-    def _is_eog(self, tok: int) -> bool:
-        import llama_cpp
-
-        return bool(llama_cpp.llama_vocab_is_eog(self.llama._model.vocab, tok))
+    def close(self) -> None:
+        """The context, the KV cache and the mapping now, not whenever GC gets to them."""
+        self.cache.clear()
+        self.native.close()
 
 
-def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+def settings_for(cfg: ModelConfig) -> ContextSettings:
+    threads = cfg.n_threads or os.cpu_count() or 1
+    return ContextSettings(n_ctx=cfg.n_ctx, n_batch=min(cfg.n_batch, cfg.n_ctx),
+                           n_ubatch=min(cfg.n_ubatch or 512, cfg.n_batch, cfg.n_ctx), n_threads=threads,
+                           n_threads_batch=cfg.n_threads_batch or threads, flash_attn=cfg.flash_attn_mode,
+                           n_gpu_layers=cfg.n_gpu_layers, use_mmap=cfg.use_mmap, use_mlock=cfg.use_mlock)
 
 
 def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
-    """Load through llama-cpp with mmap/mlock and measure whether the lock really took."""
+    """Load through llama.cpp with mmap/mlock and measure whether the lock really took."""
     llama_cpp = require("llama_cpp", None, "loading GGUF models", package="llama-cpp-python")
     from edge.llama_gpu import require_gpu_offload
 
@@ -239,18 +143,14 @@ def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
                     info.architecture, trained)
     before = vm_locked_bytes()
     try:
-        llama = llama_cpp.Llama(
-            model_path=info.path, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch,
-            n_threads=cfg.n_threads or os.cpu_count() or 1, n_gpu_layers=cfg.n_gpu_layers,
-            use_mmap=cfg.use_mmap, use_mlock=cfg.use_mlock, verbose=False,
-        )
+        native = Native(info.path, settings_for(cfg))
     except (ValueError, RuntimeError) as exc:
         why = diagnose_load_failure(info, llama_cpp)
         raise ModelError(info.path, f"llama.cpp could not load the model: {exc}"
                          + (f"; {why}" if why else "")) from None
     status = mlock_status(cfg.use_mlock, vm_locked_bytes() - before, info, use_mmap=cfg.use_mmap,
                           n_gpu_layers=cfg.n_gpu_layers)
-    return GGUFModel(cfg, info, llama, status)
+    return GGUFModel(cfg, info, native, status)
 
 
 def diagnose_load_failure(info: GGUFInfo, llama_cpp: Any) -> str:

@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-__all__ = ["Metrics", "MetricsMiddleware", "UNMATCHED", "WARMUP_SCOPE_KEY",
+__all__ = ["Metrics", "MetricsMiddleware", "UNMATCHED", "WARMUP_SCOPE_KEY", "in_warmup",
            "warmup_transport"]
 
 UNMATCHED = "<unmatched>"
@@ -38,6 +38,11 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _IN_WARMUP: contextvars.ContextVar[bool] = contextvars.ContextVar("edge_metrics_in_warmup", default=False)
 
 T = TypeVar("T")
+
+
+def in_warmup() -> bool:
+    """Whether the request being handled came over the warm-up's private loopback transport."""
+    return _IN_WARMUP.get()
 ASGIApp = Any  # (scope, receive, send) -> awaitable
 
 
@@ -154,6 +159,7 @@ class _StateCollector:
             for name, worker in workers.items():
                 depth.add_metric([name, kind], float(getattr(worker, "pending", 0)))
         yield depth
+        yield from _prompt_cache_families(getattr(st, "workers", {}))
         phases = GaugeMetricFamily("edge_start_phase_seconds", "Duration of each phase of the last "
                                    "start (event=start) or reload, per model or engine (empty for "
                                    "process-wide phases).", labels=["event", "phase", "model", "kind"])
@@ -161,6 +167,29 @@ class _StateCollector:
             for (phase, target, kind), seconds in samples.items():
                 phases.add_metric([event, phase, target, kind], seconds)
         yield phases
+
+
+def _prompt_cache_families(workers: dict[str, Any]) -> Iterator[Metric]:
+    """Each model's prompt cache (edge.prefixcache), read at the scrape: bytes held and allowed,
+    requests that reused a cached prefix or not, prompt tokens reused."""
+    caches = {n: w.model.cache for n, w in workers.items() if hasattr(getattr(w, "model", None), "cache")}
+    held = GaugeMetricFamily("edge_prompt_cache_bytes", "KV state bytes the prompt cache holds in host "
+                             "memory (saved prefixes, pinned ones included).", labels=["model"])
+    limit = GaugeMetricFamily("edge_prompt_cache_limit_bytes", "The prompt cache's bound "
+                              "(models[].prompt_cache_mb).", labels=["model"])
+    hits = CounterMetricFamily("edge_prompt_cache_hits", "Requests whose prompt reused a cached "
+                               "prefix of at least 16 tokens (live or saved).", labels=["model"])
+    misses = CounterMetricFamily("edge_prompt_cache_misses", "Requests whose prompt reused no "
+                                 "cached prefix (fewer than 16 tokens).", labels=["model"])
+    reused = CounterMetricFamily("edge_prompt_cache_reused_tokens", "Prompt tokens whose KV was "
+                                 "reused instead of computed.", labels=["model"])
+    for name, cache in caches.items():
+        held.add_metric([name], float(cache.nbytes))
+        limit.add_metric([name], float(cache.limit_bytes))
+        hits.add_metric([name], float(cache.stats.hits))
+        misses.add_metric([name], float(cache.stats.misses))
+        reused.add_metric([name], float(cache.stats.reused_tokens))
+    yield from (held, limit, hits, misses, reused)
 
 
 class MetricsMiddleware:

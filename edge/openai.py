@@ -16,8 +16,11 @@ from edge.errors import RequestError
 
 __all__ = ["Ask", "Limits", "IGNORED", "REFUSED", "parse"]
 
+# `cache_prompt` is llama-server's extension (same name, same default): false asks for the whole
+# prompt to be computed from position 0, for bit-exact repeats (README "Reproducibility").
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "n",
-           "presence_penalty", "frequency_penalty", "logit_bias", "max_tokens", "logprobs"}
+           "presence_penalty", "frequency_penalty", "logit_bias", "max_tokens", "logprobs",
+           "cache_prompt"}
 _COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                    "tool_choice", "parallel_tool_calls"}
@@ -29,7 +32,7 @@ IGNORED = {
     "metadata": "only meaningful for stored completions; edge stores nothing",
     "store": "false is what edge does anyway (true is refused)",
     "service_tier": "one tier: `auto` or `default` accepted, others refused",
-    "prompt_cache_key": "llama.cpp reuses the matching prefix of the previous request by itself",
+    "prompt_cache_key": "edge's prompt cache matches every request by its longest cached prefix by itself",
     "modalities": "`[\"text\"]` is what edge produces (anything else is refused)",
 }
 # Known OpenAI fields edge does not implement: a 400 naming the field, with the reason.
@@ -73,6 +76,7 @@ class Ask:
     parallel_tool_calls: bool = True
     schema: tuple[dict[str, Any], str] | None = None  # JSON schema and the field it came from
     user: str | None = None
+    cache_prompt: bool = True  # False: no KV reuse for this request (bit-exact repeats)
 
 
 def _bad(param: str, message: str) -> RequestError:
@@ -332,7 +336,8 @@ def parse(body: dict[str, Any], chat: bool, limits: Limits) -> Ask:
     ask = Ask(chat=chat, sampling=_sampling(body, chat, limits),
               max_tokens=_max_tokens(body, chat, limits.n_ctx),
               n=_get(body, "n", (int,), 1, 1, limits.max_n), stream=stream,
-              include_usage=include_usage, user=body.get("user"))
+              include_usage=include_usage, user=body.get("user"),
+              cache_prompt=_get(body, "cache_prompt", (bool,), True))
     if chat:
         _chat_fields(body, ask, limits)
     else:

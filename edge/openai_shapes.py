@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge.llm import TokenLogprob
+from edge.generate import TokenLogprob
 
 __all__ = ["Choice", "Shape", "parse_tool_calls"]
 

@@ -338,11 +338,8 @@ def _guard(cfg: Config, plan: LoadPlan, old: Loaded) -> Decision:
 
 def _set_threads(model: Any, n: int | None) -> None:
     """On the model's worker thread: at most n threads for decode and batch, or (None) its own."""
-    import llama_cpp
-
-    cp = model.llama.context_params
-    llama_cpp.llama_set_n_threads(model.llama._ctx.ctx, min(n or cp.n_threads, cp.n_threads),
-                                  min(n or cp.n_threads_batch, cp.n_threads_batch))
+    s = model.native.settings
+    model.native.set_threads(n or s.n_threads, n or s.n_threads_batch)
 
 
 def _collect() -> None:

@@ -64,6 +64,7 @@ class Phases:
     MODEL_LOAD = "model_load"
     IMPORTS_HTTP = "imports_http"
     MLOCK_VERIFY = "mlock_verify"
+    PREFIX_STATES = "prefix_states"  # declared/learned prefixes restored from disk (or computed)
     DEVICE = "device"  # engines (edge.engines.load): device, lookup, read, deserialize
     ENGINE_LOOKUP = "engine_lookup"
     ENGINE_READ = "engine_read"
@@ -106,9 +107,9 @@ class Loaded:
         for name, worker in self.workers().items():
             if id(worker) not in shared and name not in self.closed:
                 worker.close()  # waits for the job on its thread, if any
-                llama = getattr(getattr(worker, "model", None), "llama", None)
-                if hasattr(llama, "close"):
-                    llama.close()  # the context and the mapping now, not whenever GC gets to it
+                model = getattr(worker, "model", None)
+                if hasattr(model, "close"):
+                    model.close()  # the context and the mapping now, not whenever GC gets to it
                 self.closed.add(name)
                 freed.append(name)
         return freed
@@ -158,7 +159,7 @@ class ColdStart:
         self._validations: list[concurrent.futures.Future[tuple[float, float, GGUFInfo]]] = []
         self.recalibrate = False  # `edge warmup --calibrate`: measure anew whatever is stored
         # Test hook: called with the loaded set just before the warm-up, so that a test can put a
-        # double at the backend boundary (a wrapper around a model's llama object); None in service.
+        # double at the backend boundary (a wrapper around a model's native object); None in service.
         self.before_warm: Callable[[Loaded], None] | None = None
         self.hup_pending = False  # SIGHUP before READY: reload once serving
 
@@ -195,6 +196,7 @@ class ColdStart:
         ready_text = self.mark_ready(loaded)
         async with reloader:
             await serve_http(server, self.sockets, self.notifier, ready_text, stop)
+        await self.save_learned(dispatcher.loaded)
         dispatcher.loaded.close()
         return reloader.fatal.exit_code if reloader.fatal else 0
 
@@ -393,6 +395,7 @@ class ColdStart:
         from edge.warmup import LoopbackHTTP
 
         cfg = self.config
+        await self.restore_prefixes(loaded)
         store = PlanStore(cache_dir(cfg) / "warmup")
         with self.timer.phase(Phases.WARMUP_SETUP):  # what to warm; the loopback server started
             targets = await self._warm_targets(loaded)
@@ -407,6 +410,34 @@ class ColdStart:
                 loaded.warmup += result.steps
                 loaded.plans.append(result.as_dict())
         return loaded.warmup
+
+    async def restore_prefixes(self, loaded: Loaded) -> None:
+        """Each new model's declared (and learned) prefixes into its prompt cache: read from
+        disk, or prefilled and saved when their key is new (or `edge warmup --calibrate`)."""
+        from edge.prefixstore import folder_for, restore_prefixes
+
+        cfg = self.config
+        for i, m in enumerate(cfg.models):
+            w = loaded.state.workers.get(m.name)
+            if w is None or m.name in loaded.kept or not (m.prefixes or m.learn_prefixes):
+                continue
+            self.notifier.status(f"restoring the prefix states of {m.name}")
+            with self.timer.phase(Phases.PREFIX_STATES, model=m.name) as ph:
+                rows = await w.call(restore_prefixes, w.model, folder_for(cache_dir(cfg), m.name),
+                                    cfg.source, f"models[{i}]", self.recalibrate)
+                ph.bytes = sum(r["bytes"] for r in rows if r["outcome"] != "ignored")
+                ph.detail["prefixes"] = rows
+
+    async def save_learned(self, loaded: Loaded) -> None:
+        """At SIGTERM, after the drain: the prefixes traffic reused most, for the next start."""
+        from edge.prefixstore import folder_for, save_learned
+
+        for m in self.config.models:
+            w = loaded.state.workers.get(m.name)
+            if w is not None and m.learn_prefixes and m.name not in loaded.closed:
+                rows = await w.call(save_learned, w.model, folder_for(cache_dir(self.config), m.name))
+                log.info("%s: saved %d learned prefixes for the next start: %s", m.name, len(rows),
+                         ", ".join(f"{r['tokens']} tokens ({r['hits']} hits)" for r in rows) or "none")
 
     async def _warm_targets(self, loaded: Loaded) -> list[Any]:
         """What to warm: models, then engines that ask for a warm-up. Each plan key needs the

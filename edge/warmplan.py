@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from edge.device import DeviceInfo
     from edge.llm import GGUFModel
 
-__all__ = ["PLAN_FORMAT", "Plan", "PlanStore", "WarmResult", "device_identity", "engine_plan_key",
+__all__ = ["PLAN_FORMAT", "Plan", "PlanStore", "WarmResult", "device_identity", "engine_plan_key", "model_identity",
            "model_plan_key", "warm_one"]
 
 log = logging.getLogger("edge")
@@ -45,7 +45,8 @@ def device_identity(device: DeviceInfo) -> dict[str, Any]:
     return {k: d.get(k) for k in _DEVICE_FIELDS}
 
 
-def _model_id(model: GGUFModel) -> dict[str, Any]:
+def model_identity(model: GGUFModel) -> dict[str, Any]:
+    """The model file in a key: its configured sha256, else its path, size and mtime."""
     if model.cfg.sha256:
         return {"model_id": "sha256", "model_sha256": model.cfg.sha256.lower()}
     st = os.stat(model.info.path)
@@ -57,12 +58,13 @@ def model_plan_key(model: GGUFModel, device: DeviceInfo, build: str | None) -> d
     """Runs on the model's worker thread (it asks the loaded llama.cpp context)."""
     import llama_cpp
 
-    params = model.llama.context_params
-    return {"kind": "model", **_model_id(model), "device": device_identity(device),
+    params = model.native.params
+    return {"kind": "model", **model_identity(model), "device": device_identity(device),
             "llama_cpp_python": getattr(llama_cpp, "__version__", None),
             "llama_system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),
             "backend": build, "n_ctx": model.n_ctx, "n_batch": int(params.n_batch),
-            "n_ubatch": int(params.n_ubatch), "n_gpu_layers": model.cfg.n_gpu_layers}
+            "n_ubatch": int(params.n_ubatch), "n_gpu_layers": model.cfg.n_gpu_layers,
+            "flash_attn": model.cfg.flash_attn_mode}
 
 
 def engine_plan_key(engine_key: dict[str, Any], device: DeviceInfo) -> dict[str, Any]:

@@ -144,7 +144,7 @@ class _Texts:
         return len(self.model.tokenize_prompt(text))  # as a request counts it: BOS included
 
     def _word(self, i: int) -> tuple[int, ...]:
-        return tuple(self.model.llama.tokenize(WORDS[i].encode(), add_bos=False, special=False))
+        return tuple(self.model.tokenize_text(WORDS[i]))
 
     def _start(self) -> int:
         """An unused word that shares the shortest token prefix with the previous text's first
@@ -177,7 +177,7 @@ class _Texts:
         full = self.model.tokenize_prompt(" ".join(words * reps))  # BOS first
         take, text = n, ""
         for _ in range(8):  # detokenize-retokenize may merge or split a token at the cut
-            raw = self.model.llama.detokenize(full[1:take]).decode("utf-8", "ignore")
+            raw = self.model.native.detokenize(full[1:take]).decode("utf-8", "ignore")
             text = raw.lstrip(" \u2581")  # a byte-level vocabulary hands back its space mark
             got = self._count(text)
             if got == n and text not in self.made:
@@ -186,8 +186,8 @@ class _Texts:
         # a cut that never lands (a short text in a byte-level vocabulary): words, then single
         # vocabulary entries, that a request counts as n tokens
         phrases = (" ".join(words[k:j]) for k in range(len(words)) for j in range(k + 1, min(len(words), k + n + 1)))
-        pieces = (self.model.llama.detokenize([t]).decode("utf-8", "ignore").strip()
-                  for t in range(self.model.llama.n_vocab()))
+        pieces = (self.model.token_bytes(t).decode("utf-8", "ignore").strip()
+                  for t in range(self.model.n_vocab))
         for p in itertools.chain(phrases, pieces):
             if p and p not in self.made and self._count(p) == n:
                 return p
@@ -257,7 +257,7 @@ def check_prompts(model: GGUFModel, cfg: WarmupConfig) -> list[int]:
 
 def _prompt_lengths(model: GGUFModel, cfg: WarmupConfig) -> list[int]:
     """Batch row counts around each kernel-path edge: below, at and above n_ubatch and n_batch."""
-    params = model.llama.context_params
+    params = model.native.params
     edges = {int(params.n_ubatch), int(params.n_batch)}
     out = [*SMALL_BATCH_EDGES] + [e + d for e in edges for d in (-1, 0, 1)]
     n_long = int(model.n_ctx * cfg.long_prefill_fraction)

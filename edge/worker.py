@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,8 @@ from edge.errors import RequestError
 if TYPE_CHECKING:  # types only: importing the worker module stays free of the backends
     from edge.engines.runtime import EngineSession
     from edge.engines.store import StoredEngine
-    from edge.llm import GGUFModel, Job, Piece
+    from edge.generate import Job, Piece
+    from edge.llm import GGUFModel
 
 __all__ = ["Worker", "ModelWorker", "EngineWorker"]
 
@@ -63,41 +65,108 @@ class ModelWorker(Worker):
         finally:
             self.release()
 
-    async def stream(self, job: Job, admitted: bool = False) -> AsyncIterator[Piece]:
+    async def stream(self, job: Job, admitted: bool = False, eager: bool = True) -> AsyncIterator[Piece]:
         """Pieces of one generation; cancelling the consumer stops generation at the next token.
-        `admitted`: the caller holds a place taken with admit() and releases it itself."""
+        `admitted`: the caller holds a place taken with admit() and releases it itself.
+        `eager`: wake the event loop for every piece it waits for (a stream); else only for the
+        first piece (time to first token) and the end. Pieces that came while the loop was busy
+        arrive merged into one, so a slow consumer costs the generating thread nothing."""
         if not admitted:
             self.admit()
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
+        channel = _Channel(loop, eager)
 
         def run() -> None:
             end: BaseException | None = None
+            pieces = None
             try:
                 # a job whose client left while it was queued is not even prefilled
-                pieces = iter(()) if job.cancel.is_set() else self.model.generate(job)
-                for piece in pieces:
-                    loop.call_soon_threadsafe(queue.put_nowait, piece)
-                    if job.cancel.is_set():
-                        break
+                if not job.cancel.is_set():
+                    pieces = self.model.generate(job)
+                    for piece in pieces:
+                        channel.put(piece)
+                        if job.cancel.is_set():
+                            break
             except BaseException as exc:
                 end = exc
-            loop.call_soon_threadsafe(queue.put_nowait, end)
+            finally:
+                if pieces is not None:
+                    pieces.close()  # the sampler chain goes now, on this thread
+            channel.close(end)
 
         try:
             fut = loop.run_in_executor(self._pool, run)
             while True:
-                item = await queue.get()
-                if item is None:
+                pieces, end = await channel.get()
+                if pieces:
+                    yield _merged(pieces)
+                if end is not None:
+                    if isinstance(end, BaseException):
+                        raise end
                     break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
             await fut
         finally:
             job.cancel.set()
             if not admitted:
                 self.release()
+
+
+_DONE = True  # what _Channel.get returns as `end` once the generation finished without error
+
+
+class _Channel:
+    """Pieces from the worker thread to the event loop. The thread never blocks; it schedules a
+    wake-up of the loop only when the loop waits for one (eager: any piece; else the first piece
+    and the end), so at most one wake-up is in flight whatever the token rate."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, eager: bool) -> None:
+        self._loop, self._eager = loop, eager
+        self._lock = threading.Lock()
+        self._items: list[Piece] = []
+        self._end: BaseException | bool | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._first = True
+
+    def put(self, piece: Piece) -> None:  # the worker thread
+        with self._lock:
+            self._items.append(piece)
+            wake = self._waiter if (self._eager or self._first) else None
+            self._first = False
+            if wake is not None:
+                self._waiter = None
+        if wake is not None:
+            self._loop.call_soon_threadsafe(_wake, wake)
+
+    def close(self, error: BaseException | None) -> None:  # the worker thread
+        with self._lock:
+            self._end = error if error is not None else _DONE
+            wake, self._waiter = self._waiter, None
+        if wake is not None:
+            self._loop.call_soon_threadsafe(_wake, wake)
+
+    async def get(self) -> tuple[list[Piece], BaseException | bool | None]:
+        """What came since the last call (and the end, once there): waits while there is none."""
+        while True:
+            with self._lock:
+                if self._items or self._end is not None:
+                    items, self._items = self._items, []
+                    return items, self._end
+                waiter = self._waiter = self._loop.create_future()
+            await waiter
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _merged(pieces: list[Piece]) -> Piece:
+    if len(pieces) == 1:
+        return pieces[0]
+    from edge.generate import Piece
+
+    return Piece("".join(p.text for p in pieces), pieces[-1].finish_reason,
+                 [lp for p in pieces for lp in p.logprobs])
 
 
 class EngineWorker(Worker):

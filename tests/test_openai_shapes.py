@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from edge.llm import TokenLogprob
+from edge.generate import TokenLogprob
 from edge.openai_shapes import completion_logprobs, parse_tool_calls
 
 

@@ -31,24 +31,27 @@ CALIBRATION = "min_gain_s = 0.5\nmin_gain_ratio = 1.0\nbudget_s = 120.0\n"
 
 
 class FirstUseCostDouble:
-    """Test double for a llama_cpp.Llama: delegates everything, records every prompt it is asked
-    to generate from, and sleeps DELAY_S on the first generate() of `slow_len` prompt tokens."""
+    """Test double at the llama.cpp boundary (edge.llamacpp.Native): delegates everything,
+    records the whole prompt of every prefill (the tokens reused from the KV cache and those
+    decoded now), and sleeps DELAY_S on the first prefill of a `slow_len`-token prompt."""
 
-    def __init__(self, llama: Any, slow_len: int | None) -> None:
-        self._llama = llama
+    def __init__(self, native: Any, cache: Any, slow_len: int | None) -> None:
+        self._native = native
+        self._cache = cache
         self.slow_len = slow_len
         self.prompts: list[list[int]] = []
         self._paid = threading.Event()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._llama, name)
+        return getattr(self._native, name)
 
-    def generate(self, tokens: list[int], **kw: Any) -> Any:
-        self.prompts.append(list(tokens))
-        if len(tokens) == self.slow_len and not self._paid.is_set():
+    def decode(self, tokens: list[int], pos: int) -> None:
+        prompt = list(self._cache.live[:pos]) + list(tokens)  # the prompt cache set live to the reused part
+        self.prompts.append(prompt)
+        if len(prompt) == self.slow_len and not self._paid.is_set():
             self._paid.set()
             threading.Event().wait(DELAY_S)  # the injected first-use cost (not a wait on anything)
-        return self._llama.generate(tokens, **kw)
+        self._native.decode(tokens, pos)
 
 
 def rehearse(config: Path, slow_len: int | None = None, recalibrate: bool = False
@@ -59,8 +62,8 @@ def rehearse(config: Path, slow_len: int | None = None, recalibrate: bool = Fals
 
     def install(loaded: Loaded) -> None:
         model = loaded.state.workers["tiny"].model
-        doubles.append(FirstUseCostDouble(model.llama, slow_len))
-        model.llama = doubles[0]
+        doubles.append(FirstUseCostDouble(model.native, model.cache, slow_len))
+        model.native = model.cache.native = doubles[0]
 
     start = ColdStart(str(config))
     start.before_warm = install

@@ -1,0 +1,237 @@
+"""The prompt cache: KV states of many prefixes in host memory, so that a prefix survives an
+unrelated request.
+
+A model has one live sequence in llama.cpp's KV cache (requests on a model are sequential). Beside
+it, this cache keeps saved states (llama_state_seq_get_data) of earlier sequences, least recently
+used first out, bounded by bytes. A request's prompt is matched against the live sequence and
+every saved state by longest common prefix (LCP); the longest wins: a saved state is restored
+into the live sequence (a memcpy) and cut to the common part, and only the rest of the prompt is
+prefilled. Before the live sequence loses more than it keeps to a new prompt, its state is saved
+(as llama-server's prompt cache does), so one unrelated request costs the next user of a long
+prefix one restore instead of a full prefill.
+
+Declared prefixes (config) are pinned: never evicted, restored at every start from their state
+on disk (edge.prefixstore). Learned prefixes are the unpinned states that traffic reused most.
+
+Every method runs on the model's worker thread, between generations: a restore never races one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edge.config import ModelConfig
+    from edge.gguf import GGUFInfo
+    from edge.llamacpp import Native
+
+__all__ = ["CacheStats", "Entry", "PromptCache", "default_limit_bytes", "kv_bytes_per_token", "lcp",
+           "MIN_REUSE"]
+
+MIN_REUSE = 16  # tokens: a shorter common prefix is a miss (a BOS, a chat turn's opener)
+
+
+def kv_bytes_per_token(info: GGUFInfo) -> int:
+    """The f16 KV cache one token takes, from the GGUF header (every layer's K and V)."""
+    from edge.memguard import model_need
+    from edge.config import ModelConfig
+
+    probe = ModelConfig(name="kv", path=info.path, n_ctx=1024)
+    return model_need(probe, info, True)["kv_cache"] // 1024
+
+
+def default_limit_bytes(cfg: ModelConfig, info: GGUFInfo) -> int:
+    """`prompt_cache_mb` unset: room for the KV of two full contexts, at most 1/16 of RAM."""
+    from edge.memguard import read_memory
+
+    want = 2 * cfg.n_ctx * kv_bytes_per_token(info)
+    total = read_memory().total
+    return min(want, total // 16) if total else want
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case (a prefix reused whole) at C speed
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slices, not a Python loop
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class Entry:
+    """One saved sequence state."""
+
+    tokens: list[int]
+    state: bytes
+    name: str = ""  # a declared prefix's name; "" for a state saved from traffic
+    pinned: bool = False
+    hits: int = 0  # requests that reused it
+    reused: int = 0  # the shortest prefix of it those requests reused (what is worth keeping)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.state)
+
+    def hit(self, n: int) -> None:
+        self.hits += 1
+        self.reused = n if not self.reused else min(self.reused, n)
+
+
+@dataclass
+class CacheStats:
+    """Counters read by /metrics (plain ints, written on the worker thread)."""
+
+    hits: int = 0
+    misses: int = 0
+    reused_tokens: int = 0
+    restores: int = 0
+    saves: int = 0
+    evictions: int = 0
+
+
+@dataclass
+class PromptCache:
+    """The live sequence of one model and the saved states beside it."""
+
+    native: Native
+    limit_bytes: int
+    live: list[int] = field(default_factory=list)  # tokens whose KV is in the sequence now
+    live_entry: Entry | None = None  # hit counts of what is live (its state is the sequence)
+    entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)  # oldest use first
+    stats: CacheStats = field(default_factory=CacheStats)
+    nbytes: int = 0  # state bytes held: kept as entries come and go (read by /metrics)
+    _next: int = 0
+
+    def _drop(self, key: int) -> Entry:
+        entry = self.entries.pop(key)
+        self.nbytes -= entry.nbytes
+        return entry
+
+    # -- a request's prompt into the sequence ----------------------------------------------------
+    def prefill(self, tokens: list[int], use_cache: bool = True, remember: bool = True) -> int:
+        """Make the sequence hold `tokens` with the last one's logits computed; reuse the longest
+        cached prefix (unless `use_cache` is False: then the whole prompt is computed from
+        position 0). `remember` False (warm-up) leaves the saved states and counters alone.
+        Returns how many prompt tokens were reused."""
+        n, source = (lcp(self.live, tokens), None) if use_cache else (0, None)
+        if use_cache and self.entries:
+            key, best = max(((k, lcp(e.tokens, tokens)) for k, e in self.entries.items()),
+                            key=lambda kv: kv[1])
+            if best > n + MIN_REUSE // 2:
+                n, source = best, key
+        if remember:
+            self._save_live_if_losing(min(n, len(tokens) - 1) if source is None else 0)
+        if source is not None:
+            n = self._restore(source, n)
+        n = min(n, len(tokens) - 1)  # the last prompt token is decoded again: its logits are needed
+        if n < len(self.live) and not self.native.keep(n):
+            self.native.clear()  # memory that cannot drop a suffix (recurrent models): start over
+            n = 0
+        if n == 0 and self.live:
+            self.native.clear()
+        self.live = list(tokens[:n])
+        if remember:
+            self._count(n)
+        try:
+            self.native.decode(tokens[n:], n)
+        except BaseException:
+            self.reset()
+            raise
+        self.live = list(tokens)
+        return n
+
+    def append(self, tok: int) -> None:
+        """A generated token was decoded into the sequence."""
+        self.live.append(tok)
+
+    def _count(self, n: int) -> None:
+        if n >= MIN_REUSE:
+            self.stats.hits += 1
+            self.stats.reused_tokens += n
+            if self.live_entry is None:
+                self.live_entry = Entry([], b"")
+            self.live_entry.hit(n)
+        else:
+            self.stats.misses += 1
+            self.live_entry = None
+
+    def _restore(self, key: int, n: int) -> int:
+        entry = self.entries[key]
+        if not self.native.set_state(entry.state):
+            self._drop(key)  # llama.cpp refused it: never offered again
+            self.live = []
+            return 0
+        self.stats.restores += 1
+        self.live = list(entry.tokens)
+        if entry.pinned:
+            self.entries.move_to_end(key)
+            self.live_entry = None
+        else:  # taken: its tokens live in the sequence now, and are saved again with it if needed
+            self._drop(key)
+            self.live_entry = entry
+        return n
+
+    def _save_live_if_losing(self, keep: int) -> None:
+        """Save the live state before a prompt throws more of it away than it keeps, unless a
+        saved state already covers most of it."""
+        lose = len(self.live) - keep
+        if lose < MIN_REUSE or lose <= keep or self.limit_bytes <= 0:
+            return
+        covered = max((lcp(e.tokens, self.live) for e in self.entries.values()), default=0)
+        if covered * 2 >= len(self.live):
+            return
+        entry = self.live_entry or Entry([], b"")
+        entry.tokens, entry.state = list(self.live), self.native.state_bytes()
+        self.add(entry)
+        self.live_entry = None
+
+    # -- saved states ----------------------------------------------------------------------------
+    def add(self, entry: Entry) -> bool:
+        """Keep `entry` (as the most recently used), evicting the least recently used unpinned
+        states until it fits; False (nothing changed) when it cannot fit beside the pinned ones."""
+        pinned = sum(e.nbytes for e in self.entries.values() if e.pinned)
+        if pinned + entry.nbytes > self.limit_bytes:
+            return False
+        used = self.nbytes
+        for key in [k for k, e in self.entries.items() if not e.pinned]:
+            if used + entry.nbytes <= self.limit_bytes:
+                break
+            used -= self._drop(key).nbytes
+            self.stats.evictions += 1
+        self.entries[self._next] = entry
+        self.nbytes += entry.nbytes
+        self._next += 1
+        self.stats.saves += 0 if entry.pinned else 1
+        return True
+
+    def clear(self) -> None:
+        """Every saved state gone (the model is being closed)."""
+        for key in list(self.entries):
+            self._drop(key)
+
+    def reset(self) -> None:
+        """After a failed decode the sequence's content is unknown: empty it."""
+        self.native.clear()
+        self.live = []
+        self.live_entry = None
+
+    def pinned(self) -> list[Entry]:
+        return [e for e in self.entries.values() if e.pinned]
+
+    def most_reused(self, n: int) -> list[Entry]:
+        """Up to n unpinned states (the live one included) that requests reused most, each cut
+        to the prefix they reused: what is worth keeping across a restart."""
+        live = self.live_entry
+        if live is not None and live.hits:
+            live = Entry(list(self.live), b"", hits=live.hits, reused=live.reused)
+        pool = [e for e in [*self.entries.values(), live] if e is not None and not e.pinned and e.hits]
+        return sorted(pool, key=lambda e: (-e.hits, -e.reused))[:n]

@@ -1,0 +1,234 @@
+"""Prefix states on disk: declared prefixes restored at every start, learned ones kept across
+restarts.
+
+`<cache_dir>/prefix/<model>/<name>.kvstate` holds a declared prefix's KV state,
+`learned-<i>.kvstate` the i-th prefix that traffic reused most before the last SIGTERM. A file is
+
+    MAGIC (8 bytes) | header length (4 bytes, little-endian) | header (JSON) | state
+
+where the header carries the key (everything that makes a state valid for this model and
+context: model sha256 or file identity, llama.cpp version and build, n_ctx, batch sizes, KV
+types, GPU layers, flash attention), the prefix's token ids, the state's size and CRC-32. A file
+is given to llama.cpp only when every check passes; otherwise it is ignored, the report says why
+(`key n_ctx 2048 → 1024`, `truncated`, `checksum`), and the state is computed again and rewritten
+(temp file, fsync, rename). llama.cpp's own check (llama_state_seq_set_data refusing it) is the
+last one.
+
+Every function here that touches the model runs on its worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edge.errors import ConfigError
+from edge.fsutil import atomic_write
+from edge.prefixcache import Entry
+
+if TYPE_CHECKING:
+    from edge.config import PrefixConfig
+    from edge.llm import GGUFModel
+
+__all__ = ["MAGIC", "StateRejected", "prefix_key", "prefix_tokens", "read_state", "restore_prefixes",
+           "save_learned", "write_state"]
+
+log = logging.getLogger("edge")
+
+MAGIC = b"EDGEKV\x00\x01"
+FORMAT = 1
+_HEAD = struct.Struct("<I")
+MAX_HEADER = 64 << 20  # a header longer than this is not one of ours
+PROBES = ("Q", "R")  # two different next turns: a chat prefix ends where their renderings part
+
+
+class StateRejected(Exception):
+    """A state file that must not reach llama.cpp; the message says why."""
+
+
+def folder_for(cache_dir: Path, model: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
+    return cache_dir / "prefix" / safe
+
+
+def prefix_key(model: GGUFModel) -> dict[str, Any]:
+    """What makes a saved KV state valid for this loaded model and context."""
+    import llama_cpp
+
+    from edge.llama_gpu import llama_build
+    from edge.warmplan import model_identity
+
+    p = model.native.params
+    return {"format": FORMAT, **model_identity(model),
+            "llama_cpp_python": getattr(llama_cpp, "__version__", None),
+            "llama_system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),
+            "backend": llama_build(), "n_ctx": model.n_ctx, "n_batch": int(p.n_batch),
+            "n_ubatch": int(p.n_ubatch), "type_k": int(p.type_k), "type_v": int(p.type_v),
+            "swa_full": bool(p.swa_full), "n_gpu_layers": model.cfg.n_gpu_layers,
+            "flash_attn": model.cfg.flash_attn_mode}
+
+
+def prefix_tokens(model: GGUFModel, p: PrefixConfig) -> list[int]:
+    """A declared prefix's tokens: its text as a completion prompt starts, or its messages (and
+    tools) rendered by the chat template up to where the next turn's content would begin."""
+    if p.messages is None:
+        return model.tokenize_prompt(p.text or "")
+    msgs = [{"role": m.role, "content": m.content} for m in p.messages]
+    texts = [model.render_chat([*msgs, {"role": "user", "content": probe}], p.tools) for probe in PROBES]
+    (a, added_bos, _), (b, _, _) = texts
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return model.native.tokenize(a[:n].encode("utf-8"), add_bos=not added_bos, special=True)
+
+
+# -- the file ------------------------------------------------------------------------------------
+def write_state(path: Path, key: dict[str, Any], tokens: list[int], state: bytes, **meta: Any) -> None:
+    header = json.dumps({"format": FORMAT, "key": key, "tokens": tokens, "state_bytes": len(state),
+                         "state_crc32": zlib.crc32(state), **meta}).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, b"".join([MAGIC, _HEAD.pack(len(header)), header, state]))
+
+
+def read_state(path: Path, key: dict[str, Any], tokens: list[int] | None = None) -> tuple[dict[str, Any], bytes]:
+    """(header, state) of a file that passes every check, else StateRejected naming the first
+    that fails. `tokens`: the token ids the state must be of (a declared prefix)."""
+    from edge.warmplan import key_differences
+
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise StateRejected("no saved state") from None
+    except OSError as exc:
+        raise StateRejected(f"unreadable: {exc.strerror or exc}") from None
+    if data[:len(MAGIC)] != MAGIC:
+        raise StateRejected("not an edge KV state file (magic)")
+    start = len(MAGIC) + _HEAD.size
+    (hlen,) = _HEAD.unpack_from(data, len(MAGIC)) if len(data) >= start else (None,)
+    if hlen is None or hlen > MAX_HEADER or start + hlen > len(data):
+        raise StateRejected("truncated header")
+    try:
+        header = json.loads(data[start:start + hlen])
+        size, crc = int(header["state_bytes"]), int(header["state_crc32"])
+        stored_key, stored_tokens = header["key"], header["tokens"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StateRejected(f"unreadable header ({type(exc).__name__})") from None
+    if not isinstance(stored_key, dict) or stored_key != key:
+        diff = key_differences(stored_key, key) if isinstance(stored_key, dict) else ["key"]
+        raise StateRejected(f"saved for another model or context: {', '.join(diff[:3])}")
+    if tokens is not None and stored_tokens != tokens:
+        raise StateRejected("saved for other prefix tokens (its text or the template changed)")
+    state = data[start + hlen:]
+    if len(state) != size:
+        raise StateRejected(f"truncated: {len(state)} of {size} state bytes")
+    if zlib.crc32(state) != crc:
+        raise StateRejected("checksum mismatch (corrupt)")
+    return header, state
+
+
+# -- at a start ------------------------------------------------------------------------------------
+@dataclass
+class _Where:
+    source: str  # the config file
+    field: str  # models[i]
+
+
+def restore_prefixes(model: GGUFModel, folder: Path, source: str, field: str,
+                     recompute: bool = False) -> list[dict[str, Any]]:
+    """Every declared prefix of the model into its prompt cache (pinned), restored from disk or
+    computed and saved; then the learned ones that still fit. One report row each."""
+    where, key = _Where(source, field), prefix_key(model)
+    rows = [_declared(model, folder, key, where, j, p, recompute) for j, p in enumerate(model.cfg.prefixes)]
+    if model.cfg.learn_prefixes:
+        rows += _learned(model, folder, key)
+    return rows
+
+
+def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where, j: int,
+              p: PrefixConfig, recompute: bool) -> dict[str, Any]:
+    t0, native = time.perf_counter(), model.native
+    tokens = prefix_tokens(model, p)
+    name = f"{where.field}.prefixes[{j}]"
+    if len(tokens) >= model.n_ctx:
+        raise ConfigError(where.source, name, f"prefix {p.name!r} is {len(tokens)} tokens: it leaves no "
+                          f"room in the context of {model.n_ctx} tokens (n_ctx)")
+    path, state, why = folder / f"{p.name}.kvstate", None, "edge warmup --calibrate"
+    if not recompute:
+        try:
+            state = read_state(path, key, tokens)[1]
+            if not native.set_state(state):
+                state, why = None, "llama.cpp refused the saved state"
+        except StateRejected as exc:
+            why = str(exc)
+    outcome = "restored" if state is not None else "computed"
+    if state is None:
+        if why != "no saved state":
+            log.warning("%s: prefix %r: %s (%s): computing it again", model.cfg.name, p.name, why, path)
+        native.clear()
+        native.decode(tokens, 0)
+        state = native.state_bytes()
+        write_state(path, key, tokens, state, kind="declared", name=p.name)
+    model.cache.live, model.cache.live_entry = list(tokens), None
+    if not model.cache.add(Entry(list(tokens), state, name=p.name, pinned=True)):
+        need = sum(e.nbytes for e in model.cache.pinned()) + len(state)
+        raise ConfigError(where.source, f"{where.field}.prompt_cache_mb", f"the declared prefixes need "
+                          f"{need / 2**20:.1f} MiB of KV state, more than the prompt cache's "
+                          f"{model.cache.limit_bytes / 2**20:.1f} MiB: raise prompt_cache_mb")
+    return {"prefix": p.name, "kind": "declared", "tokens": len(tokens), "bytes": len(state),
+            "outcome": outcome, "why": "" if outcome == "restored" else why,
+            "seconds": round(time.perf_counter() - t0, 4)}
+
+
+def _learned(model: GGUFModel, folder: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for i in range(model.cfg.learn_prefixes):
+        path = folder / f"learned-{i}.kvstate"
+        if not path.exists():
+            break
+        t0 = time.perf_counter()
+        row = {"prefix": path.stem, "kind": "learned", "tokens": 0, "bytes": 0, "outcome": "ignored"}
+        try:
+            header, state = read_state(path, key)
+            tokens = [int(t) for t in header["tokens"]]
+            row.update(tokens=len(tokens), bytes=len(state))
+            entry = Entry(tokens, state, hits=int(header.get("hits", 0)), reused=int(header.get("reused", 0)))
+            if len(tokens) >= model.n_ctx:
+                row["why"] = f"{len(tokens)} tokens: no room in the context of {model.n_ctx}"
+            elif not model.native.set_state(state):
+                row["why"] = "llama.cpp refused the saved state"
+            elif not model.cache.add(entry):
+                row["why"] = "no room beside the declared prefixes (prompt_cache_mb)"
+            else:
+                model.cache.live, model.cache.live_entry = list(tokens), None
+                row["outcome"] = "restored"
+        except (StateRejected, ValueError, TypeError) as exc:
+            row["why"] = str(exc)
+        row["seconds"] = round(time.perf_counter() - t0, 4)
+        rows.append(row)
+    return rows
+
+
+# -- at SIGTERM --------------------------------------------------------------------------------------
+def save_learned(model: GGUFModel, folder: Path) -> list[dict[str, Any]]:
+    """The `learn_prefixes` states traffic reused most, each cut to the part it reused, written
+    for the next start; older learned files beyond them removed. Runs after the drain."""
+    native, cache, key = model.native, model.cache, prefix_key(model)
+    rows: list[dict[str, Any]] = []
+    for e in cache.most_reused(model.cfg.learn_prefixes):
+        n = max(1, min(e.reused, len(e.tokens)))
+        if e.state and not native.set_state(e.state):
+            continue
+        native.keep(n)
+        name = f"learned-{len(rows)}"
+        write_state(folder / f"{name}.kvstate", key, list(e.tokens[:n]), native.state_bytes(),
+                    kind="learned", hits=e.hits, reused=n)
+        rows.append({"prefix": name, "tokens": n, "hits": e.hits})
+    cache.reset()
+    for path in folder.glob("learned-*.kvstate"):
+        if path.stem.removeprefix("learned-").isdigit() and int(path.stem[8:]) >= len(rows):
+            path.unlink(missing_ok=True)
+    return rows
