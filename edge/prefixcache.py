@@ -136,7 +136,7 @@ class PromptCache:
         if n < len(self.live) and not self.native.keep(n):
             self.native.clear()  # memory that cannot drop a suffix (recurrent models): start over
             n = 0
-        if n == 0 and self.live:
+        if n == 0:
             self.native.clear()
         self.live = list(tokens[:n])
         if remember:

@@ -1,7 +1,9 @@
 """Prefix states on disk: declared prefixes restored at every start, learned ones kept across
 restarts.
 
-`<cache_dir>/prefix/<model>/<name>.kvstate` holds a declared prefix's KV state,
+`<cache_dir>/prefix/<model>/<name>.<key digest>.kvstate` holds a declared prefix's KV state (the
+digest covers the key and the prefix's tokens, so the states of the last few configurations
+coexist and a reload back to an earlier one restores instead of recomputing; KEEP per prefix),
 `learned-<i>.kvstate` the i-th prefix that traffic reused most before the last SIGTERM. A file is
 
     MAGIC (8 bytes) | header length (4 bytes, little-endian) | header (JSON) | state
@@ -45,6 +47,7 @@ MAGIC = b"EDGEKV\x00\x01"
 FORMAT = 1
 _HEAD = struct.Struct("<I")
 MAX_HEADER = 64 << 20  # a header longer than this is not one of ours
+KEEP = 3  # state files kept per declared prefix (other keys: other n_ctx, model, build)
 PROBES = ("Q", "R")  # two different next turns: a chat prefix ends where their renderings part
 
 
@@ -156,22 +159,23 @@ def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where
     if len(tokens) >= model.n_ctx:
         raise ConfigError(where.source, name, f"prefix {p.name!r} is {len(tokens)} tokens: it leaves no "
                           f"room in the context of {model.n_ctx} tokens (n_ctx)")
-    path, state, why = folder / f"{p.name}.kvstate", None, "edge warmup --calibrate"
+    path, state, why = _state_path(folder, p.name, key, tokens), None, "edge warmup --calibrate"
     if not recompute:
         try:
             state = read_state(path, key, tokens)[1]
             if not native.set_state(state):
                 state, why = None, "llama.cpp refused the saved state"
         except StateRejected as exc:
-            why = str(exc)
+            why = _why_new(folder, p.name, key) if not path.exists() else str(exc)
     outcome = "restored" if state is not None else "computed"
     if state is None:
-        if why != "no saved state":
+        if path.exists():
             log.warning("%s: prefix %r: %s (%s): computing it again", model.cfg.name, p.name, why, path)
         native.clear()
         native.decode(tokens, 0)
         state = native.state_bytes()
         write_state(path, key, tokens, state, kind="declared", name=p.name)
+        _prune(folder, p.name)
     model.cache.live, model.cache.live_entry = list(tokens), None
     if not model.cache.add(Entry(list(tokens), state, name=p.name, pinned=True)):
         need = sum(e.nbytes for e in model.cache.pinned()) + len(state)
@@ -181,6 +185,42 @@ def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where
     return {"prefix": p.name, "kind": "declared", "tokens": len(tokens), "bytes": len(state),
             "outcome": outcome, "why": "" if outcome == "restored" else why,
             "seconds": round(time.perf_counter() - t0, 4)}
+
+
+def _state_path(folder: Path, name: str, key: dict[str, Any], tokens: list[int]) -> Path:
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps([key, tokens], sort_keys=True).encode()).hexdigest()[:16]
+    return folder / f"{name}.{digest}.kvstate"
+
+
+def _others(folder: Path, name: str) -> list[Path]:
+    """The prefix's state files, newest first."""
+    found = [p for p in folder.glob(f"{name}.*.kvstate") if p.name.count(".") == 2]
+    return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+
+
+def _why_new(folder: Path, name: str, key: dict[str, Any]) -> str:
+    """Why there is no state for this key: what changed since the newest one saved."""
+    from edge.warmplan import key_differences
+
+    for path in _others(folder, name):
+        try:
+            with open(path, "rb") as f:
+                head = f.read(len(MAGIC) + _HEAD.size)
+                (hlen,) = _HEAD.unpack_from(head, len(MAGIC))
+                stored = json.loads(f.read(min(hlen, MAX_HEADER)))["key"]
+            diff = key_differences(stored, key)
+            return "no saved state for this key" + (f" ({', '.join(diff[:3])})" if diff else
+                                                    " (the prefix's tokens changed)")
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            continue
+    return "no saved state"
+
+
+def _prune(folder: Path, name: str) -> None:
+    for old in _others(folder, name)[KEEP:]:
+        old.unlink(missing_ok=True)
 
 
 def _learned(model: GGUFModel, folder: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
