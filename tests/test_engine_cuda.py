@@ -15,7 +15,7 @@ import pytest
 from edge.engines.cuda import CudaApi
 from edge.engines.key import EngineKey
 from edge.engines.load import EngineWorker
-from edge.engines.runtime import profile_for
+from edge.engines.tensors import profile_for
 from edge.engines.store import StoredEngine
 from edge.engines.trt_session import TrtSession
 from edge.errors import EngineError

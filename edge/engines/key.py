@@ -25,11 +25,9 @@ if TYPE_CHECKING:
     from edge.config import EngineConfig
     from edge.engines.recipe import Recipe
 
-__all__ = ["EngineKey", "BACKENDS", "HW_COMPAT", "build_key", "device_fields", "key_for", "profile_label"]
+__all__ = ["EngineKey", "BACKENDS", "build_key", "device_fields", "key_for", "profile_label"]
 
 BACKENDS = ("tensorrt", "onnxruntime")
-# TensorRT's HardwareCompatibilityLevel, as recipes and keys spell it
-HW_COMPAT = ("none", "ampere_plus", "same_compute_capability")
 
 
 @dataclass(frozen=True)

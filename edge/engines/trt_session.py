@@ -17,10 +17,9 @@ from typing import Any
 import numpy as np
 
 from edge.engines.cuda import CudaApi, PinnedBuffer, PrimaryContext, cuda_api
-from edge.engines.runtime import TensorSpec, profile_for
+from edge.engines.tensors import KSERVE_DTYPES, TensorSpec, profile_for
 from edge.engines.store import StoredEngine
 from edge.errors import JETPACK_TRT, EngineError, MissingDependency
-from edge.kserve import KSERVE_DTYPES
 
 __all__ = ["TrtSession", "import_trt_runtime", "io_specs"]
 
