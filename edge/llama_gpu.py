@@ -24,7 +24,7 @@ from typing import Any
 
 from edge.errors import GpuOffloadUnavailable
 
-__all__ = ["CUDA_BUILD_FIX", "llama_build", "offload_problem", "require_gpu_offload"]
+__all__ = ["CUDA_BUILD_FIX", "llama_build", "offload_problem", "output_layer_first", "require_gpu_offload"]
 
 CUDA_BUILD_FIX = ('CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=87" '
                   "pip install --force-reinstall --no-cache-dir llama-cpp-python "
@@ -71,16 +71,42 @@ def _has_cuda_symbol(lib: Path) -> bool:
         return False
 
 
+# ggml-org/llama.cpp#18148 (merged 2025-12-17) moved the output layer to the front of the
+# n_gpu_layers count. libllama carried version 0.0.<build number> then: builds at or below
+# OLD_RULE_UP_TO are older than it, builds from NEW_RULE_FROM newer; between them, unknown.
+OLD_RULE_UP_TO, NEW_RULE_FROM = 7400, 7500
+
+
+def output_layer_first(package_dir: str | Path | None = None) -> bool | None:
+    """Which n_gpu_layers rule the installed llama.cpp has (edge.gguf.offload_split), from its
+    libllama's version: True (output layer first), False (blocks first), None (not known)."""
+    folder = Path(package_dir) if package_dir else _package_dir()
+    versions = [] if folder is None else [p.name.split(".so.", 1)[1] for p in folder.rglob("libllama.so.*.*")]
+    for v in versions:
+        parts = [int(x) for x in v.split(".") if x.isdigit()]
+        if len(parts) == 3 and parts[:2] == [0, 0]:
+            build = parts[2]
+            return False if build <= OLD_RULE_UP_TO else True if build >= NEW_RULE_FROM else None
+        if len(parts) == 3:
+            return True  # the semantic versions that followed the build numbers (0.5.0, ...)
+    return None
+
+
+def _package_dir() -> Path | None:
+    try:
+        spec = importlib.util.find_spec("llama_cpp")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
 def llama_build(package_dir: str | Path | None = None) -> str | None:
     """"cuda", "cpu", or None (llama_cpp not installed), without importing llama_cpp."""
+    package_dir = package_dir or _package_dir()
     if package_dir is None:
-        try:
-            spec = importlib.util.find_spec("llama_cpp")
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        package_dir = next(iter(spec.submodule_search_locations))
+        return None
     libs = [p for p in Path(package_dir).rglob("*.so*") if not p.is_symlink()]
     if any(p.name.startswith("libggml-cuda") for p in libs):
         return "cuda"
