@@ -145,3 +145,31 @@ def test_the_driver_module_never_brings_the_bundled_runtime() -> None:
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+@no_driver
+def test_edge_serve_with_a_tensorrt_engine_and_no_driver_exits_with_one_line(tmp_path: Path) -> None:
+    """The real CLI, the real cuda-python, no NVIDIA driver: one line naming the missing driver
+    library, exit 65 (the unit does not restart), no traceback; `edge device --json` and `edge
+    doctor` say why there is no GPU and where each CUDA number came from."""
+    import json
+    import subprocess
+
+    from conftest import EDGE
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = tmp_path / "edge.toml"
+    cfg.write_text(f'[server]\nport = 0\n[paths]\nstate_dir = "{tmp_path / "state"}"\n'
+                   f'cache_dir = "{tmp_path / "cache"}"\n[[engines]]\nname = "mlp"\nbackend = "tensorrt"\n'
+                   f'recipe = "{root / "engines" / "mlp-demo.toml"}"\n')
+    r = subprocess.run([*EDGE, "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=120)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("edge: error:")]
+    assert r.returncode == 65 and "Traceback" not in r.stderr, r.stderr
+    assert len(errors) == 1 and "libcuda.so.1 cannot be loaded" in errors[0] and "install the NVIDIA driver" in errors[0]
+    device = json.loads(subprocess.run([*EDGE, "device", "--json"], capture_output=True, text=True,
+                                       timeout=60).stdout)
+    assert "libcuda.so.1 cannot be loaded" in device["gpu_error"] and device["cuda_driver"] is None
+    assert {"cuda_source", "cuda_runtimes", "unified_memory"} <= set(device)
+    doc = subprocess.run([*EDGE, "doctor", "--config", str(cfg)], capture_output=True, text=True, timeout=120)
+    assert doc.returncode == 1 and "CUDA driver - (cuDriverGetVersion)" in doc.stdout
+    assert "[FAIL] engine mlp" in doc.stdout and "make the GPU usable first" in doc.stdout
