@@ -109,13 +109,13 @@ def _import_trt_builder() -> Any:
     return trt
 
 
-# Recipe options -> (TensorRT enum, member, the first TensorRT version that has it)
+# Recipe options -> (TensorRT enum.member, the first TensorRT version that has it)
 _NEEDS = {
-    "hardware_compatibility = \"ampere_plus\"": ("HardwareCompatibilityLevel", "AMPERE_PLUS", "8.6"),
-    "hardware_compatibility = \"same_compute_capability\"": ("HardwareCompatibilityLevel",
-                                                             "SAME_COMPUTE_CAPABILITY", "10.9"),
-    "version_compatible = true": ("BuilderFlag", "VERSION_COMPATIBLE", "8.6"),
-    "exclude_lean_runtime = true": ("BuilderFlag", "EXCLUDE_LEAN_RUNTIME", "8.6"),
+    "hardware_compatibility = \"ampere_plus\"": ("HardwareCompatibilityLevel.AMPERE_PLUS", "8.6"),
+    "hardware_compatibility = \"same_compute_capability\"": ("HardwareCompatibilityLevel.SAME_COMPUTE_CAPABILITY",
+                                                             "10.9"),
+    "version_compatible = true": ("BuilderFlag.VERSION_COMPATIBLE", "8.6"),
+    "exclude_lean_runtime = true": ("BuilderFlag.EXCLUDE_LEAN_RUNTIME", "8.6"),
 }
 
 
@@ -128,7 +128,8 @@ def check_support(trt: Any, recipe: Recipe) -> None:
              "version_compatible = true": recipe.version_compatible,
              "exclude_lean_runtime = true": recipe.exclude_lean_runtime}
     for option, wanted in asked.items():
-        enum, member, since = _NEEDS[option]
+        name, since = _NEEDS[option]
+        enum, member = name.split(".")
         if wanted and not hasattr(getattr(trt, enum, None), member):
             raise EngineError(f"{recipe.source or recipe.name}: {option} needs TensorRT {since} or later "
                               f"({enum}.{member}); this is TensorRT {getattr(trt, '__version__', '?')}")
