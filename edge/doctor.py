@@ -214,29 +214,18 @@ def _dirs(cfg: Config) -> list[Check]:
     return checks
 
 
-def _device() -> Check:
+def _gpu(cfg: Config, unit_text: str | None) -> list[Check]:
+    """The device, where each CUDA number came from, a runtime newer than the driver, llama.cpp's
+    offload and the unit's device policy (edge/doctor_gpu.py)."""
     from edge.device import detect
+    from edge.doctor_gpu import cuda_runtime_check, device_check, gpu_offload_checks, unit_device_checks
     from edge.llama_gpu import llama_build
 
-    d = detect()
-    what = d.jetson_model or f"{d.cpu_arch} host"
-    gpu = f"{d.gpu_name or ''} {d.sm} (from {d.sm_source})".strip() if d.sm else "no GPU found"
-    return Check("device", "ok", f"{what}; L4T {d.l4t_release or '-'}; GPU {gpu}; CUDA {d.cuda or '-'} "
-                 f"(from {d.cuda_source or '-'}); TensorRT {d.tensorrt or '-'}; ONNX Runtime "
-                 f"{d.onnxruntime or '-'}; llama.cpp build {llama_build() or '-'}")
-
-
-def _gpu_offload(cfg: Config) -> list[Check]:
-    from edge.llama_gpu import CUDA_BUILD_FIX, llama_build
-
-    asking = [m.name for m in cfg.models if m.n_gpu_layers]
-    if not asking:
-        return []
-    build = llama_build()
-    if build == "cuda":
-        return [Check("gpu offload", "ok", f"llama.cpp is a CUDA build; offloading {', '.join(asking)}")]
-    return [Check("gpu offload", "fail", f"{', '.join(asking)} set n_gpu_layers, and llama.cpp is a "
-                  f"{build or 'missing'} build: edge serve will refuse to start", CUDA_BUILD_FIX)]
+    d, build = detect(), llama_build()
+    found = [device_check(d, build), cuda_runtime_check(d), *gpu_offload_checks(cfg, d, build)]
+    if any(e.backend == "tensorrt" for e in cfg.engines) or any(m.n_gpu_layers for m in cfg.models):
+        found += unit_device_checks(unit_text)
+    return [Check(*f) for f in found if f is not None]
 
 
 def _engines(cfg: Config) -> list[Check]:
@@ -248,8 +237,10 @@ def _engines(cfg: Config) -> list[Check]:
     checks = []
     for e, stored in configured_engines(cfg, detect()):
         if isinstance(stored, EdgeError):
-            checks.append(Check(f"engine {e.name}", "fail", str(stored),
-                                "build it for this key with `edge build-engine` or ship it in an OTA bundle"))
+            fix = ("make the GPU usable first (the device check says what the driver reports)"
+                   if "none could be used" in str(stored) else
+                   "build it for this key with `edge build-engine` or ship it in an OTA bundle")
+            checks.append(Check(f"engine {e.name}", "fail", str(stored), fix))
             continue
         checks.append(Check(f"engine {e.name}", "ok", f"{stored.path.name} matches this device "
                             f"({mib(stored.bytes)}, built {stored.meta.get('created')} on "
@@ -273,10 +264,9 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
     if cfg is None:
         return checks + unit_checks
     steps: list[Callable[[], list[Check]]] = [
-        lambda: [_device()],
+        lambda: _gpu(cfg, unit_text),
         lambda: _model_files(cfg),
         lambda: _engines(cfg),
-        lambda: _gpu_offload(cfg),
         lambda: [_memlock(cfg, unit_text)],
         lambda: [_memory(cfg)],
         lambda: unit_checks,

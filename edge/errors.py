@@ -6,6 +6,8 @@
     ├── ModelError                65  a model file is missing, truncated, not GGUF, or fails its sha256
     ├── EngineError               65  no engine for this device's key, or it fails its sha256
     ├── MlockError                77  require_mlock = true and the lock did not take
+    ├── GpuOffloadUnavailable     78  n_gpu_layers set, and llama.cpp has no GPU (a CPU-only build,
+    │                                 or a CUDA build whose device did not start: the driver's reason)
     ├── MissingDependency         69  a needed package is not installed (names a real extra)
     ├── BackendError              70  a native backend (llama.cpp, TensorRT) failed
     ├── WarmupError               70  a warm-up request failed: not fit to serve
@@ -37,6 +39,7 @@ __all__ = [
     "ModelError",
     "EngineError",
     "MlockError",
+    "GpuOffloadUnavailable",
     "MissingDependency",
     "BackendError",
     "WarmupError",
@@ -89,6 +92,12 @@ class MlockError(EdgeError):
     """The model could not be locked in RAM and the config requires it."""
 
 
+class GpuOffloadUnavailable(EdgeError):
+    """A model asks for n_gpu_layers, and the installed llama.cpp cannot offload: a restart cannot
+    fix either cause (a CPU-only build, or a device the unit or driver keeps closed), so the unit
+    stops instead of looping. The message (edge.llama_gpu) says which cause and the fix."""
+
+
 # Where TensorRT comes from on a Jetson (no pip wheel there): README "Installing the GPU path".
 JETPACK_TRT = "on a Jetson: JetPack's python3-libnvinfer, seen by a venv made with --system-site-packages"
 
@@ -133,6 +142,7 @@ EXIT_CODES: dict[type[EdgeError], int] = {
     ModelError: EX_DATAERR,
     EngineError: EX_DATAERR,
     MlockError: EX_NOPERM,
+    GpuOffloadUnavailable: EX_CONFIG,
     MissingDependency: EX_UNAVAILABLE,
     StoppedDuringStart: EX_OK,
     EdgeError: EX_SOFTWARE,

@@ -18,7 +18,7 @@ from typing import Any
 
 from edge.errors import ModelError
 
-__all__ = ["GGUFInfo", "read_gguf_info", "GGML_BLOCKS"]
+__all__ = ["GGUFInfo", "OffloadSplit", "TensorRecord", "offload_split", "read_gguf_info", "GGML_BLOCKS"]
 
 MAGIC = b"GGUF"
 MAX_COUNT = 1 << 24  # more tensors or metadata entries than this means a corrupt header
@@ -40,6 +40,13 @@ MAX_TOKEN_BYTES = "edge.max_token_bytes"  # derived while skipping the vocabular
 
 
 @dataclass(frozen=True)
+class TensorRecord:
+    name: str
+    offset: int  # from the start of the data section
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class GGUFInfo:
     path: str
     size: int
@@ -48,6 +55,12 @@ class GGUFInfo:
     data_offset: int
     data_bytes: int
     metadata: dict[str, Any] = field(repr=False)
+    tensors: tuple[TensorRecord, ...] = field(default=(), repr=False)
+
+    @property
+    def block_count(self) -> int:
+        v = self.metadata.get(f"{self.architecture}.block_count")
+        return int(v) if isinstance(v, int) and v > 0 else 0
 
     @property
     def architecture(self) -> str:
@@ -181,7 +194,7 @@ def _parse(r: _Reader, size: int) -> GGUFInfo:
         key = r.string()
         val = r.value(r.unpack("I"), key)
         meta[_KEEP_ARRAYS.get(key, key)] = val
-    ends = []
+    ends, tensors = [], []
     for _ in range(n_tensors):
         name = r.string()
         n_dims = r.unpack("I")
@@ -194,6 +207,7 @@ def _parse(r: _Reader, size: int) -> GGUFInfo:
         block = GGML_BLOCKS.get(ttype)
         nbytes = (n_elems // block[0]) * block[1] if block else 0
         ends.append((offset + nbytes, name))
+        tensors.append(TensorRecord(name, offset, nbytes))
     if r.longest_token is not None:
         meta[MAX_TOKEN_BYTES] = r.longest_token
     align = int(meta.get("general.alignment", 32)) or 32
@@ -203,4 +217,68 @@ def _parse(r: _Reader, size: int) -> GGUFInfo:
         raise ModelError(r.path, f"truncated GGUF file: tensor {name!r} ends at byte "
                                  f"{data_offset + end}, file has {size} bytes")
     return GGUFInfo(path=r.path, size=size, version=version, tensor_count=n_tensors,
-                    data_offset=data_offset, data_bytes=end, metadata=meta)
+                    data_offset=data_offset, data_bytes=end, metadata=meta, tensors=tuple(tensors))
+
+
+@dataclass(frozen=True)
+class OffloadSplit:
+    """Where llama.cpp puts a model's weights for one n_gpu_layers: bytes in CPU buffers (what
+    mlock locks), bytes copied to the GPU, and bytes held twice (tied embeddings: a model without
+    output.weight uses token_embd for the output layer, and llama.cpp loads it a second time into
+    the output layer's buffer when that buffer is on the GPU)."""
+
+    cpu: int
+    gpu: int
+    duplicated: int
+    gpu_layers: int  # repeating layers on the GPU
+    output_on_gpu: bool
+
+
+def _layer(name: str, n_layer: int) -> int | None:
+    """Which of llama.cpp's layer slots a tensor belongs to: None = the input layer (always on the
+    CPU), 0..n_layer-1 = a repeating block, n_layer = the output layer. Unnumbered repeating
+    tensors (token_embd_norm, rope_freqs) go with the first block, as llama.cpp places them."""
+    if name.startswith("blk."):
+        num = name.split(".")[1]
+        return int(num) if num.isdigit() else 0
+    if name.split(".")[0] in ("token_embd", "position_embd", "token_types"):
+        return None
+    if name.startswith(("output", "cls")):
+        return n_layer
+    return 0
+
+
+def offload_split(info: GGUFInfo, n_gpu_layers: int, output_first: bool | None = True) -> OffloadSplit:
+    """llama.cpp's placement (src/llama-model.cpp, load_tensors): there are n_layer + 1 slots
+    (the blocks and the output layer); the input layer (token embeddings) always stays on the CPU.
+    Since ggml-org/llama.cpp#18148 (December 2025, `output_first`) n_gpu_layers = k puts the output
+    layer on the GPU first, then the last k - 1 blocks; before it, the last k blocks, and the output
+    layer only when k > n_layer. A negative k (llama-cpp-python's -1) offloads everything.
+    `output_first=None` (a llama.cpp whose rule is not known) takes the split with the smaller CPU
+    share of the two, so that what is expected to be locked is CPU-resident under either rule."""
+    n = info.block_count
+    k = n + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n + 1)
+    rules = [True, False] if output_first is None else [output_first]
+    splits = [_split(info, n, k, rule) for rule in rules]
+    return min(splits, key=lambda s: s.cpu)
+
+
+def _split(info: GGUFInfo, n: int, k: int, output_first: bool) -> OffloadSplit:
+    if output_first:
+        output_gpu, first_gpu_block = k >= 1, n - max(k - 1, 0)
+    else:
+        output_gpu, first_gpu_block = k > n, n - min(k, n)
+    cpu = gpu = 0
+    names = {t.name for t in info.tensors}
+    for t in info.tensors:
+        slot = _layer(t.name, n)
+        on_gpu = slot is not None and (output_gpu if slot == n else slot >= first_gpu_block)
+        if on_gpu:
+            gpu += t.nbytes
+        else:
+            cpu += t.nbytes
+    embd = next((t.nbytes for t in info.tensors if t.name == "token_embd.weight"), 0)
+    tied = "output.weight" not in names and embd > 0
+    duplicated = embd if tied and output_gpu else 0
+    return OffloadSplit(cpu=cpu, gpu=gpu + duplicated, duplicated=duplicated, gpu_layers=n - first_gpu_block,
+                        output_on_gpu=output_gpu)

@@ -2,9 +2,9 @@
 
 Tensors come as {"name", "shape", "datatype", "data"} with data flat (row-major) or nested;
 a wrong name, datatype or shape, or data whose length does not fit the shape, is a 400 that
-says which input and what was expected. The wire types (`KSERVE_DTYPES`, `kserve_datatype`)
-live here with the protocol; starlette and the engine runtime are imported by `kserve_routes`
-only, so engines can name wire types without pulling in the HTTP stack.
+says which input and what was expected. The wire types (`KSERVE_DTYPES`, `kserve_datatype`) and
+request validation live in edge/engines/tensors.py, below both this module and the engine
+backends; starlette is imported by `kserve_routes` only.
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edge.engines.tensors import KSERVE_DTYPES, TensorSpec, check_feeds
 from edge.errors import RequestError
 
 if TYPE_CHECKING:
@@ -25,23 +24,9 @@ if TYPE_CHECKING:
     from starlette.responses import Response
     from starlette.routing import Route
 
-    from edge.engines.runtime import TensorSpec
-
-__all__ = ["KSERVE_DTYPES", "MAX_ELEMENTS", "kserve_datatype", "kserve_routes"]
+__all__ = ["MAX_ELEMENTS", "kserve_routes"]
 
 MAX_ELEMENTS = 1 << 31  # per tensor (and per dimension): past numpy's and the engines' int32 sizes
-
-# KServe v2 datatype <-> numpy (BF16/FP8 have no NumPy type: engines with them are refused at load)
-KSERVE_DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64,
-                 "INT32": np.int32, "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_}
-
-
-def kserve_datatype(dtype: object) -> str:
-    want = np.dtype(dtype)  # type: ignore[call-overload]
-    for name, np_type in KSERVE_DTYPES.items():
-        if np.dtype(np_type) == want:
-            return name
-    raise ValueError(f"{want} has no KServe v2 datatype")
 
 
 def _tensor(t: Any, i: int) -> tuple[str, np.ndarray]:
@@ -85,7 +70,6 @@ def kserve_routes(state: Any, guarded: Any) -> list[Route]:
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from edge.engines.runtime import check_feeds
 
     def engine(request: Request) -> tuple[str, Any]:
         name = request.path_params["name"]

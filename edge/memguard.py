@@ -2,10 +2,15 @@
 
 A reload loads the new set while the old one still serves (overlap). On a Jetson the CPU and the
 GPU share one DRAM, so two sets that do not both fit are an OOM kill of the whole service. Before
-anything is loaded, the need is estimated from the GGUF headers alone (model bytes not already
-mapped from the same file, KV cache, compute buffers) and compared with MemAvailable (and with a
-discrete GPU's free memory where layers are offloaded); when it does not fit, the reload goes
-sequential: the old set drains first, then the new one loads.
+anything is loaded, the need is estimated from the GGUF headers and tensor tables alone (model
+bytes not already mapped from the same file, KV cache, compute buffers, engines) and compared with
+MemAvailable (and with a discrete GPU's free memory where layers are offloaded); when it does not
+fit, the reload goes sequential: the old set drains first, then the new one loads.
+
+Unified memory (a Jetson: /etc/nv_tegra_release, or `unified=True`): llama.cpp copies offloaded
+weights into GPU buffers, which are DRAM too, so they count in full whether or not the file is
+mapped already (only the CPU-resident tensors share the mapped pages); KV cache, compute buffers
+and deserialized engines are DRAM whichever processor uses them.
 
 The memory reading is one function, `read_memory()`. Its test double is a file in /proc/meminfo
 format named by $EDGE_TEST_MEMINFO (`TEST_MEMINFO_ENV`): the same parsing, another file.
@@ -16,16 +21,19 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge.config import ModelConfig
-from edge.gguf import GGUFInfo
+from edge.config import Config, EngineConfig, ModelConfig
+from edge.gguf import GGUFInfo, offload_split
 
-__all__ = ["MemoryReading", "Need", "Decision", "read_memory", "estimate", "decide", "TEST_MEMINFO_ENV"]
+__all__ = ["MemoryReading", "Need", "Decision", "read_memory", "estimate", "decide", "engine_sizes", "unified_memory",
+           "TEST_MEMINFO_ENV"]
 
 MEMINFO = Path("/proc/meminfo")
+TEGRA_RELEASE = "etc/nv_tegra_release"
 TEST_MEMINFO_ENV = "EDGE_TEST_MEMINFO"  # test double of the memory reading: a meminfo-format file
 MIB = 1 << 20
 CONTEXT_OVERHEAD = 16 * MIB  # per llama.cpp context: graph metadata, scratch, tokenizer tables
@@ -56,8 +64,13 @@ def read_memory(gpu: bool = False) -> MemoryReading:
             fields[name] = int(parts[0]) * 1024  # kB
     total = fields.get("MemTotal", 0)
     available = fields.get("MemAvailable", fields.get("MemFree", 0))
-    gpu_free = _gpu_free() if gpu and not Path("/etc/nv_tegra_release").exists() else None
+    gpu_free = _gpu_free() if gpu and not unified_memory() else None
     return MemoryReading(available, total, gpu_free, str(path))
+
+
+def unified_memory(root: str | Path = "/") -> bool:
+    """A Jetson: its integrated GPU's buffers are the CPU's DRAM."""
+    return (Path(root) / TEGRA_RELEASE).exists()
 
 
 def _gpu_free() -> int | None:
@@ -74,13 +87,15 @@ def _gpu_free() -> int | None:
 
 @dataclass
 class Need:
-    """Bytes the new set needs beyond what is mapped already, per model and in all."""
+    """Bytes the new set needs beyond what is mapped already, per model or engine and in all:
+    `dram` of each is what counts against MemAvailable, `gpu` against a discrete GPU's memory."""
 
     models: dict[str, dict[str, int]] = field(default_factory=dict)
+    unified: bool = False
 
     @property
     def total(self) -> int:
-        return sum(m["model"] + m["kv_cache"] + m["compute"] for m in self.models.values())
+        return sum(m["dram"] for m in self.models.values())
 
     @property
     def gpu(self) -> int:
@@ -88,6 +103,7 @@ class Need:
 
     def as_dict(self) -> dict[str, Any]:
         return {"total_mib": round(self.total / MIB, 1), "gpu_mib": round(self.gpu / MIB, 1),
+                "unified_memory": self.unified,
                 "models": {n: {k: round(v / MIB, 2) for k, v in m.items()} for n, m in self.models.items()}}
 
 
@@ -96,9 +112,11 @@ def _int(meta: dict[str, Any], key: str, default: int) -> int:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else default
 
 
-def model_need(m: ModelConfig, info: GGUFInfo, shared_file: bool) -> dict[str, int]:
-    """One model: its weights (0 when the same file is mapped already), the f16 KV cache of
-    n_ctx tokens, and the compute buffers llama.cpp sizes by n_batch (an upper estimate)."""
+def model_need(m: ModelConfig, info: GGUFInfo, shared_file: bool, unified: bool = False) -> dict[str, int]:
+    """One model: its weights (CPU-resident ones 0 when the same file is mapped already), the f16
+    KV cache of n_ctx tokens, and the compute buffers llama.cpp sizes by n_batch (an upper
+    estimate). Offloaded weights are copies (llama.cpp's GPU buffers): on unified memory they are
+    DRAM whether or not the file is mapped."""
     meta, arch = info.metadata, info.architecture
     n_layer = _int(meta, f"{arch}.block_count", 1)
     n_embd = _int(meta, f"{arch}.embedding_length", 1)
@@ -111,15 +129,44 @@ def model_need(m: ModelConfig, info: GGUFInfo, shared_file: bool) -> dict[str, i
     kv = n_layer * n_ctx * n_head_kv * (k_len + v_len) * 2
     # logits of one batch, the attention scores of one batch against the context, activations
     compute = 4 * n_batch * (n_vocab + n_head * n_ctx + 4 * n_embd) + CONTEXT_OVERHEAD
-    weights = 0 if shared_file and m.use_mmap else info.data_bytes
+    if m.n_gpu_layers != 0 and info.tensors:
+        split = offload_split(info, m.n_gpu_layers, None)
+        cpu_weights, gpu_weights = split.cpu, split.gpu
+    else:
+        cpu_weights, gpu_weights = info.data_bytes, 0
+    weights = (0 if shared_file and m.use_mmap else cpu_weights) + (gpu_weights if unified else 0)
     offloaded = 1.0 if m.n_gpu_layers < 0 else min(1.0, m.n_gpu_layers / n_layer)
-    gpu = int(offloaded * (info.data_bytes + kv)) + (compute if offloaded else 0)
-    return {"model": weights, "kv_cache": kv, "compute": compute, "gpu": gpu}
+    gpu = gpu_weights + int(offloaded * kv) + (compute if offloaded else 0)
+    return {"model": weights, "kv_cache": kv, "compute": compute, "gpu": gpu, "dram": weights + kv + compute}
 
 
-def estimate(models: list[tuple[ModelConfig, GGUFInfo, bool]]) -> Need:
-    """The need of the models a reload loads: (config, GGUF header, file mapped already)."""
-    return Need({m.name: model_need(m, info, shared) for m, info, shared in models})
+def engine_need(nbytes: int, unified: bool) -> dict[str, int]:
+    """A deserialized engine holds about its plan's size in device memory (plus activations,
+    sized by the profiles, not known here): DRAM on unified memory, GPU memory on a dGPU."""
+    return {"engine": nbytes, "gpu": 0 if unified else nbytes, "dram": nbytes if unified else 0}
+
+
+def estimate(models: list[tuple[ModelConfig, GGUFInfo, bool]], engines: Sequence[tuple[str, int]] = (),
+             unified: bool | None = None) -> Need:
+    """The need of what a reload loads: models as (config, GGUF header, file mapped already),
+    engines as (name, stored file size); `unified` defaults to this machine's (unified_memory())."""
+    unified = unified_memory() if unified is None else unified
+    need = Need({m.name: model_need(m, info, shared, unified) for m, info, shared in models}, unified)
+    need.models.update({name: engine_need(nbytes, unified) for name, nbytes in engines})
+    return need
+
+
+def engine_sizes(cfg: Config, engines: Sequence[EngineConfig]) -> list[tuple[str, int]]:
+    """(name, file size) of the stored engine each of `engines` would load on this device (the
+    store's manifest knows the size); one not found is not counted (the load itself will fail)."""
+    if not engines:
+        return []
+    from edge.device import detect
+    from edge.engines.load import configured_engines
+
+    names = {e.name for e in engines}
+    return [(e.name, stored.bytes) for e, stored in configured_engines(cfg, detect())
+            if e.name in names and not isinstance(stored, Exception)]
 
 
 @dataclass(frozen=True)
@@ -148,9 +195,11 @@ def decide(configured: str, need: Need, reading: MemoryReading | None) -> Decisi
         why = "server.reload = \"overlap\"" if configured == "overlap" else "no memory reading"
         return Decision("overlap", why, need, reading)
     room = reading.available - reserve_bytes(reading)
+    shared = (" (unified memory: offloaded weights, KV cache, compute buffers and engines are all DRAM "
+              "here)") if need.unified else ""
     if need.total > room:
-        return Decision("sequential", f"the new set needs ~{need.total / MIB:.0f} MiB beside the old one, "
-                        f"{max(room, 0) / MIB:.0f} MiB available (MemAvailable less a reserve): "
+        return Decision("sequential", f"the new set needs ~{need.total / MIB:.0f} MiB beside the old one"
+                        f"{shared}, {max(room, 0) / MIB:.0f} MiB available (MemAvailable less a reserve): "
                         "sequential reload, the old set drains first", need, reading)
     if need.gpu and reading.gpu_free is not None and need.gpu > reading.gpu_free:
         return Decision("sequential", f"the new set needs ~{need.gpu / MIB:.0f} MiB of GPU memory, "

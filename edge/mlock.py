@@ -18,7 +18,7 @@ from typing import Any
 
 from edge.config import BUILTIN_PREFIX, Config, ModelConfig
 from edge.errors import MlockError
-from edge.gguf import GGUFInfo
+from edge.gguf import GGUFInfo, offload_split
 
 __all__ = ["MlockStatus", "vm_locked_bytes", "mlock_status", "enforce", "models_bytes",
            "memlock_verdict", "mib", "BUILTIN_MODEL_BYTES"]
@@ -37,6 +37,8 @@ class MlockStatus:
     limit_bytes: int | None  # RLIMIT_MEMLOCK soft limit; None = unlimited
     cap_ipc_lock: bool
     min_share: float = 0.98  # of expected_bytes that must be locked (page rounding; see below)
+    duplicated_bytes: int = 0  # tied embeddings loaded a second time for an offloaded output layer
+    gpu_bytes: int = 0  # weights llama.cpp copies into GPU buffers (not locked: not the mapping)
 
     @property
     def ok(self) -> bool:
@@ -57,7 +59,8 @@ class MlockStatus:
     def as_dict(self) -> dict[str, Any]:
         return {"requested": self.requested, "ok": self.ok, "locked_bytes": self.locked_bytes,
                 "expected_bytes": self.expected_bytes, "min_share": self.min_share,
-                "limit_bytes": self.limit_bytes, "cap_ipc_lock": self.cap_ipc_lock}
+                "limit_bytes": self.limit_bytes, "cap_ipc_lock": self.cap_ipc_lock,
+                "gpu_bytes": self.gpu_bytes, "duplicated_bytes": self.duplicated_bytes}
 
 
 def _status_fields() -> dict[str, str]:
@@ -71,19 +74,28 @@ def vm_locked_bytes() -> int:
 
 
 def mlock_status(requested: bool, locked_bytes: int, info: GGUFInfo, *, use_mmap: bool,
-                 n_gpu_layers: int) -> MlockStatus:
+                 n_gpu_layers: int, output_first: bool | None | str = "installed") -> MlockStatus:
     """What should be locked: with mmap, the mapped tensor data; without, llama.cpp's CPU
-    buffers (repacked quantized tensors live outside them: ~95% measured on Gemma 3 Q4_K_M);
-    with GPU offload only the CPU-resident part, unknown here, so at least one page."""
+    buffers (repacked quantized tensors live outside them: ~95% measured on Gemma 3 Q4_K_M).
+    With GPU offload only the CPU-resident tensors are locked (the token embeddings, the blocks
+    left on the CPU, the output layer when it is not offloaded): their bytes from the GGUF tensor
+    table and llama.cpp's placement rule (edge.gguf.offload_split; `output_first`: that rule's
+    version, by default read from the installed llama.cpp)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     cap_eff = int(_status_fields().get("CapEff", "0").strip(), 16)
+    share = 0.98 if use_mmap else 0.9
+    expected, gpu, duplicated = info.data_bytes, 0, 0
     if n_gpu_layers != 0:
-        expected, share = os.sysconf("SC_PAGE_SIZE"), 1.0
-    else:
-        expected, share = info.data_bytes, (0.98 if use_mmap else 0.9)
+        if output_first == "installed":
+            from edge.llama_gpu import output_layer_first
+
+            output_first = output_layer_first()
+        split = offload_split(info, n_gpu_layers, output_first if isinstance(output_first, bool) else None)
+        expected, gpu, duplicated = split.cpu, split.gpu, split.duplicated
     return MlockStatus(requested=requested, locked_bytes=locked_bytes, expected_bytes=expected,
                        limit_bytes=None if soft == resource.RLIM_INFINITY else soft,
-                       cap_ipc_lock=bool(cap_eff & (1 << CAP_IPC_LOCK)), min_share=share)
+                       cap_ipc_lock=bool(cap_eff & (1 << CAP_IPC_LOCK)), min_share=share,
+                       gpu_bytes=gpu, duplicated_bytes=duplicated)
 
 
 def enforce(m: ModelConfig, status: MlockStatus) -> None:

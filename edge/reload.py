@@ -326,10 +326,11 @@ class _Run:
 
 def _guard(cfg: Config, plan: LoadPlan, old: Loaded) -> Decision:
     """The memory guard's decision for this plan (README "Reload", edge.memguard)."""
-    from edge.memguard import decide, estimate, read_memory
+    from edge.memguard import decide, engine_sizes, estimate, read_memory
 
     mapped = {k[2] for k in old.keys.values() if k[0] == "model" and k[2]}
-    need = estimate([(f.cfg, f.info, plan.keys[f.cfg.name][2] in mapped) for f in plan.files if f.info])
+    need = estimate([(f.cfg, f.info, plan.keys[f.cfg.name][2] in mapped) for f in plan.files if f.info],
+                    engines=engine_sizes(cfg, plan.engines))
     reading = None
     if cfg.server.reload == "auto":
         reading = read_memory(gpu=any(f.cfg.n_gpu_layers != 0 for f in plan.files))

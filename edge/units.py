@@ -8,7 +8,9 @@ the listening socket across restarts, so connections made meanwhile wait in its 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import string
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,7 +20,7 @@ from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
 from edge.fsutil import atomic_write, fsync_dir
 from edge.limits import nofile_for
 
-__all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "install_starter_config", "reclaim_config_dir",
+__all__ = ["UnitOptions", "platform_devices", "render_service", "render_socket", "install_units", "install_starter_config", "reclaim_config_dir",
            "render_rearm", "REARM_UNIT", "default_edge_command", "STARTER_CONFIG", "START_LIMIT_BURST", "START_LIMIT_INTERVAL_S"]
 
 # Device nodes CUDA opens, by platform. DeviceAllow= takes a node path (systemd stat()s it when
@@ -42,11 +44,18 @@ JETSON_JP6_DEVICES = [  # L4T r36 (JetPack 6): out-of-tree nvgpu, the iGPU under
 DGPU_DEVICES = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset"]
 # Driver names in /proc/devices: "nvidia-frontend" (older drivers) or "nvidia"/"nvidiactl"/
 # "nvidia-modeset" (R470+) for major 195, "nvidia-uvm", "nvidia-caps" (MIG); "nvgpu"/"nvhost"
-# where the Jetson kernel registers its GPU nodes under those names. A name not in /proc/devices
-# allows nothing.
+# where the Jetson kernel registers its GPU nodes under those names; "drm" (major 226): on
+# JetPack 6 cuInit fails with CUDA_ERROR_NOT_SUPPORTED (801) unless the GPU's render node
+# /dev/dri/renderD* opens, and its minor is not fixed (renderD128 or renderD129 with a display
+# controller), so the class allows it whatever its number. A name not in /proc/devices allows
+# nothing.
 GPU_DEVICE_CLASSES = ["char-nvidia-frontend", "char-nvidia", "char-nvidiactl", "char-nvidia-modeset",
-                      "char-nvidia-uvm", "char-nvidia-caps", "char-nvgpu", "char-nvhost"]
+                      "char-nvidia-uvm", "char-nvidia-caps", "char-nvgpu", "char-nvhost", "char-drm"]
 GPU_DEVICES = JETSON_JP5_DEVICES + JETSON_JP6_DEVICES + DGPU_DEVICES
+# dGPU: /dev/nvidia-uvm and /dev/nvidiaN are often made on first use by the setuid
+# nvidia-modprobe, which NoNewPrivileges= and the empty bounding set forbid to the service;
+# a privileged (+), failure-tolerant (-) ExecStartPre= makes them before the sandboxed start.
+NVIDIA_MODPROBE = "/usr/bin/nvidia-modprobe"
 
 # A start that fails with a restartable code is retried this often within this window, then the
 # service stays failed (RestartSec=2 alone would retry forever: the default limit of 5 starts in
@@ -90,6 +99,8 @@ class UnitOptions:
     stop_timeout_s: int = 45  # above the service's drain_timeout_s (30 by default)
     groups: tuple[str, ...] = ("video", "render")  # GPU device access on L4T and desktop distros
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # the config's server.max_connections
+    devices: tuple[str, ...] | None = None  # DeviceAllow= entries; None: every platform's
+    modprobe: str | None = None  # nvidia-modprobe to run privileged before the start (dGPU)
 
     @property
     def loopback_only(self) -> bool:
@@ -114,88 +125,123 @@ def render_socket(o: UnitOptions) -> str:
     return "\n".join(lines)
 
 
+SERVICE = string.Template("""\
+# Rendered by `edge units print`; see README "systemd" for every choice made here.
+# Left out on purpose, each because it breaks the GPU path or mlock:
+#   MemoryDenyWriteExecute=  CUDA's PTX JIT and libffi (ctypes callbacks) map W+X pages
+#   PrivateDevices=          hides /dev/nvmap, /dev/nvhost-* and /dev/nvidia*; DevicePolicy=
+#                            closed + DeviceAllow= below limit devices instead
+#   PrivateUsers=            GPU device access through the video/render groups is untested
+#                            inside a user namespace on L4T
+#   ProcSubset=pid           device identity reads /proc/device-tree and the CUDA driver /proc
+#   SystemCallFilter=~@resources  ggml thread pools may set affinity and priority
+[Unit]
+Description=edge inference service (paged-in, locked and warmed up before READY)
+Requires=edge.socket
+After=edge.socket network.target nvidia-persistenced.service
+StartLimitIntervalSec=$limit_interval
+StartLimitBurst=$limit_burst
+
+[Service]
+Type=notify
+NotifyAccess=main
+${modprobe}ExecStart=$edge serve --config $config
+ExecReload=$edge reload --config $config --timeout $reload_timeout
+Restart=on-failure
+RestartSec=2
+RestartPreventExitStatus=$no_restart
+TimeoutStartSec=$start_timeout
+TimeoutStopSec=$stop_timeout
+WatchdogSec=$watchdog
+KillMode=mixed
+LimitMEMLOCK=infinity
+Environment=CUDA_CACHE_PATH=%C/edge/cuda
+LimitNOFILE=$nofile
+StateDirectory=edge
+CacheDirectory=edge
+UMask=0077
+NoNewPrivileges=yes
+ProtectSystem=strict
+ProtectHome=$protect_home
+PrivateTmp=yes
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectKernelLogs=yes
+ProtectControlGroups=yes
+ProtectClock=yes
+ProtectHostname=yes
+ProtectProc=invisible
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6
+RestrictNamespaces=yes
+RestrictRealtime=yes
+RestrictSUIDSGID=yes
+LockPersonality=yes
+SystemCallArchitectures=native
+SystemCallFilter=@system-service
+SystemCallFilter=mincore
+SystemCallFilter=~@privileged
+SystemCallErrorNumber=EPERM
+${system}
+[Install]
+WantedBy=$target
+Also=edge.socket
+""")
+# Why some lines are as they are (comments in the rendered unit would be read by every device):
+# - ExecReload=: below TimeoutStartSec=, which systemd also applies to reloads.
+# - RestartPreventExitStatus=: config error, bad model or engine file, mlock refused, no GPU for
+#   offloaded layers: a restart cannot fix these.
+# - CUDA_CACHE_PATH: CUDA's PTX JIT cache (default ~/.nv, absent for a DynamicUser) kept across
+#   restarts, so kernels are compiled once per driver, not once per start.
+# - LimitNOFILE=: server.max_connections plus the files (edge.limits.nofile_for).
+# - No ConfigurationDirectory=: with DynamicUser= it chowns /etc/edge to the service's uid, which
+#   could then rewrite its own config and the OTA key; ProtectSystem=strict keeps /etc read-only.
+# - SystemCallFilter=mincore: page-in's resident_before; in no syscall group of systemd 252.
+
+
+def _system_lines(o: UnitOptions) -> str:
+    """What only a system unit has: loopback-only IP policy, the dynamic user, no capabilities,
+    and the device policy with every GPU node of the platforms `o.devices` names."""
+    if o.user:
+        return ""
+    lines = ["IPAddressDeny=any", "IPAddressAllow=localhost"] if o.loopback_only else []
+    lines += ["DynamicUser=yes", *([f"SupplementaryGroups={' '.join(o.groups)}"] if o.groups else []),
+              "CapabilityBoundingSet=", "AmbientCapabilities=", "KeyringMode=private", "DevicePolicy=closed"]
+    lines += [f"DeviceAllow={d} rw" for d in (o.devices if o.devices is not None else GPU_DEVICES + GPU_DEVICE_CLASSES)]
+    return "\n".join(lines) + "\n"
+
+
 def render_service(o: UnitOptions) -> str:
     home = o.edge.startswith(("/home/", "/root/")) or o.config.startswith(("/home/", "/root/"))
-    lines = [
-        "# Rendered by `edge units print`; see README \"systemd\" for every choice made here.",
-        "# Left out on purpose, each because it breaks the GPU path or mlock:",
-        "#   MemoryDenyWriteExecute=  CUDA's PTX JIT and libffi (ctypes callbacks) map W+X pages",
-        "#   PrivateDevices=          hides /dev/nvmap, /dev/nvhost-* and /dev/nvidia*; DevicePolicy=",
-        "#                            closed + DeviceAllow= below limit devices instead",
-        "#   PrivateUsers=            GPU device access through the video/render groups is untested",
-        "#                            inside a user namespace on L4T",
-        "#   ProcSubset=pid           device identity reads /proc/device-tree and the CUDA driver /proc",
-        "#   SystemCallFilter=~@resources  ggml thread pools may set affinity and priority",
-        "[Unit]",
-        "Description=edge inference service (paged-in, locked and warmed up before READY)",
-        "Requires=edge.socket",
-        "After=edge.socket network.target",
-        f"StartLimitIntervalSec={START_LIMIT_INTERVAL_S}",
-        f"StartLimitBurst={START_LIMIT_BURST}",
-        "",
-        "[Service]",
-        "Type=notify",
-        "NotifyAccess=main",
-        f"ExecStart={o.edge} serve --config {o.config}",
-        # zero-gap reload (README "Reload"); below TimeoutStartSec=, which systemd also applies to reloads
-        f"ExecReload={o.edge} reload --config {o.config} --timeout {max(1, o.start_timeout_s - 15)}",
-        "Restart=on-failure",
-        "RestartSec=2",
-        # config error, bad model file, mlock refused: a restart cannot fix these
-        f"RestartPreventExitStatus={EX_DATAERR} {EX_NOPERM} {EX_CONFIG}",
-        f"TimeoutStartSec={o.start_timeout_s}",
-        f"TimeoutStopSec={o.stop_timeout_s}",
-        f"WatchdogSec={o.watchdog_s}",
-        "KillMode=mixed",
-        "LimitMEMLOCK=infinity",
-        # CUDA's PTX JIT cache (default ~/.nv, absent for a DynamicUser): a writable place kept
-        # across restarts, so kernels are compiled once per driver, not once per start
-        "Environment=CUDA_CACHE_PATH=%C/edge/cuda",
-        f"LimitNOFILE={nofile_for(o.max_connections)}",  # server.max_connections + files
-        "StateDirectory=edge",
-        "CacheDirectory=edge",
-        # No ConfigurationDirectory=: with DynamicUser= it chowns /etc/edge to the service's uid,
-        # which could then rewrite its own config and the OTA key. ProtectSystem=strict keeps
-        # /etc read-only; the config is root's, world-readable.
-        "UMask=0077",
-        "NoNewPrivileges=yes",
-        "ProtectSystem=strict",
-        f"ProtectHome={'read-only' if home else 'yes'}",
-        "PrivateTmp=yes",
-        "ProtectKernelTunables=yes",
-        "ProtectKernelModules=yes",
-        "ProtectKernelLogs=yes",
-        "ProtectControlGroups=yes",
-        "ProtectClock=yes",
-        "ProtectHostname=yes",
-        "ProtectProc=invisible",
-        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
-        "RestrictNamespaces=yes",
-        "RestrictRealtime=yes",
-        "RestrictSUIDSGID=yes",
-        "LockPersonality=yes",
-        "SystemCallArchitectures=native",
-        "SystemCallFilter=@system-service",
-        # mincore (page-in's resident_before) is in no syscall group of systemd 252
-        "SystemCallFilter=mincore",
-        "SystemCallFilter=~@privileged",
-        "SystemCallErrorNumber=EPERM",
-    ]
-    if o.loopback_only and not o.user:
-        lines += ["IPAddressDeny=any", "IPAddressAllow=localhost"]
-    if not o.user:
-        lines += [
-            "DynamicUser=yes",
-            *([f"SupplementaryGroups={' '.join(o.groups)}"] if o.groups else []),
-            "CapabilityBoundingSet=",
-            "AmbientCapabilities=",
-            "KeyringMode=private",
-            "DevicePolicy=closed",
-        ]
-        lines += [f"DeviceAllow={d} rw" for d in GPU_DEVICES + GPU_DEVICE_CLASSES]
-    target = "default.target" if o.user else "multi-user.target"
-    lines += ["", "[Install]", f"WantedBy={target}", "Also=edge.socket", ""]
-    return "\n".join(lines)
+    modprobe = f"ExecStartPre=+-{o.modprobe} -u -c=0\n" if o.modprobe and not o.user else ""
+    return SERVICE.substitute(
+        limit_interval=START_LIMIT_INTERVAL_S, limit_burst=START_LIMIT_BURST, modprobe=modprobe,
+        edge=o.edge, config=o.config, reload_timeout=max(1, o.start_timeout_s - 15),
+        no_restart=f"{EX_DATAERR} {EX_NOPERM} {EX_CONFIG}", start_timeout=o.start_timeout_s,
+        stop_timeout=o.stop_timeout_s, watchdog=o.watchdog_s, nofile=nofile_for(o.max_connections),
+        protect_home="read-only" if home else "yes", system=_system_lines(o),
+        target="default.target" if o.user else "multi-user.target")
+
+
+def platform_devices(root: str | Path = "/") -> tuple[tuple[str, ...], str | None]:
+    """The DeviceAllow= entries and the nvidia-modprobe for the GPU platform of the tree at `root`
+    (`units install --root`, `units print --root`): JetPack 6 (L4T r36+: /dev/nvgpu/igpu0/*, the
+    render node), JetPack 5, or a dGPU host; every platform's where the tree says none."""
+    root = Path(root)
+    modprobe = NVIDIA_MODPROBE if (root / NVIDIA_MODPROBE.lstrip("/")).is_file() else None
+    try:
+        release = (root / "etc" / "nv_tegra_release").read_text(errors="replace")
+    except OSError:
+        release = None
+    if release is not None:
+        m = re.search(r"R(\d+)\s*\(release\)", release)
+        jp6 = not m or int(m.group(1)) >= 36  # an unreadable release: the current JetPack
+        nodes = JETSON_JP6_DEVICES if jp6 else JETSON_JP5_DEVICES
+        classes = ["char-nvgpu", "char-nvhost", "char-drm"] if jp6 else ["char-nvgpu", "char-nvhost"]
+        renders = sorted(f"/dev/dri/{p.name}" for p in (root / "dev" / "dri").glob("renderD*"))
+        return tuple(nodes + renders + classes), None
+    if modprobe or (root / "proc" / "driver" / "nvidia").exists():
+        return tuple(DGPU_DEVICES + [c for c in GPU_DEVICE_CLASSES if c.startswith("char-nvidia")]), modprobe
+    return tuple(GPU_DEVICES + GPU_DEVICE_CLASSES), modprobe
 
 
 def render_rearm(o: UnitOptions) -> str:

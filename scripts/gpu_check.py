@@ -6,6 +6,10 @@ else ONNX Runtime) -> `edge serve` it (the engine lives on its worker thread) ->
 at every profile's min/opt/max, compared with ONNX Runtime on the ONNX -> a data-dependent-shape
 engine and a BF16-input engine must be refused at load -> a tiny GGUF served with all layers
 offloaded, where llama-cpp-python is built with CUDA. Without a GPU: {"result": "skipped"}, exit 0.
+
+`--require-gpu` (what a device check runs): a check that cannot fail proves nothing, so there no
+driver or GPU, no TensorRT builder, no CUDA build of llama-cpp-python, or any step skipped is
+{"result": "fail"} with the reasons, exit 1.
 """
 
 from __future__ import annotations
@@ -28,21 +32,6 @@ from edge.httpwire import request as http  # noqa: E402
 RECIPE = ROOT / "engines" / "mlp-demo.toml"
 BUDGET_S = 450.0  # the whole check stays under 8 minutes
 EDGE = [sys.executable, "-m", "edge.cli"]
-
-
-def why_no_gpu() -> str:
-    try:
-        from edge.engines.cuda import cuda_api
-
-        api = cuda_api()
-    except Exception:  # MissingDependency: cuda-python is not installed
-        return "no GPU query possible: cuda-python is not installed (pip install 'edge[trt]')"
-    try:
-        err = api.driver.cuInit(0)[0]
-        count = api.driver.cuDeviceGetCount()
-    except Exception as exc:  # libcuda.so missing: no NVIDIA driver
-        return f"no NVIDIA driver: {exc}"
-    return f"no CUDA device (cuInit: {getattr(err, 'name', err)}, devices: {count[1] if len(count) > 1 else 0})"
 
 
 def tensorrt_builder() -> bool:
@@ -183,34 +172,44 @@ def tiny_gguf(folder: Path) -> Path | None:
     return write_tiny_llama(folder / "tiny.gguf")
 
 
-def run(folder: Path, started: float) -> dict[str, Any]:
-    gpu = probe_gpu()
-    if gpu is None:
-        return {"result": "skipped", "reason": why_no_gpu()}
+def run(folder: Path, started: float, require: bool) -> dict[str, Any]:
+    probe = probe_gpu()
+    if probe.gpu is None:
+        return {"result": "fail" if require else "skipped", "reason": f"no usable GPU: {probe.error}"}
     device = detect()
     backend = "tensorrt" if tensorrt_builder() else "onnxruntime"
     summary: dict[str, Any] = {"device": device.as_dict(), "backend": backend}
+    skipped = []
     if backend != "tensorrt":
-        summary["tensorrt"] = "skipped: the TensorRT builder is not importable here"
+        skipped.append("tensorrt: the TensorRT builder is not importable here (README: Installing the GPU path)")
     store = folder / "store"
     summary["build"] = build_demo(backend, store, device)
     gguf = tiny_gguf(folder)
-    summary["gguf"] = "served with n_gpu_layers = -1" if gguf else "skipped: llama-cpp-python is a CPU build"
+    summary["gguf"] = "served with n_gpu_layers = -1" if gguf else "skipped"
+    if not gguf:
+        skipped.append("gguf offload: llama-cpp-python is not a CUDA build")
     summary["serve"] = serve_and_query(folder, backend, store, gguf)
     if backend == "tensorrt" and time.monotonic() - started < BUDGET_S:
         summary["refusals"] = refusals(folder, device)
+    elif backend == "tensorrt":
+        skipped.append("refusals: out of time")
+    skipped += [f"refusal {k}: {v['note']}" for k, v in summary.get("refusals", {}).items() if v["ok"] is None]
     checks = [r["ok"] for r in summary["serve"]["requests"]]
     checks += [v["ok"] for v in summary.get("refusals", {}).values() if v["ok"] is not None]
     checks += [summary["serve"].get("gguf_offload", {}).get("ok", True), summary["serve"]["exit_code"] == 0]
-    summary["result"] = "pass" if all(checks) else "fail"
+    summary["skipped"] = skipped
+    summary["result"] = "pass" if all(checks) and not (require and skipped) else "fail"
+    if require and skipped:
+        summary["reason"] = "--require-gpu: " + "; ".join(skipped)
     return summary
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     started = time.monotonic()
+    require = "--require-gpu" in argv
     with tempfile.TemporaryDirectory(prefix="edge-gpu-check-") as d:
         try:
-            summary = run(Path(d), started)
+            summary = run(Path(d), started, require)
         except Exception as exc:  # one JSON line whatever happens: the summary is the interface
             summary = {"result": "fail", "error": f"{type(exc).__name__}: {exc}"[:2000]}
     summary["seconds"] = round(time.monotonic() - started, 1)
@@ -219,4 +218,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -1,43 +1,71 @@
-"""Test doubles at the CUDA/TensorRT boundary, for CPU-only machines.
+"""Test doubles at the CUDA/TensorRT boundary, for machines without a GPU.
 
-`FakeCudaDriver` / `FakeCudaRuntime` stand in for cuda-python's driver and runtime modules and
-keep CUDA's one rule that matters here: a context is current per thread, and memory calls on a
-thread without one fail (the failure pycuda.autoinit caused on the worker thread). Device memory
-is host memory, so copies really move bytes. `FakeTensorRT` stands in for the `tensorrt` module:
-an engine described by JSON whose one layer computes y = 2x + 1, with per-profile ranges.
-The real path (cuda-python, TensorRT) runs in the GPU-gated tests and scripts/gpu-check.
+`FakeDriver` stands in for cuda-python's driver module (`cuda.bindings.driver`), the only CUDA
+module edge calls. It is a copy of the real one for the success paths, checked against the
+installed module by tests/test_fakecuda.py (every function it offers exists there with the same
+parameters): the enums and handle types *are* the real module's (CUresult.CUDA_SUCCESS,
+CUdevice_attribute, CUstream_flags, CUdevice, CUcontext, CUstream, CUdeviceptr); every call
+returns (CUresult, *values), and a failure (err, None, ...) with as many Nones as values; calls
+other than cuDriverGetVersion fail with CUDA_ERROR_NOT_INITIALIZED before cuInit; memory,
+stream and copy calls fail with CUDA_ERROR_INVALID_CONTEXT on a thread with no current context
+(the driver API's per-thread rule); copies and kernels are queued on their stream and happen
+only at cuStreamSynchronize. Device memory is host memory, so bytes really move. A failure of
+any call is injected by name (`FakeGpu(fail={"cuInit": "CUDA_ERROR_NOT_SUPPORTED"})`).
+
+`FakeTensorRT` stands in for the `tensorrt` module's runtime surface that TrtSession uses, with
+the behaviour of the real bindings (python/src/infer/pyCore.cpp, TensorRT 10.3 to 11):
+`set_optimization_profile_async` raises RuntimeError on a refusal (it never returns False),
+`set_input_shape`/`set_tensor_address`/`execute_async_v3` return bool, `deserialize_cuda_engine`
+returns None for a plan it cannot read, `Runtime.engine_host_code_allowed` (False by default)
+must be True for a version-compatible plan that embeds the lean runtime, and
+`is_shape_inference_io` says which tensors are shape tensors. An engine's bytes are JSON:
+{"inputs": {name: dtype}, "outputs": {name: dtype}, "profiles": [{name: [min, max]}],
+"data_dependent": bool, "host_code": bool, "shape_tensors": [names]}; every tensor is
+[-1, 4]-shaped and y = 2x + 1, computed when the stream is synchronized.
 """
 
 from __future__ import annotations
 
 import ctypes
-import enum
 import json
 import threading
 import types
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from cuda.bindings import driver as real  # the real module: its enums and handle types
+
+R = real.CUresult
+ATTR = real.CUdevice_attribute
+
+# Values each call returns after the CUresult (a failure returns as many Nones).
+VALUES = {"cuInit": 0, "cuDriverGetVersion": 1, "cuDeviceGetCount": 1, "cuDeviceGet": 1,
+          "cuDeviceGetAttribute": 1, "cuDeviceGetName": 1, "cuDeviceTotalMem": 1, "cuMemGetInfo": 2,
+          "cuDevicePrimaryCtxRetain": 1, "cuDevicePrimaryCtxRelease": 0, "cuCtxSetCurrent": 0,
+          "cuMemAlloc": 1, "cuMemAllocHost": 1, "cuMemFree": 0, "cuMemFreeHost": 0, "cuStreamCreate": 1,
+          "cuStreamSynchronize": 0, "cuStreamDestroy": 0, "cuMemcpyHtoDAsync": 0, "cuMemcpyDtoHAsync": 0}
+NEEDS_CONTEXT = {"cuMemGetInfo", "cuMemAlloc", "cuMemAllocHost", "cuStreamCreate", "cuMemcpyHtoDAsync",
+                 "cuMemcpyDtoHAsync"}
+
+ORIN = {"name": "Orin", "cc": (8, 7), "integrated": 1, "sms": 16, "total": 64 << 30, "driver": 12060}
+H100 = {"name": "NVIDIA H100 80GB HBM3", "cc": (9, 0), "integrated": 0, "sms": 132, "total": 80 << 30,
+        "driver": 13000}
 
 
-class FakeResult(enum.IntEnum):
-    SUCCESS = 0
-    ERROR_INVALID_CONTEXT = 201
+class FakeGpu:
+    """One GPU's state, shared by the driver double and the TensorRT double."""
 
-
-OK, NO_CONTEXT = FakeResult.SUCCESS, FakeResult.ERROR_INVALID_CONTEXT
-
-
-class FakeCuda:
-    """Driver and runtime sharing one state, as the real libraries share the primary context."""
-
-    def __init__(self) -> None:
+    def __init__(self, gpu: dict[str, Any] | None = None, fail: dict[str, str] | None = None) -> None:
+        self.gpu = gpu or ORIN
+        self.fail = fail or {}
         self.tls = threading.local()
+        self.initialized = False
         self.retained = 0
         self.log: list[tuple[str, int]] = []  # (call, thread ident)
         self.memory: dict[int, Any] = {}
-        self.driver = FakeCudaDriver(self)
-        self.runtime = FakeCudaRuntime(self)
+        self.streams: dict[int, list[Callable[[], None]]] = {}
+        self.driver = FakeDriver(self)
 
     def note(self, call: str) -> None:
         self.log.append((call, threading.get_ident()))
@@ -48,116 +76,205 @@ class FakeCuda:
     def calls(self, name: str) -> list[int]:
         return [t for c, t in self.log if c == name]
 
+    def enqueue(self, stream: Any, op: Callable[[], None]) -> None:
+        self.streams[int(stream)].append(op)
 
-class FakeCudaDriver:
-    CUresult = FakeResult
+    def pinned(self, n: int) -> int:
+        buf = ctypes.create_string_buffer(max(n, 1))
+        self.memory[ctypes.addressof(buf)] = buf
+        return ctypes.addressof(buf)
 
-    def __init__(self, cuda: FakeCuda) -> None:
-        self.c = cuda
 
-    def cuInit(self, flags: int) -> tuple:
-        return (OK,)
+def _checked(fn: Callable[..., tuple]) -> Callable[..., tuple]:
+    """The rules every call shares: injected failures, cuInit first, a current context."""
+    name = fn.__name__
 
-    def cuDeviceGet(self, i: int) -> tuple:
-        return OK, i
+    def call(self: FakeDriver, *args: Any) -> tuple:
+        g = self.g
+        err = None
+        if name in g.fail:
+            err = getattr(R, g.fail[name])
+        elif name not in ("cuInit", "cuDriverGetVersion") and not g.initialized:
+            err = R.CUDA_ERROR_NOT_INITIALIZED
+        elif name in NEEDS_CONTEXT and g.current() is None:
+            err = R.CUDA_ERROR_INVALID_CONTEXT
+        if err is not None:
+            return (err, *[None] * VALUES[name])
+        return fn(self, *args)
 
-    def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple:
-        self.c.retained += 1
-        self.c.note("retain")
-        return OK, ("primary", dev)
+    call.__name__ = name
+    call.__wrapped__ = fn  # type: ignore[attr-defined]  # inspect.signature reads the parameters here
+    return call
 
-    def cuDevicePrimaryCtxRelease(self, dev: int) -> tuple:
-        self.c.retained -= 1
-        self.c.note("release")
-        return (OK,)
 
+class FakeDriver:
+    CUresult = real.CUresult
+    CUdevice_attribute = real.CUdevice_attribute
+    CUstream_flags = real.CUstream_flags
+    CUdevice, CUcontext, CUstream, CUdeviceptr = real.CUdevice, real.CUcontext, real.CUstream, real.CUdeviceptr
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.g = gpu
+
+    @_checked
+    def cuInit(self, Flags: int) -> tuple:
+        self.g.initialized = True
+        return (R.CUDA_SUCCESS,)
+
+    @_checked
+    def cuDriverGetVersion(self) -> tuple:
+        return R.CUDA_SUCCESS, self.g.gpu["driver"]
+
+    @_checked
+    def cuDeviceGetCount(self) -> tuple:
+        return R.CUDA_SUCCESS, 1
+
+    @_checked
+    def cuDeviceGet(self, ordinal: int) -> tuple:
+        if ordinal != 0:
+            return R.CUDA_ERROR_INVALID_DEVICE, None
+        return R.CUDA_SUCCESS, real.CUdevice(0)
+
+    @_checked
+    def cuDeviceGetAttribute(self, attrib: Any, dev: Any) -> tuple:
+        values = {ATTR.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: self.g.gpu["cc"][0],
+                  ATTR.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: self.g.gpu["cc"][1],
+                  ATTR.CU_DEVICE_ATTRIBUTE_INTEGRATED: self.g.gpu["integrated"],
+                  ATTR.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: self.g.gpu["sms"]}
+        if attrib not in values:
+            return R.CUDA_ERROR_INVALID_VALUE, None
+        return R.CUDA_SUCCESS, values[attrib]
+
+    @_checked
+    def cuDeviceGetName(self, length: int, dev: Any) -> tuple:
+        # the real binding hands the driver a buffer of `length` spaces; the name is NUL-terminated
+        name = self.g.gpu["name"].encode()[:length - 1] + b"\0"
+        return R.CUDA_SUCCESS, name + b" " * (length - len(name))
+
+    @_checked
+    def cuDeviceTotalMem(self, dev: Any) -> tuple:
+        return R.CUDA_SUCCESS, self.g.gpu["total"]
+
+    @_checked
+    def cuMemGetInfo(self) -> tuple:
+        used = sum(len(b) for b in self.g.memory.values())
+        return R.CUDA_SUCCESS, self.g.gpu["total"] - used, self.g.gpu["total"]
+
+    @_checked
+    def cuDevicePrimaryCtxRetain(self, dev: Any) -> tuple:
+        self.g.retained += 1
+        self.g.note("retain")
+        return R.CUDA_SUCCESS, real.CUcontext(0xC0 + int(dev))
+
+    @_checked
+    def cuDevicePrimaryCtxRelease(self, dev: Any) -> tuple:
+        self.g.retained -= 1
+        self.g.note("release")
+        return (R.CUDA_SUCCESS,)
+
+    @_checked
     def cuCtxSetCurrent(self, ctx: Any) -> tuple:
-        self.c.tls.ctx = ctx
-        self.c.note("set_current")
-        return (OK,)
+        self.g.tls.ctx = None if ctx is None or int(ctx) == 0 else int(ctx)
+        self.g.note("set_current")
+        return (R.CUDA_SUCCESS,)
 
+    @_checked
+    def cuMemAlloc(self, bytesize: int) -> tuple:
+        self.g.note("malloc")
+        return R.CUDA_SUCCESS, real.CUdeviceptr(self.g.pinned(bytesize))
 
-class FakeCudaRuntime:
-    cudaMemcpyKind = types.SimpleNamespace(cudaMemcpyHostToDevice="h2d", cudaMemcpyDeviceToHost="d2h")
+    @_checked
+    def cuMemAllocHost(self, bytesize: int) -> tuple:
+        self.g.note("malloc_host")
+        return R.CUDA_SUCCESS, self.g.pinned(bytesize)
 
-    def __init__(self, cuda: FakeCuda) -> None:
-        self.c = cuda
+    def _free(self, p: Any, what: str) -> tuple:
+        if self.g.memory.pop(int(p), None) is None:
+            return (R.CUDA_ERROR_INVALID_VALUE,)
+        self.g.note(what)
+        return (R.CUDA_SUCCESS,)
 
-    def cudaSetDevice(self, d: int) -> tuple:
-        return (OK,)
+    @_checked
+    def cuMemFree(self, dptr: Any) -> tuple:
+        return self._free(dptr, "free")
 
-    def _alloc(self, n: int, what: str) -> tuple:
-        if self.c.current() is None:
-            return NO_CONTEXT, 0
-        buf = ctypes.create_string_buffer(n)
-        self.c.memory[ctypes.addressof(buf)] = buf
-        self.c.note(what)
-        return OK, ctypes.addressof(buf)
-
-    def cudaMalloc(self, n: int) -> tuple:
-        return self._alloc(n, "malloc")
-
-    def cudaMallocHost(self, n: int) -> tuple:
-        return self._alloc(n, "malloc_host")
-
-    def _free(self, p: int, what: str) -> tuple:
-        del self.c.memory[p]
-        self.c.note(what)
-        return (OK,)
-
-    def cudaFree(self, p: int) -> tuple:
-        return self._free(p, "free")
-
-    def cudaFreeHost(self, p: int) -> tuple:
+    @_checked
+    def cuMemFreeHost(self, p: Any) -> tuple:
         return self._free(p, "free_host")
 
-    def cudaStreamCreate(self) -> tuple:
-        if self.c.current() is None:
-            return NO_CONTEXT, 0
-        self.c.note("stream_create")
-        return OK, 7
+    @_checked
+    def cuStreamCreate(self, Flags: int) -> tuple:
+        handle = 0x5000 + len(self.g.streams) + 1
+        self.g.streams[handle] = []
+        self.g.note("stream_create")
+        return R.CUDA_SUCCESS, real.CUstream(handle)
 
-    def cudaStreamDestroy(self, s: int) -> tuple:
-        self.c.note("stream_destroy")
-        return (OK,)
+    @_checked
+    def cuStreamSynchronize(self, hStream: Any) -> tuple:
+        ops = self.g.streams.get(int(hStream))
+        if ops is None:
+            return (R.CUDA_ERROR_INVALID_HANDLE,)
+        while ops:
+            ops.pop(0)()
+        self.g.note("sync")
+        return (R.CUDA_SUCCESS,)
 
-    def cudaStreamSynchronize(self, s: int) -> tuple:
-        self.c.note("sync")
-        return (OK,)
+    @_checked
+    def cuStreamDestroy(self, hStream: Any) -> tuple:
+        if self.g.streams.pop(int(hStream), None) is None:
+            return (R.CUDA_ERROR_INVALID_HANDLE,)
+        self.g.note("stream_destroy")
+        return (R.CUDA_SUCCESS,)
 
-    def cudaMemcpyAsync(self, dst: int, src: int, n: int, kind: str, stream: int) -> tuple:
-        if self.c.current() is None:
-            return (NO_CONTEXT,)
-        ctypes.memmove(dst, src, n)
-        return (OK,)
+    @_checked
+    def cuMemcpyHtoDAsync(self, dstDevice: Any, srcHost: Any, ByteCount: int, hStream: Any) -> tuple:
+        dst, src = int(dstDevice), int(srcHost)
+        self.g.enqueue(hStream, lambda: ctypes.memmove(dst, src, ByteCount))
+        return (R.CUDA_SUCCESS,)
+
+    @_checked
+    def cuMemcpyDtoHAsync(self, dstHost: Any, srcDevice: Any, ByteCount: int, hStream: Any) -> tuple:
+        dst, src = int(dstHost), int(srcDevice)
+        self.g.enqueue(hStream, lambda: ctypes.memmove(dst, src, ByteCount))
+        return (R.CUDA_SUCCESS,)
+
+
+class FakeRuntime:
+    def __init__(self, trt: FakeTensorRT, logger: Any) -> None:
+        self.trt = trt
+        self.engine_host_code_allowed = False
+
+    def deserialize_cuda_engine(self, serialized_engine: bytes) -> Any:
+        try:
+            spec = json.loads(serialized_engine)
+        except ValueError:
+            return None  # real TensorRT: an unreadable plan is None (and a line in its log)
+        if spec.get("host_code") and not self.engine_host_code_allowed:
+            return None  # real TensorRT: "engine_host_code_allowed is false" in its log
+        return FakeEngine(self.trt, spec)
 
 
 class FakeTensorRT:
-    """The `tensorrt` module's surface TrtSession uses. An engine's bytes are JSON:
-    {"inputs": {name: dtype}, "outputs": {name: dtype}, "profiles": [{name: [min, max]}],
-    "data_dependent": bool}; every tensor is [-1, 4]-shaped and y = 2x + 1."""
-
     __version__ = "10.3.0.30"
     TensorIOMode = types.SimpleNamespace(INPUT="input", OUTPUT="output")
 
-    def __init__(self, cuda: FakeCuda) -> None:
-        self.cuda = cuda
-        self.Logger = type("Logger", (), {"WARNING": 2, "__init__": lambda s, level=2: None})
-        self.Runtime = lambda logger: types.SimpleNamespace(deserialize_cuda_engine=self._engine)
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.gpu = gpu
+        self.Logger = type("Logger", (), {"WARNING": 2, "__init__": lambda s, min_severity=2: None})
+        self.runtimes: list[FakeRuntime] = []
         self.contexts: list[FakeContext] = []
 
-    @staticmethod
-    def nptype(dt: str) -> Any:
-        table = {"FLOAT": np.float32, "HALF": np.float16, "INT32": np.int32}
-        if dt not in table:
-            raise TypeError(f"Could not resolve TensorRT datatype to an equivalent numpy datatype. ({dt})")
-        return table[dt]
+    def Runtime(self, logger: Any) -> FakeRuntime:
+        rt = FakeRuntime(self, logger)
+        self.runtimes.append(rt)
+        return rt
 
-    def _engine(self, data: bytes) -> Any:
-        try:
-            return FakeEngine(self, json.loads(data))
-        except ValueError:
-            return None
+    @staticmethod
+    def nptype(trt_type: str) -> Any:
+        table = {"FLOAT": np.float32, "HALF": np.float16, "INT32": np.int32, "INT64": np.int64}
+        if trt_type not in table:
+            raise TypeError(f"Could not resolve TensorRT datatype to an equivalent numpy datatype. ({trt_type})")
+        return table[trt_type]
 
 
 class FakeEngine:
@@ -167,20 +284,23 @@ class FakeEngine:
         self.num_io_tensors = len(self.names)
         self.num_optimization_profiles = len(spec["profiles"])
 
-    def get_tensor_name(self, i: int) -> str:
-        return self.names[i]
+    def get_tensor_name(self, index: int) -> str:
+        return self.names[index]
 
     def get_tensor_dtype(self, name: str) -> str:
         return {**self.spec["inputs"], **self.spec["outputs"]}[name]
 
     def get_tensor_shape(self, name: str) -> list[int]:
-        return [-1, 4]
+        return [2] if name in self.spec.get("shape_tensors", []) else [-1, 4]
 
     def get_tensor_mode(self, name: str) -> str:
         return "input" if name in self.spec["inputs"] else "output"
 
+    def is_shape_inference_io(self, name: str) -> bool:
+        return name in self.spec.get("shape_tensors", [])
+
     def create_execution_context(self) -> Any:
-        if self.trt.cuda.current() is None or self.spec.get("no_context"):
+        if self.trt.gpu.current() is None or self.spec.get("no_context"):
             return None  # real TensorRT: no usable CUDA context / out of memory
         ctx = FakeContext(self)
         self.trt.contexts.append(ctx)
@@ -191,10 +311,10 @@ class FakeContext:
     def __init__(self, engine: FakeEngine) -> None:
         self.engine, self.profile, self.shapes, self.addresses = engine, 0, {}, {}
 
-    def set_optimization_profile_async(self, idx: int, stream: int) -> bool:
-        if not 0 <= idx < self.engine.num_optimization_profiles:
-            return False
-        self.profile = idx
+    def set_optimization_profile_async(self, profile_index: int, stream_handle: int) -> bool:
+        if not 0 <= profile_index < self.engine.num_optimization_profiles:
+            raise RuntimeError("Error in set optimization profile async.")  # as the real binding does
+        self.profile = profile_index
         return True
 
     def set_input_shape(self, name: str, shape: tuple) -> bool:
@@ -211,15 +331,22 @@ class FakeContext:
             return (-1, 4)
         return next(iter(self.shapes.values()))
 
-    def set_tensor_address(self, name: str, addr: int) -> None:
-        self.addresses[name] = addr
+    def set_tensor_address(self, name: str, memory: int) -> bool:
+        self.addresses[name] = memory
+        return True
 
-    def execute_async_v3(self, stream: int) -> bool:
-        if self.engine.trt.cuda.current() is None:
+    def execute_async_v3(self, stream_handle: int) -> bool:
+        gpu = self.engine.trt.gpu
+        if gpu.current() is None:
             return False
         (x_name,), (y_name,) = self.engine.spec["inputs"], self.engine.spec["outputs"]
         n = int(np.prod(self.shapes[x_name]))
-        x = np.frombuffer((ctypes.c_float * n).from_address(self.addresses[x_name]), np.float32)
-        y = np.frombuffer((ctypes.c_float * n).from_address(self.addresses[y_name]), np.float32)
-        y[:] = 2 * x + 1
+        x_addr, y_addr = self.addresses[x_name], self.addresses[y_name]
+
+        def kernel() -> None:  # runs in stream order, at synchronize
+            x = np.frombuffer((ctypes.c_float * n).from_address(x_addr), np.float32)
+            y = np.frombuffer((ctypes.c_float * n).from_address(y_addr), np.float32)
+            y[:] = 2 * x + 1
+
+        gpu.enqueue(stream_handle, kernel)
         return True

@@ -19,7 +19,8 @@ CHAT_TEMPLATE = (
 
 def write_tiny_llama(path: Path, *, seed: int = 0, n_embd: int = 64, n_layer: int = 2,
                      n_head: int = 4, n_ff: int = 128, n_ctx: int = 512,
-                     chat_template: str | None = CHAT_TEMPLATE) -> Path:
+                     chat_template: str | None = CHAT_TEMPLATE, tied: bool = False) -> Path:
+    """`tied`: no output.weight (the output layer reuses token_embd, as Gemma's does)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -57,7 +58,8 @@ def write_tiny_llama(path: Path, *, seed: int = 0, n_embd: int = 64, n_layer: in
 
     w.add_tensor("token_embd.weight", t(n_vocab, n_embd))
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    w.add_tensor("output.weight", t(n_vocab, n_embd))
+    if not tied:
+        w.add_tensor("output.weight", t(n_vocab, n_embd))
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):

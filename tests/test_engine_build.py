@@ -16,7 +16,7 @@ from edge.engines.build import build_engine
 from onnxgen import make_mlp
 from edge.engines.recipe import check_onnx, load_recipe
 from edge.engines.store import EngineStore
-from edge.errors import ConfigError
+from edge.errors import ConfigError, EngineError
 from kit import post
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +94,10 @@ def test_trt_build_without_a_gpu_says_what_is_missing(tmp_path: Path) -> None:
                        text=True, timeout=120)
     if detect().sm:
         pytest.skip("this machine has a GPU: covered by the GPU test")
-    assert r.returncode == 65 and "TensorRT engines need GPU SM arch" in r.stderr
+    # the driver's own reason (here: no libcuda), one line, no traceback
+    assert r.returncode == 65 and "TensorRT engines need this device's GPU, and none could be used" in r.stderr
+    assert "libcuda.so.1 cannot be loaded" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.rglob("*.engine"))
 
 
@@ -255,3 +258,21 @@ def test_engines_gc_cli_keeps_what_the_config_uses(tmp_path: Path) -> None:
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert f"removed {old.path}" in r.stdout and used.path.exists() and not old.path.exists()
+
+
+def test_recipe_options_the_installed_tensorrt_lacks_are_refused_before_a_build() -> None:
+    import types
+
+    from edge.engines.build import check_support
+
+    # test double of the tensorrt module's enums: 10.3 (JetPack 6) has no SAME_COMPUTE_CAPABILITY,
+    # which TensorRT 10.9 added (python/src/infer/pyCore.cpp of each release)
+    trt103 = types.SimpleNamespace(__version__="10.3.0.30",
+                                   HardwareCompatibilityLevel=types.SimpleNamespace(NONE=0, AMPERE_PLUS=1),
+                                   BuilderFlag=types.SimpleNamespace(VERSION_COMPATIBLE=1, EXCLUDE_LEAN_RUNTIME=2))
+    recipe = load_recipe(RECIPE)
+    check_support(trt103, dataclasses.replace(recipe, hardware_compatibility="ampere_plus", version_compatible=True,
+                                              exclude_lean_runtime=True))
+    with pytest.raises(EngineError, match=r'same_compute_capability" needs TensorRT 10.9 or later .*this is '
+                                          r"TensorRT 10.3.0.30"):
+        check_support(trt103, dataclasses.replace(recipe, hardware_compatibility="same_compute_capability"))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from edge.config import EngineConfig
-from edge.device import GpuInfo, detect
+from edge.device import GpuInfo, GpuProbe, detect
 from edge.engines.key import EngineKey, build_key, key_for
 from edge.engines.recipe import load_recipe
 from edge.engines.store import EngineStore
@@ -25,14 +25,17 @@ def no_dists(names: tuple) -> None:
     return None  # test double: no pip-installed CUDA
 
 
-def device(tree: str, gpu: GpuInfo | None, trt: str | None = "10.3.0"):
+def device(tree: str, gpu: GpuInfo | None, trt: str | None = "10.3.0", arch: str = "aarch64", driver: str = "12.6"):
     # test doubles at the boundary: the GPU and the TensorRT module as the runtime reports them
-    return detect(FIX / tree, gpu=lambda: gpu, trt=lambda: trt, cpu_arch="aarch64", dists=no_dists)
+    return detect(FIX / tree, gpu=lambda: GpuProbe(gpu, driver if gpu else None, None if gpu else "no GPU"),
+                  trt=lambda: trt, cpu_arch=arch, dists=no_dists)
 
 
-AGX = device("orin-agx", GpuInfo("Orin", "sm_87", "12.6"))
-NANO = device("orin-nano-jp6", GpuInfo("Orin", "sm_87", "12.6"))
-H100 = device("dgpu-pip-x86", GpuInfo("NVIDIA H100 80GB HBM3", "sm_90", "12.8"), trt="10.13.3.9")
+AGX = device("orin-agx", GpuInfo("Orin", "sm_87", integrated=True))
+NANO = device("orin-nano-jp6", GpuInfo("Orin", "sm_87", integrated=True))
+H100 = device("dgpu-pip-x86", GpuInfo("NVIDIA H100 80GB HBM3", "sm_90"), trt="10.13.3.9", arch="x86_64")
+A100 = device("dgpu-pip-x86", GpuInfo("NVIDIA A100-SXM4-80GB", "sm_80"), trt="10.13.3.9", arch="x86_64")
+GH200 = device("dgpu-pip-x86", GpuInfo("NVIDIA GH200 480GB", "sm_90"), trt="10.13.3.9", arch="aarch64")
 
 
 def test_key_for_a_recipe_and_for_onnx_sha256_whatever_the_name(tmp_path: Path) -> None:
@@ -61,17 +64,46 @@ def test_orins_are_told_apart_and_the_message_says_how() -> None:
     assert built.filename() == "sm_87-jetson-agx-orin-cuda12-trt10.3.0-fp32.engine"
 
 
-def test_hardware_compatible_builds_run_on_other_gpus_of_their_level() -> None:
+def test_hardware_compatible_builds_run_on_other_gpus_of_their_level_on_the_same_host_platform() -> None:
     recipe = dataclasses.replace(load_recipe(RECIPE), hardware_compatibility="ampere_plus")
+    entry = EngineConfig(name="m", recipe=str(RECIPE))
     built = build_key(recipe, "tensorrt", H100, SHA)
-    assert (built.target, built.platform, built.hardware_compat) == ("sm_80", None, "ampere_plus")
-    orin_same_trt = dataclasses.replace(key_for(EngineConfig(name="m", recipe=str(RECIPE)), AGX), tensorrt="10.13.3.9")
-    assert built.differences(orin_same_trt) == []
-    xavier = dataclasses.replace(orin_same_trt, target="sm_72")
-    assert "Ampere and newer (sm_80+), this device is sm_72" in built.differences(xavier)[0]
+    assert (built.target, built.platform, built.host, built.hardware_compat) == ("sm_80", None, "x86-64", "ampere_plus")
+    assert built.filename() == "sm_80-x86-64-cuda12-trt10.13.3.9-ampere-plus-fp32.engine"
+    assert built.differences(key_for(entry, A100)) == []  # another GPU, same host platform
+    # an x86 plan is refused on an Orin and on an aarch64 dGPU host, whatever the GPU
+    orin_same_trt = dataclasses.replace(key_for(entry, AGX), tensorrt="10.13.3.9")
+    assert built.differences(orin_same_trt) == ["engine was built for host platform x86-64, this device is "
+                                                "host platform jetson"]
+    assert built.differences(key_for(entry, GH200)) == ["engine was built for host platform x86-64, this "
+                                                        "device is host platform aarch64"]
+    old = dataclasses.replace(built, host=None)  # a manifest from before the host was in the key
+    assert "host platform (none)" in old.differences(key_for(entry, A100))[0]
+    turing = dataclasses.replace(key_for(entry, A100), target="sm_75")
+    assert "Ampere and newer (sm_80+), this device is sm_75" in built.differences(turing)[0]
     same_cc = build_key(dataclasses.replace(recipe, hardware_compatibility="same_compute_capability"),
-                        "tensorrt", AGX, SHA)
-    assert same_cc.differences(key_for(EngineConfig(name="m", recipe=str(RECIPE)), NANO)) == []
+                        "tensorrt", H100, SHA)
+    assert same_cc.differences(key_for(entry, H100)) == []
+    assert same_cc.differences(key_for(entry, A100)) == ["engine was built for sm_90, this device is sm_80"]
+
+
+def test_a_hardware_compatible_build_on_a_jetson_is_refused_with_the_reason() -> None:
+    recipe = dataclasses.replace(load_recipe(RECIPE), hardware_compatibility="same_compute_capability")
+    with pytest.raises(EngineError, match="cannot be built on a Jetson: TensorRT's hardware compatibility is "
+                                          "for discrete GPUs only"):
+        build_key(recipe, "tensorrt", AGX, SHA)
+
+
+def test_a_missing_driver_is_the_reason_given_for_a_tensorrt_key() -> None:
+    nogpu = detect(FIX / "dgpu-x86", gpu=lambda: GpuProbe(None, None, "the NVIDIA driver library libcuda.so.1 "
+                                                          "cannot be loaded"), trt=lambda: "10.3.0", dists=no_dists)
+    with pytest.raises(EngineError, match="none could be used: the NVIDIA driver library libcuda.so.1"):
+        key_for(EngineConfig(name="m", recipe=str(RECIPE)), nogpu)
+    # a Jetson's SM arch is known from its SoC: the key is made (for gc, doctor, OTA checks), and the
+    # driver's error comes when the engine is deserialized
+    jetson = detect(FIX / "orin-agx", gpu=lambda: GpuProbe(None, None, "cuInit failed"), trt=lambda: "10.3.0",
+                    dists=no_dists)
+    assert key_for(EngineConfig(name="m", recipe=str(RECIPE)), jetson).target == "sm_87"
 
 
 def test_version_compatible_runs_on_later_versions_of_the_same_major() -> None:

@@ -15,7 +15,8 @@ from edge.config import parse_config
 from edge.doctor import _limit_bytes, run_checks, unit_config
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
 from edge.units import (GPU_DEVICE_CLASSES, REARM_UNIT, STARTER_CONFIG, UnitOptions, existing_groups,
-                        install_starter_config, install_units, reclaim_config_dir, render_rearm, render_service, render_socket)
+                        install_starter_config, install_units, platform_devices, reclaim_config_dir, render_rearm,
+                        render_service, render_socket)
 
 ROOT = Path(__file__).resolve().parent.parent
 analyze = pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze")
@@ -68,6 +69,37 @@ def test_service_has_what_cold_start_needs() -> None:
     for line in ("ListenStream=127.0.0.1:8088", "ListenStream=/run/edge.sock", "SocketMode=0660",
                  "SocketGroup=video", "Backlog=4096"):
         assert re.search(rf"^{re.escape(line)}$", sock, re.M), line
+
+
+FIX = Path(__file__).parent / "fixtures" / "devices"
+
+
+def test_units_print_on_a_jetpack6_tree_allows_the_render_node_and_nothing_of_other_platforms(tmp_path: Path) -> None:
+    r = subprocess.run([*EDGE, "units", "print", "--root", str(FIX / "orin-nano-jp6")],  # this edge: verify runs it
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    allowed = re.findall(r"^DeviceAllow=(\S+) rw$", r.stdout, re.M)
+    assert "/dev/dri/renderD128" in allowed and "char-drm" in allowed  # cuInit's 801 otherwise
+    assert "/dev/nvgpu/igpu0/ctrl" in allowed and "/dev/host1x-fence" in allowed
+    assert not [d for d in allowed if d.startswith(("/dev/nvidia", "/dev/nvhost-", "char-nvidia"))]
+    assert "ExecStartPre=" not in r.stdout
+    if shutil.which("systemd-analyze"):
+        svc = tmp_path / "edge.service"
+        svc.write_text(r.stdout.split("# edge.service\n", 1)[1])
+        (tmp_path / "edge.socket").write_text(render_socket(UnitOptions()))
+        v = subprocess.run(["systemd-analyze", "verify", str(svc)], capture_output=True, text=True, cwd=tmp_path)
+        assert "edge.service" not in v.stderr, v.stderr
+
+
+def test_a_dgpu_unit_makes_the_nvidia_nodes_before_the_sandboxed_start() -> None:
+    devices, modprobe = platform_devices(FIX / "dgpu-x86")
+    text = render_service(UnitOptions(devices=devices, modprobe=modprobe))
+    assert re.search(r"^ExecStartPre=\+-/usr/bin/nvidia-modprobe -u -c=0$", text, re.M)
+    assert text.index("ExecStartPre=") < text.index("ExecStart=")
+    assert "DeviceAllow=/dev/nvidia-uvm rw" in text and "DeviceAllow=/dev/nvgpu/igpu0/ctrl rw" not in text
+    generic = render_service(UnitOptions())  # the shipped unit: every platform, ordered after the daemon
+    assert "ExecStartPre=" not in generic and "nvidia-persistenced.service" in generic.split("[Service]")[0]
+    assert "ExecStartPre=" not in render_service(UnitOptions(user=True, modprobe="/usr/bin/nvidia-modprobe"))
 
 
 def test_user_units_leave_out_privileged_sandboxing() -> None:
@@ -169,6 +201,7 @@ def test_service_unit_fixes_from_the_real_systemd_run() -> None:
     assert re.search(r"^StartLimitBurst=\d+$", text, re.M) and re.search(r"^StartLimitIntervalSec=\d+$", text, re.M)
     assert text.index("StartLimitBurst=") < text.index("[Service]")  # a [Unit] setting
     assert "Environment=CUDA_CACHE_PATH=%C/edge/cuda" in text
+    assert "char-drm" in GPU_DEVICE_CLASSES  # JetPack 6's render node, whatever its minor
     for node in ("/dev/nvmap", "/dev/nvhost-ctxsw-gpu", "/dev/nvgpu/igpu0/ctrl", "/dev/nvidiactl",
                  "/dev/nvidia-uvm", *GPU_DEVICE_CLASSES):
         assert re.search(rf"^DeviceAllow={re.escape(node)} rw$", text, re.M), node

@@ -21,24 +21,27 @@ ListenOpt = typer.Option([DEFAULT_LISTEN], "--listen", help="TCP address for Lis
 UnixOpt = typer.Option(None, "--unix-socket", help="also listen on this Unix socket (mode 0660)")
 GroupOpt = typer.Option(None, "--socket-group", help="group owning the Unix socket")
 UserOpt = typer.Option(False, "--user", help="user units (systemctl --user), without privileged sandboxing")
+RootOpt = typer.Option("/", "--root", help="the device's root tree: its GPU platform decides DeviceAllow=")
 
 
 def _options(edge: Optional[str], config: str, listen: list[str], unix_socket: Optional[str],
-             socket_group: Optional[str], user: bool):  # -> edge.units.UnitOptions (imported lazily)
-    from edge.units import UnitOptions, default_edge_command
+             socket_group: Optional[str], user: bool, root: str):  # -> edge.units.UnitOptions (lazy import)
+    from edge.units import UnitOptions, default_edge_command, platform_devices
 
+    devices, modprobe = platform_devices(root)
     return UnitOptions(edge=edge or default_edge_command(), config=config, listen=tuple(listen),
-                       unix_socket=unix_socket, socket_group=socket_group, user=user)
+                       unix_socket=unix_socket, socket_group=socket_group, user=user, devices=devices,
+                       modprobe=modprobe)
 
 
 @units_app.command("print")
 def units_print(edge: Optional[str] = EdgeOpt, config: str = UnitConfigOpt, listen: list[str] = ListenOpt,
                 unix_socket: Optional[str] = UnixOpt, socket_group: Optional[str] = GroupOpt,
-                user: bool = UserOpt) -> None:
-    """Print edge.socket and edge.service as they would be installed."""
+                user: bool = UserOpt, root: str = RootOpt) -> None:
+    """Print edge.socket and edge.service as they would be installed on the device at --root."""
     from edge.units import render_service, render_socket
 
-    o = _options(edge, config, listen, unix_socket, socket_group, user)
+    o = _options(edge, config, listen, unix_socket, socket_group, user, root)
     typer.echo(f"# edge.socket\n{render_socket(o)}\n# edge.service\n{render_service(o)}")
 
 
@@ -47,10 +50,11 @@ def units_install(prefix: str = typer.Option("/", "--prefix", help="root to inst
                   edge: Optional[str] = EdgeOpt, config: str = UnitConfigOpt, listen: list[str] = ListenOpt,
                   unix_socket: Optional[str] = UnixOpt, socket_group: Optional[str] = GroupOpt,
                   user: bool = UserOpt) -> None:
-    """Write edge.socket and edge.service (atomically) and say which systemctl commands to run."""
+    """Write edge.socket and edge.service (atomically) and say which systemctl commands to run;
+    the GPU device policy is that of the device at --prefix."""
     from edge.units import install_starter_config, install_units, reclaim_config_dir
 
-    o = _options(edge, config, listen, unix_socket, socket_group, user)
+    o = _options(edge, config, listen, unix_socket, socket_group, user, prefix)
     try:
         paths = install_units(o, prefix)
     except OSError as exc:

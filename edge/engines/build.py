@@ -109,6 +109,32 @@ def _import_trt_builder() -> Any:
     return trt
 
 
+# Recipe options -> (TensorRT enum.member, the first TensorRT version that has it)
+_NEEDS = {
+    "hardware_compatibility = \"ampere_plus\"": ("HardwareCompatibilityLevel.AMPERE_PLUS", "8.6"),
+    "hardware_compatibility = \"same_compute_capability\"": ("HardwareCompatibilityLevel.SAME_COMPUTE_CAPABILITY",
+                                                             "10.9"),
+    "version_compatible = true": ("BuilderFlag.VERSION_COMPATIBLE", "8.6"),
+    "exclude_lean_runtime = true": ("BuilderFlag.EXCLUDE_LEAN_RUNTIME", "8.6"),
+}
+
+
+def check_support(trt: Any, recipe: Recipe) -> None:
+    """Refuse, before any build, a recipe option the installed TensorRT lacks (JetPack 6 has 10.3:
+    no SAME_COMPUTE_CAPABILITY), naming the version that has it."""
+    asked = {"hardware_compatibility = \"ampere_plus\"": recipe.hardware_compatibility == "ampere_plus",
+             "hardware_compatibility = \"same_compute_capability\"":
+                 recipe.hardware_compatibility == "same_compute_capability",
+             "version_compatible = true": recipe.version_compatible,
+             "exclude_lean_runtime = true": recipe.exclude_lean_runtime}
+    for option, wanted in asked.items():
+        name, since = _NEEDS[option]
+        enum, member = name.split(".")
+        if wanted and not hasattr(getattr(trt, enum, None), member):
+            raise EngineError(f"{recipe.source or recipe.name}: {option} needs TensorRT {since} or later "
+                              f"({enum}.{member}); this is TensorRT {getattr(trt, '__version__', '?')}")
+
+
 def _count_qdq(onnx_path: str) -> int:
     import onnx
 
@@ -160,6 +186,7 @@ def _timing_cache(config: Any, job: BuildJob, used: dict[str, Any]) -> None:
 
 def _build_tensorrt(job: BuildJob) -> None:
     recipe, trt = job.recipe, _import_trt_builder()
+    check_support(trt, recipe)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network, _parser, strongly_typed = _network(trt, builder, logger, recipe)

@@ -1,13 +1,24 @@
-"""The CUDA boundary for engines: GPU 0's primary context, a stream, device and pinned buffers.
+"""The CUDA boundary for engines: the driver API only, through cuda-python's driver bindings.
 
-Why the primary context: it is the one the CUDA runtime API uses, so TensorRT (runtime API),
-llama.cpp's ggml-cuda (runtime API) and edge share one context per GPU instead of each creating
-its own (pycuda.autoinit made a private context current on the importing thread only, so the
-engine's worker thread had none). A context is current per thread: whoever calls into an engine
-first makes the primary context current on its own thread (`PrimaryContext.make_current`).
+Why the driver API only: libcuda is the device's own driver, so what edge calls can never be
+newer than what the device runs. cuda-python >= 12.9 carries a CUDA runtime of its own inside
+`cuda.bindings.runtime` (12.9 whatever the driver); on a Jetson a runtime newer than the driver
+is not supported (JetPack 6's driver is CUDA 12.6) and its first call fails with
+cudaErrorInsufficientDriver. edge therefore never imports `cuda.bindings.runtime`/`cudart`. The
+runtime TensorRT and ggml-cuda load themselves (JetPack's libcudart, or the nvidia-cuda-runtime
+wheel beside a TensorRT wheel) is the device's business: `edge doctor` checks it is not newer
+than the driver on a Jetson. pycuda would also do (a driver-API binding built against the
+device's CUDA), but it is an sdist that needs the CUDA toolkit's headers to install.
 
-Every call goes through cuda-python's driver and runtime modules, passed in, so tests give a
-named double (tests/fakecuda.py) that holds the same per-thread rule. Nothing here imports
+Why the primary context: it is the context the CUDA runtime uses, so TensorRT (runtime API),
+llama.cpp's ggml-cuda (runtime API) and edge share one context per GPU. A context is current per
+thread: whoever calls into an engine first makes it current on its own thread
+(`PrimaryContext.make_current`); the runtime API then uses it on that thread.
+
+Every call goes through `CudaApi.call`, which turns cuda-python's `(CUresult, *values)` tuples
+into values or an EngineError naming the call and the error, and a driver library that cannot be
+loaded (cuda-python raises its own RuntimeError then) into one line naming the missing driver.
+Tests pass a named double of the driver module (tests/fakecuda.py). Nothing here imports
 cuda-python at module level.
 """
 
@@ -20,68 +31,116 @@ import numpy as np
 
 from edge.errors import EngineError, MissingDependency
 
-__all__ = ["CudaApi", "PrimaryContext", "PinnedBuffer", "cuda_api"]
+__all__ = ["CudaApi", "CudaError", "DriverMissing", "PrimaryContext", "PinnedBuffer", "cuda_api",
+           "driver_module", "hint"]
+
+# What a failing cuInit most often means on the devices edge runs on (CUresult names).
+_HINTS = {
+    "CUDA_ERROR_NOT_SUPPORTED": "on JetPack 6 cuInit needs the GPU's render node /dev/dri/renderD*: "
+                                "under edge.service DeviceAllow= must allow it (`edge doctor` checks)",
+    "CUDA_ERROR_NO_DEVICE": "no GPU device node is usable: /dev/nvidia* (dGPU), /dev/nvgpu/igpu0/* "
+                            "(JetPack 6) or /dev/nvhost-* (JetPack 5) missing or not allowed by the "
+                            "unit's DeviceAllow= (`edge doctor` checks)",
+    "CUDA_ERROR_UNKNOWN": "on a dGPU /dev/nvidia-uvm may be missing: run `nvidia-modprobe -u -c=0` "
+                          "(edge.service does it in ExecStartPre=)",
+    "CUDA_ERROR_OPERATING_SYSTEM": "the driver's kernel module refused the process: check the device "
+                                   "nodes' permissions and the unit's DeviceAllow=",
+    "CUDA_ERROR_INSUFFICIENT_DRIVER": "the kernel driver is older than its libcuda (a half-upgraded "
+                                      "driver): reboot, or reinstall one driver version",
+    "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH": "the kernel driver and libcuda are different versions: reboot, "
+                                         "or reinstall one driver version",
+}
 
 
-class CudaApi:
-    """cuda-python's driver and runtime modules, with the calls edge makes checked."""
-
-    def __init__(self, driver: Any, runtime: Any) -> None:
-        self.driver, self.runtime = driver, runtime
-
-    def check(self, result: Any, what: str) -> Any:
-        """cuda-python returns (error, *values): raise on an error, return the value(s)."""
-        err, *values = result if isinstance(result, tuple) else (result,)
-        if getattr(err, "value", err) != 0:
-            raise EngineError(f"CUDA {what} failed: {getattr(err, 'name', err)}")
-        return values[0] if len(values) == 1 else tuple(values) or None
-
-    def malloc(self, nbytes: int) -> int:
-        return int(self.check(self.runtime.cudaMalloc(max(nbytes, 1)), "cudaMalloc"))
-
-    def malloc_host(self, nbytes: int) -> int:
-        return int(self.check(self.runtime.cudaMallocHost(max(nbytes, 1)), "cudaMallocHost"))
-
-    def copy_async(self, dst: int, src: int, nbytes: int, to_device: bool, stream: Any) -> None:
-        kinds = self.runtime.cudaMemcpyKind
-        kind = kinds.cudaMemcpyHostToDevice if to_device else kinds.cudaMemcpyDeviceToHost
-        self.check(self.runtime.cudaMemcpyAsync(dst, src, nbytes, kind, stream), "cudaMemcpyAsync")
+def hint(error_name: str) -> str:
+    """What to check for a CUresult name, or ""."""
+    return _HINTS.get(error_name, "")
 
 
-def cuda_api() -> CudaApi:
-    """The real modules: cuda.bindings (cuda-python >= 12.6), or the older cuda.cuda/cuda.cudart."""
+class CudaError(EngineError):
+    """A CUDA driver call returned an error."""
+
+    def __init__(self, call: str, name: str) -> None:
+        self.call, self.name = call, name
+        why = hint(name) if call == "cuInit" else ""
+        super().__init__(f"CUDA {call} failed: {name}" + (f" ({why})" if why else ""))
+
+
+class DriverMissing(EngineError):
+    """cuda-python is installed but the NVIDIA driver library (libcuda.so.1) cannot be loaded."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("the NVIDIA driver library libcuda.so.1 cannot be loaded, so no CUDA call can "
+                         "run (install the NVIDIA driver; on a Jetson it comes with JetPack's "
+                         f"nvidia-l4t-cuda): {' '.join(detail.split())}")
+
+
+def driver_module() -> Any:
+    """cuda-python's driver module: `cuda.bindings.driver` (>= 12.6), or `cuda.cuda` before."""
     try:
-        from cuda.bindings import driver, runtime
+        from cuda.bindings import driver
     except ImportError:
         try:
-            from cuda import cuda as driver, cudart as runtime  # type: ignore[no-redef]
+            from cuda import cuda as driver  # type: ignore[no-redef]
         except ImportError:
             raise MissingDependency("cuda-python", "trt", "serving TensorRT engines (the CUDA context "
                                     "and buffers)") from None
-    return CudaApi(driver, runtime)
+    return driver
+
+
+class CudaApi:
+    """cuda-python's driver module, with every call edge makes checked."""
+
+    def __init__(self, driver: Any) -> None:
+        self.driver = driver
+        self._ok = driver.CUresult.CUDA_SUCCESS
+
+    def call(self, name: str, *args: Any) -> Any:
+        """driver.<name>(*args): its value (a tuple for several, None for none), or an EngineError."""
+        try:
+            err, *values = getattr(self.driver, name)(*args)
+        except RuntimeError as exc:  # cuda-pathfinder's DynamicLibNotFoundError, or "Failed to dlopen"
+            raise DriverMissing(str(exc)) from None
+        if err != self._ok:
+            raise CudaError(name, str(getattr(err, "name", err)))
+        return values[0] if len(values) == 1 else (tuple(values) or None)
+
+    def malloc(self, nbytes: int) -> int:
+        return int(self.call("cuMemAlloc", max(nbytes, 1)))
+
+    def malloc_host(self, nbytes: int) -> int:
+        return int(self.call("cuMemAllocHost", max(nbytes, 1)))
+
+    def copy_async(self, dst: int, src: int, nbytes: int, to_device: bool, stream: Any) -> None:
+        """Queued on `stream`: the bytes are there only after the stream is synchronized."""
+        self.call("cuMemcpyHtoDAsync" if to_device else "cuMemcpyDtoHAsync", dst, src, nbytes, stream)
+
+
+def cuda_api() -> CudaApi:
+    return CudaApi(driver_module())
 
 
 class PrimaryContext:
-    """The primary context of one GPU, retained once (load) and released once (close), made
-    current on every thread that runs engine work."""
+    """The primary context of one GPU: `retain()` once (at load), made current on every thread
+    that runs engine work, released once (`release()`, the last step of a teardown). cuInit and
+    the device lookup hold nothing, so a failure there leaves nothing to release."""
 
     def __init__(self, api: CudaApi, device: int = 0) -> None:
-        self.api, self.device = api, device
-        api.check(api.driver.cuInit(0), "cuInit")
-        self._dev = api.check(api.driver.cuDeviceGet(device), "cuDeviceGet")
-        self._ctx = api.check(api.driver.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
-        self._retained = True
+        self.api = api
+        api.call("cuInit", 0)
+        self._dev = api.call("cuDeviceGet", device)
+        self._ctx: Any = None
+
+    def retain(self) -> None:
+        self._ctx = self.api.call("cuDevicePrimaryCtxRetain", self._dev)
 
     def make_current(self) -> None:
-        self.api.check(self.api.driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-        # the runtime API (TensorRT, ggml-cuda) picks the device per thread too
-        self.api.check(self.api.runtime.cudaSetDevice(self.device), "cudaSetDevice")
+        self.api.call("cuCtxSetCurrent", self._ctx)
 
     def release(self) -> None:
-        """Last step of a teardown: after every buffer, stream and TensorRT object is gone."""
-        if self._retained:
-            self._retained = False
-            self.api.check(self.api.driver.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
+        if self._ctx is not None:
+            self._ctx = None
+            self.api.call("cuDevicePrimaryCtxRelease", self._dev)
 
 
 class PinnedBuffer:
@@ -94,7 +153,7 @@ class PinnedBuffer:
         try:
             self.host = api.malloc_host(nbytes)
         except EngineError:
-            api.check(api.runtime.cudaFree(self.device), "cudaFree")
+            api.call("cuMemFree", self.device)
             raise
 
     def host_view(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -105,5 +164,7 @@ class PinnedBuffer:
         return np.frombuffer(raw, dtype=dtype, count=n // np.dtype(dtype).itemsize).reshape(shape)
 
     def free(self) -> None:
-        self.api.check(self.api.runtime.cudaFreeHost(self.host), "cudaFreeHost")
-        self.api.check(self.api.runtime.cudaFree(self.device), "cudaFree")
+        try:
+            self.api.call("cuMemFreeHost", self.host)
+        finally:
+            self.api.call("cuMemFree", self.device)

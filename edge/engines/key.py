@@ -7,9 +7,13 @@ made hardware- or version-compatible). `EngineKey.differences(wanted)` is the on
 "does this stored engine run here": empty means yes.
 
 A TensorRT key holds the SM arch, the platform (Jetson module, or dGPU product: Orin AGX, NX and
-Nano are all sm_87 with different SM counts, an H100 and a GH200 both sm_90), the CUDA major,
+Nano are all sm_87 with different SM counts, an H100 and a GH200 both sm_90), the host platform
+(`jetson`, or the CPU arch of a dGPU host: plans are not portable across them), the CUDA major,
 the full TensorRT version of the module that deserializes (build number included), and the
-build's hardware-compatibility level and version-compatible flag.
+build's hardware-compatibility level and version-compatible flag. The host platform is compared
+for every engine; the platform too, except for a hardware-compatible engine, which runs on any
+GPU of its level on the same host platform (and is never built on a Jetson, where TensorRT has
+no hardware compatibility).
 """
 
 from __future__ import annotations
@@ -18,18 +22,16 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edge.device import DeviceInfo
+from edge.device import DeviceInfo, slug
 from edge.errors import EngineError, MissingDependency
 
 if TYPE_CHECKING:
     from edge.config import EngineConfig
     from edge.engines.recipe import Recipe
 
-__all__ = ["EngineKey", "BACKENDS", "HW_COMPAT", "build_key", "device_fields", "key_for", "profile_label"]
+__all__ = ["EngineKey", "BACKENDS", "build_key", "device_fields", "host_platform", "key_for", "profile_label"]
 
 BACKENDS = ("tensorrt", "onnxruntime")
-# TensorRT's HardwareCompatibilityLevel, as recipes and keys spell it
-HW_COMPAT = ("none", "ampere_plus", "same_compute_capability")
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,11 @@ class EngineKey:
     platform: str | None = None  # jetson-agx-orin / nvidia-h100-80gb-hbm3; None for hw-compatible
     hardware_compat: str = "none"
     version_compatible: bool = False
+    host: str | None = None  # jetson | x86-64 | aarch64 (a dGPU host's CPU arch); None: older manifest
 
     def filename(self) -> str:
         if self.backend == "tensorrt":
-            parts = [self.target, self.platform, f"cuda{self.cuda}" if self.cuda else None,
+            parts = [self.target, self.platform or self.host, f"cuda{self.cuda}" if self.cuda else None,
                      f"trt{self.tensorrt}", "vc" if self.version_compatible else None,
                      None if self.hardware_compat == "none" else self.hardware_compat.replace("_", "-"),
                      self.precision, self.profile or None]
@@ -76,13 +79,18 @@ class EngineKey:
         return out + self._gpu_differences(wanted) + self._software_differences(wanted)
 
     def _gpu_differences(self, wanted: "EngineKey") -> list[str]:
+        if self.hardware_compat == "none":
+            out = [] if self.target == wanted.target else [_say("target", self.target, wanted.target)]
+            return out + ([] if self.platform == wanted.platform else
+                          [_say("platform", self.platform, wanted.platform)])
+        # hardware-compatible: any GPU of the level, on the same host platform only
+        out = [] if self.host is not None and self.host == wanted.host else [_say("host", self.host, wanted.host)]
         if self.hardware_compat == "ampere_plus":
-            ok = _sm_number(wanted.target) >= 80
-            return [] if ok else [f"engine was built hardware-compatible for Ampere and newer (sm_80+), "
-                                  f"this device is {wanted.target}"]
-        out = [] if self.target == wanted.target else [_say("target", self.target, wanted.target)]
-        if self.hardware_compat == "none" and self.platform != wanted.platform:
-            out.append(_say("platform", self.platform, wanted.platform))
+            if _sm_number(wanted.target) < 80:
+                out.append(f"engine was built hardware-compatible for Ampere and newer (sm_80+), "
+                           f"this device is {wanted.target}")
+        elif self.target != wanted.target:
+            out.append(_say("target", self.target, wanted.target))
         return out
 
     def _software_differences(self, wanted: "EngineKey") -> list[str]:
@@ -101,7 +109,7 @@ class EngineKey:
 
 
 def _say(name: str, have: Any, want: Any) -> str:
-    what = {"target": "", "platform": "platform "}.get(name, f"{name} ")
+    what = {"target": "", "platform": "platform ", "host": "host platform "}.get(name, f"{name} ")
     verb = "needs" if name in ("precision", "profile") else "is"
     return f"engine was built for {what}{have or '(none)'}, this device {verb} {what}{want or '(none)'}"
 
@@ -120,17 +128,25 @@ def _sm_number(target: str | None) -> int:
 def device_fields(backend: str, device: DeviceInfo) -> dict[str, Any]:
     """The key fields this device asks of an engine for `backend`; an error says what is missing."""
     if backend == "tensorrt":
+        if not device.sm and device.gpu_error:  # the driver said why: that is the one line to show
+            raise EngineError(f"TensorRT engines need this device's GPU, and none could be used: {device.gpu_error}")
         missing = [n for n, v in (("GPU SM arch", device.sm), ("TensorRT version", device.tensorrt)) if not v]
         if missing:
             raise EngineError(f"TensorRT engines need {', '.join(missing)} of this device, and "
                               "none could be found (edge device shows what was detected)")
-        return {"backend": backend, "target": device.sm, "platform": device.platform,
+        return {"backend": backend, "target": device.sm, "platform": device.platform, "host": host_platform(device),
                 "cuda": device.cuda.split(".")[0] if device.cuda else None, "tensorrt": device.tensorrt}
     if backend == "onnxruntime":
         if not device.onnxruntime:
             raise MissingDependency("onnxruntime", "ort", "serving ONNX Runtime engines")
         return {"backend": backend, "target": f"cpu-{device.cpu_arch}", "onnxruntime": device.onnxruntime}
     raise EngineError(f"unknown engine backend {backend!r}: expected one of {list(BACKENDS)}")
+
+
+def host_platform(device: DeviceInfo) -> str:
+    """TensorRT's notion of a platform (plans are not portable across them): a Jetson, or the CPU
+    arch of a host with a discrete GPU."""
+    return "jetson" if device.jetson else slug(device.cpu_arch)
 
 
 def profile_label(recipe: "Recipe") -> str:
@@ -165,6 +181,11 @@ def build_key(recipe: "Recipe", backend: str, device: DeviceInfo, onnx_sha256: s
     if backend != "tensorrt":
         return key
     if recipe.hardware_compatibility != "none":
+        if device.jetson:
+            raise EngineError(f"{recipe.source or recipe.name}: hardware_compatibility = "
+                              f"\"{recipe.hardware_compatibility}\" cannot be built on a Jetson: TensorRT's "
+                              "hardware compatibility is for discrete GPUs only, and a plan is not portable "
+                              "between a Jetson and a dGPU host; set hardware_compatibility = \"none\"")
         key = replace(key, platform=None, hardware_compat=recipe.hardware_compatibility,
                       target="sm_80" if recipe.hardware_compatibility == "ampere_plus" else key.target)
     if recipe.version_compatible:

@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from edge.config import build_dataclass
-from edge.engines.key import HW_COMPAT
 from edge.errors import ConfigError
 
-__all__ = ["InputRange", "Profile", "Recipe", "load_recipe", "check_onnx"]
+__all__ = ["HW_COMPAT", "InputRange", "Profile", "Recipe", "load_recipe", "check_onnx"]
 
 PRECISIONS = ("fp32", "fp16", "int8")
-
+# TensorRT's HardwareCompatibilityLevel, as recipes and keys spell it
+HW_COMPAT = ("none", "ampere_plus", "same_compute_capability")
 
 
 @dataclass(frozen=True)

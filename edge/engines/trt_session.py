@@ -1,59 +1,61 @@
 """A TensorRT engine served on GPU 0, on the thread that constructs it.
 
-Construction (on the engine's worker thread): the primary context made current, the plan
-deserialized, I/O checked (an I/O dtype NumPy/KServe cannot carry — BF16, FP8, INT4, FP4 — or a
-data-dependent output shape is refused here, not at the first request), one execution context,
-one stream, and per tensor one device + pinned host buffer sized to the largest shape any
-profile allows. A request then only picks the profile (`profile_for`, the same rule as
-validation), sets shapes (checked), copies in, runs, copies out. `close()` tears down in
-reverse: stream drained, context, engine, runtime, buffers, stream, primary context.
+Construction (on the engine's worker thread): CUDA initialized through the driver API, the
+primary context retained and made current, the plan deserialized (a version-compatible plan that
+embeds the lean runtime runs host code: allowed only when its bytes match the store's sha256),
+I/O checked (an I/O dtype NumPy/KServe cannot carry — BF16, FP8, INT4, FP4 —, a shape tensor, or
+a data-dependent output shape is refused here by name, not at the first request), one execution
+context, one stream, and per tensor one device + pinned host buffer sized to the largest shape
+any profile allows. A request then only picks the profile (`profile_for`, the same rule as
+validation), sets shapes (checked), queues copy in, run, copy out on the stream and waits for
+it. Every TensorRT call goes through `_trt`, the one place its exceptions become an EngineError
+naming the engine. `close()` tears down in reverse and runs every step even when one fails:
+stream drained, context, engine, runtime, buffers, stream, primary context.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from edge.engines.cuda import CudaApi, PinnedBuffer, PrimaryContext, cuda_api
-from edge.engines.runtime import TensorSpec, profile_for
 from edge.engines.store import StoredEngine
+from edge.engines.tensors import KSERVE_DTYPES, TensorSpec, profile_for
 from edge.errors import JETPACK_TRT, EngineError, MissingDependency
-from edge.kserve import KSERVE_DTYPES
 
-__all__ = ["TrtSession", "import_trt_runtime", "io_specs"]
+__all__ = ["TrtSession", "import_trt_runtime"]
+
+log = logging.getLogger("edge")
 
 
 def import_trt_runtime() -> Any:
+    """`tensorrt`, else the lean runtime `tensorrt_lean` (version-compatible engines only); the
+    same order as edge.device.tensorrt_version, which puts that module's version in the key."""
     try:
         import tensorrt as trt
     except ImportError:
         try:
-            import tensorrt_lean as trt  # the lean runtime: version-compatible engines only
+            import tensorrt_lean as trt
         except ImportError:
             raise MissingDependency("tensorrt", "trt-dgpu", f"serving TensorRT engines ({JETPACK_TRT})") from None
     return trt
 
 
-def io_specs(trt: Any, engine: Any, where: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Inputs and outputs of a deserialized engine; an unsupported dtype is refused by name."""
-    carried = {np.dtype(v) for v in KSERVE_DTYPES.values()}
-    inputs, outputs = [], []
-    for i in range(engine.num_io_tensors):
-        name = engine.get_tensor_name(i)
-        trt_dtype = engine.get_tensor_dtype(name)
+def _run_all(steps: list[Callable[[], Any]]) -> None:
+    """Every step, even after one fails; then the first failure."""
+    first: BaseException | None = None
+    for step in steps:
         try:
-            dtype = np.dtype(trt.nptype(trt_dtype))
-        except (TypeError, KeyError):  # nptype raises for BF16, FP8, INT4, FP4
-            dtype = None
-        if dtype is None or dtype not in carried:
-            raise EngineError(f"{where}: tensor {name!r} is {trt_dtype}, which edge cannot carry over "
-                              f"KServe (supported: {sorted(KSERVE_DTYPES)}); cast it in the ONNX at the "
-                              "graph's edge and rebuild")
-        spec = TensorSpec(name, dtype, [int(d) for d in engine.get_tensor_shape(name)])
-        (inputs if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else outputs).append(spec)
-    return inputs, outputs
+            step()
+        except Exception as exc:
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 class TrtSession:
@@ -61,48 +63,99 @@ class TrtSession:
 
     def __init__(self, stored: StoredEngine, data: bytes, api: CudaApi | None = None, trt: Any = None) -> None:
         self._where = str(stored.path)
-        self._trt = trt or import_trt_runtime()
         self._api = api or cuda_api()
-        self._primary = PrimaryContext(self._api)
-        self._primary.make_current()
-        self._thread = threading.get_ident()
         self._buffers: dict[str, PinnedBuffer] = {}
         self._stream: Any = None
+        self._primary = PrimaryContext(self._api)  # cuInit + device: nothing held yet
+        self._tensorrt = trt or import_trt_runtime()
         try:
+            self._primary.retain()
+            self._primary.make_current()
+            self._thread = threading.get_ident()
             self._open(stored, data)
         except BaseException:
-            self.close()
+            try:
+                self.close()
+            except Exception as exc:  # the load's own error is the one to report
+                log.warning("%s: teardown after a failed load failed too: %s", self._where, exc)
             raise
 
+    def _trt(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A TensorRT call; what it raises (pybind11: RuntimeError, TypeError, ...) is an EngineError."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            raise EngineError(f"{self._where}: TensorRT {what} failed: {exc}") from None
+
     def _open(self, stored: StoredEngine, data: bytes) -> None:
-        trt = self._trt
-        self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        self._engine = self._runtime.deserialize_cuda_engine(data)
+        trt = self._tensorrt
+        version = getattr(trt, "__version__", "")
+        self._runtime = self._trt("Runtime", trt.Runtime, trt.Logger(trt.Logger.WARNING))
+        if self._host_code(stored, data):
+            self._trt("engine_host_code_allowed", setattr, self._runtime, "engine_host_code_allowed", True)
+        self._engine = self._trt("deserialize_cuda_engine", self._runtime.deserialize_cuda_engine, data)
         if self._engine is None:
-            raise EngineError(f"{self._where}: TensorRT {getattr(trt, '__version__', '')} could not "
-                              "deserialize the engine (built for another TensorRT or GPU?)")
-        self.inputs, self.outputs = io_specs(trt, self._engine, self._where)
+            raise EngineError(f"{self._where}: TensorRT {version} could not deserialize the engine "
+                              "(built for another TensorRT or GPU? TensorRT's log above says why)")
+        self.inputs, self.outputs = self._io_specs()
         self.profiles: list[dict[str, dict[str, list[int]]]] = stored.meta.get("build", {}).get("profiles", [])
-        if len(self.profiles) != self._engine.num_optimization_profiles:
-            raise EngineError(f"{self._where}: the manifest lists {len(self.profiles)} profiles, the engine "
-                              f"has {self._engine.num_optimization_profiles}")
-        self._context = self._engine.create_execution_context()
+        count = self._trt("num_optimization_profiles", getattr, self._engine, "num_optimization_profiles")
+        if len(self.profiles) != count:
+            raise EngineError(f"{self._where}: the manifest lists {len(self.profiles)} profiles, the engine has {count}")
+        self._context = self._trt("create_execution_context", self._engine.create_execution_context)
         if self._context is None:
             raise EngineError(f"{self._where}: TensorRT could not create an execution context "
                               "(out of GPU memory?)")
-        self._stream = self._api.check(self._api.runtime.cudaStreamCreate(), "cudaStreamCreate")
+        flags = self._api.driver.CUstream_flags.CU_STREAM_NON_BLOCKING  # no implicit sync with stream 0
+        self._stream = self._api.call("cuStreamCreate", flags)
         self._profile = -1
         self._allocate()
 
+    def _host_code(self, stored: StoredEngine, data: bytes) -> bool:
+        """A version-compatible plan with the lean runtime inside runs that runtime's host code:
+        TensorRT wants `engine_host_code_allowed`, given only to bytes the store's sha256 vouches for."""
+        flags = stored.meta.get("build", {}).get("flags", {})
+        if not stored.key.version_compatible or flags.get("exclude_lean_runtime"):
+            return False
+        if hashlib.sha256(data).hexdigest() != stored.sha256:
+            raise EngineError(f"{self._where}: a version-compatible engine runs host code, and these bytes "
+                              "do not match the store's sha256: not deserialized")
+        return True
+
+    def _io_specs(self) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """Inputs and outputs; an unsupported dtype or a shape tensor is refused by name."""
+        trt, engine = self._tensorrt, self._engine
+        carried = {np.dtype(v) for v in KSERVE_DTYPES.values()}
+        inputs, outputs = [], []
+        for i in range(self._trt("num_io_tensors", getattr, engine, "num_io_tensors")):
+            name = self._trt("get_tensor_name", engine.get_tensor_name, i)
+            trt_dtype = self._trt("get_tensor_dtype", engine.get_tensor_dtype, name)
+            try:
+                dtype = np.dtype(trt.nptype(trt_dtype))
+            except (TypeError, KeyError):  # nptype raises for BF16, FP8, INT4, FP4
+                dtype = None
+            if dtype is None or dtype not in carried:
+                raise EngineError(f"{self._where}: tensor {name!r} is {trt_dtype}, which edge cannot carry over "
+                                  f"KServe (supported: {sorted(KSERVE_DTYPES)}); cast it in the ONNX at the "
+                                  "graph's edge and rebuild")
+            if self._trt("is_shape_inference_io", engine.is_shape_inference_io, name):
+                raise EngineError(f"{self._where}: tensor {name!r} is a shape tensor (its values set shapes, "
+                                  "and TensorRT reads it from host memory), which edge does not serve: make "
+                                  "it a constant or an ordinary input in the ONNX and rebuild")
+            shape = [int(d) for d in self._trt("get_tensor_shape", engine.get_tensor_shape, name)]
+            mode = self._trt("get_tensor_mode", engine.get_tensor_mode, name)
+            (inputs if mode == trt.TensorIOMode.INPUT else outputs).append(TensorSpec(name, dtype, shape))
+        return inputs, outputs
+
     def _use_profile(self, idx: int) -> None:
-        if idx != self._profile:
-            if not self._context.set_optimization_profile_async(idx, int(self._stream)):
-                raise EngineError(f"{self._where}: TensorRT refused optimization profile {idx}")
+        if idx != self._profile:  # the real binding raises RuntimeError on a refusal
+            self._trt(f"set_optimization_profile_async({idx})", self._context.set_optimization_profile_async,
+                      idx, int(self._stream))
             self._profile = idx
 
     def _set_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
         for name, shape in shapes.items():
-            if not self._context.set_input_shape(name, tuple(shape)):
+            if not self._trt("set_input_shape", self._context.set_input_shape, name, tuple(shape)):
                 raise EngineError(f"{self._where}: TensorRT refused shape {list(shape)} for input "
                                   f"{name!r} in profile {self._profile}")
 
@@ -115,7 +168,8 @@ class TrtSession:
             shapes = {t.name: tuple(prof[t.name]["max"]) if t.name in prof else tuple(t.shape) for t in self.inputs}
             self._set_shapes(shapes)
             for spec in self.inputs + self.outputs:
-                shape = shapes.get(spec.name) or tuple(self._context.get_tensor_shape(spec.name))
+                shape = shapes.get(spec.name) or tuple(self._trt("get_tensor_shape", self._context.get_tensor_shape,
+                                                                 spec.name))
                 if any(d < 0 for d in shape):
                     raise EngineError(f"{self._where}: output {spec.name!r} has a data-dependent shape "
                                       f"{list(shape)} (needs an output allocator, which edge does not "
@@ -124,7 +178,9 @@ class TrtSession:
                 need[spec.name] = max(need.get(spec.name, 0), nbytes)
         for name, nbytes in need.items():
             self._buffers[name] = PinnedBuffer(self._api, nbytes)
-            self._context.set_tensor_address(name, self._buffers[name].device)
+            if not self._trt("set_tensor_address", self._context.set_tensor_address, name,
+                             self._buffers[name].device):
+                raise EngineError(f"{self._where}: TensorRT refused the device address of tensor {name!r}")
 
     def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if threading.get_ident() != self._thread:  # a new thread has no current context yet
@@ -141,29 +197,31 @@ class TrtSession:
             host = buf.host_view(feeds[spec.name].shape, spec.dtype)
             host[...] = feeds[spec.name]
             api.copy_async(buf.device, buf.host, host.nbytes, True, stream)
-        if not self._context.execute_async_v3(int(stream)):
+        if not self._trt("execute_async_v3", self._context.execute_async_v3, int(stream)):
             raise EngineError(f"{self._where}: TensorRT execution failed (its log says why)")
         views = {}
         for spec in self.outputs:
             buf = self._buffers[spec.name]
-            views[spec.name] = buf.host_view(tuple(self._context.get_tensor_shape(spec.name)), spec.dtype)
+            shape = tuple(self._trt("get_tensor_shape", self._context.get_tensor_shape, spec.name))
+            views[spec.name] = buf.host_view(shape, spec.dtype)
             api.copy_async(buf.host, buf.device, views[spec.name].nbytes, False, stream)
-        api.check(api.runtime.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+        api.call("cuStreamSynchronize", stream)  # the copies out have landed only now
         return {n: v.copy() for n, v in views.items()}  # the pinned buffers are reused
 
     def close(self) -> None:
-        """On the serving thread, in order: work drained, TensorRT objects, buffers, stream,
-        then the primary context released."""
-        api = self._api
-        if self._stream is not None:
-            api.check(api.runtime.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
-        for attr in ("_context", "_engine", "_runtime"):  # context before engine before runtime
-            if hasattr(self, attr):
-                delattr(self, attr)
-        for buf in self._buffers.values():
-            buf.free()
-        self._buffers.clear()
-        if self._stream is not None:
-            api.check(api.runtime.cudaStreamDestroy(self._stream), "cudaStreamDestroy")
+        """On the serving thread, in order, every step even if one fails: work drained, TensorRT
+        objects, buffers, stream, then the primary context released."""
+        api, stream = self._api, self._stream
+
+        def drop_trt() -> None:
+            for attr in ("_context", "_engine", "_runtime"):  # context before engine before runtime
+                self.__dict__.pop(attr, None)
+
+        def destroy_stream() -> None:
             self._stream = None
-        self._primary.release()
+            if stream is not None:
+                api.call("cuStreamDestroy", stream)
+
+        buffers, self._buffers = list(self._buffers.values()), {}
+        _run_all([(lambda: api.call("cuStreamSynchronize", stream)) if stream is not None else (lambda: None),
+                  drop_trt, *[b.free for b in buffers], destroy_stream, self._primary.release])
