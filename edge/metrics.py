@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextvars
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -68,6 +69,7 @@ class Metrics:
                               "went away, by model.", ["model"], registry=reg)
         self._state = _StateCollector()
         reg.register(self._state)
+        self._fleet: Any = None  # edge.fleetmetrics.FleetCollector, once the state dir is known
 
     # -- what the app records ------------------------------------------------------------------
     def tokens(self, prompt: int, completion: int, model: str = "") -> None:
@@ -102,6 +104,15 @@ class Metrics:
         """The phases of a start report (`report["phases"]`); a later call for the same event
         (a reload) replaces that event's phases."""
         self._state.phases[event] = _phase_samples(phases)
+
+    def track_fleet(self, state_dir: Path) -> None:
+        """Add the identity and history families (edge.fleetmetrics) read from `state_dir` and
+        from the serving set; once, at the first READY (a reload's set shares these metrics)."""
+        if self._fleet is None:
+            from edge.fleetmetrics import FleetCollector
+
+            self._fleet = FleetCollector(state_dir, lambda: self._state.state)
+            self.registry.register(self._fleet)
 
     # -- what the app serves -------------------------------------------------------------------
     def instrument(self, app: ASGIApp, state: Any) -> "MetricsMiddleware":
