@@ -6,8 +6,8 @@ validation, backend imports, llama.cpp load and the mlock check, HTTP imports, e
 warm-up with each of its requests. Bars are to scale (seconds on the axis) and say their seconds
 and MB/s; READY (or a reload's switch, or its failure) is a line across every lane. A reload adds
 the old set's lane: serving until the switch, then draining. A label that does not fit inside
-its bar goes above it; where the row above is full (many short warm-up steps), only the bar's
-hover title carries it.
+its bar goes above it, in the first of two rows with room; where both are full (many short
+warm-up steps), only the bar's hover title carries it.
 
 Plain SVG written here (no plotting dependency), text escaped by xml.sax.saxutils; every bar
 carries data-phase / data-step / data-marker attributes and a <title> with the phase's detail,
@@ -27,13 +27,15 @@ __all__ = ["Bar", "Chart", "chart_of", "render_svg"]
 WIDTH = 1100
 PLOT_X = 150  # lane labels to the left of it
 PLOT_RIGHT = 24
-LANE_H = 40
+LANE_H = 52
+BAR_Y = 31  # a bar's top within its lane; above it, two rows of labels
+LABEL_ROWS = (14, 27)
 CHAR_W = 6.6  # monospace 11px: wide enough for DejaVu Sans Mono, Menlo and Consolas
 FONT = "DejaVu Sans Mono, Menlo, Consolas, monospace"
 
 # phase -> lane; a lane in PER_TARGET gets one lane per model or engine
 LANES = {"config": "process", "sockets": "process", "resolve_models": "process",
-         "memory_guard": "process", "warmup_setup": "process", "http_setup": "process",
+         "memory_guard": "process", "warmup_setup": "warm-up", "http_setup": "process",
          "page_in": "page-in", "validate": "validation", "imports": "imports",
          "model_load": "load + mlock", "mlock_verify": "load + mlock", "imports_http": "HTTP imports",
          "device": "engines", "engine_lookup": "engines", "engine_read": "engines",
@@ -110,7 +112,7 @@ def _phase_bars(p: dict[str, Any]) -> Iterator[Bar]:
         yield Bar(lane, start, seconds, _phase_label(p), {"data-phase": p["name"]}, tip)
         return
     plan = (p.get("detail") or {}).get("plan")
-    yield Bar(lane, start, seconds, f"{_phase_label(p)}{f', plan {plan}' if plan else ''}:",
+    yield Bar(lane, start, seconds, f"{_phase_label(p)}{f', plan {plan}' if plan else ''}",
               {"data-phase": p["name"]}, tip, band=True)
     at = start  # the steps of one target run one after another, from the phase's start
     for s in steps:
@@ -211,14 +213,14 @@ class _Canvas:
             out.append(f'<line data-marker={quoteattr(kind.lower())} x1="{self.x(at):.1f}" '
                        f'y1="{self.lanes_top - 22:.1f}" x2="{self.x(at):.1f}" y2="{bottom:.1f}" '
                        f'stroke="{MARKER_COLOR.get(kind, "#d62728")}" stroke-width="2"/>')
-        free: dict[str, float] = {}  # lane -> x where its label row is free again
+        free: dict[tuple[str, int], float] = {}  # (lane, row) -> x where that label row is free again
         for bar in sorted(c.bars, key=lambda b: (not b.band, b.start)):
             out += self._bar(bar, self.lanes_top + self.lanes.index(bar.lane) * LANE_H, free)
         for at, kind, text in c.markers:
             out += self._marker(at, kind, text)
         return out
 
-    def _bar(self, bar: Bar, y: float, free: dict[str, float]) -> list[str]:
+    def _bar(self, bar: Bar, y: float, free: dict[tuple[str, int], float]) -> list[str]:
         x0, w = self.x(bar.start), max(bar.seconds * self.scale, 2.0)
         color = COLORS.get(bar.lane.split(" · ")[0], "#999")
         attrs = " ".join(f"{k}={quoteattr(v)}" for k, v in bar.attrs.items())
@@ -227,28 +229,32 @@ class _Canvas:
             out.append(f'<rect x="{x0:.1f}" y="{y + 3:.1f}" width="{w:.1f}" height="{LANE_H - 6}" '
                        f'fill="{color}" opacity="0.18" rx="3"/>')
         else:
-            out.append(f'<rect x="{x0:.1f}" y="{y + 19:.1f}" width="{w:.1f}" height="16" fill="{color}" '
+            out.append(f'<rect x="{x0:.1f}" y="{y + BAR_Y:.1f}" width="{w:.1f}" height="16" fill="{color}" '
                        'rx="2" stroke="#fff" stroke-width="0.6"/>')
         text_w = len(bar.label) * CHAR_W
         if not bar.band and text_w + 8 <= w:  # inside the bar
-            out.append(_text(x0 + 4, y + 31, bar.label, fill="#fff"))
+            out.append(_text(x0 + 4, y + BAR_Y + 12, bar.label, fill="#fff"))
         elif bar.label:
             out += self._label_above(bar, x0, w, y, free)
         out.append("</g>")
         return out
 
-    def _label_above(self, bar: Bar, x0: float, w: float, y: float, free: dict[str, float]) -> list[str]:
-        """In the lane's label row, pushed right past its previous label; a leader line back to
-        the bar when pushed."""
-        text_w, taken = len(bar.label) * CHAR_W, free.get(bar.lane, 0.0)
-        lx = min(max(x0, taken), WIDTH - PLOT_RIGHT - text_w)
-        if lx < taken:
-            return []  # no room left in the row: the bar's <title> still says it on hover
-        out = [_text(lx, y + 14, bar.label, fill="#333", halo=True)]
+    def _label_above(self, bar: Bar, x0: float, w: float, y: float, free: dict[tuple[str, int], float]) -> list[str]:
+        """In the first of the lane's label rows with room, pushed right past that row's previous
+        label; a leader line back to the bar when pushed."""
+        text_w = len(bar.label) * CHAR_W
+        for row, baseline in enumerate(LABEL_ROWS):
+            taken = free.get((bar.lane, row), 0.0)
+            lx = min(max(x0, taken), WIDTH - PLOT_RIGHT - text_w)
+            if lx >= taken:
+                break
+        else:
+            return []  # both rows full (many short warm-up steps): the bar's <title> says it on hover
+        out = [_text(lx, y + baseline, bar.label, fill="#333", halo=True)]
         if lx > x0 + 3 and not bar.band:
-            out.append(f'<line x1="{x0 + w / 2:.1f}" y1="{y + 19:.1f}" x2="{lx:.1f}" y2="{y + 16:.1f}" '
+            out.append(f'<line x1="{x0 + w / 2:.1f}" y1="{y + BAR_Y:.1f}" x2="{lx:.1f}" y2="{y + baseline + 2:.1f}" '
                        'stroke="#aaa" stroke-width="0.8"/>')
-        free[bar.lane] = lx + text_w + 10
+        free[(bar.lane, row)] = lx + text_w + 10
         return out
 
     def _marker(self, at: float, kind: str, text: str) -> list[str]:
