@@ -33,8 +33,13 @@ DEVICE_LABELS = {"platform": "platform", "module": "jetson_model", "l4t": "l4t_r
                  "jetpack": "jetpack", "soc": "soc", "sm": "sm", "gpu": "gpu_name",
                  "cuda_driver": "cuda_driver", "cuda": "cuda", "tensorrt": "tensorrt",
                  "onnxruntime": "onnxruntime", "cpu_arch": "cpu_arch"}
-START_RESULTS = ("ok", "failed")
-RELOAD_RESULTS = ("ok", "failed", "rolled_back")
+# counter family, what the history ledger counts (edge.history), every result (0 until one
+# happens: a rate over a result that has not happened yet is 0, not absent)
+COUNTERS = (("edge_starts", "start", ("ok", "failed"), "Starts of the service on this device by "
+             "result (ok: READY; failed: exited before READY), across restarts."),
+            ("edge_reloads", "reload", ("ok", "failed", "rolled_back"), "Reloads on this device by "
+             "result (ok; failed: the old set kept serving; rolled_back: the previous config was "
+             "loaded again), across restarts."))
 GGML_DEVICE_TYPE_GPU = 1  # enum ggml_backend_dev_type: CPU, GPU, then (by version) IGPU or ACCEL
 
 
@@ -219,18 +224,11 @@ class FleetCollector:
 
     def _starts(self) -> Iterator[Metric]:
         counts = self.ledger.update()
-        starts = CounterMetricFamily("edge_starts", "Starts of the service on this device by "
-                                     "result (ok: READY; failed: exited before READY), across "
-                                     "restarts.", labels=["result"])
-        for result in START_RESULTS:
-            starts.add_metric([result], float(counts.get("start", {}).get(result, 0)))
-        yield starts
-        reloads = CounterMetricFamily("edge_reloads", "Reloads on this device by result (ok, "
-                                      "failed: the old set kept serving, rolled_back: the previous "
-                                      "config was loaded again), across restarts.", labels=["result"])
-        for result in RELOAD_RESULTS:
-            reloads.add_metric([result], float(counts.get("reload", {}).get(result, 0)))
-        yield reloads
+        for name, kind, results, doc in COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["result"])
+            for result in results:
+                family.add_metric([result], float(counts.get(kind, {}).get(result, 0)))
+            yield family
         report = read_json(self.state_dir / "last-start.json") or {}
         phases: dict[str, float] = {}
         for p in report.get("phases") or []:
