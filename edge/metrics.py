@@ -118,7 +118,7 @@ class Metrics:
     def instrument(self, app: ASGIApp, state: Any) -> "MetricsMiddleware":
         """`app` wrapped in the timing middleware; readiness and queue depths read from `state`
         at each scrape."""
-        self._state.state = state
+        self._state.bind(state)
         return MetricsMiddleware(app, self)
 
     def render(self, state: Any = None) -> str:
@@ -147,8 +147,21 @@ class _StateCollector:
     """Families read from the live service at scrape time: readiness, queue depths, phases."""
 
     def __init__(self) -> None:
-        self.state: Any = None
+        self._serving: Any = None  # the last bound state that became ready
+        self._newest: Any = None  # the last bound state: a reload's new set, before its switch
         self.phases: dict[str, dict[tuple[str, str, str], float]] = {}
+
+    def bind(self, state: Any) -> None:
+        if self._newest is not None and self._newest.ready:
+            self._serving = self._newest
+        self._newest = state
+
+    @property
+    def state(self) -> Any:
+        """The set that serves. A reload builds its new set's app (and binds it) before the
+        switch, and a failed reload's set never serves: until it is ready, the one before is."""
+        new = self._newest
+        return new if new is None or new.ready or self._serving is None else self._serving
 
     def describe(self) -> list[Metric]:
         return []  # families depend on the state; nothing to check for clashes up front

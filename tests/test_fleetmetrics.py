@@ -97,6 +97,21 @@ def test_counts_survive_restarts_and_failed_starts(tmp_path: Path, tiny_gguf: Pa
         assert again.stop() == 0
 
 
+def test_a_failed_reload_leaves_the_serving_set_on_metrics(tmp_path: Path, tiny_gguf: Path, service) -> None:
+    """The new set's app is built (and its state bound) before its warm-up: one whose warm-up fails
+    never serves, and /metrics keeps describing the set that does."""
+    edge = service(write_config(tmp_path / "edge.toml", tiny_gguf))
+    bad = write_config(tmp_path / "bad.toml", tiny_gguf, n_ctx=512,
+                       extra_model='chat_template = "{{ undefined_fn() }}"')
+    r = _edge("reload", "--config", str(bad))
+    assert r.returncode == 70, r.stderr
+    _, found = _scrape(edge.address)
+    assert one(found, "edge_ready").value == 1
+    assert one(found, "edge_model_info", model="tiny").labels["n_ctx"] == "256"
+    assert one(found, "edge_reloads_total", result="failed").value == 1
+    assert one(found, "edge_last_reload_result", result="failed").value == 1
+
+
 def test_engine_info_names_the_stored_engine(ort_service) -> None:
     pid1, folder = ort_service
     manifest = json.loads(next((folder / "store").rglob("manifest.json")).read_text())
