@@ -283,7 +283,9 @@ def build_app(state: ServiceState) -> MetricsMiddleware:
         return JSONResponse({"status": "stopping" if state.stopping else "starting"}, status_code=503)
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(state.metrics.render(state), media_type="text/plain; version=0.0.4")
+        # in a thread: a scrape reads the state dir (edge.fleetmetrics), never on the event loop
+        text = await asyncio.to_thread(state.metrics.render, state)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),

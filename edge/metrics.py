@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextvars
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -73,6 +74,7 @@ class Metrics:
                               "went away, by model.", ["model"], registry=reg)
         self._state = _StateCollector()
         reg.register(self._state)
+        self._fleet: Any = None  # edge.fleetmetrics.FleetCollector, once the state dir is known
 
     # -- what the app records ------------------------------------------------------------------
     def tokens(self, prompt: int, completion: int, model: str = "") -> None:
@@ -108,11 +110,20 @@ class Metrics:
         (a reload) replaces that event's phases."""
         self._state.phases[event] = _phase_samples(phases)
 
+    def track_fleet(self, state_dir: Path) -> None:
+        """Add the identity and history families (edge.fleetmetrics) read from `state_dir` and
+        from the serving set; once, at the first READY (a reload's set shares these metrics)."""
+        if self._fleet is None:
+            from edge.fleetmetrics import FleetCollector
+
+            self._fleet = FleetCollector(state_dir, lambda: self._state.state)
+            self.registry.register(self._fleet)
+
     # -- what the app serves -------------------------------------------------------------------
     def instrument(self, app: ASGIApp, state: Any) -> "MetricsMiddleware":
         """`app` wrapped in the timing middleware; readiness and queue depths read from `state`
         at each scrape."""
-        self._state.state = state
+        self._state.bind(state)
         return MetricsMiddleware(app, self)
 
     def render(self, state: Any = None) -> str:
@@ -141,8 +152,21 @@ class _StateCollector:
     """Families read from the live service at scrape time: readiness, queue depths, phases."""
 
     def __init__(self) -> None:
-        self.state: Any = None
+        self._serving: Any = None  # the last bound state that became ready
+        self._newest: Any = None  # the last bound state: a reload's new set, before its switch
         self.phases: dict[str, dict[tuple[str, str, str], float]] = {}
+
+    def bind(self, state: Any) -> None:
+        if self._newest is not None and self._newest.ready:
+            self._serving = self._newest
+        self._newest = state
+
+    @property
+    def state(self) -> Any:
+        """The set that serves. A reload builds its new set's app (and binds it) before the
+        switch, and a failed reload's set never serves: until it is ready, the one before is."""
+        new = self._newest
+        return new if new is None or new.ready or self._serving is None else self._serving
 
     def describe(self) -> list[Metric]:
         return []  # families depend on the state; nothing to check for clashes up front

@@ -485,6 +485,7 @@ class ColdStart:
                                    warmup=loaded.warmup, calibration=loaded.plans)
         path: Path = write_report(report, state_dir(self.config))
         loaded.state.metrics.set_phases(report["phases"])
+        loaded.state.metrics.track_fleet(state_dir(self.config))
         log.info("start report %s: ready in %.2f s", path, report["ready_s"],
                  extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
         return (f"ready: serving {', '.join(loaded.names)} on {', '.join(addresses)} "

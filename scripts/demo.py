@@ -1,5 +1,6 @@
 """The demo behind scripts/demo: socket-activated start on the embedded default, one question
-asked while the service is still starting, the answer, the start report, a clean stop."""
+asked while the service is still starting, the answer, the start report, a clean stop.
+`scripts/demo --svg FILE` also draws the start as a timeline (scripts/demo-start.svg is one)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def main() -> int:
         print(f"\n{QUESTION}{answer['choices'][0]['text']}")
         print(f"\n(asked at once, answered {t_answer:.2f} s after exec; READY=1 came at "
               f"{ready.at - t0:.2f} s: \"{ready.fields.get('STATUS')}\")\n")
-        subprocess.run([*edge, "status"], env=env, check=True)  # the real CLI, as a user runs it
+        svg = ["--svg", sys.argv[sys.argv.index("--svg") + 1]] if "--svg" in sys.argv[:-1] else []
+        subprocess.run([*edge, "status", *svg], env=env, check=True)  # the real CLI, as a user runs it
         code = pid1.stop()
         print(f"\nstopped with SIGTERM: exit status {code}", file=sys.stderr)
         if code != 0:

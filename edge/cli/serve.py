@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
 from edge.cli.options import ConfigOpt, JsonOpt, config_of
 from edge.config import DEFAULT_URL
-from edge.errors import EdgeError
+from edge.errors import EX_SOFTWARE, EdgeError
 
 __all__ = ["register"]
 
@@ -23,18 +24,58 @@ def serve(config: Optional[str] = ConfigOpt) -> None:
     timer = StartTimer()  # first: the report measures from exec, config parsing included
     from edge.start import ColdStart
 
-    raise typer.Exit(ColdStart(config, timer=timer).run())
+    start = ColdStart(config, timer=timer)
+    try:
+        code = start.run()
+    except Exception as exc:
+        if start.loaded is None or not start.loaded.state.ready:  # not a failure while serving
+            _record_failed_start(start, config, exc)
+        raise
+    raise typer.Exit(code)
+
+
+def _record_failed_start(start: Any, config: Optional[str], exc: Exception) -> None:
+    """A start that never reached READY leaves its report too (phases so far, the error, the
+    exit code), so that the fleet sees failed starts (edge_starts_total{result="failed"})."""
+    from edge.config import state_dir
+    from edge.history import record_failed_start
+
+    code = exc.exit_code if isinstance(exc, EdgeError) else EX_SOFTWARE
+    report = start.timer.report(config=config, result="failed", error=str(exc) or type(exc).__name__,
+                                exit_code=code)
+    try:
+        folder = state_dir(start.cfg if start.cfg is not None else _config_for_state(config))
+        record_failed_start(folder, report)
+    except Exception as why:  # never hide the start's own error behind this one
+        typer.echo(f"edge: could not record the failed start: {why}", err=True)
+
+
+SvgOpt = typer.Option(None, "--svg", help="also draw the report as an SVG timeline into this file")
 
 
 def warmup(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt,
            calibrate: bool = typer.Option(False, "--calibrate",
-                                          help="measure the warm-up candidates anew and store the plan")) -> None:
+                                          help="measure the warm-up candidates anew and store the plan"),
+           svg: Optional[Path] = SvgOpt) -> None:
     """Rehearse a start (page-in, load, lock, warm-up) without serving, and report each phase."""
     from edge.start import ColdStart
     from edge.timing import format_report
 
     report = ColdStart(config).rehearse(recalibrate=calibrate)
     typer.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+    if svg is not None:
+        _write_svg(svg, [(report, "start")])
+
+
+def _write_svg(path: Path, reports: list[tuple[dict[str, Any], str]]) -> None:
+    from edge.fsutil import atomic_write
+    from edge.timeline import chart_of, render_svg
+
+    try:
+        atomic_write(path, render_svg([chart_of(r, kind) for r, kind in reports]))
+    except OSError as exc:
+        raise EdgeError(f"--svg {path}: cannot write it: {exc.strerror or exc}") from None
+    typer.echo(f"timeline written to {path}", err=True)
 
 
 def reload(config: Optional[str] = typer.Option(
@@ -48,12 +89,10 @@ def reload(config: Optional[str] = typer.Option(
     """Reload the running service without a gap: the new set is loaded and warmed beside the old
     one, then takes the traffic. Exit 0 once it serves; else the error's exit code and why (the
     old set keeps serving)."""
-    from pathlib import Path
-
     from edge.reload import control_path, request_reload
 
     target = str(Path(config).resolve()) if config else None
-    path = Path(socket_path) if socket_path else control_path(_config_for_socket(config))
+    path = Path(socket_path) if socket_path else control_path(_config_for_state(config))
     answer = request_reload(path, target, timeout)
     if as_json:
         typer.echo(json.dumps(answer, indent=2))
@@ -70,9 +109,10 @@ def reload(config: Optional[str] = typer.Option(
             typer.echo(f"note: {field} changed: applied at the next restart, not by a reload", err=True)
 
 
-def _config_for_socket(config: Optional[str]) -> Any:
-    """The config whose state_dir names the control socket. An invalid config is still sent to
-    the service (which reports the error and keeps serving): its paths.state_dir is read raw."""
+def _config_for_state(config: Optional[str]) -> Any:
+    """The config whose state_dir names the control socket (or keeps a failed start's report).
+    An invalid config is still sent to the service (which reports the error and keeps serving),
+    or failed the start: its paths.state_dir is read raw."""
     from edge import toml
     from edge.config import PathsConfig, default_config
     from edge.errors import ConfigError
@@ -89,25 +129,51 @@ def _config_for_socket(config: Optional[str]) -> Any:
         return dataclasses.replace(default_config(), paths=PathsConfig(state_dir=state))
 
 
-def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt) -> None:
-    """Show the reports of the last start and of the last reload: phases, seconds, bytes, rates."""
+def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Optional[Path] = SvgOpt) -> None:
+    """Show the reports of the last start and of the last reload: phases, seconds, bytes, rates;
+    and a start that failed after it, if one did."""
     from edge.config import state_dir
+    from edge.history import FAILED_START
     from edge.timing import REPORT_NAME, format_reload_report, format_report, read_last_report
 
-    cfg = config_of(config)
-    report = read_last_report(state_dir(cfg))
-    if report is None:
-        typer.echo(f"no start report yet in {state_dir(cfg) / REPORT_NAME}: has `edge serve` run?", err=True)
+    folder = state_dir(config_of(config))
+    report = read_last_report(folder)
+    failed = read_last_report(folder, kind=FAILED_START)
+    if failed is not None and report is not None and _newer(report, failed):
+        failed = None  # an earlier failure, followed by a good start
+    if report is None and failed is None:
+        typer.echo(f"no start report yet in {folder / REPORT_NAME}: has `edge serve` run?", err=True)
         raise typer.Exit(1)
-    reload_report = read_last_report(state_dir(cfg), kind="reload")
+    reload_report = read_last_report(folder, kind="reload") if report is not None else None
     if reload_report is not None and reload_report.get("pid") != report.get("pid"):
         reload_report = None  # a reload of an earlier run of the service, not of this one
-    if as_json:  # the start report as before, the last reload beside it
-        typer.echo(json.dumps({**report, "last_reload": reload_report}, indent=2))
-        return
-    typer.echo(format_report(report))
-    if reload_report is not None:
-        typer.echo("\n" + format_reload_report(reload_report))
+    if as_json:  # the start report as before, the last reload (and a later failed start) beside it
+        typer.echo(json.dumps({**(report or {}), "last_reload": reload_report, "last_failed_start": failed},
+                              indent=2))
+    else:
+        if report is not None:
+            typer.echo(format_report(report))
+        if reload_report is not None:
+            typer.echo("\n" + format_reload_report(reload_report))
+        if failed is not None:
+            typer.echo(("\n" if report else "") + _format_failed(failed))
+    if svg is not None:
+        drawn = [(r, k) for r, k in ((report, "start"), (reload_report, "reload"), (failed, "start")) if r]
+        _write_svg(svg, drawn)
+
+
+def _newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    from edge.history import timestamp
+
+    return (timestamp(a.get("started_at")) or 0) >= (timestamp(b.get("started_at")) or 0)
+
+
+def _format_failed(r: dict[str, Any]) -> str:
+    from edge.timing import format_report
+
+    table = format_report({**r, "sockets": []}).split("\n", 2)[2]  # its phases, without the head
+    return (f"LAST START FAILED: {r.get('started_at')}  pid {r.get('pid')}  after {r.get('ready_s', 0):.3f} s, "
+            f"exit {r.get('exit_code')}: {r.get('error')}\n{table}")
 
 
 def bench(url: str = typer.Option(DEFAULT_URL, "--url", help="the running service"),

@@ -1,0 +1,53 @@
+"""`edge fleet rules|agent`: what a fleet's Prometheus needs from edge: the rules file to load,
+and a Prometheus agent on the device that pushes its metrics out (no inbound connection)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Optional
+
+import typer
+
+from edge.cli.options import ConfigOpt, config_of
+
+__all__ = ["register"]
+
+fleet_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                        help="Fleet monitoring: Prometheus rules and a Prometheus agent that pushes.")
+
+
+@fleet_app.command("rules")
+def rules() -> None:
+    """Print the Prometheus rules shipped with edge (p50/p95 ready time by module and model;
+    alerts: not ready, slow start, OTA rolled back, mlock not taken, model on the CPU,
+    prompt-cache hit-rate collapse). Drop the output into the fleet Prometheus' rule_files."""
+    from edge.fleetagent import rules_text
+
+    typer.echo(rules_text(), nl=False)
+
+
+@fleet_app.command("agent")
+def agent(remote_write: str = typer.Option(..., "--remote-write", help="the fleet's remote-write URL"),
+          instance: Optional[str] = typer.Option(None, "--instance", help="this device's name in the "
+                                                 "fleet (default: its hostname)"),
+          target: Optional[str] = typer.Option(None, "--target", help="edge's address to scrape "
+                                               "(default: [server] host:port of the config)"),
+          interval: str = typer.Option("15s", "--interval", help="scrape interval"),
+          unit: bool = typer.Option(False, "--unit", help="print the systemd unit instead of the config"),
+          prometheus: str = typer.Option("/usr/bin/prometheus", "--prometheus",
+                                         help="the Prometheus binary the unit runs (its version picks the agent flag)"),
+          config: Optional[str] = ConfigOpt) -> None:
+    """Print a Prometheus agent-mode config (or, with --unit, its systemd unit) that scrapes edge on
+    this device and remote-writes to the fleet: devices behind NAT push, nothing connects to them."""
+    from edge.fleetagent import AgentSetup, prometheus_major
+
+    if target is None:
+        server = config_of(config).server
+        target = f"{server.host}:{server.port}"
+    setup = AgentSetup(remote_write=remote_write, instance=instance or socket.gethostname(),
+                       target=target, interval=interval, binary=prometheus)
+    typer.echo(setup.unit(prometheus_major(prometheus)) if unit else setup.config(), nl=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(fleet_app, name="fleet")

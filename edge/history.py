@@ -1,0 +1,204 @@
+"""What this device's starts, reloads and OTA installs did, as its state dir keeps it across restarts.
+
+The state dir already holds the reports (edge.timing: `reports/start-*.json`,
+`reports/reload-*.json`, `last-start.json`, `last-reload.json`); a start that fails leaves
+`reports/failed-start-*.json` (`record_failed_start`, on the failure path only, so a good start
+pays nothing). Reports are pruned (the newest 50 of each kind), so counts cannot be read from
+them alone: `Ledger` adds every report once to counts that only grow, kept in `history.json`
+beside them, and remembers which reports it counted for as long as they are on disk.
+
+A report is counted once by its identity, not its file name: a reload writes its report twice
+(at the switch and again after the drain), under two names when the second write falls in the
+next second. The OTA state (`ota/state.json`, edge.ota.install's truth) is only read here, never
+written, and a missing or unreadable one is "no OTA on this device", never an error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge.fsutil import atomic_write
+from edge.timing import write_report
+
+__all__ = ["FAILED_START", "LEDGER", "Ledger", "OtaView", "read_json", "read_ota", "record_failed_start",
+           "reload_result", "timestamp"]
+
+log = logging.getLogger("edge")
+
+LEDGER = "history.json"
+LEDGER_FORMAT = 1
+FAILED_START = "failed-start"  # the report kind of a start that never reached READY
+# report kind (file prefix under reports/) -> the family it is counted in, and how it ended
+_KINDS = {"start": "start", FAILED_START: "start", "reload": "reload"}
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from `path`; None when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def timestamp(text: Any) -> float | None:
+    """Unix seconds of a report's `started_at` or an OTA event's `at` (ISO 8601 with offset or Z)."""
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.datetime.strptime(text.replace("Z", "+0000"), "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except ValueError:
+        return None
+
+
+def reload_result(report: dict[str, Any]) -> str:
+    """ok: the new set serves; failed: the old set kept serving (or, when even loading it again
+    failed, the service stopped); rolled_back: a sequential reload failed after the old set was
+    freed, and the old config was loaded again."""
+    if not report.get("error"):
+        return "ok"
+    return "rolled_back" if report.get("rolled_back") else "failed"
+
+
+def _result(kind: str, report: dict[str, Any]) -> str:
+    if kind == FAILED_START:
+        return "failed"
+    return reload_result(report) if kind == "reload" else "ok"
+
+
+def _identity(kind: str, name: str, report: dict[str, Any]) -> str:
+    if kind != "reload":
+        return name  # written once
+    # the switch and the drain write the same reload: same pid, start and switch offset
+    end = report.get("switch_s")
+    return f"reload/{report.get('pid')}/{report.get('started_at')}/{end if end is not None else report.get('ready_s')}"
+
+
+@dataclass
+class Ledger:
+    """Counts of starts and reloads by result, kept in `<state_dir>/history.json` and brought up
+    to date from the reports on each `update()` (a scrape, or a failed start)."""
+
+    state_dir: Path
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    seen: dict[str, str] = field(default_factory=dict)  # report file name -> its identity
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _loaded: bool = False
+    _warned: bool = False
+
+    @property
+    def path(self) -> Path:
+        return self.state_dir / LEDGER
+
+    def update(self) -> dict[str, dict[str, int]]:
+        """Count the reports not counted yet; the counts (kind -> result -> n)."""
+        with self._lock:  # two scrapes at once must not count one report twice
+            if not self._loaded:
+                self._load()
+            on_disk = dict(self._reports())
+            new = {n: k for n, k in on_disk.items() if n not in self.seen}
+            known = set(self.seen.values())
+            for name, kind in sorted(new.items()):
+                report = read_json(self.state_dir / "reports" / name)
+                if report is None:
+                    continue  # half-gone (pruned meanwhile) or foreign: not counted, looked at again
+                ident = _identity(kind, name, report)
+                if ident not in known:
+                    family = self.counts.setdefault(_KINDS[kind], {})
+                    result = _result(kind, report)
+                    family[result] = family.get(result, 0) + 1
+                    known.add(ident)
+                self.seen[name] = ident
+            gone = [n for n in self.seen if n not in on_disk]
+            for n in gone:
+                del self.seen[n]  # pruned: it cannot come back, so it need not be remembered
+            if new or gone:
+                self._save()
+            return {k: dict(v) for k, v in self.counts.items()}
+
+    def _reports(self) -> Iterator[tuple[str, str]]:
+        try:
+            names = [p.name for p in (self.state_dir / "reports").iterdir()]
+        except OSError:
+            return
+        for name in names:
+            kind = name.rsplit("-", 2)[0] if name.endswith(".json") else ""
+            if kind in _KINDS:  # <kind>-<stamp>-<pid>.json
+                yield name, kind
+
+    def _load(self) -> None:
+        data = read_json(self.path) or {}
+        counts, seen = data.get("counts"), data.get("seen")
+        if data and (data.get("format") != LEDGER_FORMAT or not isinstance(counts, dict)
+                     or not isinstance(seen, dict)):
+            log.warning("%s is not an edge history ledger (format %s): counting from the reports "
+                        "on disk again", self.path, LEDGER_FORMAT)
+            counts, seen = {}, {}
+        self.counts = {str(k): {str(r): int(n) for r, n in v.items() if isinstance(n, int)}
+                       for k, v in (counts or {}).items() if isinstance(v, dict)}
+        self.seen = {str(k): str(v) for k, v in (seen or {}).items()}
+        self._loaded = True
+
+    def _save(self) -> None:
+        data = {"format": LEDGER_FORMAT, "counts": self.counts, "seen": self.seen}
+        try:
+            atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+        except OSError as exc:  # the counts still serve from memory; the next update tries again
+            if not self._warned:
+                log.warning("cannot write %s (%s): start and reload counts will not survive a restart",
+                            self.path, exc)
+                self._warned = True
+
+
+def record_failed_start(state_dir: Path, report: dict[str, Any]) -> Path | None:
+    """Keep the report of a start that failed (reports/failed-start-*.json and
+    last-failed-start.json; last-start.json stays the last good start) and count it at once:
+    a service that keeps failing is not scraped, and its reports are pruned meanwhile."""
+    try:
+        path = write_report(report, state_dir, kind=FAILED_START)
+    except OSError as exc:  # e.g. the state dir itself is what failed the start
+        log.warning("cannot record the failed start in %s: %s", state_dir, exc)
+        return None
+    Ledger(state_dir).update()
+    return path
+
+
+@dataclass(frozen=True)
+class OtaView:
+    """The OTA state as `edge ota status` shows it: versions and the last event."""
+
+    current: str | None
+    previous: str | None
+    pending: str | None
+    highest: str | None
+    last_event: str | None  # committed | rolled back | rollback unhealthy | staged | ...
+    last_version: str | None
+    last_at: float | None  # unix seconds
+
+
+def read_ota(state_dir: Path) -> OtaView | None:
+    """`<state_dir>/ota/state.json`, read only; None where there is none or it is not one."""
+    path = state_dir / "ota" / "state.json"
+    st = read_json(path)
+    if st is None:
+        if path.exists():
+            log.debug("%s is not readable JSON: no OTA metrics", path)
+        return None
+
+    def text(v: Any) -> str | None:
+        return v if isinstance(v, str) and v else None
+
+    pending = st.get("pending")
+    history = st.get("history") if isinstance(st.get("history"), list) else []
+    last = history[-1] if history and isinstance(history[-1], dict) else {}
+    return OtaView(current=text(st.get("current")), previous=text(st.get("previous")),
+                   pending=text(pending.get("version")) if isinstance(pending, dict) else None,
+                   highest=text(st.get("highest")), last_event=text(last.get("event")),
+                   last_version=text(last.get("version")), last_at=timestamp(last.get("at")))

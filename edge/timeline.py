@@ -1,0 +1,280 @@
+"""A start or reload report drawn as an SVG timeline (`edge status --svg`, `edge warmup --svg`).
+
+One lane per thread of work, so what ran side by side and what waited shows at a glance: the
+process's own steps, page-in (one lane per model: its threads run beside everything), GGUF
+validation, backend imports, llama.cpp load and the mlock check, HTTP imports, engines, and the
+warm-up with each of its requests. Bars are to scale (seconds on the axis) and say their seconds
+and MB/s; READY (or a reload's switch, or its failure) is a line across every lane. A reload adds
+the old set's lane: serving until the switch, then draining. A label that does not fit inside
+its bar goes above it, in the first of two rows with room; where both are full (many short
+warm-up steps), only the bar's hover title carries it.
+
+Plain SVG written here (no plotting dependency), text escaped by xml.sax.saxutils; every bar
+carries data-phase / data-step / data-marker attributes and a <title> with the phase's detail,
+shown on hover.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from xml.sax.saxutils import escape, quoteattr
+
+__all__ = ["Bar", "Chart", "chart_of", "render_svg"]
+
+WIDTH = 1100
+PLOT_X = 150  # lane labels to the left of it
+PLOT_RIGHT = 24
+LANE_H = 52
+BAR_Y = 31  # a bar's top within its lane; above it, two rows of labels
+LABEL_ROWS = (14, 27)
+CHAR_W = 6.6  # monospace 11px: wide enough for DejaVu Sans Mono, Menlo and Consolas
+FONT = "DejaVu Sans Mono, Menlo, Consolas, monospace"
+
+# phase -> lane; a lane in PER_TARGET gets one lane per model or engine
+LANES = {"config": "process", "sockets": "process", "resolve_models": "process",
+         "memory_guard": "process", "warmup_setup": "warm-up", "http_setup": "process",
+         "page_in": "page-in", "validate": "validation", "imports": "imports",
+         "model_load": "load + mlock", "mlock_verify": "load + mlock", "imports_http": "HTTP imports",
+         "device": "engines", "engine_lookup": "engines", "engine_read": "engines",
+         "engine_deserialize": "engines", "warmup": "warm-up",
+         "drain_old": "old set", "drain": "old set"}
+LANE_ORDER = ("old set", "process", "page-in", "validation", "imports", "load + mlock", "HTTP imports",
+              "engines", "warm-up")
+PER_TARGET = ("page-in",)
+MARKERS = {"ready": "READY", "switch": "SWITCH"}
+COLORS = {"process": "#7f7f7f", "page-in": "#4e79a7", "validation": "#59a14f", "imports": "#b07aa1",
+          "load + mlock": "#f28e2b", "HTTP imports": "#9c755f", "engines": "#e15759",
+          "warm-up": "#c9a227", "old set": "#76b7b2"}
+MARKER_COLOR = {"READY": "#2ca02c", "SWITCH": "#2ca02c", "FAILED": "#d62728"}
+
+
+@dataclass
+class Bar:
+    lane: str
+    start: float
+    seconds: float
+    label: str
+    attrs: dict[str, str]
+    tooltip: str = ""
+    band: bool = False  # a background band (a warm-up phase behind its steps)
+
+
+@dataclass
+class Chart:
+    title: str
+    subtitle: str
+    bars: list[Bar] = field(default_factory=list)
+    markers: list[tuple[float, str, str]] = field(default_factory=list)  # (at, kind, text)
+
+    @property
+    def lanes(self) -> list[str]:
+        seen = {b.lane for b in self.bars}
+        base = [b.lane.split(" · ")[0] for b in self.bars]
+        order = {lane: i for i, lane in enumerate(LANE_ORDER)}
+        return sorted(seen, key=lambda lane: (order.get(lane.split(" · ")[0], len(order)),
+                                              base.index(lane.split(" · ")[0]), lane))
+
+    @property
+    def end(self) -> float:
+        ends = [b.start + b.seconds for b in self.bars] + [m[0] for m in self.markers]
+        return max(ends + [0.001])
+
+
+def _detail(p: dict[str, Any]) -> str:
+    d = p.get("detail") or {}
+    return ", ".join(f"{k}={v}" for k, v in d.items() if not isinstance(v, (list, dict)))
+
+
+def _target(p: dict[str, Any]) -> str:
+    d = p.get("detail") or {}
+    return str(d.get("model") or d.get("engine") or "")
+
+
+def _phase_label(p: dict[str, Any]) -> str:
+    text = f"{p['name']} {float(p.get('seconds', 0)):.3f} s"
+    if "mb_per_s" in p:
+        text += f" · {float(p['mb_per_s']):.0f} MB/s"
+    target = _target(p)
+    return f"{text} ({target})" if target and p["name"] not in ("page_in",) else text
+
+
+def _phase_bars(p: dict[str, Any]) -> Iterator[Bar]:
+    lane = LANES.get(p["name"], "process")
+    if lane in PER_TARGET and _target(p):
+        lane = f"{lane} · {_target(p)}"
+    start, seconds = float(p.get("start_s", 0)), float(p.get("seconds", 0))
+    tip = f"{p['name']}: {start:.3f} s + {seconds:.3f} s\n{_detail(p)}"
+    steps = (p.get("detail") or {}).get("steps") if p["name"] == "warmup" else None
+    if not steps:
+        yield Bar(lane, start, seconds, _phase_label(p), {"data-phase": p["name"]}, tip)
+        return
+    plan = (p.get("detail") or {}).get("plan")
+    yield Bar(lane, start, seconds, f"{_phase_label(p)}{f', plan {plan}' if plan else ''}",
+              {"data-phase": p["name"]}, tip, band=True)
+    at = start  # the steps of one target run one after another, from the phase's start
+    for s in steps:
+        sec = float(s.get("seconds", 0))
+        yield Bar(lane, at, sec, f"{s.get('name')} {sec:.3f} s",
+                  {"data-step": str(s.get("name")), "data-target": _target(p)},
+                  f"warm-up step {s.get('name')} of {_target(p)}: {sec:.3f} s, {s.get('path', '')}")
+        at += sec
+
+
+def chart_of(report: dict[str, Any], kind: str = "start") -> Chart:
+    """The report's bars and markers; kind: start (or a rehearsal) or reload."""
+    phases = [p for p in report.get("phases") or [] if isinstance(p, dict) and "name" in p]
+    if kind == "reload":
+        chart = Chart(f"edge reload · {report.get('started_at', '?')} · pid {report.get('pid', '?')}",
+                      f"mode {report.get('mode')} · kept {', '.join(report.get('kept') or []) or '-'}"
+                      f" · loaded {', '.join(report.get('loaded') or []) or '-'} · config {report.get('config')}")
+        chart.bars += _old_set(report, phases)
+    else:
+        failed = report.get("result") == "failed"
+        what = ("rehearsal (edge warmup, nothing served)" if report.get("rehearsal") else
+                "start that FAILED" if failed else "start")
+        outcome = (f"exit {report.get('exit_code')} after" if failed else "ready after")
+        chart = Chart(f"edge {what} · {report.get('host', '?')} · {report.get('started_at', '?')} · "
+                      f"pid {report.get('pid', '?')} · edge {report.get('edge_version', '?')}",
+                      f"{outcome} {float(report.get('ready_s', 0)):.3f} s (offsets from exec) · "
+                      f"sockets {', '.join(report.get('sockets') or []) or '-'}")
+    for p in phases:
+        if p["name"] in MARKERS:
+            at = float(p.get("start_s", 0))
+            chart.markers.append((at, MARKERS[p["name"]], f"{MARKERS[p['name']]} {at:.2f} s"))
+        else:
+            chart.bars += list(_phase_bars(p))
+    if report.get("error"):
+        at = float(report.get("ready_s", chart.end))
+        chart.markers.append((at, "FAILED", f"FAILED {at:.2f} s: {report['error']}"))
+    elif report.get("rehearsal"):  # nothing was served: where READY=1 would have come
+        at = float(report.get("ready_s", chart.end))
+        chart.markers.append((at, "READY", f"would be READY {at:.2f} s"))
+    return chart
+
+
+def _old_set(report: dict[str, Any], phases: list[dict[str, Any]]) -> list[Bar]:
+    """The set that served while the reload ran: serving until the switch (or, sequential, until
+    its drain before the load; a failed reload: throughout), then draining (the drain phases)."""
+    held = next((float(p["start_s"]) for p in phases if p["name"] == "drain_old"), None)
+    switch = report.get("switch_s")
+    end = held if held is not None else float(switch) if switch is not None else float(report.get("ready_s", 0))
+    return [Bar("old set", 0.0, end, "old set serving", {"data-phase": "serving"},
+                f"the old set serves every request until {end:.3f} s")]
+
+
+# -- SVG --------------------------------------------------------------------------------------------
+def _ticks(end: float) -> list[float]:
+    """Axis ticks at 1, 2 or 5 x 10^k seconds, about eight of them."""
+    raw = end / 8
+    mag = 10.0 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    return [round(i * step, 6) for i in range(int(end / step + 1e-9) + 1)]
+
+
+def _text(x: float, y: float, text: str, *, size: int = 11, fill: str = "#222", anchor: str = "start",
+          weight: str = "normal", halo: bool = False) -> str:
+    # a halo (white stroke painted under the glyphs) keeps text legible over grid and marker lines
+    ring = ' stroke="#fff" stroke-width="3" paint-order="stroke"' if halo else ""
+    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" fill="{fill}" text-anchor="{anchor}" '
+            f'font-weight="{weight}"{ring}>{escape(text)}</text>')
+
+
+class _Canvas:
+    """Draws one chart from `top`, seconds mapped onto the plot's width."""
+
+    def __init__(self, chart: Chart, top: float) -> None:
+        self.chart, self.top = chart, top
+        self.scale = (WIDTH - PLOT_X - PLOT_RIGHT) / (chart.end * 1.02)
+        self.lanes = chart.lanes
+        self.lanes_top = top + 62
+        self.height = 62 + LANE_H * len(self.lanes) + 18
+
+    def x(self, t: float) -> float:
+        return PLOT_X + t * self.scale
+
+    def draw(self) -> list[str]:
+        c = self.chart
+        out = [_text(8, self.top + 18, c.title, size=13, weight="bold"),
+               _text(8, self.top + 34, c.subtitle, fill="#555")]
+        bottom = self.lanes_top + LANE_H * len(self.lanes)
+        for t in _ticks(c.end):
+            out.append(f'<line x1="{self.x(t):.1f}" y1="{self.lanes_top - 6:.1f}" x2="{self.x(t):.1f}" '
+                       f'y2="{bottom:.1f}" stroke="#e3e3e3"/>')
+            out.append(_text(self.x(t), self.lanes_top - 10, f"{t:g} s", size=10, fill="#777", anchor="middle"))
+        for i, lane in enumerate(self.lanes):
+            y = self.lanes_top + i * LANE_H
+            if i % 2:
+                out.append(f'<rect x="0" y="{y:.1f}" width="{WIDTH}" height="{LANE_H}" fill="#f6f6f6"/>')
+            out.append(_text(8, y + LANE_H / 2 + 8, lane, weight="bold", fill=COLORS.get(lane.split(" · ")[0], "#333")))
+        for at, kind, _ in c.markers:  # the line behind the bars, its text (below) above them
+            out.append(f'<line data-marker={quoteattr(kind.lower())} x1="{self.x(at):.1f}" '
+                       f'y1="{self.lanes_top - 22:.1f}" x2="{self.x(at):.1f}" y2="{bottom:.1f}" '
+                       f'stroke="{MARKER_COLOR.get(kind, "#d62728")}" stroke-width="2"/>')
+        free: dict[tuple[str, int], float] = {}  # (lane, row) -> x where that label row is free again
+        for bar in sorted(c.bars, key=lambda b: (not b.band, b.start)):
+            out += self._bar(bar, self.lanes_top + self.lanes.index(bar.lane) * LANE_H, free)
+        for at, kind, text in c.markers:
+            out += self._marker(at, kind, text)
+        return out
+
+    def _bar(self, bar: Bar, y: float, free: dict[tuple[str, int], float]) -> list[str]:
+        x0, w = self.x(bar.start), max(bar.seconds * self.scale, 2.0)
+        color = COLORS.get(bar.lane.split(" · ")[0], "#999")
+        attrs = " ".join(f"{k}={quoteattr(v)}" for k, v in bar.attrs.items())
+        out = [f'<g {attrs}><title>{escape(bar.tooltip or bar.label)}</title>']
+        if bar.band:
+            out.append(f'<rect x="{x0:.1f}" y="{y + 3:.1f}" width="{w:.1f}" height="{LANE_H - 6}" '
+                       f'fill="{color}" opacity="0.18" rx="3"/>')
+        else:
+            out.append(f'<rect x="{x0:.1f}" y="{y + BAR_Y:.1f}" width="{w:.1f}" height="16" fill="{color}" '
+                       'rx="2" stroke="#fff" stroke-width="0.6"/>')
+        text_w = len(bar.label) * CHAR_W
+        if not bar.band and text_w + 8 <= w:  # inside the bar
+            out.append(_text(x0 + 4, y + BAR_Y + 12, bar.label, fill="#fff"))
+        elif bar.label:
+            out += self._label_above(bar, x0, w, y, free)
+        out.append("</g>")
+        return out
+
+    def _label_above(self, bar: Bar, x0: float, w: float, y: float, free: dict[tuple[str, int], float]) -> list[str]:
+        """In the first of the lane's label rows with room, pushed right past that row's previous
+        label; a leader line back to the bar when pushed."""
+        text_w = len(bar.label) * CHAR_W
+        for row, baseline in enumerate(LABEL_ROWS):
+            taken = free.get((bar.lane, row), 0.0)
+            lx = min(max(x0, taken), WIDTH - PLOT_RIGHT - text_w)
+            if lx >= taken:
+                break
+        else:
+            return []  # both rows full (many short warm-up steps): the bar's <title> says it on hover
+        out = [_text(lx, y + baseline, bar.label, fill="#333", halo=True)]
+        if lx > x0 + 3 and not bar.band:
+            out.append(f'<line x1="{x0 + w / 2:.1f}" y1="{y + BAR_Y:.1f}" x2="{lx:.1f}" y2="{y + baseline + 2:.1f}" '
+                       'stroke="#aaa" stroke-width="0.8"/>')
+        free[(bar.lane, row)] = lx + text_w + 10
+        return out
+
+    def _marker(self, at: float, kind: str, text: str) -> list[str]:
+        x, color = self.x(at), MARKER_COLOR.get(kind, "#d62728")
+        text_w = len(text) * CHAR_W * 12 / 11
+        anchor, tx = ("end", x - 4) if x + text_w > WIDTH - 4 else ("start", x + 4)
+        return [f'<g data-marker={quoteattr(kind.lower())}><title>{escape(text)}</title>',
+                _text(tx, self.lanes_top - 24, text, size=12, fill=color, anchor=anchor, weight="bold",
+                      halo=True), "</g>"]
+
+
+def render_svg(charts: list[Chart]) -> str:
+    """One SVG document with the charts stacked (a start, then its reload)."""
+    body, top = [], 0.0
+    for chart in charts:
+        canvas = _Canvas(chart, top)
+        body += canvas.draw()
+        top += canvas.height + 10
+    return "\n".join([
+        '<?xml version="1.0" encoding="UTF-8"?>',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{top:.0f}" '
+        f'viewBox="0 0 {WIDTH} {top:.0f}" font-family="{FONT}">',
+        f'<rect width="{WIDTH}" height="{top:.0f}" fill="#fff"/>', *body, "</svg>", ""])
