@@ -138,10 +138,10 @@ def main() -> None:
     runs: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     with ExitStack() as stack:
         servers = {n: stack.enter_context(launchers[n]()) for n in names}
+        first = {32: [prompts.take(32) for _ in range(4)], 300: [prompts.take(300)], 100: [prompts.take(100)]}
         for s in servers.values():
             s.ready_at()
-            one_round(s, {32: [prompts.take(32) for _ in range(4)], 300: [prompts.take(300)],
-                          100: [prompts.take(100)]}, 8, bias)  # each server's own first requests
+            one_round(s, first, 8, bias)  # each server's own first requests, not measured
         for r in range(args.rounds):
             p = {32: [prompts.take(32) for _ in range(4)], 300: [prompts.take(300)], 100: [prompts.take(100)]}
             order = names[r % len(names):] + names[:r % len(names)]
