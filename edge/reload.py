@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, state_dir
 from edge.errors import EdgeError
-from edge.start import ColdStart, Loaded, LoadPlan, Phases
-from edge.timing import ReloadTimer, write_report
+from edge.start import ColdStart, Loaded, LoadPlan
+from edge.timing import Phases, ReloadTimer, write_report
 
 if TYPE_CHECKING:
     from edge.memguard import Decision

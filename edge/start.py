@@ -1,7 +1,7 @@
 """The cold start: what `edge serve` does from exec to READY=1, in the order it happens.
 
 Read `ColdStart.run()` top to bottom to learn what a start is (DESIGN.md, "The path of a
-start"); every step is a timed phase of the start report, named once in `Phases`:
+start"); every step is a timed phase of the start report, named once in `edge.timing.Phases`:
 
     config → sockets → resolve_models → page_in ‖ validate ‖ imports → model_load ‖ imports_http
     → mlock_verify → engines → warmup (floor, then the stored plan or a calibration) → http_setup
@@ -38,7 +38,7 @@ from edge.config import Config, EngineConfig, ModelConfig, cache_dir, check_writ
 from edge.errors import StoppedDuringStart, require
 from edge.mlock import enforce
 from edge.systemd import Notifier, listen_sockets, setup_logging
-from edge.timing import StartTimer, write_report
+from edge.timing import Phases, StartTimer, write_report
 
 if TYPE_CHECKING:
     from edge.app import ServiceState
@@ -47,36 +47,9 @@ if TYPE_CHECKING:
     from edge.modelfile import ModelFile
     from edge.worker import ModelWorker
 
-__all__ = ["ColdStart", "Loaded", "LoadPlan", "Phases", "model_key"]
+__all__ = ["ColdStart", "Loaded", "LoadPlan", "model_key"]
 
 log = logging.getLogger("edge")
-
-
-class Phases:
-    """Every phase name of the start report, in the order a start reaches them."""
-
-    CONFIG = "config"
-    SOCKETS = "sockets"
-    RESOLVE_MODELS = "resolve_models"
-    PAGE_IN = "page_in"
-    VALIDATE = "validate"
-    IMPORTS = "imports"
-    MODEL_LOAD = "model_load"
-    IMPORTS_HTTP = "imports_http"
-    MLOCK_VERIFY = "mlock_verify"
-    DEVICE = "device"  # engines (edge.engines.load): device, lookup, read, deserialize
-    ENGINE_LOOKUP = "engine_lookup"
-    ENGINE_READ = "engine_read"
-    ENGINE_DESERIALIZE = "engine_deserialize"  # on the worker thread: the CUDA context made current there too
-    WARMUP_SETUP = "warmup_setup"  # the candidates' targets and keys, the loopback HTTP server
-    WARMUP = "warmup"
-    HTTP_SETUP = "http_setup"
-    READY = "ready"
-    # a reload (edge.reload) adds these to the load-and-warm phases above
-    MEMORY_GUARD = "memory_guard"
-    DRAIN_OLD = "drain_old"  # sequential: the old set drains and is freed before the load
-    SWITCH = "switch"
-    DRAIN = "drain"
 
 
 @dataclass

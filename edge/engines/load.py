@@ -17,8 +17,7 @@ from edge.device import DeviceInfo, detect
 from edge.engines.key import key_for
 from edge.engines.store import EngineStore, StoredEngine
 from edge.errors import EdgeError, EngineError
-from edge.start import Phases
-from edge.timing import StartTimer
+from edge.timing import Phases, StartTimer
 from edge.worker import EngineWorker
 
 __all__ = ["EngineWorker", "configured_engines", "load_engines", "store_for", "read_verified"]
