@@ -50,7 +50,7 @@ def reload(config: Optional[str] = typer.Option(
     old set keeps serving)."""
     from pathlib import Path
 
-    from edge.reload import control_path, request_reload
+    from edge.control import control_path, request_reload
 
     target = str(Path(config).resolve()) if config else None
     path = Path(socket_path) if socket_path else control_path(_config_for_socket(config))
