@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge.builtin_models import BUILTINS  # light: the table, not the model
 from edge.errors import ConfigError
 
 __all__ = [
@@ -237,8 +238,6 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
         if m.sha256 is not None and (len(m.sha256) != 64 or set(m.sha256.lower()) - set("0123456789abcdef")):
             raise ConfigError(source, f"{where}.sha256", f"expected 64 hex digits, found {m.sha256!r}")
         if m.path.startswith(BUILTIN_PREFIX):
-            from edge.modelfile import BUILTINS  # light: the table, not the model
-
             name = m.path[len(BUILTIN_PREFIX):]
             if name not in BUILTINS:
                 raise ConfigError(source, f"{where}.path", f"unknown builtin model {name!r}; expected "
