@@ -2,7 +2,8 @@
 
 Every field error names the file and the dotted field (`models[0].n_ctx`) and says what was
 expected and what was found. Nothing here imports native code, so `edge doctor` and the CLI
-can load and check a config on any machine.
+can load and check a config on any machine. Each table is built by `edge.toml.build_dataclass`
+from the dataclasses below; `builtin:` names are checked against `edge.builtin_models`.
 """
 
 from __future__ import annotations
@@ -10,16 +11,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-import types
-
-from edge import toml as tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge import toml as tomllib
 from edge.builtin_models import BUILTINS  # light: the table, not the model
 from edge.errors import ConfigError
+from edge.toml import build_dataclass  # also the engine recipes' builder (edge.engines.recipe)
 
 __all__ = [
     "BUILTIN_PREFIX",
@@ -58,7 +57,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
-    return {"range": (lo, hi)}
+    return {"range": (lo, hi)}  # checked by build_dataclass, as a field's "choices" are
 
 
 @dataclass(frozen=True)
@@ -343,62 +342,3 @@ def _dir(configured: str | None, systemd_env: str, system: str, kind: str) -> Pa
         return Path(system)
     xdg_env, home_rel = _XDG[kind]
     return Path(os.environ.get(xdg_env) or Path.home() / home_rel) / "edge"
-
-
-def build_dataclass(cls: type, raw: Any, source: str, where: str) -> Any:
-    """Build a (frozen) dataclass from a TOML table; every error names source and field."""
-    if not isinstance(raw, dict):
-        raise ConfigError(source, where or "<top>", f"expected a table, found {_kind(raw)}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        key = f"{where}.{unknown[0]}" if where else unknown[0]
-        raise ConfigError(source, key, f"unknown key; expected one of {sorted(fields)}")
-    values = {}
-    for name, f in fields.items():
-        key = f"{where}.{name}" if where else name
-        if name not in raw:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(source, key, "missing: this field is required")
-            continue
-        values[name] = _coerce(hints[name], raw[name], source, key)
-        lo, hi = f.metadata.get("range", (None, None))
-        val = values[name]
-        if (lo is not None and val < lo) or (hi is not None and val > hi):
-            raise ConfigError(source, key, f"expected a value in [{lo}, {hi}], found {val!r}")
-        choices = f.metadata.get("choices")
-        if choices and val not in choices:
-            raise ConfigError(source, key, f"expected one of {list(choices)}, found {val!r}")
-    return cls(**values)
-
-
-def _coerce(tp: Any, val: Any, source: str, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _coerce(args[0], val, source, key)
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(val, list):
-            raise ConfigError(source, key, f"expected an array, found {_kind(val)}")
-        return [_coerce(item, v, source, f"{key}[{i}]") for i, v in enumerate(val)]
-    if dataclasses.is_dataclass(tp):
-        return build_dataclass(tp, val, source, key)
-    ok = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str),
-    }[tp](val)
-    if not ok:
-        raise ConfigError(source, key, f"expected {_TYPE_WORDS[tp]}, found {_kind(val)} {val!r}")
-    return float(val) if tp is float else val
-
-
-_TYPE_WORDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
-
-
-def _kind(val: Any) -> str:
-    return {dict: "a table", list: "an array", bool: "a boolean", int: "an integer",
-            float: "a float", str: "a string"}.get(type(val), type(val).__name__)
