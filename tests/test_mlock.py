@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE, write_config
-from kit import PidOne
+from kit import EDGE, PidOne, write_config
 
 LIMITED = ["prlimit", "--memlock=65536:65536", "setpriv", "--bounding-set=-ipc_lock",
            "--inh-caps=-ipc_lock"]

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE, write_config
 from ggufgen import write_tiny_llama
-from kit import post
+from kit import EDGE, post, write_config
 
 from edge.config import parse_config
 from edge.errors import ConfigError
