@@ -2,7 +2,8 @@
 
 Every field error names the file and the dotted field (`models[0].n_ctx`) and says what was
 expected and what was found. Nothing here imports native code, so `edge doctor` and the CLI
-can load and check a config on any machine.
+can load and check a config on any machine. Each table is built by `edge.toml.build_dataclass`
+from the dataclasses below; `builtin:` names are checked against `edge.builtin_models`.
 """
 
 from __future__ import annotations
@@ -10,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-import types
-
-from edge import toml as tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge import toml as tomllib
+from edge.builtin_models import BUILTINS  # light: the table, not the model
 from edge.errors import ConfigError
+from edge.prefixconfig import MessageConfig, PrefixConfig, check_prefixes
+from edge.toml import build_dataclass  # also the engine recipes' builder (edge.engines.recipe)
 
 __all__ = [
     "BUILTIN_PREFIX",
@@ -59,7 +60,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
-    return {"range": (lo, hi)}
+    return {"range": (lo, hi)}  # checked by build_dataclass, as a field's "choices" are
 
 
 @dataclass(frozen=True)
@@ -88,26 +89,6 @@ class ServerConfig:
 class PathsConfig:
     state_dir: str | None = None  # reports, OTA versions; default: $STATE_DIRECTORY or /var/lib/edge
     cache_dir: str | None = None  # engines, assembled default model; default: $CACHE_DIRECTORY
-
-
-@dataclass(frozen=True)
-class MessageConfig:
-    role: str
-    content: str
-
-
-@dataclass(frozen=True)
-class PrefixConfig:
-    """A prefix every request of a deployment starts with, kept warm in the KV cache: exactly
-    one of `text` (a completion prefix), `file` (its text, relative to the config) or `messages`
-    (chat: the model's template rendered for them, `tools` included, up to where the next
-    message starts)."""
-
-    name: str
-    text: str | None = None
-    file: str | None = None
-    messages: list[MessageConfig] | None = None
-    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -276,8 +257,6 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
         if m.sha256 is not None and (len(m.sha256) != 64 or set(m.sha256.lower()) - set("0123456789abcdef")):
             raise ConfigError(source, f"{where}.sha256", f"expected 64 hex digits, found {m.sha256!r}")
         if m.path.startswith(BUILTIN_PREFIX):
-            from edge.modelfile import BUILTINS  # light: the table, not the model
-
             name = m.path[len(BUILTIN_PREFIX):]
             if name not in BUILTINS:
                 raise ConfigError(source, f"{where}.path", f"unknown builtin model {name!r}; expected "
@@ -298,11 +277,8 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
         raise ConfigError(source, "server.unix_socket_mode", f"expected an octal mode such as \"0660\", found {mode!r}")
 
 
-PREFIX_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
 def _check_cache(m: ModelConfig, source: str, where: str, base_dir: Path | None) -> ModelConfig:
-    """flash_attn, n_ubatch and the prompt cache's fields; prefix files resolved."""
+    """flash_attn, n_ubatch and the prompt cache's fields; declared prefixes checked and read."""
     if isinstance(m.flash_attn, str) and m.flash_attn != "auto":
         raise ConfigError(source, f"{where}.flash_attn", f"expected \"auto\", true or false, found {m.flash_attn!r}")
     if m.n_ubatch is not None and m.n_ubatch > m.n_batch:
@@ -311,42 +287,7 @@ def _check_cache(m: ModelConfig, source: str, where: str, base_dir: Path | None)
         what = "prefixes" if m.prefixes else "learn_prefixes"
         raise ConfigError(source, f"{where}.prompt_cache_mb", f"0 turns the prompt cache off, but {what} "
                           "needs it: remove prompt_cache_mb (sized automatically) or set it above 0")
-    seen: set[str] = set()
-    prefixes = []
-    for j, p in enumerate(m.prefixes):
-        key = f"{where}.prefixes[{j}]"
-        if not p.name or not all(c.isalnum() or c in "-_." for c in p.name) or p.name.startswith("."):
-            raise ConfigError(source, f"{key}.name", f"expected letters, digits, '-', '_' or '.', found {p.name!r}")
-        if p.name in seen:
-            raise ConfigError(source, f"{key}.name", f"duplicate prefix name {p.name!r}")
-        seen.add(p.name)
-        given = [k for k in ("text", "file", "messages") if getattr(p, k) is not None]
-        if len(given) != 1:
-            raise ConfigError(source, key, f"expected exactly one of text, file or messages, found {given or 'none'}")
-        if p.tools is not None and p.messages is None:
-            raise ConfigError(source, f"{key}.tools", "tools belong to a chat prefix: give messages too")
-        if p.text == "" or p.messages == []:
-            raise ConfigError(source, f"{key}.{given[0]}", "expected a non-empty prefix")
-        for i, msg in enumerate(p.messages or []):
-            if msg.role not in PREFIX_ROLES:
-                raise ConfigError(source, f"{key}.messages[{i}].role",
-                                  f"expected one of {list(PREFIX_ROLES)}, found {msg.role!r}")
-        prefixes.append(_read_prefix_file(p, source, key, base_dir) if p.file is not None else p)
-    return dataclasses.replace(m, prefixes=prefixes)
-
-
-def _read_prefix_file(p: PrefixConfig, source: str, key: str, base_dir: Path | None) -> PrefixConfig:
-    """A `file` prefix becomes its text, read now (relative to the config file)."""
-    path = Path(p.file or "")
-    if base_dir is not None and not path.is_absolute():
-        path = (base_dir / path).resolve()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(source, f"{key}.file", f"cannot read {path} as UTF-8 text: {exc}") from None
-    if not text:
-        raise ConfigError(source, f"{key}.file", f"{path} is empty; expected the prefix's text")
-    return dataclasses.replace(p, file=str(path), text=text)
+    return dataclasses.replace(m, prefixes=check_prefixes(m.prefixes, source, where, base_dir))
 
 
 def _check_name(name: str, source: str, key: str) -> None:
@@ -434,71 +375,3 @@ def _dir(configured: str | None, systemd_env: str, system: str, kind: str) -> Pa
         return Path(system)
     xdg_env, home_rel = _XDG[kind]
     return Path(os.environ.get(xdg_env) or Path.home() / home_rel) / "edge"
-
-
-def build_dataclass(cls: type, raw: Any, source: str, where: str) -> Any:
-    """Build a (frozen) dataclass from a TOML table; every error names source and field."""
-    if not isinstance(raw, dict):
-        raise ConfigError(source, where or "<top>", f"expected a table, found {_kind(raw)}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        key = f"{where}.{unknown[0]}" if where else unknown[0]
-        raise ConfigError(source, key, f"unknown key; expected one of {sorted(fields)}")
-    values = {}
-    for name, f in fields.items():
-        key = f"{where}.{name}" if where else name
-        if name not in raw:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(source, key, "missing: this field is required")
-            continue
-        values[name] = _coerce(hints[name], raw[name], source, key)
-        lo, hi = f.metadata.get("range", (None, None))
-        val = values[name]
-        if (lo is not None and val < lo) or (hi is not None and val > hi):
-            raise ConfigError(source, key, f"expected a value in [{lo}, {hi}], found {val!r}")
-        choices = f.metadata.get("choices")
-        if choices and val not in choices:
-            raise ConfigError(source, key, f"expected one of {list(choices)}, found {val!r}")
-    return cls(**values)
-
-
-def _coerce(tp: Any, val: Any, source: str, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        for arg in args[:-1]:  # `bool | str`: the first type the value is
-            try:
-                return _coerce(arg, val, source, key)
-            except ConfigError:
-                pass
-        return _coerce(args[-1], val, source, key)
-    if origin is dict:  # free-form tables (a tool's JSON schema): TOML already typed their values
-        if not isinstance(val, dict):
-            raise ConfigError(source, key, f"expected a table, found {_kind(val)}")
-        return val
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(val, list):
-            raise ConfigError(source, key, f"expected an array, found {_kind(val)}")
-        return [_coerce(item, v, source, f"{key}[{i}]") for i, v in enumerate(val)]
-    if dataclasses.is_dataclass(tp):
-        return build_dataclass(tp, val, source, key)
-    ok = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str),
-    }[tp](val)
-    if not ok:
-        raise ConfigError(source, key, f"expected {_TYPE_WORDS[tp]}, found {_kind(val)} {val!r}")
-    return float(val) if tp is float else val
-
-
-_TYPE_WORDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
-
-
-def _kind(val: Any) -> str:
-    return {dict: "a table", list: "an array", bool: "a boolean", int: "an integer",
-            float: "a float", str: "a string"}.get(type(val), type(val).__name__)

@@ -232,7 +232,7 @@ def _engines(cfg: Config) -> list[Check]:
     if not cfg.engines:
         return []
     from edge.device import detect
-    from edge.engines.load import configured_engines
+    from edge.engines.lookup import configured_engines
 
     checks = []
     for e, stored in configured_engines(cfg, detect()):

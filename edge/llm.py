@@ -116,6 +116,13 @@ class GGUFModel:
         except DecodeError as exc:
             raise BackendError(f"llama.cpp failed while generating: {exc}") from exc
 
+    def context_info(self) -> dict[str, Any]:
+        """The llama.cpp context settings in the start report and `edge status`."""
+        s = self.native.settings
+        return {"n_batch": self.native.n_batch, "n_ubatch": s.n_ubatch, "n_threads": s.n_threads,
+                "n_threads_batch": s.n_threads_batch, "flash_attn": s.flash_attn,
+                "prompt_cache_limit_bytes": self.cache.limit_bytes}
+
     def close(self) -> None:
         """The context, the KV cache and the mapping now, not whenever GC gets to them."""
         self.cache.clear()

@@ -162,7 +162,7 @@ def engine_sizes(cfg: Config, engines: Sequence[EngineConfig]) -> list[tuple[str
     if not engines:
         return []
     from edge.device import detect
-    from edge.engines.load import configured_engines
+    from edge.engines.lookup import configured_engines
 
     names = {e.name for e in engines}
     return [(e.name, stored.bytes) for e, stored in configured_engines(cfg, detect())

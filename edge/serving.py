@@ -26,7 +26,7 @@ from edge.limits import ConnectionGuard, LimitsMiddleware, RequestLimits, connec
 from edge.systemd import Notifier, watchdog_interval_s
 
 if TYPE_CHECKING:
-    from edge.start import Loaded
+    from edge.loadset import Loaded
 
 __all__ = ["bind_sockets", "describe_socket", "build_server", "listen_backlog", "serve_http", "Dispatcher",
            "Route", "ACCEPT_GRACE_MIN_S", "ACCEPT_GRACE_MAX_S", "DRAIN_IDLE_S"]

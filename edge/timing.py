@@ -1,9 +1,10 @@
-"""Phase timer and the start report: measured, written, read back and rendered.
+"""Phase names, the phase timer and the start report: measured, written, read back and rendered.
 
 Every phase of a start is measured against the moment the kernel started the process (from
 /proc/self/stat), so the report also shows the cost of the interpreter and of imports that ran
 before edge's own code. Phases may overlap (prefetch runs beside imports): each one carries its
-own start offset and duration.
+own start offset and duration. `Phases` names every phase once; the start, the reload and
+the engine load (edge.engines.load) all time theirs under those names.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from edge.fsutil import atomic_write
 
-__all__ = ["Phase", "StartTimer", "ReloadTimer", "format_report", "write_report", "read_last_report",
+__all__ = ["Phase", "Phases", "StartTimer", "ReloadTimer", "format_report", "write_report", "read_last_report",
            "process_age_s", "REPORT_NAME", "RELOAD_REPORT_NAME", "format_reload_report"]
 
 REPORT_NAME = "last-start.json"
@@ -38,6 +39,34 @@ def process_age_s() -> float:
         return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / hz)
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+class Phases:
+    """Every phase name of the start report, in the order a start reaches them."""
+
+    CONFIG = "config"
+    SOCKETS = "sockets"
+    RESOLVE_MODELS = "resolve_models"
+    PAGE_IN = "page_in"
+    VALIDATE = "validate"
+    IMPORTS = "imports"
+    MODEL_LOAD = "model_load"
+    IMPORTS_HTTP = "imports_http"
+    MLOCK_VERIFY = "mlock_verify"
+    PREFIX_STATES = "prefix_states"  # declared/learned prefixes restored from disk (or computed)
+    DEVICE = "device"  # engines (edge.engines.load): device, lookup, read, deserialize
+    ENGINE_LOOKUP = "engine_lookup"
+    ENGINE_READ = "engine_read"
+    ENGINE_DESERIALIZE = "engine_deserialize"  # on the worker thread: the CUDA context made current there too
+    WARMUP_SETUP = "warmup_setup"  # the candidates' targets and keys, the loopback HTTP server
+    WARMUP = "warmup"
+    HTTP_SETUP = "http_setup"
+    READY = "ready"
+    # a reload (edge.reload) adds these to the load-and-warm phases above
+    MEMORY_GUARD = "memory_guard"
+    DRAIN_OLD = "drain_old"  # sequential: the old set drains and is freed before the load
+    SWITCH = "switch"
+    DRAIN = "drain"
 
 
 @dataclass

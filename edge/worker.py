@@ -33,6 +33,10 @@ class Worker:
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the worker's thread, from a thread that may block (a load, a drain)."""
+        return self._pool.submit(fn, *args).result()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 

@@ -1,5 +1,8 @@
 """Shared fixtures: tiny real GGUF models, config files in tmp dirs (always port 0), the real
-Gemma model, and `service`: `edge serve` started the way systemd starts it (kit.PidOne)."""
+Gemma model, and `service`: `edge serve` started the way systemd starts it (kit.PidOne).
+
+Fixtures only: the helpers they use (EDGE, write_config, PidOne) live in the test kit
+(tests/kit/), and test modules import them from there, never from this file."""
 
 from __future__ import annotations
 
@@ -13,9 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from ggufgen import write_tiny_llama  # noqa: E402
-from kit import PidOne  # noqa: E402
+from kit import EDGE, PidOne, write_config  # noqa: E402
 
-EDGE = [sys.executable, "-m", "edge.cli"]
 pytest_plugins = ["kit.ota"]  # OTA fixtures (kit, live) for the OTA and Mender tests
 
 
@@ -29,30 +31,6 @@ def edge_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "edge-home"
     monkeypatch.setenv("EDGE_HOME", str(home))
     return home
-
-
-def write_config(path: Path, model: Path, *, port: int = 0, extra_model: str = "",
-                 extra: str = "", n_ctx: int = 256) -> Path:
-    path.write_text(f"""
-[server]
-host = "127.0.0.1"
-port = {port}
-
-[paths]
-state_dir = "{path.parent / 'state'}"
-cache_dir = "{path.parent / 'cache'}"
-
-[[models]]
-name = "tiny"
-path = "{model}"
-n_ctx = {n_ctx}
-{extra_model}
-
-[warmup]
-decode_tokens = 4
-{extra}
-""")
-    return path
 
 
 @pytest.fixture()

@@ -10,14 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import EDGE
 from edge.device import detect
 from edge.engines.build import build_engine
 from onnxgen import make_mlp
 from edge.engines.recipe import check_onnx, load_recipe
 from edge.engines.store import EngineStore
 from edge.errors import ConfigError, EngineError
-from kit import post
+from kit import EDGE, post
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "engines" / "mlp-demo.toml"

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import sys
 
-from conftest import EDGE, write_config
 from edge import toml
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_SOFTWARE, EX_UNAVAILABLE, EXIT_CODES
 from edge.units import UnitOptions, render_service
-from kit import post
+from kit import EDGE, post, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

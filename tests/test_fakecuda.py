@@ -155,7 +155,7 @@ def test_edge_serve_with_a_tensorrt_engine_and_no_driver_exits_with_one_line(tmp
     import json
     import subprocess
 
-    from conftest import EDGE
+    from kit import EDGE
 
     root = Path(__file__).resolve().parent.parent
     cfg = tmp_path / "edge.toml"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE
+from kit import EDGE
 from edge.fleetagent import AgentSetup, agent_flag, prometheus_major
 from kit.prom import Prometheus, need, until
 

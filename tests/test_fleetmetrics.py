@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from conftest import EDGE, write_config
+from kit import EDGE, write_config
 from edge import __version__
 from edge.fleetmetrics import FleetCollector, device_labels, ggml_gpu_devices, offloaded_layers, quant_name
 from edge.llama_gpu import llama_build

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE
-from kit import PidOne, post
+from kit import EDGE, PidOne, post
 
 pytestmark = pytest.mark.gemma
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE, write_config
+from kit import EDGE, write_config
 from edge.history import FAILED_START, LEDGER, Ledger, read_ota, record_failed_start, reload_result
 from edge.timing import ReloadTimer, StartTimer, write_report
 from kit.ota import A, B, committed, edge_ota, install

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_config
-from kit import post
+from kit import post, write_config
 
 NORMAL = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
 
@@ -259,11 +258,10 @@ def test_kserve_shape_overflow_is_400_naming_the_input(ort_service, shape, words
 
 
 def test_file_descriptor_limit_fits_max_connections(tmp_path, tiny_gguf) -> None:
-    from conftest import EDGE
     from edge.config import ServerConfig
     from edge.limits import nofile_for
     from edge.units import UnitOptions, render_service
-    from kit import PidOne
+    from kit import EDGE, PidOne
 
     assert f"LimitNOFILE={nofile_for(ServerConfig().max_connections)}\n" in render_service(UnitOptions())
     cfg = write_config(tmp_path / "edge.toml", tiny_gguf)

@@ -91,8 +91,8 @@ def _cuda_build() -> bool:
 def test_serve_refuses_gpu_layers_on_a_cpu_build_and_doctor_says_so(tmp_path: Path, tiny_gguf: Path) -> None:
     import subprocess
 
-    from conftest import EDGE, write_config
     from edge.doctor import run_checks
+    from kit import EDGE, write_config
 
     cfg = write_config(tmp_path / "edge.toml", tiny_gguf, extra_model="n_gpu_layers = 99")
     r = subprocess.run([*EDGE, "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=120)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE
 from edge.ota.bundle import build_bundle
+from kit import EDGE
 from kit.ota import A, B, cfg_text, committed  # fixtures `kit`, `live`: kit/ota.py
 
 MODULE = Path(__file__).resolve().parent.parent / "scripts" / "mender" / "edge-bundle"

@@ -19,13 +19,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import EDGE, write_config
 from edge.app import ServiceState, build_app
 from edge.device import detect
 from edge.engines.build import build_engine
 from edge.engines.recipe import load_recipe
 from edge.engines.store import EngineStore
 from edge.metrics import UNMATCHED, Metrics
+from kit import EDGE, write_config
 
 RECIPE = Path(__file__).resolve().parent.parent / "engines" / "mlp-demo.toml"
 

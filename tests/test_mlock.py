@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE, write_config
 from edge.gguf import offload_split, read_gguf_info
 from edge.mlock import mlock_status
 from ggufgen import write_tiny_llama
-from kit import PidOne
+from kit import EDGE, PidOne, write_config
 
 LIMITED = ["prlimit", "--memlock=65536:65536", "setpriv", "--bounding-set=-ipc_lock",
            "--inh-caps=-ipc_lock"]

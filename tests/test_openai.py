@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE, write_config
 from ggufgen import write_tiny_llama
 
 openai = pytest.importorskip("openai")
-from kit import PidOne
+from kit import EDGE, PidOne, write_config
 
 TOOLS_TEMPLATE = (
     "{{ bos_token }}{% if tools %}<|tools|>{{ tools | tojson }}{{ eos_token }}{% endif %}"

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE, write_config
 
 openai = pytest.importorskip("openai")
-from kit import PidOne
+from kit import EDGE, PidOne, write_config
 
 pytestmark = pytest.mark.gemma
 

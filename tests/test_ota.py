@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE
 from edge.ota.bundle import BundleError, build_bundle, keygen, open_bundle
 from edge.ota.install import Ota
-from kit import PidOne, post
+from kit import EDGE, PidOne, post
 from kit.ota import A, B, cfg_text, committed, edge_ota, install  # fixtures `kit`, `live`: kit/ota.py
 
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE
 from edge.fsutil import sha256_file
 from edge.ota.bundle import build_bundle, keygen, open_bundle
 from edge.ota.errors import BundleError, PolicyError, VersionError
 from edge.ota.install import LINKS, Ota
 from edge.ota.version import parse_version
+from kit import EDGE
 
 CFG = '[[models]]\nname = "m"\npath = "models/m.gguf"\n'
 

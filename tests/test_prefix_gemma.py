@@ -60,7 +60,7 @@ def test_a_restored_state_answers_as_the_computed_one(gemma_path: Path, tmp_path
 
 def test_a_chat_prefix_on_the_builtin_gemma_template(gemma_path: Path, tmp_path: Path) -> None:
     system = [MessageConfig(role="system", content="You are a terse assistant. Answer in one word.")]
-    from edge.modelfile import GEMMA_TEMPLATE  # what builtin:gemma3-270m serves with
+    from edge.builtin_models import GEMMA_TEMPLATE  # what builtin:gemma3-270m serves with
 
     m = load(gemma_path, chat_template=GEMMA_TEMPLATE, prefixes=[PrefixConfig(name="terse", messages=system)])
     try:

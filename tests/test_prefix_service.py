@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import EDGE, write_config
+from kit import EDGE, write_config
 from kit import metric, post
 
 SYSTEM = "Hello world. " * 8  # 140 tokens in the tiny vocabulary

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import write_config
-from kit import ClientLoad, metric
+from kit import ClientLoad, metric, write_config
 
 
 def test_two_restarts_under_load_refuse_nothing(tmp_path: Path, tiny_gguf: Path, service) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE
+from kit import EDGE
 from kit.prom import need
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE, write_config
-from kit import metric, post
+from kit import EDGE, metric, post, write_config
 
 
 def _recv_all(conn: socket.socket) -> bytes:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE, write_config
+from kit import EDGE, write_config
 from edge.timeline import chart_of, render_svg
 
 SVG = "{http://www.w3.org/2000/svg}"

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE, write_config
 from edge.config import parse_config
 from edge.doctor import _limit_bytes, run_checks, unit_config
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
 from edge.units import (GPU_DEVICE_CLASSES, REARM_UNIT, STARTER_CONFIG, UnitOptions, existing_groups,
                         install_starter_config, install_units, platform_devices, reclaim_config_dir, render_rearm,
                         render_service, render_socket)
+from kit import EDGE, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 analyze = pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="needs systemd-analyze")

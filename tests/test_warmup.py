@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from conftest import EDGE, write_config
 from edge.config import parse_config
 from edge.errors import ConfigError, WarmupError
-from edge.start import ColdStart, Loaded
+from edge.loadset import Loaded
+from edge.start import ColdStart
+from kit import EDGE, write_config
 
 DELAY_S = 1.5  # the double's first-use cost
 # kept only when first - repeat > max(0.5 s, repeat): a tiny model's requests take milliseconds

@@ -82,7 +82,7 @@ def engines_gc(keep: int = typer.Option(2, "--keep", min=0, help="newest engines
                store: Optional[Path] = StoreOpt, config: Optional[str] = ConfigOpt) -> None:
     """Remove old engines (keeping the newest N per model and every one the config uses)."""
     from edge.device import detect
-    from edge.engines.load import configured_engines
+    from edge.engines.lookup import configured_engines
 
     cfg = config_of(config)
     # An engine with no match for this device has nothing to protect.

@@ -89,7 +89,7 @@ def reload(config: Optional[str] = typer.Option(
     """Reload the running service without a gap: the new set is loaded and warmed beside the old
     one, then takes the traffic. Exit 0 once it serves; else the error's exit code and why (the
     old set keeps serving)."""
-    from edge.reload import control_path, request_reload
+    from edge.control import control_path, request_reload
 
     target = str(Path(config).resolve()) if config else None
     path = Path(socket_path) if socket_path else control_path(_config_for_state(config))

@@ -12,20 +12,16 @@ import hashlib
 import os
 from typing import Any
 
-from edge.config import Config, EngineConfig, cache_dir
+from edge.config import Config, EngineConfig
 from edge.device import DeviceInfo, detect
 from edge.engines.key import key_for
-from edge.engines.store import EngineStore, StoredEngine
-from edge.errors import EdgeError, EngineError
-from edge.start import Phases
-from edge.timing import StartTimer
+from edge.engines.lookup import configured_engines, store_for
+from edge.engines.store import StoredEngine
+from edge.errors import EngineError
+from edge.timing import Phases, StartTimer
 from edge.worker import EngineWorker
 
 __all__ = ["EngineWorker", "configured_engines", "load_engines", "store_for", "read_verified"]
-
-
-def store_for(cfg: Config, e: EngineConfig) -> EngineStore:
-    return EngineStore(e.store or cache_dir(cfg) / "engines")
 
 
 def read_verified(stored: StoredEngine) -> bytes:
@@ -75,15 +71,3 @@ def _load_one(cfg: Config, e: EngineConfig, device: DeviceInfo, timer: StartTime
     workers[e.name] = worker
     return {"name": e.name, "backend": e.backend, "engine": str(stored.path),
             "bytes": stored.bytes, "key": stored.key.as_dict(), "pid": os.getpid()}
-
-
-def configured_engines(cfg: Config, device: DeviceInfo) -> list[tuple[EngineConfig, StoredEngine | EdgeError]]:
-    """Each engine of the config with the stored engine this device would load, or why none:
-    what `edge engines gc` keeps and what `edge doctor` checks."""
-    found: list[tuple[EngineConfig, StoredEngine | EdgeError]] = []
-    for e in cfg.engines:
-        try:
-            found.append((e, store_for(cfg, e).find(key_for(e, device))))
-        except EdgeError as exc:
-            found.append((e, exc))
-    return found

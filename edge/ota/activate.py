@@ -152,7 +152,7 @@ class ReloadActivator:
 
     def activate(self) -> tuple[bool, str]:
         from edge.errors import EdgeError
-        from edge.reload import request_reload
+        from edge.control import request_reload
 
         try:
             answer = request_reload(self.control, str(self.config.resolve()), self.timeout)

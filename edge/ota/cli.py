@@ -34,7 +34,7 @@ def _activator(cfg: Any, restart_cmd: Optional[str], unit: Optional[str], health
     o = cfg.ota
     if reload or (o.activation == "reload" and not restart_cmd):
         from edge.config import state_dir
-        from edge.reload import control_path
+        from edge.control import control_path
 
         return ReloadActivator(state_dir(cfg) / "ota" / "current" / "edge.toml", control_path(cfg),
                                timeout or o.timeout_s)

@@ -1,12 +1,15 @@
 """The test kit (not shipped in the wheel): a PID-1 stand-in that socket-activates `edge serve`
-and receives its sd_notify datagrams, client load, and one HTTP client.
+and receives its sd_notify datagrams, client load, one HTTP client, the `edge` command line and
+config files (kit.configs), and the package's layout checks (kit.layout, for test_layout).
 
 Tests import it as `kit` (tests/ is on sys.path through conftest.py); scripts/ put tests/ on
 sys.path the same way (scripts/benchlib.py, scripts/demo.py).
 """
 
+from kit.configs import EDGE, write_config
 from kit.http import call, get, metric, post
 from kit.load import ClientLoad, LoadResult
 from kit.pid1 import Child, Notification, PidOne
 
-__all__ = ["Child", "ClientLoad", "LoadResult", "Notification", "PidOne", "call", "get", "metric", "post"]
+__all__ = ["EDGE", "Child", "ClientLoad", "LoadResult", "Notification", "PidOne", "call", "get", "metric", "post",
+           "write_config"]

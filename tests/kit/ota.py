@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EDGE
+from kit.configs import EDGE
 from edge.ota.bundle import build_bundle, keygen
 from edge.ota.install import Ota
 from ggufgen import write_tiny_llama

@@ -1,0 +1,79 @@
+"""Declared prefixes of a model's config (`[[models.prefixes]]`) and their checks, with the file and
+field in every error. No native imports (edge doctor and the CLI load configs anywhere)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edge.errors import ConfigError
+
+__all__ = ["MessageConfig", "PrefixConfig", "PREFIX_ROLES", "check_prefixes"]
+
+
+@dataclass(frozen=True)
+class MessageConfig:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    """A prefix every request of a deployment starts with, kept warm in the KV cache: exactly
+    one of `text` (a completion prefix), `file` (its text, relative to the config) or `messages`
+    (chat: the model's template rendered for them, `tools` included, up to where the next
+    message starts)."""
+
+    name: str
+    text: str | None = None
+    file: str | None = None
+    messages: list[MessageConfig] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+
+PREFIX_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def check_prefixes(prefixes: list[PrefixConfig], source: str, where: str,
+                   base_dir: Path | None) -> list[PrefixConfig]:
+    """Every declared prefix checked (`where`: the model's field, `models[0]`); `file` prefixes
+    read now, relative to the config file."""
+    seen: set[str] = set()
+    out = []
+    for j, p in enumerate(prefixes):
+        key = f"{where}.prefixes[{j}]"
+        if not p.name or not all(c.isalnum() or c in "-_." for c in p.name) or p.name.startswith("."):
+            raise ConfigError(source, f"{key}.name", f"expected letters, digits, '-', '_' or '.', found {p.name!r}")
+        if p.name in seen:
+            raise ConfigError(source, f"{key}.name", f"duplicate prefix name {p.name!r}")
+        seen.add(p.name)
+        given = [k for k in ("text", "file", "messages") if getattr(p, k) is not None]
+        if len(given) != 1:
+            raise ConfigError(source, key, f"expected exactly one of text, file or messages, found {given or 'none'}")
+        if p.tools is not None and p.messages is None:
+            raise ConfigError(source, f"{key}.tools", "tools belong to a chat prefix: give messages too")
+        if p.text == "" or p.messages == []:
+            raise ConfigError(source, f"{key}.{given[0]}", "expected a non-empty prefix")
+        for i, msg in enumerate(p.messages or []):
+            if msg.role not in PREFIX_ROLES:
+                raise ConfigError(source, f"{key}.messages[{i}].role",
+                                  f"expected one of {list(PREFIX_ROLES)}, found {msg.role!r}")
+        out.append(_read_prefix_file(p, source, key, base_dir) if p.file is not None else p)
+    return out
+
+
+def _read_prefix_file(p: PrefixConfig, source: str, key: str, base_dir: Path | None) -> PrefixConfig:
+    """A `file` prefix becomes its text, read now (relative to the config file)."""
+    path = Path(p.file or "")
+    if base_dir is not None and not path.is_absolute():
+        path = (base_dir / path).resolve()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(source, f"{key}.file", f"cannot read {path} as UTF-8 text: {exc}") from None
+    if not text:
+        raise ConfigError(source, f"{key}.file", f"{path} is empty; expected the prefix's text")
+    return dataclasses.replace(p, file=str(path), text=text)

@@ -1,0 +1,36 @@
+"""How the tests run edge and what they give it: the command line of the `edge` CLI in this
+interpreter (`EDGE`), and a config file in a tmp dir for one tiny model, listening on port 0
+unless told otherwise (`write_config`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+__all__ = ["EDGE", "write_config"]
+
+EDGE = [sys.executable, "-m", "edge.cli"]
+
+
+def write_config(path: Path, model: Path, *, port: int = 0, extra_model: str = "",
+                 extra: str = "", n_ctx: int = 256) -> Path:
+    path.write_text(f"""
+[server]
+host = "127.0.0.1"
+port = {port}
+
+[paths]
+state_dir = "{path.parent / 'state'}"
+cache_dir = "{path.parent / 'cache'}"
+
+[[models]]
+name = "tiny"
+path = "{model}"
+n_ctx = {n_ctx}
+{extra_model}
+
+[warmup]
+decode_tokens = 4
+{extra}
+""")
+    return path
