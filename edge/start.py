@@ -150,6 +150,11 @@ class ColdStart:
     def config(self) -> Config:
         return self.loader.config
 
+    @property
+    def config_read(self) -> Config | None:
+        """The config once the config phase has read it; None before (or when it failed)."""
+        return self._loader.config if self._loader is not None else None
+
     def read_config(self) -> Config:
         """The config phase; this start's loader is made from what it reads."""
         self._loader = Loader(read_config(self.config_path, self.timer), self.timer, self.notifier)

@@ -138,7 +138,7 @@ def test_gpu_layers_as_llama_cpp_decides(tmp_path: Path, tiny_gguf: Path) -> Non
     assert offloaded_layers(10, 24, None) is None and offloaded_layers(0, 24, None) == (0, 0)
     start = ColdStart(str(write_config(tmp_path / "edge.toml", tiny_gguf)))
     start.read_config()
-    loaded = start.load()
+    loaded = start.loader.load()
     try:
         if llama_build() == "cpu":
             assert ggml_gpu_devices() == 0  # the real libggml: a CPU device only

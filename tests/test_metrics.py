@@ -182,7 +182,9 @@ def test_stream_is_timed_to_its_last_chunk(service: Service) -> None:
         t_done = time.perf_counter()
         got += b"".join(iter(lambda: s.recv(65536), b""))
         t_end = time.perf_counter()
-    assert got.startswith(b"HTTP/1.1 200") and got.count(b"data: {") > 10
+    # a tiny model's 64 tokens may come in few events: pieces that arrive while the event loop is
+    # busy are merged into one (README "Steady state"); the last one says why the stream ended
+    assert got.startswith(b"HTTP/1.1 200") and b'"finish_reason": "length"' in got.replace(b'":"', b'": "')
     after = scrape(service)
     fam, labels = "edge_request_duration_seconds", {"route": "/v1/completions", "method": "POST"}
     assert delta(before, after, fam, fam + "_count", **labels) == 1

@@ -44,7 +44,7 @@ def _record_failed_start(start: Any, config: Optional[str], exc: Exception) -> N
     report = start.timer.report(config=config, result="failed", error=str(exc) or type(exc).__name__,
                                 exit_code=code)
     try:
-        folder = state_dir(start.cfg if start.cfg is not None else _config_for_state(config))
+        folder = state_dir(start.config_read or _config_for_state(config))
         record_failed_start(folder, report)
     except Exception as why:  # never hide the start's own error behind this one
         typer.echo(f"edge: could not record the failed start: {why}", err=True)
