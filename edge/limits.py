@@ -1,16 +1,6 @@
-"""What one client may hold and send: connections, request heads, bodies, prompt sizes.
+"""What one client may send: request bodies and prompt sizes; and the descriptors connections need.
 
-Connection level (`ConnectionGuard`, over uvicorn's h11 protocol):
-- at most `server.max_connections` open connections: beyond that the listening socket is not
-  accepted on, so new connections wait in the kernel's listen backlog (bounded, served in order
-  as slots free) instead of exhausting file descriptors for everyone;
-- a request head must be complete within `header_timeout_s` of the connection's opening (on a
-  kept-alive connection: of the end of `keepalive_timeout_s` idle time), so idle or slowloris
-  connections are closed, never held forever.
-
-uvicorn's own `limit_concurrency` is not used: it answers 503 (plain text) only once a request
-has been read, so idle connections still take a file descriptor each, and it counts idle
-connections as load.
+The connection cap, its shedding and the header timeout are `edge.connections`.
 
 Request level (`LimitsMiddleware`, plain ASGI around the app):
 - a body over `max_body_bytes` is a 413 as soon as that is known: from Content-Length before
@@ -27,11 +17,9 @@ Request level (`LimitsMiddleware`, plain ASGI around the app):
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import re
-import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,9 +27,8 @@ from typing import Any
 from edge.config import ServerConfig
 from edge.errors import RequestError
 
-__all__ = ["AcceptPaused", "ConnectionGuard", "GatedSocket", "LimitsMiddleware", "RequestLimits",
-           "check_prompt_bytes", "check_prompt_text", "connection_limit", "lone_surrogate_path",
-           "nofile_for"]
+__all__ = ["LimitsMiddleware", "RequestLimits", "check_prompt_bytes", "check_prompt_text",
+           "connection_limit", "lone_surrogate_path", "nofile_for"]
 
 log = logging.getLogger("edge")
 
@@ -50,118 +37,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-# -- connections ---------------------------------------------------------------------------------
-class AcceptPaused(OSError):
-    """Raised by `GatedSocket.accept()` at the connection limit. asyncio handles it as it handles
-    EMFILE: it stops reading the listening socket and tries again a second later, while the
-    connections wait in the kernel's backlog. Nothing is logged for it (`ConnectionGuard`)."""
-
-    def __init__(self) -> None:
-        super().__init__(errno.EMFILE, "edge: connection limit reached")
-
-
-class GatedSocket(socket.socket):
-    """A listening socket that accepts only while fewer than `limit` accepted connections are
-    open (counted by their socket objects, which the transports close) and while `open`."""
-
-    def __init__(self, sock: socket.socket, limit: int) -> None:
-        super().__init__(sock.family, sock.type, sock.proto, fileno=sock.detach())
-        self.limit = limit
-        self.open = True  # False: the drain stopped accepting for good
-        self.accepted: list[socket.socket] = []
-        self.saturated = False
-
-    def live(self) -> int:
-        self.accepted = [s for s in self.accepted if s.fileno() != -1]
-        return len(self.accepted)
-
-    def accept(self) -> tuple[socket.socket, Any]:
-        if not self.open:
-            raise AcceptPaused()
-        if len(self.accepted) >= self.limit and self.live() >= self.limit:
-            if not self.saturated:
-                log.warning("connection limit reached: %d open (server.max_connections); new "
-                            "connections wait in the listen backlog", self.limit)
-            self.saturated = True
-            raise AcceptPaused()
-        self.saturated = False
-        conn, addr = super().accept()
-        self.accepted.append(conn)
-        return conn, addr
-
-
-def _quiet_accept_pauses(loop: asyncio.AbstractEventLoop) -> None:
-    previous = loop.get_exception_handler()
-
-    def handler(lp: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        if isinstance(context.get("exception"), AcceptPaused):
-            return
-        if previous is not None:
-            previous(lp, context)
-        else:
-            lp.default_exception_handler(context)
-
-    loop.set_exception_handler(handler)
-
-
-class ConnectionGuard:
-    """The connection limit and the header timeout for one uvicorn server.
-
-    Reads uvicorn's h11 protocol objects (`cycle`, `transport`; pinned by tests/test_limits.py):
-    a connection is "waiting for a head" while it has no request cycle, or its last response
-    is complete. Swept every `tick` seconds, so a timeout fires up to one tick late."""
-
-    def __init__(self, cfg: ServerConfig) -> None:
-        self.cfg = cfg
-        self.tick = min(max(min(cfg.header_timeout_s, cfg.keepalive_timeout_s) / 4, 0.05), 1.0)
-        self._since: dict[Any, tuple[Any, float]] = {}  # connection -> (phase key, first seen)
-        self.sockets: list[GatedSocket] = []
-
-    def gate(self, sockets: list[socket.socket], limit: int) -> list[socket.socket]:
-        _quiet_accept_pauses(asyncio.get_running_loop())
-        self.sockets = [GatedSocket(s, limit) for s in sockets]
-        return list(self.sockets)
-
-    def close_gates(self) -> None:
-        for s in self.sockets:
-            s.open = False
-
-    def head_limit(self, conn: Any) -> float | None:
-        """How long this connection may wait for a complete request head, or None (in a request)."""
-        cycle = getattr(conn, "cycle", None)
-        if cycle is None:
-            return self.cfg.header_timeout_s
-        if cycle.response_complete:
-            return self.cfg.keepalive_timeout_s + self.cfg.header_timeout_s
-        return None
-
-    def waited(self, conn: Any, now: float) -> float:
-        """Seconds this connection has been in its present phase (0 the first time it is seen)."""
-        key = (id(getattr(conn, "cycle", None)), self.head_limit(conn) is None)
-        seen = self._since.get(conn)
-        if seen is None or seen[0] != key:
-            self._since[conn] = (key, now)
-            return 0.0
-        return now - seen[1]
-
-    def sweep(self, connections: set[Any], now: float) -> None:
-        for conn in list(self._since):
-            if conn not in connections:
-                del self._since[conn]
-        for conn in list(connections):
-            limit = self.head_limit(conn)
-            waited = self.waited(conn, now)
-            if limit is not None and waited >= limit and not conn.transport.is_closing():
-                log.debug("closing a connection with no complete request head after %.1f s", waited)
-                conn.transport.close()
-
-    async def run(self, connections: set[Any]) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            self.sweep(connections, loop.time())
-            await asyncio.sleep(self.tick)
 
 
 # -- requests ------------------------------------------------------------------------------------

@@ -66,6 +66,9 @@ class Metrics:
                                          "by model.", ["model"], registry=reg)
         self.aborts = Counter("edge_client_aborts", "Generations stopped early because the client "
                               "went away, by model.", ["model"], registry=reg)
+        self.shed = Counter("edge_connections_shed", "Connections closed at server.max_connections "
+                            "to admit new ones: those that had waited longest for a request head "
+                            "(idle keep-alive ones included).", registry=reg)
         self._state = _StateCollector()
         reg.register(self._state)
 
@@ -97,6 +100,9 @@ class Metrics:
         """The client went away before its answer was whole (queued, generating or streaming)."""
         if not _IN_WARMUP.get():
             self.aborts.labels(model).inc()
+
+    def connections_shed(self, n: int) -> None:
+        self.shed.inc(n)
 
     def set_phases(self, phases: Iterable[dict[str, Any]], event: str = "start") -> None:
         """The phases of a start report (`report["phases"]`); a later call for the same event

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from edge.config import ServerConfig
 from edge.errors import EdgeError
-from edge.limits import ConnectionGuard, LimitsMiddleware, RequestLimits, connection_limit
+from edge.connections import ConnectionGuard
+from edge.limits import LimitsMiddleware, RequestLimits, connection_limit
 from edge.systemd import Notifier, watchdog_interval_s
 
 if TYPE_CHECKING:
@@ -268,7 +269,8 @@ def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier) 
     the dispatcher wrapped in the request limits and the drain's `Connection: close`."""
     import uvicorn
 
-    guard = ConnectionGuard(cfg)
+    metrics = dispatcher.loaded.state.metrics  # carried over by every reload
+    guard = ConnectionGuard(cfg, on_shed=metrics.connections_shed)
     drain = Drain(dispatcher, notifier, asyncio.get_running_loop(), guard, cfg.drain_timeout_s)
 
     class Server(uvicorn.Server):
