@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from edge.errors import BackendError, EdgeError, RequestError
+from edge.jsoncheck import check_json_depth
 from edge.limits import check_prompt_text
 from edge.llm import GenParams, GGUFModel, Job
 from edge.metrics import Metrics, MetricsMiddleware
@@ -65,6 +66,7 @@ def _error(exc: EdgeError) -> JSONResponse:
 
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
+    check_json_depth(raw)  # before the parser, which recurses once per level
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:

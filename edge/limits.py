@@ -6,10 +6,13 @@ Request level (`LimitsMiddleware`, plain ASGI around the app):
 - a body over `max_body_bytes` is a 413 as soon as that is known: from Content-Length before
   anything is read, else while counting the streamed bytes;
 - a body not complete within `body_timeout_s` is a 408;
-- a JSON string holding a lone UTF-16 surrogate (`"\\ud800"`, which no backend can encode) is a
-  400 naming the field;
+- JSON nested deeper than `edge.jsoncheck.MAX_JSON_DEPTH` arrays/objects is a 400 naming the
+  limit, measured without parsing (Python's parser recurses once per level and fails near a
+  thousand); then a JSON string holding a lone UTF-16 surrogate (`"\\ud800"`, which no backend
+  can encode) is a 400 naming the field;
 - the app then gets the whole body at once; an exception escaping it is logged once, with its
-  traceback, and answered 500 (an internal failure, never one of the input checks above).
+  traceback, and answered 500 (an internal failure, never one of the input checks above);
+  so is one in these checks themselves.
 
 `check_prompt_bytes` refuses a prompt that cannot fit the context before it is tokenized.
 """
@@ -19,16 +22,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 from edge.config import ServerConfig
 from edge.errors import RequestError
+from edge.jsoncheck import check_json_depth, refuse_lone_surrogates
 
 __all__ = ["LimitsMiddleware", "RequestLimits", "check_prompt_bytes", "check_prompt_text",
-           "connection_limit", "lone_surrogate_path", "nofile_for"]
+           "connection_limit", "nofile_for", "send_error"]
 
 log = logging.getLogger("edge")
 
@@ -54,12 +57,12 @@ class _Disconnected(Exception):
     pass
 
 
-# A JSON \u escape of a UTF-16 surrogate (D800-DFFF); only bodies that have one are walked.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_INTERNAL = RequestError("internal error (logged by the service)", status=500, code="internal_error")
 
 
 class LimitsMiddleware:
-    """ASGI: body size and time limits, lone surrogates refused, and the last-resort catch-all."""
+    """ASGI: body size and time limits, JSON depth and lone surrogates refused, and the
+    last-resort catch-all."""
 
     def __init__(self, app: ASGIApp, limits: RequestLimits) -> None:
         self.app, self.limits = app, limits
@@ -82,13 +85,16 @@ class LimitsMiddleware:
             return
         except _Disconnected:
             return  # the client went away before its body arrived: nobody to answer
+        except Exception:
+            log.exception("internal error checking %s %s", scope.get("method"), scope.get("path"))
+            await send_error(send, _INTERNAL)
+            return
         try:
             await self.app(scope, _replay(body, receive), tracked)
         except Exception:
             log.exception("internal error answering %s %s", scope.get("method"), scope.get("path"))
             if not started:
-                await send_error(send, RequestError("internal error (logged by the service)",
-                                                    status=500, code="internal_error"))
+                await send_error(send, _INTERNAL)
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.limits.max_body_bytes
@@ -115,8 +121,8 @@ class LimitsMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        if _SURROGATE_ESCAPE.search(body):
-            _refuse_lone_surrogates(body)
+        check_json_depth(body)  # first: the surrogate check parses the body
+        refuse_lone_surrogates(body)
         return body
 
 
@@ -158,36 +164,6 @@ async def send_error(send: Send, exc: RequestError) -> None:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The JSON path (`messages[0].content`) of the first string holding a lone surrogate."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "<body>"
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        if isinstance(key, str) and lone_surrogate_path(key) is not None:
-            return f"{path}.{key!r}" if path else repr(key)
-        sub = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)
-        found = lone_surrogate_path(item, sub)
-        if found is not None:
-            return found
-    return None
-
-
-def _refuse_lone_surrogates(body: bytes) -> None:
-    try:
-        value = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return  # not JSON: the route says so
-    path = lone_surrogate_path(value)
-    if path is not None:
-        raise RequestError(f"{path}: the string holds a lone UTF-16 surrogate (such as \\ud800), "
-                           "which is not valid Unicode text", param=path.split(".")[0].split("[")[0])
 
 
 def check_prompt_text(model: Any, texts: list[str], param: str) -> None:

@@ -254,6 +254,46 @@ def test_lone_surrogate_is_400_naming_the_field(tiny_config, service, path, body
     _answers(pid1.address)
 
 
+def _post_bytes(address: tuple[str, int], path: str, body: bytes) -> tuple[int, str, object]:
+    c = http.client.HTTPConnection(*address, timeout=60)
+    try:
+        c.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        raw = r.read().decode()
+    finally:
+        c.close()
+    return r.status, r.getheader("content-type", ""), json.loads(raw) if raw.startswith("{") else raw
+
+
+def _nested(levels: int, leaf: object) -> object:
+    for _ in range(levels):
+        leaf = {"k": leaf}
+    return leaf
+
+
+def test_deep_json_is_400_naming_the_limit_never_500(tiny_config, service) -> None:
+    from edge.jsoncheck import MAX_JSON_DEPTH
+
+    pid1 = service(tiny_config)
+    kinds = {"arrays": (b"[", b"]"), "objects": (b'{"a":', b"}")}
+    leaves = {"plain": b"1", "lone surrogate": b'"\\ud800"'}
+    cases = [(n, k, leaf) for n in (10_000, 100_000) for k in kinds for leaf in leaves]
+    for n, kind, leaf in cases:
+        opening, closing = kinds[kind]
+        status, ctype, answer = _post_bytes(pid1.address, "/v1/chat/completions",
+                                            opening * n + leaves[leaf] + closing * n)
+        assert (status, ctype) == (400, "application/json"), (n, kind, leaf, status, answer)
+        assert f"more than {MAX_JSON_DEPTH} levels deep" in answer["error"]["message"], answer
+        assert answer["error"]["code"] == "json_too_deep"
+    # The limit itself: the body's object and `metadata` count, 64 levels pass, 65 do not.
+    at_limit = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                "metadata": _nested(MAX_JSON_DEPTH - 1, "x")}
+    assert post(pid1.address, "/v1/chat/completions", at_limit)[0] == 200
+    status, answer = post(pid1.address, "/v1/chat/completions", {**at_limit, "metadata": {"k": at_limit["metadata"]}})
+    assert status == 400 and "levels deep" in answer["error"]["message"]
+    assert "Traceback" not in pid1.log_tail(100_000)
+
+
 def test_prompt_too_long_by_bytes_is_refused_before_tokenizing(tiny_config, service) -> None:
     pid1 = service(tiny_config)
     status, answer = post(pid1.address, "/v1/completions", {"prompt": "word " * 400_000, "max_tokens": 2})
