@@ -14,6 +14,10 @@ Request level (`LimitsMiddleware`, plain ASGI around the app):
   traceback, and answered 500 (an internal failure, never one of the input checks above);
   so is one in these checks themselves.
 
+What this layer answers itself never reaches the app's metrics middleware: it hands each answer
+to `observe(scope, status, seconds)`, so that `edge_requests_total` counts it like any other.
+Exceptions of the app are counted by the app's own middleware (status 500), not here again.
+
 `check_prompt_bytes` refuses a prompt that cannot fit the context before it is tokenized.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +35,7 @@ from edge.config import ServerConfig
 from edge.errors import RequestError
 from edge.jsoncheck import check_json_depth, refuse_lone_surrogates
 
-__all__ = ["LimitsMiddleware", "RequestLimits", "check_prompt_bytes", "check_prompt_text",
+__all__ = ["LimitsMiddleware", "Observe", "RequestLimits", "check_prompt_bytes", "check_prompt_text",
            "connection_limit", "nofile_for", "send_error"]
 
 log = logging.getLogger("edge")
@@ -40,6 +45,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+Observe = Callable[[Scope, int, float], None]  # (scope, status, seconds): one answer, for metrics
 
 
 # -- requests ------------------------------------------------------------------------------------
@@ -62,15 +68,16 @@ _INTERNAL = RequestError("internal error (logged by the service)", status=500, c
 
 class LimitsMiddleware:
     """ASGI: body size and time limits, JSON depth and lone surrogates refused, and the
-    last-resort catch-all."""
+    last-resort catch-all; what it answers itself goes to `observe`."""
 
-    def __init__(self, app: ASGIApp, limits: RequestLimits) -> None:
-        self.app, self.limits = app, limits
+    def __init__(self, app: ASGIApp, limits: RequestLimits, observe: Observe | None = None) -> None:
+        self.app, self.limits, self.observe = app, limits, observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        t0 = time.perf_counter()
         started = False
 
         async def tracked(message: Message) -> None:
@@ -81,20 +88,25 @@ class LimitsMiddleware:
         try:
             body = await self._body(scope, receive)
         except RequestError as exc:
-            await send_error(send, exc)
+            await self._answer(scope, send, exc, t0)
             return
         except _Disconnected:
             return  # the client went away before its body arrived: nobody to answer
         except Exception:
             log.exception("internal error checking %s %s", scope.get("method"), scope.get("path"))
-            await send_error(send, _INTERNAL)
+            await self._answer(scope, send, _INTERNAL, t0)
             return
         try:
             await self.app(scope, _replay(body, receive), tracked)
         except Exception:
             log.exception("internal error answering %s %s", scope.get("method"), scope.get("path"))
-            if not started:
+            if not started:  # counted already, as a 500, by the app's metrics middleware
                 await send_error(send, _INTERNAL)
+
+    async def _answer(self, scope: Scope, send: Send, exc: RequestError, t0: float) -> None:
+        await send_error(send, exc)
+        if self.observe is not None:
+            self.observe(scope, exc.status, time.perf_counter() - t0)
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.limits.max_body_bytes

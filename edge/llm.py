@@ -59,6 +59,7 @@ class Job:
     params: GenParams
     cancel: threading.Event = field(default_factory=threading.Event)
     completion_tokens: int = 0
+    prefilled: bool = False  # set by the worker as generation starts: its prompt reached the model
 
 
 class _Probe:

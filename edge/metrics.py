@@ -190,36 +190,54 @@ class MetricsMiddleware:
                 partial = getattr(route, "path", UNMATCHED)
         return partial or UNMATCHED
 
+    def observe(self, scope: dict[str, Any], status: int, seconds: float) -> None:
+        """One request answered outside this middleware (the limits layer), counted as if here."""
+        method = scope["method"] if scope["method"] in _METHODS else "OTHER"
+        self.metrics._observe(self.route_of(scope), method, status, seconds,
+                              scope.get(WARMUP_SCOPE_KEY) is True)
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        warm = scope.get(WARMUP_SCOPE_KEY) is True
-        method = scope["method"] if scope["method"] in _METHODS else "OTHER"
-        route = self.route_of(scope)
-        status, done = 500, False
+        status, done, gone, failed = 500, False, False, False
 
-        def observe() -> None:
+        def record() -> None:
             nonlocal done
             if not done:
                 done = True
-                self.metrics._observe(route, method, status, time.perf_counter() - t0, warm)
+                self.observe(scope, status, time.perf_counter() - t0)
+
+        async def watched_receive() -> dict[str, Any]:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
 
         async def timed_send(message: dict[str, Any]) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            last = message["type"] == "http.response.body" and not message.get("more_body", False)
+            if last and gone:
+                status = 499  # the server drops what is sent after a disconnect: nobody read it
             await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                observe()
+            if last:
+                record()
 
-        token = _IN_WARMUP.set(warm)
+        token = _IN_WARMUP.set(scope.get(WARMUP_SCOPE_KEY) is True)
         try:
-            await self.app(scope, receive, timed_send)
+            await self.app(scope, watched_receive, timed_send)
+        except BaseException:
+            failed = True
+            raise
         finally:
             _IN_WARMUP.reset(token)
-            observe()  # the client went away (or the app failed) before the last chunk
+            # Ended before its last chunk: the client went away (a stream cut short is 499, like
+            # an abandoned non-streamed request), or the app failed.
+            status = 499 if gone else 500 if failed else status
+            record()
 
 
 def warmup_transport(app: ASGIApp) -> ASGIApp:

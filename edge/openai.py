@@ -72,7 +72,7 @@ class Ask:
     forced_tool: bool = False  # tool_choice is `required` or names a function: output is a call
     parallel_tool_calls: bool = True
     schema: tuple[dict[str, Any], str] | None = None  # JSON schema and the field it came from
-    user: str | None = None
+    who: dict[str, str] = field(default_factory=dict)  # `user`, `safety_identifier`: logged
 
 
 def _bad(param: str, message: str) -> RequestError:
@@ -332,7 +332,8 @@ def parse(body: dict[str, Any], chat: bool, limits: Limits) -> Ask:
     ask = Ask(chat=chat, sampling=_sampling(body, chat, limits),
               max_tokens=_max_tokens(body, chat, limits.n_ctx),
               n=_get(body, "n", (int,), 1, 1, limits.max_n), stream=stream,
-              include_usage=include_usage, user=body.get("user"))
+              include_usage=include_usage,
+              who={k: body[k] for k in ("user", "safety_identifier") if body.get(k) is not None})
     if chat:
         _chat_fields(body, ask, limits)
     else:

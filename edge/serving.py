@@ -279,7 +279,9 @@ def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier) 
         def handle_exit(self, sig: int, frame: Any) -> None:
             drain.on_signal(self)
 
-    wrapped = _close_when_draining(LimitsMiddleware(dispatcher, RequestLimits.of(cfg)), dispatcher)
+    # the limits layer's own answers are counted by the current set's metrics middleware
+    limited = LimitsMiddleware(dispatcher, RequestLimits.of(cfg), lambda *a: dispatcher.loaded.app.observe(*a))
+    wrapped = _close_when_draining(limited, dispatcher)
     # h11: ConnectionGuard and Drain read its protocol objects. The drain has waited for the
     # in-flight requests already when uvicorn's graceful shutdown begins: 1 s is its last word.
     config = uvicorn.Config(wrapped, loop="asyncio", http="h11", lifespan="off", access_log=False,

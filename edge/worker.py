@@ -75,7 +75,8 @@ class ModelWorker(Worker):
             end: BaseException | None = None
             try:
                 # a job whose client left while it was queued is not even prefilled
-                pieces = iter(()) if job.cancel.is_set() else self.model.generate(job)
+                job.prefilled = not job.cancel.is_set()
+                pieces = self.model.generate(job) if job.prefilled else iter(())
                 for piece in pieces:
                     loop.call_soon_threadsafe(queue.put_nowait, piece)
                     if job.cancel.is_set():

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import write_config
-from kit import post
+from kit import metric, post
 
 NORMAL = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
 
@@ -237,6 +237,9 @@ def test_slow_body_is_408_and_large_body_413(tmp_path, tiny_gguf, service) -> No
     answer = json.loads(r.read())
     assert r.status == 413 and "more than 4096 bytes arrived" in answer["error"]["message"]
     c.close()
+    # The limits layer's answers are counted like the app's, by route and status.
+    assert metric(pid1.address, "edge_requests_total", route="/v1/completions", status="408") == 1
+    assert metric(pid1.address, "edge_requests_total", route="/v1/completions", status="413") == 2
     _answers(pid1.address)
 
 
@@ -251,6 +254,7 @@ def test_lone_surrogate_is_400_naming_the_field(tiny_config, service, path, body
     status, answer = post(pid1.address, path, body)
     assert status == 400, answer
     assert answer["error"]["message"].startswith(f"{field}: ") and "surrogate" in answer["error"]["message"]
+    assert metric(pid1.address, "edge_requests_total", route=path, status="400") == 1
     _answers(pid1.address)
 
 
@@ -285,6 +289,8 @@ def test_deep_json_is_400_naming_the_limit_never_500(tiny_config, service) -> No
         assert (status, ctype) == (400, "application/json"), (n, kind, leaf, status, answer)
         assert f"more than {MAX_JSON_DEPTH} levels deep" in answer["error"]["message"], answer
         assert answer["error"]["code"] == "json_too_deep"
+    assert metric(pid1.address, "edge_requests_total", route="/v1/chat/completions", status="400") == len(cases)
+    assert metric(pid1.address, "edge_requests_total", status="500") == 0
     # The limit itself: the body's object and `metadata` count, 64 levels pass, 65 do not.
     at_limit = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
                 "metadata": _nested(MAX_JSON_DEPTH - 1, "x")}

@@ -291,8 +291,11 @@ def test_refused_chat_fields_name_themselves(tiny: Service, kw: dict, param: str
 
 def test_fields_ignored_on_purpose_are_accepted(tiny: Service) -> None:
     r = tiny.client.chat.completions.create(model="tiny", messages=HI, max_tokens=2, user="u-1",
-                                            store=False, metadata={"k": "v"}, service_tier="auto")
+                                            store=False, metadata={"k": "v"}, service_tier="auto",
+                                            extra_body={"safety_identifier": "sid-7"})
     assert r.choices[0].finish_reason in ("stop", "length")
+    # README: both are logged with the request
+    assert "request from user 'u-1', safety_identifier 'sid-7'" in tiny.pid1.log_tail(100_000)
 
 
 def test_a_forced_tool_call_is_parsed_into_tool_calls(tools: Service) -> None:
@@ -366,6 +369,7 @@ def test_a_client_leaving_a_queued_request_is_an_abort_and_never_runs(tiny: Serv
     import threading
 
     before_tokens = tiny.metric("edge_completion_tokens_total")
+    before_prompt = tiny.metric("edge_prompt_tokens_total")
     before_aborts = tiny.metric("edge_client_aborts_total")
     before_first = tiny.metric("edge_time_to_first_token_seconds_count")
     long = {}
@@ -394,4 +398,8 @@ def test_a_client_leaving_a_queued_request_is_an_abort_and_never_runs(tiny: Serv
     # the abandoned request never generated: only the long one's tokens were counted
     done = long["r"].json()["usage"]["completion_tokens"]
     assert tiny.metric("edge_completion_tokens_total") - before_tokens == done
+    # ... and only its prompt: the abandoned one was never prefilled
+    assert tiny.metric("edge_prompt_tokens_total") - before_prompt == long["r"].json()["usage"]["prompt_tokens"]
+    assert "INFO status 499 (client closed request): completion for model 'tiny', the client left " \
+           "before its answer" in tiny.pid1.log_tail(100_000)
 
