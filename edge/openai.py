@@ -95,8 +95,10 @@ def _get(body: dict[str, Any], name: str, types: tuple[type, ...], default: Any,
 def _check_fields(body: dict[str, Any], chat: bool) -> None:
     known = _CHAT if chat else _COMPLETION
     for name, val in body.items():
-        if name in known or val is None:
+        if name in known:
             continue
+        if val is None and (name in REFUSED or name in IGNORED and (chat or name == "user")):
+            continue  # a field edge knows, null: its default, as for every known field
         if name in REFUSED:
             if (name == "best_of" and val == 1) or (name == "suffix" and val == ""):
                 continue

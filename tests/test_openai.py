@@ -266,6 +266,8 @@ def test_n_choices_are_generated_and_bounded(tiny: Service) -> None:
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 2}, "best_of"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+    ({"extra_body": {"frobnicate": None}}, "frobnicate"),  # null is no way around the rule
+    ({"extra_body": {"metadata": None}}, "metadata"),  # a chat field: unknown to completions
     ({"extra_body": {"store": True}}, "store"),
     ({"extra_body": {"service_tier": "flex"}}, "service_tier"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -280,6 +282,7 @@ def test_refused_completion_fields_name_themselves(tiny: Service, kw: dict, para
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"extra_body": {"echo": True}}, "echo"),
+    ({"extra_body": {"frobnicate": None}}, "frobnicate"),
     ({"tools": [CITY_TOOL]}, "tools"),
 ])
 def test_refused_chat_fields_name_themselves(tiny: Service, kw: dict, param: str) -> None:
@@ -296,6 +299,23 @@ def test_fields_ignored_on_purpose_are_accepted(tiny: Service) -> None:
     assert r.choices[0].finish_reason in ("stop", "length")
     # README: both are logged with the request
     assert "request from user 'u-1', safety_identifier 'sid-7'" in tiny.pid1.log_tail(100_000)
+
+
+def test_known_fields_may_be_null_unknown_ones_may_not() -> None:
+    from edge.errors import RequestError
+    from edge.openai import Limits, parse
+
+    limits = Limits(n_ctx=512, n_vocab=100, max_n=4, tools=False)
+    # null for a field edge knows is its default: honored, ignored-on-purpose and refused alike
+    ask = parse({"messages": HI, "seed": None, "user": None, "metadata": None, "audio": None,
+                 "safety_identifier": None}, True, limits)
+    assert ask.sampling["seed"] is None and ask.who == {}
+    assert parse({"prompt": "x", "suffix": None, "best_of": None, "user": None}, False, limits).prompts == ["x"]
+    for chat, body in ((False, {"prompt": "x", "foo": None}), (True, {"messages": HI, "foo": None}),
+                       (False, {"prompt": "x", "safety_identifier": None})):
+        with pytest.raises(RequestError) as err:
+            parse(body, chat, limits)
+        assert err.value.param in ("foo", "safety_identifier") and "unknown field" in str(err.value)
 
 
 def test_a_forced_tool_call_is_parsed_into_tool_calls(tools: Service) -> None:
