@@ -434,6 +434,7 @@ def test_file_descriptor_limit_fits_max_connections(tmp_path, tiny_gguf) -> None
 def test_readme_limits_match_the_config() -> None:
     from edge import toml
     from edge.config import ServerConfig
+    from edge.jsoncheck import MAX_JSON_DEPTH
     from edge.limits import FD_RESERVE
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
@@ -447,3 +448,4 @@ def test_readme_limits_match_the_config() -> None:
                  "max_body_bytes", "max_queue"):
         assert f"`{name}`" in section and name in server, name
     assert f"`max_connections` + {FD_RESERVE}" in section
+    assert f"| JSON nested more than {MAX_JSON_DEPTH} arrays/objects deep" in section
