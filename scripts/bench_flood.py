@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,9 +27,8 @@ from benchlib import EDGE, ROOT, emit, env_for_bench, summary  # noqa: E402
 from edge.config import ServerConfig  # noqa: E402
 from edge.httpwire import request  # noqa: E402
 from ggufgen import write_tiny_llama  # noqa: E402
-from kit import PidOne, metric  # noqa: E402
+from kit import PidOne, half_heads, metric  # noqa: E402
 
-HALF_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
 NORMAL = b'{"prompt": "Hello", "max_tokens": 2, "temperature": 0}'
 SCENARIOS = {"default-limits": None, "LimitNOFILE=1024": 1024}
 
@@ -51,11 +49,8 @@ def one_round(cfg: Path, nofile: int | None, connections: int, timeout_s: float)
     with PidOne(argv, env=env_for_bench(), backlog=4096) as pid1:
         pid1.start()
         pid1.wait_for("READY", "1")
-        flood = []
+        flood = half_heads(pid1.address, connections)
         try:
-            for _ in range(connections):
-                flood.append(socket.create_connection(pid1.address, timeout=30))
-                flood[-1].sendall(HALF_HEAD)
             t0 = time.monotonic()
             try:
                 status, _ = request(pid1.address, "POST", "/v1/completions", NORMAL, timeout=timeout_s)

@@ -88,9 +88,6 @@ def _closed_by_server(conn: socket.socket, timeout: float = 30.0, dribble: bytes
 
 
 # -- connections ---------------------------------------------------------------------------------
-HALF_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-
-
 def _closed(conns: list[socket.socket]) -> int:
     """How many of `conns` the server has closed by now (EOF or reset waiting to be read)."""
     poller = select.poll()  # not select(): a flood's descriptors pass FD_SETSIZE
@@ -125,7 +122,7 @@ FLOOD_HEADER_TIMEOUT_S = 120.0  # so large that only shedding can free a slot wi
 @pytest.mark.parametrize("nofile", [None, 1024], ids=["default-limits", "LimitNOFILE=1024"])
 def test_a_flood_of_half_heads_is_shed_and_a_normal_client_is_answered(tmp_path, tiny_gguf, nofile) -> None:
     from conftest import EDGE
-    from kit import PidOne, metric
+    from kit import PidOne, half_heads, metric
 
     _raise_nofile(FLOOD + 200)
     cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
@@ -139,11 +136,8 @@ def test_a_flood_of_half_heads_is_shed_and_a_normal_client_is_answered(tmp_path,
         lowered = re.search(r"serving at most (\d+) connections", pid1.log_tail(100_000))
         limit = int(lowered.group(1)) if lowered else 1024
         assert (limit == 768) == (nofile == 1024)
-        flood = []
+        flood = half_heads(pid1.address, FLOOD)
         try:
-            for _ in range(FLOOD):
-                flood.append(socket.create_connection(pid1.address, timeout=30))
-                flood[-1].sendall(HALF_HEAD)
             t0 = time.monotonic()
             status, body = post(pid1.address, "/v1/completions", NORMAL, timeout=FLOOD_HEADER_TIMEOUT_S / 4)
             latency = time.monotonic() - t0
