@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from edge.errors import BackendError, EdgeError, RequestError
+from edge.jsoncheck import check_json_depth
 from edge.limits import check_prompt_text
 from edge.generate import GenParams, Job
 from edge.llm import GGUFModel
@@ -66,6 +67,7 @@ def _error(exc: EdgeError) -> JSONResponse:
 
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
+    check_json_depth(raw)  # before the parser, which recurses once per level
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -84,6 +86,12 @@ class _Run:
     echoes: list[str]  # per choice: the prompt text `echo` puts before the completion
     n_prompt: int
     shape: Shape
+
+    def prefilled_prompt_tokens(self) -> int:
+        """Prompt tokens of the prompts that were prefilled: one a client left while it was
+        queued never reached the model, and counts nothing."""
+        per_prompt = [self.jobs[i:i + self.ask.n] for i in range(0, len(self.jobs), self.ask.n)]
+        return sum(len(jobs[0].tokens) for jobs in per_prompt if any(j.prefilled for j in jobs))
 
     def usage(self) -> dict[str, Any]:
         done = sum(j.completion_tokens for j in self.jobs)
@@ -122,8 +130,8 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
     worker = state.worker(body.get("model"))
     m = worker.model
     ask = parse(body, chat, Limits(m.n_ctx, m.n_vocab, m.cfg.max_choices, m.supports_tools))
-    if ask.user is not None:
-        log.info("request from user %r", ask.user)
+    if ask.who:
+        log.info("request from %s", ", ".join(f"{k} {v!r}" for k, v in ask.who.items()))
     gbnf = grammar(*ask.schema) if ask.schema else None
     if gbnf is not None and ask.schema is not None:
         await worker.call(m.check_grammar, gbnf, ask.schema[1])
@@ -210,12 +218,20 @@ async def _complete(request: Request, state: ServiceState, chat: bool) -> Respon
     try:
         choices = await _unless_disconnected(request, _choices(run, state.metrics))
     except _ClientGone:
-        state.metrics.client_abort(run.shape.model)
+        _client_gone(run, state.metrics, streamed=False)
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
     finally:
         run.worker.release()
-        state.metrics.tokens(run.n_prompt, run.usage()["completion_tokens"], model=run.shape.model)
+        state.metrics.tokens(run.prefilled_prompt_tokens(), run.usage()["completion_tokens"],
+                             model=run.shape.model)
     return JSONResponse(run.shape.whole(choices, run.usage()))
+
+
+def _client_gone(run: _Run, metrics: Metrics, streamed: bool) -> None:
+    metrics.client_abort(run.shape.model)
+    log.info("status 499 (client closed request): %s for model %r, the client left %s; %d completion "
+             "tokens generated", "chat completion" if run.shape.chat else "completion", run.shape.model,
+             "mid-stream" if streamed else "before its answer", run.usage()["completion_tokens"])
 
 
 async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
@@ -244,9 +260,9 @@ async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
         yield b"data: " + json.dumps({"error": {"message": str(exc)}}).encode() + b"\n\n"
     finally:  # counted also when the client went away mid-stream
         run.worker.release()
-        metrics.tokens(run.n_prompt, run.usage()["completion_tokens"], model=shape.model)
+        metrics.tokens(run.prefilled_prompt_tokens(), run.usage()["completion_tokens"], model=shape.model)
         if not finished:
-            metrics.client_abort(shape.model)
+            _client_gone(run, metrics, streamed=True)
     yield b"data: [DONE]\n\n"
 
 

@@ -1,25 +1,22 @@
-"""What one client may hold and send: connections, request heads, bodies, prompt sizes.
+"""What one client may send: request bodies and prompt sizes; and the descriptors connections need.
 
-Connection level (`ConnectionGuard`, over uvicorn's h11 protocol):
-- at most `server.max_connections` open connections: beyond that the listening socket is not
-  accepted on, so new connections wait in the kernel's listen backlog (bounded, served in order
-  as slots free) instead of exhausting file descriptors for everyone;
-- a request head must be complete within `header_timeout_s` of the connection's opening (on a
-  kept-alive connection: of the end of `keepalive_timeout_s` idle time), so idle or slowloris
-  connections are closed, never held forever.
-
-uvicorn's own `limit_concurrency` is not used: it answers 503 (plain text) only once a request
-has been read, so idle connections still take a file descriptor each, and it counts idle
-connections as load.
+The connection cap, its shedding and the header timeout are `edge.connections`.
 
 Request level (`LimitsMiddleware`, plain ASGI around the app):
 - a body over `max_body_bytes` is a 413 as soon as that is known: from Content-Length before
   anything is read, else while counting the streamed bytes;
 - a body not complete within `body_timeout_s` is a 408;
-- a JSON string holding a lone UTF-16 surrogate (`"\\ud800"`, which no backend can encode) is a
-  400 naming the field;
+- JSON nested deeper than `edge.jsoncheck.MAX_JSON_DEPTH` arrays/objects is a 400 naming the
+  limit, measured without parsing (Python's parser recurses once per level and fails near a
+  thousand); then a JSON string holding a lone UTF-16 surrogate (`"\\ud800"`, which no backend
+  can encode) is a 400 naming the field;
 - the app then gets the whole body at once; an exception escaping it is logged once, with its
-  traceback, and answered 500 (an internal failure, never one of the input checks above).
+  traceback, and answered 500 (an internal failure, never one of the input checks above);
+  so is one in these checks themselves.
+
+What this layer answers itself never reaches the app's metrics middleware: it hands each answer
+to `observe(scope, status, seconds)`, so that `edge_requests_total` counts it like any other.
+Exceptions of the app are counted by the app's own middleware (status 500), not here again.
 
 `check_prompt_bytes` refuses a prompt that cannot fit the context before it is tokenized.
 """
@@ -27,21 +24,19 @@ Request level (`LimitsMiddleware`, plain ASGI around the app):
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
-import re
-import socket
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 from edge.config import ServerConfig
 from edge.errors import RequestError
+from edge.jsoncheck import check_json_depth, refuse_lone_surrogates
 
-__all__ = ["AcceptPaused", "ConnectionGuard", "GatedSocket", "LimitsMiddleware", "RequestLimits",
-           "check_prompt_bytes", "check_prompt_text", "connection_limit", "lone_surrogate_path",
-           "nofile_for"]
+__all__ = ["LimitsMiddleware", "Observe", "RequestLimits", "check_prompt_bytes", "check_prompt_text",
+           "connection_limit", "nofile_for", "send_error"]
 
 log = logging.getLogger("edge")
 
@@ -50,118 +45,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-# -- connections ---------------------------------------------------------------------------------
-class AcceptPaused(OSError):
-    """Raised by `GatedSocket.accept()` at the connection limit. asyncio handles it as it handles
-    EMFILE: it stops reading the listening socket and tries again a second later, while the
-    connections wait in the kernel's backlog. Nothing is logged for it (`ConnectionGuard`)."""
-
-    def __init__(self) -> None:
-        super().__init__(errno.EMFILE, "edge: connection limit reached")
-
-
-class GatedSocket(socket.socket):
-    """A listening socket that accepts only while fewer than `limit` accepted connections are
-    open (counted by their socket objects, which the transports close) and while `open`."""
-
-    def __init__(self, sock: socket.socket, limit: int) -> None:
-        super().__init__(sock.family, sock.type, sock.proto, fileno=sock.detach())
-        self.limit = limit
-        self.open = True  # False: the drain stopped accepting for good
-        self.accepted: list[socket.socket] = []
-        self.saturated = False
-
-    def live(self) -> int:
-        self.accepted = [s for s in self.accepted if s.fileno() != -1]
-        return len(self.accepted)
-
-    def accept(self) -> tuple[socket.socket, Any]:
-        if not self.open:
-            raise AcceptPaused()
-        if len(self.accepted) >= self.limit and self.live() >= self.limit:
-            if not self.saturated:
-                log.warning("connection limit reached: %d open (server.max_connections); new "
-                            "connections wait in the listen backlog", self.limit)
-            self.saturated = True
-            raise AcceptPaused()
-        self.saturated = False
-        conn, addr = super().accept()
-        self.accepted.append(conn)
-        return conn, addr
-
-
-def _quiet_accept_pauses(loop: asyncio.AbstractEventLoop) -> None:
-    previous = loop.get_exception_handler()
-
-    def handler(lp: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        if isinstance(context.get("exception"), AcceptPaused):
-            return
-        if previous is not None:
-            previous(lp, context)
-        else:
-            lp.default_exception_handler(context)
-
-    loop.set_exception_handler(handler)
-
-
-class ConnectionGuard:
-    """The connection limit and the header timeout for one uvicorn server.
-
-    Reads uvicorn's h11 protocol objects (`cycle`, `transport`; pinned by tests/test_limits.py):
-    a connection is "waiting for a head" while it has no request cycle, or its last response
-    is complete. Swept every `tick` seconds, so a timeout fires up to one tick late."""
-
-    def __init__(self, cfg: ServerConfig) -> None:
-        self.cfg = cfg
-        self.tick = min(max(min(cfg.header_timeout_s, cfg.keepalive_timeout_s) / 4, 0.05), 1.0)
-        self._since: dict[Any, tuple[Any, float]] = {}  # connection -> (phase key, first seen)
-        self.sockets: list[GatedSocket] = []
-
-    def gate(self, sockets: list[socket.socket], limit: int) -> list[socket.socket]:
-        _quiet_accept_pauses(asyncio.get_running_loop())
-        self.sockets = [GatedSocket(s, limit) for s in sockets]
-        return list(self.sockets)
-
-    def close_gates(self) -> None:
-        for s in self.sockets:
-            s.open = False
-
-    def head_limit(self, conn: Any) -> float | None:
-        """How long this connection may wait for a complete request head, or None (in a request)."""
-        cycle = getattr(conn, "cycle", None)
-        if cycle is None:
-            return self.cfg.header_timeout_s
-        if cycle.response_complete:
-            return self.cfg.keepalive_timeout_s + self.cfg.header_timeout_s
-        return None
-
-    def waited(self, conn: Any, now: float) -> float:
-        """Seconds this connection has been in its present phase (0 the first time it is seen)."""
-        key = (id(getattr(conn, "cycle", None)), self.head_limit(conn) is None)
-        seen = self._since.get(conn)
-        if seen is None or seen[0] != key:
-            self._since[conn] = (key, now)
-            return 0.0
-        return now - seen[1]
-
-    def sweep(self, connections: set[Any], now: float) -> None:
-        for conn in list(self._since):
-            if conn not in connections:
-                del self._since[conn]
-        for conn in list(connections):
-            limit = self.head_limit(conn)
-            waited = self.waited(conn, now)
-            if limit is not None and waited >= limit and not conn.transport.is_closing():
-                log.debug("closing a connection with no complete request head after %.1f s", waited)
-                conn.transport.close()
-
-    async def run(self, connections: set[Any]) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            self.sweep(connections, loop.time())
-            await asyncio.sleep(self.tick)
+Observe = Callable[[Scope, int, float], None]  # (scope, status, seconds): one answer, for metrics
 
 
 # -- requests ------------------------------------------------------------------------------------
@@ -179,20 +63,21 @@ class _Disconnected(Exception):
     pass
 
 
-# A JSON \u escape of a UTF-16 surrogate (D800-DFFF); only bodies that have one are walked.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_INTERNAL = RequestError("internal error (logged by the service)", status=500, code="internal_error")
 
 
 class LimitsMiddleware:
-    """ASGI: body size and time limits, lone surrogates refused, and the last-resort catch-all."""
+    """ASGI: body size and time limits, JSON depth and lone surrogates refused, and the
+    last-resort catch-all; what it answers itself goes to `observe`."""
 
-    def __init__(self, app: ASGIApp, limits: RequestLimits) -> None:
-        self.app, self.limits = app, limits
+    def __init__(self, app: ASGIApp, limits: RequestLimits, observe: Observe | None = None) -> None:
+        self.app, self.limits, self.observe = app, limits, observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        t0 = time.perf_counter()
         started = False
 
         async def tracked(message: Message) -> None:
@@ -203,17 +88,25 @@ class LimitsMiddleware:
         try:
             body = await self._body(scope, receive)
         except RequestError as exc:
-            await send_error(send, exc)
+            await self._answer(scope, send, exc, t0)
             return
         except _Disconnected:
             return  # the client went away before its body arrived: nobody to answer
+        except Exception:
+            log.exception("internal error checking %s %s", scope.get("method"), scope.get("path"))
+            await self._answer(scope, send, _INTERNAL, t0)
+            return
         try:
             await self.app(scope, _replay(body, receive), tracked)
         except Exception:
             log.exception("internal error answering %s %s", scope.get("method"), scope.get("path"))
-            if not started:
-                await send_error(send, RequestError("internal error (logged by the service)",
-                                                    status=500, code="internal_error"))
+            if not started:  # counted already, as a 500, by the app's metrics middleware
+                await send_error(send, _INTERNAL)
+
+    async def _answer(self, scope: Scope, send: Send, exc: RequestError, t0: float) -> None:
+        await send_error(send, exc)
+        if self.observe is not None:
+            self.observe(scope, exc.status, time.perf_counter() - t0)
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.limits.max_body_bytes
@@ -240,8 +133,8 @@ class LimitsMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        if _SURROGATE_ESCAPE.search(body):
-            _refuse_lone_surrogates(body)
+        check_json_depth(body)  # first: the surrogate check parses the body
+        refuse_lone_surrogates(body)
         return body
 
 
@@ -283,36 +176,6 @@ async def send_error(send: Send, exc: RequestError) -> None:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The JSON path (`messages[0].content`) of the first string holding a lone surrogate."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "<body>"
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        if isinstance(key, str) and lone_surrogate_path(key) is not None:
-            return f"{path}.{key!r}" if path else repr(key)
-        sub = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)
-        found = lone_surrogate_path(item, sub)
-        if found is not None:
-            return found
-    return None
-
-
-def _refuse_lone_surrogates(body: bytes) -> None:
-    try:
-        value = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return  # not JSON: the route says so
-    path = lone_surrogate_path(value)
-    if path is not None:
-        raise RequestError(f"{path}: the string holds a lone UTF-16 surrogate (such as \\ud800), "
-                           "which is not valid Unicode text", param=path.split(".")[0].split("[")[0])
 
 
 def check_prompt_text(model: Any, texts: list[str], param: str) -> None:

@@ -72,6 +72,9 @@ class Metrics:
                                          "by model.", ["model"], registry=reg)
         self.aborts = Counter("edge_client_aborts", "Generations stopped early because the client "
                               "went away, by model.", ["model"], registry=reg)
+        self.shed = Counter("edge_connections_shed", "Connections closed at server.max_connections "
+                            "to admit new ones: those that had waited longest for a request head "
+                            "(idle keep-alive ones included).", registry=reg)
         self._state = _StateCollector()
         reg.register(self._state)
         self._fleet: Any = None  # edge.fleetmetrics.FleetCollector, once the state dir is known
@@ -104,6 +107,9 @@ class Metrics:
         """The client went away before its answer was whole (queued, generating or streaming)."""
         if not _IN_WARMUP.get():
             self.aborts.labels(model).inc()
+
+    def connections_shed(self, n: int) -> None:
+        self.shed.inc(n)
 
     def set_phases(self, phases: Iterable[dict[str, Any]], event: str = "start") -> None:
         """The phases of a start report (`report["phases"]`); a later call for the same event
@@ -237,36 +243,54 @@ class MetricsMiddleware:
                 partial = getattr(route, "path", UNMATCHED)
         return partial or UNMATCHED
 
+    def observe(self, scope: dict[str, Any], status: int, seconds: float) -> None:
+        """One request answered outside this middleware (the limits layer), counted as if here."""
+        method = scope["method"] if scope["method"] in _METHODS else "OTHER"
+        self.metrics._observe(self.route_of(scope), method, status, seconds,
+                              scope.get(WARMUP_SCOPE_KEY) is True)
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        warm = scope.get(WARMUP_SCOPE_KEY) is True
-        method = scope["method"] if scope["method"] in _METHODS else "OTHER"
-        route = self.route_of(scope)
-        status, done = 500, False
+        status, done, gone, failed = 500, False, False, False
 
-        def observe() -> None:
+        def record() -> None:
             nonlocal done
             if not done:
                 done = True
-                self.metrics._observe(route, method, status, time.perf_counter() - t0, warm)
+                self.observe(scope, status, time.perf_counter() - t0)
+
+        async def watched_receive() -> dict[str, Any]:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
 
         async def timed_send(message: dict[str, Any]) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            last = message["type"] == "http.response.body" and not message.get("more_body", False)
+            if last and gone:
+                status = 499  # the server drops what is sent after a disconnect: nobody read it
             await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                observe()
+            if last:
+                record()
 
-        token = _IN_WARMUP.set(warm)
+        token = _IN_WARMUP.set(scope.get(WARMUP_SCOPE_KEY) is True)
         try:
-            await self.app(scope, receive, timed_send)
+            await self.app(scope, watched_receive, timed_send)
+        except BaseException:
+            failed = True
+            raise
         finally:
             _IN_WARMUP.reset(token)
-            observe()  # the client went away (or the app failed) before the last chunk
+            # Ended before its last chunk: the client went away (a stream cut short is 499, like
+            # an abandoned non-streamed request), or the app failed.
+            status = 499 if gone else 500 if failed else status
+            record()
 
 
 def warmup_transport(app: ASGIApp) -> ASGIApp:

@@ -75,7 +75,7 @@ class Ask:
     forced_tool: bool = False  # tool_choice is `required` or names a function: output is a call
     parallel_tool_calls: bool = True
     schema: tuple[dict[str, Any], str] | None = None  # JSON schema and the field it came from
-    user: str | None = None
+    who: dict[str, str] = field(default_factory=dict)  # `user`, `safety_identifier`: logged
     cache_prompt: bool = True  # False: no KV reuse for this request (bit-exact repeats)
 
 
@@ -99,8 +99,10 @@ def _get(body: dict[str, Any], name: str, types: tuple[type, ...], default: Any,
 def _check_fields(body: dict[str, Any], chat: bool) -> None:
     known = _CHAT if chat else _COMPLETION
     for name, val in body.items():
-        if name in known or val is None:
+        if name in known:
             continue
+        if val is None and (name in REFUSED or name in IGNORED and (chat or name == "user")):
+            continue  # a field edge knows, null: its default, as for every known field
         if name in REFUSED:
             if (name == "best_of" and val == 1) or (name == "suffix" and val == ""):
                 continue
@@ -336,7 +338,8 @@ def parse(body: dict[str, Any], chat: bool, limits: Limits) -> Ask:
     ask = Ask(chat=chat, sampling=_sampling(body, chat, limits),
               max_tokens=_max_tokens(body, chat, limits.n_ctx),
               n=_get(body, "n", (int,), 1, 1, limits.max_n), stream=stream,
-              include_usage=include_usage, user=body.get("user"),
+              include_usage=include_usage,
+              who={k: body[k] for k in ("user", "safety_identifier") if body.get(k) is not None},
               cache_prompt=_get(body, "cache_prompt", (bool,), True))
     if chat:
         _chat_fields(body, ask, limits)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge.generate import TokenLogprob
+from edge.jsoncheck import json_depth_exceeds
 
 __all__ = ["Choice", "Shape", "parse_tool_calls"]
 
@@ -64,6 +65,8 @@ def parse_tool_calls(text: str, names: list[str]) -> list[dict[str, Any]] | None
     blobs = _TAGGED.findall(text) or [text.strip()]
     calls = []
     for blob in blobs:
+        if json_depth_exceeds(blob):
+            return None  # deeper than any call: prose to the client, not a RecursionError
         try:
             obj = json.loads(blob)
         except ValueError:

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from edge.config import ServerConfig
 from edge.errors import EdgeError
-from edge.limits import ConnectionGuard, LimitsMiddleware, RequestLimits, connection_limit
+from edge.connections import ConnectionGuard
+from edge.limits import LimitsMiddleware, RequestLimits, connection_limit
 from edge.systemd import Notifier, watchdog_interval_s
 
 if TYPE_CHECKING:
@@ -268,7 +269,8 @@ def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier) 
     the dispatcher wrapped in the request limits and the drain's `Connection: close`."""
     import uvicorn
 
-    guard = ConnectionGuard(cfg)
+    metrics = dispatcher.loaded.state.metrics  # carried over by every reload
+    guard = ConnectionGuard(cfg, on_shed=metrics.connections_shed)
     drain = Drain(dispatcher, notifier, asyncio.get_running_loop(), guard, cfg.drain_timeout_s)
 
     class Server(uvicorn.Server):
@@ -277,7 +279,9 @@ def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier) 
         def handle_exit(self, sig: int, frame: Any) -> None:
             drain.on_signal(self)
 
-    wrapped = _close_when_draining(LimitsMiddleware(dispatcher, RequestLimits.of(cfg)), dispatcher)
+    # the limits layer's own answers are counted by the current set's metrics middleware
+    limited = LimitsMiddleware(dispatcher, RequestLimits.of(cfg), lambda *a: dispatcher.loaded.app.observe(*a))
+    wrapped = _close_when_draining(limited, dispatcher)
     # h11: ConnectionGuard and Drain read its protocol objects. The drain has waited for the
     # in-flight requests already when uvicorn's graceful shutdown begins: 1 s is its last word.
     config = uvicorn.Config(wrapped, loop="asyncio", http="h11", lifespan="off", access_log=False,

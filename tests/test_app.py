@@ -88,6 +88,10 @@ def test_models_health_ready_and_metrics(model) -> None:
 @pytest.mark.parametrize("path, kw, status, words", [
     ("/v1/completions", {"content": b"{not json"}, 400, "not valid JSON"),
     ("/v1/completions", {"content": b"[1, 2]"}, 400, "must be a JSON object"),
+    # parsed by the app itself too (here without the limits layer): never a RecursionError
+    ("/v1/completions", {"content": b"[" * 100_000 + b"]" * 100_000}, 400, "more than 64 levels deep"),
+    ("/v1/chat/completions", {"content": b'{"a":' * 10_000 + b"1" + b"}" * 10_000}, 400,
+     "more than 64 levels deep"),
     ("/v1/completions", {"json": {"prompt": "x", "model": "gpt-4"}}, 404, "not served here"),
     ("/v1/completions", {"json": {"prompt": "x", "max_tokens": -3}}, 400, "max_tokens must be in"),
     ("/v1/completions", {"json": {"prompt": "x", "max_tokens": 10**9}}, 400, "max_tokens must be in"),

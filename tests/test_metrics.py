@@ -38,6 +38,7 @@ class Service:
     first_scrape: str  # taken right after READY=1, before any other request
     report: dict
     proc: subprocess.Popen
+    log: Path
 
 
 def _spawn(cfg: Path, listener: socket.socket, notify_path: str, log: Path) -> subprocess.Popen:
@@ -83,7 +84,7 @@ def service(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Iterat
         _wait_ready(notify, proc, tmp / "service.log")
         address = listener.getsockname()[:2]
         report = json.loads((tmp / "state" / "last-start.json").read_text())
-        yield Service(address, get(address, "/metrics")[1].decode(), report, proc)
+        yield Service(address, get(address, "/metrics")[1].decode(), report, proc, tmp / "service.log")
     finally:
         proc.kill()
         proc.wait(30)
@@ -217,6 +218,7 @@ def test_client_abort_counted_per_model(service: Service) -> None:
     def aborts() -> float:
         return value(scrape(service), "edge_client_aborts", "edge_client_aborts_total", model="tiny")
 
+    requests = scrape(service)
     before = aborts()
     body = json.dumps({"prompt": "Hello", "max_tokens": 480, "temperature": 0, "stream": True}).encode()
     with socket.create_connection(service.address, timeout=30) as s:
@@ -230,6 +232,42 @@ def test_client_abort_counted_per_model(service: Service) -> None:
     while (now := aborts()) == before:
         assert time.monotonic() < deadline, "the abort was never counted"
     assert now == before + 1
+    # The stream is counted as what it was for the client, 499 (as a non-streamed abort is), not
+    # as the 200 its first bytes said; and logged at info level.
+    after = scrape(service)
+    labels = {"route": "/v1/completions", "method": "POST"}
+    assert delta(requests, after, "edge_requests", "edge_requests_total", status="499", **labels) == 1
+    assert delta(requests, after, "edge_requests", "edge_requests_total", status="200", **labels) == 0
+    assert "INFO status 499 (client closed request): completion for model 'tiny', the client left " \
+           "mid-stream" in service.log.read_text()
+
+
+def test_limits_layer_answers_and_app_failures_are_counted_once() -> None:
+    """In process: a 413 of the limits layer reaches edge_requests_total through `observe`, and
+    an exception of the app is one 500 (counted by the app's middleware, answered in JSON by the
+    limits layer), not two."""
+    from edge.limits import LimitsMiddleware, RequestLimits
+
+    async def boom(scope, receive, send) -> None:  # a bare ASGI app: no framework answers for it
+        await receive()
+        raise RuntimeError("a bug")
+
+    m = Metrics()
+    inner = m.instrument(boom, None)
+    app = LimitsMiddleware(inner, RequestLimits(max_body_bytes=10, body_timeout_s=5), inner.observe)
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                                     base_url="http://edge") as c:
+            return [await c.post("/boom", content=b"x" * 11), await c.post("/boom", content=b"{}")]
+
+    big, failed = asyncio.run(go())
+    assert big.status_code == 413 and failed.status_code == 500
+    assert failed.json()["error"]["code"] == "internal_error"
+    fams = families(m.render())
+    assert value(fams, "edge_requests", "edge_requests_total", route=UNMATCHED, status="413") == 1
+    assert value(fams, "edge_requests", "edge_requests_total", route=UNMATCHED, status="500") == 1
+    assert value(fams, "edge_requests", "edge_requests_total") == 2
 
 
 def test_start_phases_per_model(service: Service) -> None:

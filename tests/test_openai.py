@@ -265,6 +265,8 @@ def test_n_choices_are_generated_and_bounded(tiny: Service) -> None:
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 2}, "best_of"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+    ({"extra_body": {"frobnicate": None}}, "frobnicate"),  # null is no way around the rule
+    ({"extra_body": {"metadata": None}}, "metadata"),  # a chat field: unknown to completions
     ({"extra_body": {"store": True}}, "store"),
     ({"extra_body": {"service_tier": "flex"}}, "service_tier"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -279,6 +281,7 @@ def test_refused_completion_fields_name_themselves(tiny: Service, kw: dict, para
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"extra_body": {"echo": True}}, "echo"),
+    ({"extra_body": {"frobnicate": None}}, "frobnicate"),
     ({"tools": [CITY_TOOL]}, "tools"),
 ])
 def test_refused_chat_fields_name_themselves(tiny: Service, kw: dict, param: str) -> None:
@@ -290,8 +293,28 @@ def test_refused_chat_fields_name_themselves(tiny: Service, kw: dict, param: str
 
 def test_fields_ignored_on_purpose_are_accepted(tiny: Service) -> None:
     r = tiny.client.chat.completions.create(model="tiny", messages=HI, max_tokens=2, user="u-1",
-                                            store=False, metadata={"k": "v"}, service_tier="auto")
+                                            store=False, metadata={"k": "v"}, service_tier="auto",
+                                            extra_body={"safety_identifier": "sid-7"})
     assert r.choices[0].finish_reason in ("stop", "length")
+    # README: both are logged with the request
+    assert "request from user 'u-1', safety_identifier 'sid-7'" in tiny.pid1.log_tail(100_000)
+
+
+def test_known_fields_may_be_null_unknown_ones_may_not() -> None:
+    from edge.errors import RequestError
+    from edge.openai import Limits, parse
+
+    limits = Limits(n_ctx=512, n_vocab=100, max_n=4, tools=False)
+    # null for a field edge knows is its default: honored, ignored-on-purpose and refused alike
+    ask = parse({"messages": HI, "seed": None, "user": None, "metadata": None, "audio": None,
+                 "safety_identifier": None}, True, limits)
+    assert ask.sampling["seed"] is None and ask.who == {}
+    assert parse({"prompt": "x", "suffix": None, "best_of": None, "user": None}, False, limits).prompts == ["x"]
+    for chat, body in ((False, {"prompt": "x", "foo": None}), (True, {"messages": HI, "foo": None}),
+                       (False, {"prompt": "x", "safety_identifier": None})):
+        with pytest.raises(RequestError) as err:
+            parse(body, chat, limits)
+        assert err.value.param in ("foo", "safety_identifier") and "unknown field" in str(err.value)
 
 
 def test_a_forced_tool_call_is_parsed_into_tool_calls(tools: Service) -> None:
@@ -365,6 +388,7 @@ def test_a_client_leaving_a_queued_request_is_an_abort_and_never_runs(tiny: Serv
     import threading
 
     before_tokens = tiny.metric("edge_completion_tokens_total")
+    before_prompt = tiny.metric("edge_prompt_tokens_total")
     before_aborts = tiny.metric("edge_client_aborts_total")
     before_first = tiny.metric("edge_time_to_first_token_seconds_count")
     long = {}
@@ -393,4 +417,8 @@ def test_a_client_leaving_a_queued_request_is_an_abort_and_never_runs(tiny: Serv
     # the abandoned request never generated: only the long one's tokens were counted
     done = long["r"].json()["usage"]["completion_tokens"]
     assert tiny.metric("edge_completion_tokens_total") - before_tokens == done
+    # ... and only its prompt: the abandoned one was never prefilled
+    assert tiny.metric("edge_prompt_tokens_total") - before_prompt == long["r"].json()["usage"]["prompt_tokens"]
+    assert "INFO status 499 (client closed request): completion for model 'tiny', the client left " \
+           "before its answer" in tiny.pid1.log_tail(100_000)
 

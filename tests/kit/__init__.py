@@ -8,8 +8,8 @@ sys.path the same way (scripts/benchlib.py, scripts/demo.py).
 
 from kit.configs import EDGE, write_config
 from kit.http import call, get, metric, post
-from kit.load import ClientLoad, LoadResult
+from kit.load import ClientLoad, LoadResult, half_heads
 from kit.pid1 import Child, Notification, PidOne
 
-__all__ = ["EDGE", "Child", "ClientLoad", "LoadResult", "Notification", "PidOne", "call", "get", "metric", "post",
-           "write_config"]
+__all__ = ["EDGE", "Child", "ClientLoad", "LoadResult", "Notification", "PidOne", "call", "get", "half_heads",
+           "metric", "post", "write_config"]

@@ -1,8 +1,9 @@
 """Client load for restart tests and benchmarks: N threads, one request per connection each,
-every answer checked, until stopped."""
+every answer checked, until stopped; and a flood of connections that hold half a request head."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -11,7 +12,24 @@ from dataclasses import dataclass, field
 from edge.bench import percentile
 from edge.httpwire import request
 
-__all__ = ["ClientLoad", "LoadResult"]
+__all__ = ["ClientLoad", "HALF_HEAD", "LoadResult", "half_heads"]
+
+HALF_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+
+
+def half_heads(address: tuple[str, int], n: int) -> list[socket.socket]:
+    """`n` connections that each send half a request head and hold it (an idle-connection
+    flood, as slowloris clients make it); the caller closes them."""
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            flood.append(socket.create_connection(address, timeout=30))
+            flood[-1].sendall(HALF_HEAD)
+    except BaseException:
+        for c in flood:
+            c.close()
+        raise
+    return flood
 
 
 @dataclass
