@@ -296,7 +296,7 @@ def test_activation_by_reload_has_no_gap_and_a_failing_version_never_serves(kit)
     assert ota.install(open_bundle(bundles["1.0.0"], kit["pub"]), activate=None)["result"] == "switched"
     ota.commit()
     current = ota.root / "current" / "edge.toml"
-    activator = ReloadActivator(current, svc_state / "control.sock", timeout=120)
+    activator = ReloadActivator(current, [(svc_state / "control.sock", "the service's state_dir")], timeout=120)
     req = {"prompt": "Hello", "max_tokens": 6, "temperature": 0}
     with PidOne([*EDGE, "serve", "--config", str(current)]) as live:
         live.start()

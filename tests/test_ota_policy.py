@@ -317,7 +317,7 @@ def test_kill_at_every_fs_operation_converges(dev, ok) -> None:
     shutil.copytree(template, work, symlinks=True)
     assert _forked_install(work, new, dev["pub"], ok, {"EDGE_OTA_FS_LOG": str(log)}) == 0
     ops = log.read_text().splitlines()
-    assert len(ops) > 20 and any(" rename " in o and "state.json" in o for o in ops)
+    assert len(ops) > 20 and any(" exchange " in o and "state.json" in o for o in ops)
     final = "2.0.0" if ok else "1.0.0"
     outcomes = set()
     for n in range(1, len(ops) + 1):
