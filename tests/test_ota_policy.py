@@ -18,26 +18,18 @@ import pytest
 
 from conftest import EDGE
 from edge.fsutil import sha256_file
-from edge.ota.bundle import build_bundle, keygen, open_bundle
+from edge.ota.bundle import build_bundle, open_bundle
 from edge.ota.errors import BundleError, PolicyError, VersionError
 from edge.ota.install import LINKS, Ota
 from edge.ota.version import parse_version
-from kit.ota import tmpfs, tree
+from kit.ota import device, tmpfs, tree
 
 CFG = '[[models]]\nname = "m"\npath = "models/m.gguf"\n'
 
 
 @pytest.fixture()
 def dev(tmp_path: Path):
-    """A signing key, a tiny model file, a device config and its OTA root."""
-    key = tmp_path / "signing.key"
-    pub = keygen(key)
-    model = tmp_path / "m.gguf"
-    model.write_bytes(os.urandom(4096))
-    cfg = tmp_path / "device.toml"
-    cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "state"}"\n[[models]]\nname = "x"\npath = "x.gguf"\n')
-    return {"dir": tmp_path, "key": key, "pub": pub, "model": model, "cfg": cfg,
-            "ota": Ota(tmp_path / "state" / "ota", keep=2)}
+    return device(tmp_path, model_bytes=4096, keep=2)
 
 
 def bundle(dev, version: str, content: bytes | None = None, config: str = CFG) -> Path:

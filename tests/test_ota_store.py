@@ -14,25 +14,18 @@ from pathlib import Path
 import pytest
 
 from conftest import EDGE
-from edge.ota.bundle import build_bundle, keygen, open_bundle
+from edge.ota.bundle import build_bundle, open_bundle
 from edge.ota.errors import BundleError
 from edge.ota.install import Ota
 from edge.ota.manifest import read_base
-from kit.ota import tmpfs, tree
+from kit.ota import device, tmpfs, tree
 
 CFG = '[[models]]\nname = "m"\npath = "models/m.gguf"\n'
 
 
 @pytest.fixture()
 def dev(tmp_path: Path):
-    key = tmp_path / "signing.key"
-    pub = keygen(key)
-    model = tmp_path / "m.gguf"
-    model.write_bytes(os.urandom(64 << 10))
-    cfg = tmp_path / "device.toml"
-    cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "state"}"\n[[models]]\nname = "x"\npath = "/x.gguf"\n')
-    return {"dir": tmp_path, "key": key, "pub": pub, "model": model, "cfg": cfg,
-            "ota": Ota(tmp_path / "state" / "ota", keep=3)}
+    return device(tmp_path, model_bytes=64 << 10, keep=3)
 
 
 def build(dev, version: str, *, config: str = CFG, model: Path | None = None, base=None) -> Path:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,7 +41,7 @@ from edge.ota.errors import BundleError, PolicyError, VersionError
 from edge.ota.fsops import Fs
 from edge.ota.manifest import content_digest
 from edge.ota.rebuild import EMPTY, rebuild_state
-from edge.ota.statefile import LEGACY, StateFile, overwrite_marker, read_marker, write_marker
+from edge.ota.statefile import LEGACY, StateFile, overwrite_marker, read_marker
 from edge.ota.store import Store
 from edge.ota.version import Version, parse_version
 

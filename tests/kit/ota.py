@@ -19,8 +19,8 @@ from edge.ota.install import Ota
 from ggufgen import write_tiny_llama
 from kit.pid1 import PidOne
 
-__all__ = ["A", "B", "VERSIONS", "cfg_text", "committed", "edge_ota", "fill", "install", "kit", "live", "tmpfs",
-           "tree"]
+__all__ = ["A", "B", "VERSIONS", "cfg_text", "committed", "device", "edge_ota", "fill", "install", "kit", "live",
+           "tmpfs", "tree"]
 
 
 def cfg_text(model: str, extra: str = "") -> str:
@@ -47,6 +47,18 @@ def kit(tmp_path: Path):
     device_cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "state"}"\n[[models]]\nname = "x"\npath = "x.gguf"\n')
     return {"dir": tmp_path, "key": key, "pub": pub, "a": a, "b": b, "bundles": bundles, "cfg": device_cfg,
             "ota": Ota(tmp_path / "state" / "ota")}
+
+
+def device(tmp_path: Path, *, model_bytes: int, keep: int) -> dict:
+    """A signing key, a model file of random bytes, a device config and its OTA root (no service)."""
+    key = tmp_path / "signing.key"
+    pub = keygen(key)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(os.urandom(model_bytes))
+    cfg = tmp_path / "device.toml"
+    cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "state"}"\n[[models]]\nname = "x"\npath = "x.gguf"\n')
+    return {"dir": tmp_path, "key": key, "pub": pub, "model": model, "cfg": cfg,
+            "ota": Ota(tmp_path / "state" / "ota", keep=keep)}
 
 
 def edge_ota(kit, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
