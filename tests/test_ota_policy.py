@@ -365,6 +365,8 @@ def _consistent(ota: Ota, expect: set[str]) -> str:
     for f in json.loads((cur / "manifest.json").read_text())["files"]:
         assert sha256_file(cur / f["path"]) == f["sha256"]
     assert (cur / "edge.toml").is_file()
+    used = {f["sha256"] for d in ota.versions.iterdir() for f in json.loads((d / "manifest.json").read_text())["files"]}
+    assert {p.name for p in ota.store.objects.iterdir()} == used  # no object lost, none left over
     return st["current"]
 
 
