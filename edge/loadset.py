@@ -84,10 +84,13 @@ class LoadPlan:
 
 def model_key(m: ModelConfig) -> tuple[Any, ...]:
     """A model is the same one when its resolved file (same inode, size and mtime) and every
-    setting that shapes the loaded model are; page-in settings do not."""
+    setting that shapes the loaded model are; page-in settings do not, and neither does the path
+    when the file is known by its identity: OTA versions hard-link one file from their content
+    store under each version's own path, and a config-only update keeps the loaded model."""
     try:
         st = os.stat(m.path)
         ident: tuple[int, ...] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     except OSError:
         ident = ()
-    return ("model", dataclasses.replace(m, prefetch=True, prefetch_threads=1), ident)
+    same = dataclasses.replace(m, path="" if ident else m.path, prefetch=True, prefetch_threads=1)
+    return ("model", same, ident)

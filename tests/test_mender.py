@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from edge.ota.bundle import build_bundle
-from kit import EDGE
+from kit import EDGE, PidOne, post
 from kit.ota import A, B, cfg_text, committed  # fixtures `kit`, `live`: kit/ota.py
 
 MODULE = Path(__file__).resolve().parent.parent / "scripts" / "mender" / "edge-bundle"
+WRITE_ARTIFACT = MODULE.with_name("write-artifact")
 MODULES_DIR = Path("/usr/share/mender/modules/v3")  # fixed in mender-client 3.4 (not configurable)
 ARTIFACT_INFO = Path("/etc/mender/artifact_info")  # read by standalone installs before the first
 
@@ -79,7 +80,7 @@ def mender(kit, tmp_path: Path):
     def args(value: str) -> None:
         env_file.write_text(f"export EDGE_OTA_ARGS='{value}'\n")
 
-    yield {"run": run, "argv": argv, "artifact": artifact, "args": args}
+    yield {"run": run, "argv": argv, "artifact": artifact, "args": args, "kind": kind, "edge_bin": str(edge_bin)}
     module.unlink(missing_ok=True)
     if made_info:
         ARTIFACT_INFO.unlink(missing_ok=True)
@@ -92,16 +93,77 @@ def _bundle(kit, version: str, model: Path, config: str | None = None) -> Path:
     return out
 
 
-def test_first_install_rolled_back_by_mender_leaves_nothing(kit, mender) -> None:
-    mender["args"]("--no-activate")
-    r = mender["run"]("install", str(mender["artifact"]("art-a", kit["bundles"]["A"])))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert kit["ota"].state()["pending"]["version"] == A and kit["ota"].link_target("current") == A
-    r = mender["run"]("rollback")
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_first_install_rolled_back_by_mender_returns_the_service_to_its_factory_config(kit, mender) -> None:
+    """Before OTA: the device config serves model b (by a path relative to it). The first install
+    (model a, by zero-gap reload) is rolled back by `mender rollback`: the service serves b again,
+    from the factory copy recorded at the first install, in the same process throughout."""
+    state = kit["dir"] / "state"
+    kit["cfg"].write_text(f'[paths]\nstate_dir = "{state}"\n[[models]]\nname = "m"\npath = "b.gguf"\n'
+                          'n_ctx = 256\n[warmup]\ndecode_tokens = 4\n')
+    r = subprocess.run([*EDGE, "ota", "recover", "--boot", "--config", str(kit["cfg"])], capture_output=True,
+                       text=True, timeout=120)  # at boot, before the service: OTA takes over
+    assert r.returncode == 0, r.stderr
     st = kit["ota"].status()
-    assert st["current"] is None and st["pending"] is None and st["links"] == {"current": None, "previous": None}
-    assert not os.path.lexists(kit["ota"].root / "current")
+    assert st["links"]["current"] == "factory" and st["factory"]["config"] == str(kit["cfg"])
+    assert f'path = "{kit["b"]}"' in (kit["ota"].root / "current" / "edge.toml").read_text()  # made absolute
+    req = {"prompt": "Hello", "max_tokens": 6, "temperature": 0}
+    mender["args"]("--reload --timeout 120")
+    artifact_before = mender["run"]("show-artifact").stdout.strip()
+    with PidOne([*EDGE, "serve", "--config", str(kit["ota"].root / "current" / "edge.toml")]) as live:
+        live.start()
+        live.wait_for("READY", "1")
+        pid = live.proc.pid
+        factory = post(live.address, "/v1/completions", req)[1]["choices"][0]["text"]
+        r = mender["run"]("install", str(mender["artifact"]("art-a", kit["bundles"]["A"])))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert kit["ota"].state()["pending"]["version"] == A
+        first = post(live.address, "/v1/completions", req)[1]["choices"][0]["text"]
+        r = mender["run"]("rollback")
+        assert r.returncode == 0, r.stderr[-2000:]
+        back = post(live.address, "/v1/completions", req)[1]["choices"][0]["text"]
+        assert live.proc.pid == pid and live.proc.poll() is None
+    assert first != factory and back == factory
+    st = kit["ota"].status()
+    assert st["current"] is None and st["pending"] is None and st["links"] == {"current": "factory", "previous": None}
+    assert st["history"][-1]["event"] == "rolled back"
+    assert mender["run"]("show-artifact").stdout.strip() == artifact_before  # Mender reports the factory state
+
+
+def test_thin_artifacts_declare_their_base_and_mender_refuses_them_elsewhere(kit, mender, tmp_path: Path) -> None:
+    """write-artifact: a full artifact provides its content digest; a thin one depends on its
+    base's, so the client itself refuses it on a device without that base (the module never runs)."""
+    from edge.ota.bundle import open_bundle
+    from edge.ota.manifest import read_base
+
+    env = {**os.environ, "EDGE_BIN": mender["edge_bin"]}
+
+    def write(bundle: Path, name: str) -> Path:
+        out = tmp_path / f"{name}.mender"
+        r = subprocess.run([str(WRITE_ARTIFACT), str(bundle), "-t", "edge-test", "-n", name, "-o", str(out),
+                            "-T", mender["kind"]], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return out
+
+    mender["args"]("--no-activate")
+    assert mender["run"]("install", str(write(kit["bundles"]["A"], "art-a"))).returncode == 0
+    assert mender["run"]("commit").returncode == 0
+    provides = mender["run"]("show-provides").stdout
+    assert f"edge.content_digest={open_bundle(kit['bundles']['A'], kit['pub']).content_digest}" in provides
+    thin = kit["dir"] / "thin.edgeb"  # 3.0.0: A's model, another config; thin on A
+    build_bundle(thin, version="3.0.0", files=[(kit["a"], "models/a.gguf", "model", None)],
+                 config=cfg_text("a.gguf", "[server]\nmax_queue = 9\n"), key=kit["key"], base=read_base(kit["bundles"]["A"]))
+    elsewhere = kit["dir"] / "thin-b.edgeb"  # thin on B, which this device never had
+    build_bundle(elsewhere, version="4.0.0", files=[(kit["b"], "models/b.gguf", "model", None)],
+                 config=cfg_text("b.gguf", "[server]\nmax_queue = 9\n"), key=kit["key"], base=read_base(kit["bundles"]["B"]))
+    r = mender["run"]("install", str(write(elsewhere, "art-elsewhere")))
+    assert r.returncode != 0 and "edge.content_digest" in r.stderr, r.stderr[-2000:]
+    assert kit["ota"].state()["current"] == A and kit["ota"].state()["pending"] is None
+    assert thin.stat().st_size < kit["bundles"]["A"].stat().st_size // 10
+    r = mender["run"]("install", str(write(thin, "art-thin")))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert mender["run"]("commit").returncode == 0
+    assert kit["ota"].state()["current"] == "3.0.0"
+    assert "edge.bundle_version=3.0.0" in mender["run"]("show-provides").stdout
 
 
 def test_two_payloads_are_refused(kit, mender) -> None:

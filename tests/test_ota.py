@@ -17,7 +17,7 @@ import pytest
 from edge.ota.bundle import BundleError, build_bundle, keygen, open_bundle
 from edge.ota.install import Ota
 from kit import EDGE, PidOne, post
-from kit.ota import A, B, cfg_text, committed, edge_ota, install  # fixtures `kit`, `live`: kit/ota.py
+from kit.ota import A, B, cfg_text, committed, edge_ota, install, tmpfs  # fixtures `kit`, `live`: kit/ota.py
 
 
 @contextlib.contextmanager
@@ -205,18 +205,11 @@ def test_retention_after_every_commit_and_rollback(kit) -> None:
 
 
 def test_disk_full_during_extract_is_clear_and_harmless(kit, tmp_path: Path) -> None:
-    small = tmp_path / "small"
-    small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(small)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
+    with tmpfs(tmp_path / "small", "300k") as small:
         ota = Ota(small / "ota")
         with pytest.raises(BundleError, match=r"needs \d+ bytes on .*, only \d+ free; nothing was written"):
             ota.install(open_bundle(kit["bundles"]["A"], kit["pub"]), activate=None)
         assert ota.link_target("current") is None and not list(ota.versions.iterdir())
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
 
 
 def test_update_under_load_then_a_failing_bundle_rolls_back(kit, live) -> None:
@@ -295,7 +288,7 @@ def test_activation_by_reload_has_no_gap_and_a_failing_version_never_serves(kit)
     assert ota.install(open_bundle(bundles["1.0.0"], kit["pub"]), activate=None)["result"] == "switched"
     ota.commit()
     current = ota.root / "current" / "edge.toml"
-    activator = ReloadActivator(current, svc_state / "control.sock", timeout=120)
+    activator = ReloadActivator(current, [(svc_state / "control.sock", "the service's state_dir")], timeout=120)
     req = {"prompt": "Hello", "max_tokens": 6, "temperature": 0}
     with PidOne([*EDGE, "serve", "--config", str(current)]) as live:
         live.start()
@@ -312,3 +305,62 @@ def test_activation_by_reload_has_no_gap_and_a_failing_version_never_serves(kit)
         assert live.proc.pid == pid and live.proc.poll() is None  # never restarted
     assert text_b != text_a and errors == []
     _one_way(seen, text_a, text_b)  # never the failing version's
+
+
+def _reload_bundles(kit, paths: str) -> dict[str, Path]:
+    """1.0.0 and a config-only 1.1.0 (same model file, another [server] setting)."""
+    out = {}
+    for v, extra in (("1.0.0", ""), ("1.1.0", "[server]\nmax_queue = 9\n")):
+        out[v] = kit["dir"] / f"cfg-only-{v}.edgeb"
+        build_bundle(out[v], version=v, files=[(kit["a"], "models/a.gguf", "model", None)],
+                     config=cfg_text("a.gguf", paths + extra), key=kit["key"])
+    return out
+
+
+@contextlib.contextmanager
+def _serving_current(kit, bundle: Path):
+    r = edge_ota(kit, "install", str(bundle), "--pubkey", str(kit["pub"]), "--no-activate")
+    assert r.returncode == 0, r.stderr
+    assert edge_ota(kit, "commit").returncode == 0
+    with PidOne([*EDGE, "serve", "--config", str(kit["ota"].root / "current" / "edge.toml")]) as live:
+        live.start()
+        live.wait_for("READY", "1")
+        yield live
+
+
+def test_install_reload_finds_the_control_socket_of_a_service_with_another_state_dir(kit) -> None:
+    """The service's state_dir comes from the config it serves, not from the installer's."""
+    svc_state = kit["dir"] / "svc-state"
+    bundles = _reload_bundles(kit, f'[paths]\nstate_dir = "{svc_state}"\n')
+    with _serving_current(kit, bundles["1.0.0"]) as live:
+        pid = live.proc.pid
+        r = edge_ota(kit, "install", str(bundles["1.1.0"]), "--pubkey", str(kit["pub"]), "--reload", "--timeout", "120")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["result"] == "committed" and out["version"] == "1.1.0" and "reload" in out
+        assert live.proc.pid == pid and live.proc.poll() is None
+    assert [h["event"] for h in kit["ota"].state()["history"]][-1] == "committed"
+
+
+def test_install_reload_without_a_service_is_refused_before_switching(kit) -> None:
+    committed(kit, "A")
+    before = sorted(p.name for p in kit["ota"].versions.iterdir())
+    r = install(kit, "B", "--reload")
+    assert r.returncode == 69 and "Traceback" not in r.stderr, r.stderr
+    assert "no running edge service answers on a control socket" in r.stderr and "Nothing was switched" in r.stderr
+    assert str(kit["dir"] / "state" / "control.sock") in r.stderr  # every place it looked is named
+    assert kit["ota"].link_target("current") == A and sorted(p.name for p in kit["ota"].versions.iterdir()) == before
+    assert [h["event"] for h in kit["ota"].state()["history"]][-1] == "committed"  # no "rollback unhealthy"
+
+
+def test_a_config_only_update_by_reload_keeps_the_loaded_model(kit) -> None:
+    """Same content, same inode in both versions: the reload takes the loaded model over (no
+    load, no page-in) and only the config changes."""
+    bundles = _reload_bundles(kit, f'[paths]\nstate_dir = "{kit["dir"] / "state"}"\n')
+    with _serving_current(kit, bundles["1.0.0"]):
+        r = edge_ota(kit, "install", str(bundles["1.1.0"]), "--pubkey", str(kit["pub"]), "--reload", "--timeout", "120")
+        assert r.returncode == 0, r.stderr
+        versions = kit["ota"].versions
+        same = [os.stat(versions / v / "models" / "a.gguf").st_ino for v in ("1.0.0", "1.1.0")]
+        assert same[0] == same[1]
+        assert json.loads(r.stdout)["reload"] == {"kept": ["m"], "loaded": [], "mode": json.loads(r.stdout)["reload"]["mode"]}

@@ -17,26 +17,19 @@ from pathlib import Path
 import pytest
 
 from edge.fsutil import sha256_file
-from edge.ota.bundle import build_bundle, keygen, open_bundle
+from edge.ota.bundle import build_bundle, open_bundle
 from edge.ota.errors import BundleError, PolicyError, VersionError
 from edge.ota.install import LINKS, Ota
 from edge.ota.version import parse_version
 from kit import EDGE
+from kit.ota import device, tmpfs, tree
 
 CFG = '[[models]]\nname = "m"\npath = "models/m.gguf"\n'
 
 
 @pytest.fixture()
 def dev(tmp_path: Path):
-    """A signing key, a tiny model file, a device config and its OTA root."""
-    key = tmp_path / "signing.key"
-    pub = keygen(key)
-    model = tmp_path / "m.gguf"
-    model.write_bytes(os.urandom(4096))
-    cfg = tmp_path / "device.toml"
-    cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "state"}"\n[[models]]\nname = "x"\npath = "x.gguf"\n')
-    return {"dir": tmp_path, "key": key, "pub": pub, "model": model, "cfg": cfg,
-            "ota": Ota(tmp_path / "state" / "ota", keep=2)}
+    return device(tmp_path, model_bytes=4096, keep=2)
 
 
 def bundle(dev, version: str, content: bytes | None = None, config: str = CFG) -> Path:
@@ -92,16 +85,10 @@ def install(dev, path: Path, **kw):
     return dev["ota"].install(open_bundle(path, dev["pub"]), healthy, **kw)
 
 
-def tree(ota: Ota) -> dict:
-    """Everything under the OTA root but the lock and state: what a refusal must not change."""
-    return {str(p.relative_to(ota.root)): (os.readlink(p) if p.is_symlink() else
-                                           sha256_file(p) if p.is_file() else "dir")
-            for p in sorted(ota.root.rglob("*")) if p.name not in (".lock",)}
-
-
 # -- versions ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", ["", "../../x", "1.0", "v1.0.0", "1.0.0/..", "01.0.0", "1.0.0+b",
-                                 "1.0.0-", "1.0.0-a..b", "1.0.0 ", ".", "1.0.0-" + "a" * 60])
+                                 "1.0.0-", "1.0.0-a..b", "1.0.0 ", ".", "1.0.0-" + "a" * 60,
+                                 "1.0." + "1" * 61])
 def test_version_grammar_refuses(bad) -> None:
     with pytest.raises(VersionError, match="expected MAJOR.MINOR.PATCH"):
         parse_version(bad)
@@ -112,6 +99,15 @@ def test_version_ordering() -> None:
              "1.0.0-beta.11", "1.0.0-rc.1", "1.0.0", "1.0.10", "1.2.0", "10.0.0"]
     parsed = [parse_version(v) for v in order]
     assert sorted(reversed(parsed)) == parsed and len(set(parsed)) == len(parsed)
+
+
+def test_version_numbers_have_no_digit_cap_within_64_characters(dev) -> None:
+    """SemVer caps no number: a date-stamped patch (10 digits) is a version, and orders as one."""
+    assert parse_version("1.0.2026120301") > parse_version("1.0.999999999")
+    assert parse_version("1.0.0-rc.20261203011") > parse_version("1.0.0-rc.9")
+    assert parse_version("1." + "1" * 60 + ".0").text == "1." + "1" * 60 + ".0"  # 64 characters
+    assert install(dev, bundle(dev, "1.0.2026120301"))["result"] == "committed"
+    assert dev["ota"].link_target("current") == "1.0.2026120301"
 
 
 def test_build_refuses_empty_and_path_like_versions(dev) -> None:
@@ -157,13 +153,8 @@ def test_min_edge_version_is_parsed_not_guessed(dev) -> None:
 @pytest.fixture()
 def small_fs(tmp_path: Path):
     """A 2 MiB tmpfs for the OTA root: a bomb can at most fill it."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip()}): the bomb test needs one")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
+    with tmpfs(tmp_path / "small", "2m") as mnt:
+        yield mnt
 
 
 def _sparse_bomb(dev, claimed: int) -> Path:
@@ -219,6 +210,77 @@ def test_directory_member_is_named_as_such(dev) -> None:
         "models/m.gguf", str(dev["model"]))), [(d, b"")])  # a model already on the device
     with pytest.raises(BundleError, match="refusing directory entry 'files/models'"):
         install(dev, odd)
+
+
+# -- paths: one verdict, one exit code, in inspect and in install ----------------------------
+def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    return info, data
+
+
+def _inspect_and_install(dev, path: Path) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    inspect = subprocess.run([*EDGE, "ota", "inspect", str(path), "--pubkey", str(dev["pub"])],
+                             capture_output=True, text=True, timeout=120)
+    inst = edge_ota(dev, "install", str(path), "--pubkey", str(dev["pub"]), "--no-activate")
+    return inspect, inst
+
+
+LONG_PATHS = {
+    "5,030-character path": "models/" + "/".join(["d" * 200] * 24) + "/" + "x" * 197,
+    "1,500 levels deep": "/".join(["d"] * 1500) + "/m.gguf",
+    "300-character component": "models/" + "n" * 300,
+    "a reserved name": "edge.toml",
+}
+
+
+@pytest.mark.parametrize("what", LONG_PATHS)
+def test_long_deep_and_reserved_paths_get_the_same_refusal_from_inspect_and_install(dev, what) -> None:
+    install(dev, bundle(dev, "1.0.0"))
+    before = tree(dev["ota"])
+    data = os.urandom(512)
+    rel = LONG_PATHS[what]
+    entry = {**model_entry(data), "path": rel}
+    cfg = CFG.replace("models/m.gguf", "/dev/null")  # the config names a device file: only the path matters
+    evil = forge(dev, dev["dir"] / "long.edgeb", manifest("2.0.0", [entry], config=cfg),
+                 [_member(f"files/{rel}", data)])
+    inspect, inst = _inspect_and_install(dev, evil)
+    words = {"5,030-character path": "bytes long, more than 1024", "1,500 levels deep": "levels deep, more than 32",
+             "300-character component": "has a component of 300 bytes, longer than the 255 a file name may have",
+             "a reserved name": "is a name the installer writes itself"}[what]
+    for r in (inspect, inst):
+        assert r.returncode == 65 and "Traceback" not in r.stderr and words in r.stderr, r.stderr[-800:]
+        assert len(r.stderr) < 1000  # the hostile name is cut in the message
+    assert tree(dev["ota"]) == before
+
+
+def test_a_file_that_fails_its_hash_is_65_in_inspect_and_install(dev) -> None:
+    data = os.urandom(512)
+    bad = forge(dev, dev["dir"] / "bad.edgeb", manifest("2.0.0", [model_entry(data)]),
+                [_member("files/models/m.gguf", data[:-1] + bytes([data[-1] ^ 1]))])
+    inspect, inst = _inspect_and_install(dev, bad)
+    assert inspect.returncode == inst.returncode == 65
+    assert "do not match the manifest" in inspect.stderr and "fails its check" in inst.stderr
+
+
+def test_a_bundle_of_the_current_version_with_tampered_bytes_is_refused(dev) -> None:
+    good = bundle(dev, "1.0.0")
+    install(dev, good)
+    data = dev["model"].read_bytes()
+    raw = open_bundle(good, dev["pub"]).raw_manifest
+    from cryptography.hazmat.primitives import serialization
+
+    sig = serialization.load_pem_private_key(dev["key"].read_bytes(), None).sign(raw)
+    tampered = dev["dir"] / "tampered.edgeb"
+    with tarfile.open(tampered, "w") as tar:  # the same signed manifest, other bytes
+        for name, payload in (("manifest.json", raw), ("manifest.sig", sig),
+                              ("files/models/m.gguf", data[:-1] + bytes([data[-1] ^ 1]))):
+            tar.addfile(*_member(name, payload)[:1], io.BytesIO(payload))
+    r = edge_ota(dev, "install", str(tampered), "--pubkey", str(dev["pub"]), "--no-activate")
+    assert r.returncode == 65 and "fail their check" in r.stderr and "1.0.0 is installed and stays" in r.stderr
+    r = edge_ota(dev, "install", str(good), "--pubkey", str(dev["pub"]), "--no-activate")
+    assert r.returncode == 0 and json.loads(r.stdout)["result"] == "already-current"
+    assert "match its signed manifest" in json.loads(r.stdout)["verified"]
 
 
 # -- references -------------------------------------------------------------------------------
@@ -303,6 +365,8 @@ def _consistent(ota: Ota, expect: set[str]) -> str:
     for f in json.loads((cur / "manifest.json").read_text())["files"]:
         assert sha256_file(cur / f["path"]) == f["sha256"]
     assert (cur / "edge.toml").is_file()
+    used = {f["sha256"] for d in ota.versions.iterdir() for f in json.loads((d / "manifest.json").read_text())["files"]}
+    assert {p.name for p in ota.store.objects.iterdir()} == used  # no object lost, none left over
     return st["current"]
 
 
@@ -317,7 +381,7 @@ def test_kill_at_every_fs_operation_converges(dev, ok) -> None:
     shutil.copytree(template, work, symlinks=True)
     assert _forked_install(work, new, dev["pub"], ok, {"EDGE_OTA_FS_LOG": str(log)}) == 0
     ops = log.read_text().splitlines()
-    assert len(ops) > 20 and any(" rename " in o and "state.json" in o for o in ops)
+    assert len(ops) > 20 and any(" exchange " in o and "state.json" in o for o in ops)
     final = "2.0.0" if ok else "1.0.0"
     outcomes = set()
     for n in range(1, len(ops) + 1):

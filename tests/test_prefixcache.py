@@ -145,3 +145,19 @@ def test_warm_up_requests_leave_the_cache_as_they_found_it(model: GGUFModel) -> 
     run(model, PREFIX + "the a")
     run(model, "a the a the " * 8, remember=False)
     assert model.cache.stats.saves == 0 and model.cache.stats.hits + model.cache.stats.misses == 1
+
+
+def test_the_model_key_is_the_file_not_the_path(tmp_path: Path, tiny_gguf: Path) -> None:
+    """OTA versions hard-link one model file under their own paths: still the same model."""
+    import os
+
+    from edge.loadset import model_key
+
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    os.link(tiny_gguf, a)
+    os.link(tiny_gguf, b)
+    c.write_bytes(tiny_gguf.read_bytes())  # the same bytes, another file: another model
+    key = model_key(ModelConfig(name="m", path=str(a)))
+    assert key == model_key(ModelConfig(name="m", path=str(b)))
+    assert key != model_key(ModelConfig(name="m", path=str(c)))
+    assert key != model_key(ModelConfig(name="m", path=str(b), n_ctx=1024))  # other settings

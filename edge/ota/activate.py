@@ -15,10 +15,10 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["Activator", "ServiceWatch", "ReloadActivator", "RestartActivator", "SystemdWatch", "PidWatch",
-           "command_activator", "systemd_activator"]
+           "command_activator", "systemd_activator", "unit_state_dirs"]
 
 
 class Activator(Protocol):
@@ -138,26 +138,74 @@ def systemd_activator(unit: str, health_url: str, timeout: float) -> RestartActi
     return RestartActivator(f"systemctl restart {unit}", health_url, timeout, SystemdWatch(unit))
 
 
+def _answers(path: Path) -> bool:
+    """A service listens on this control socket (a connection is accepted)."""
+    import socket
+    import stat
+
+    try:
+        if not stat.S_ISSOCK(path.stat().st_mode):
+            return False
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(str(path))
+        return True
+    except OSError:
+        return False
+
+
+def unit_state_dirs(unit: str) -> list[Path]:
+    """The state directories systemd gives `unit` (StateDirectory=), where it can say."""
+    try:
+        r = subprocess.run(["systemctl", "show", unit, "-p", "StateDirectory", "--value"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [Path("/var/lib") / name for name in r.stdout.split()] if r.returncode == 0 else []
+
+
 @dataclass
 class ReloadActivator:
     """Activation by `edge reload`: the running service loads `config` (the OTA `current` link's
     edge.toml, which now names the new version) beside what it serves, warms it over its real
     HTTP path, and switches only then. Healthy = the switch happened; otherwise the old version
     never stopped serving, and the service's own error is the reason. A rollback is the same
-    call after the links went back."""
+    call after the links went back.
+
+    The service's control socket is in *its* state directory, which the serving config (or its
+    unit) decides, not the installer's: `candidates` are (socket, where that guess comes from),
+    and `check()` picks the one a service answers on before anything is switched."""
 
     config: Path
-    control: Path  # the service's control socket (<state_dir>/control.sock)
+    candidates: list[tuple[Path, str]]
     timeout: float
+    control: Path | None = None
+    report: dict[str, Any] | None = None  # the last reload's report: kept, loaded, mode
+
+    def check(self) -> None:
+        if self.control is not None:
+            return
+        for path, _ in self.candidates:
+            if _answers(path):
+                self.control = path
+                return
+        from edge.ota.errors import ServiceUnreachable
+
+        looked = "; ".join(f"{p} ({why})" for p, why in self.candidates)
+        raise ServiceUnreachable(f"reload activation: no running edge service answers on a control socket; "
+                                 f"looked at {looked}. Nothing was switched: start the service, or pass "
+                                 "--control <its state_dir>/control.sock")
 
     def activate(self) -> tuple[bool, str]:
         from edge.errors import EdgeError
         from edge.control import request_reload
 
         try:
-            answer = request_reload(self.control, str(self.config.resolve()), self.timeout)
+            self.check()
+            answer = request_reload(self.control, str(self.config.resolve()), self.timeout)  # type: ignore[arg-type]
         except EdgeError as exc:
             return False, f"reload: {exc}"
+        self.report = answer.get("report")
         if answer.get("ok"):
             return True, ""
         return False, f"reload refused the version (exit {answer.get('exit_code')}): {answer.get('error')}"

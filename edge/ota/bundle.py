@@ -1,12 +1,13 @@
 """The bundle format (.edgeb): an uncompressed tar whose first two members are manifest.json
 and manifest.sig (Ed25519 over the manifest's exact bytes), then files/<path> for every file
-the manifest lists with its sha256 and size. Reading verifies the signature before any file is
-touched; each file is hashed while it is extracted.
+the manifest lists with its sha256 and size and carries (a thin bundle lists every file of the
+version but carries only those its base lacks: the signature covers the full list). Reading
+verifies the signature before any file is touched; each file is hashed while it is extracted.
+What a valid manifest is: edge.ota.manifest.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -18,21 +19,13 @@ from typing import Any
 
 from edge.fsutil import sha256_file
 from edge.ota.errors import BundleError
+from edge.ota.manifest import FORMAT_FULL, FORMAT_THIN, FileEntry, check_files, content_digest
 from edge.ota.version import Version, parse_version
 
-__all__ = ["BundleError", "Bundle", "FileEntry", "build_bundle", "content_digest", "keygen", "open_bundle"]
+__all__ = ["BundleError", "Bundle", "FileEntry", "build_bundle", "content_digest", "keygen", "open_bundle",
+           "signature_ok"]
 
-FORMAT = 1
 MAX_MANIFEST = 16 << 20  # a manifest lists files; more than this is not a manifest
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    path: str  # relative, under files/ in the tar and under the version dir once installed
-    sha256: str
-    size: int
-    kind: str  # model | engine | recipe | other
-    key: dict[str, Any] | None = None  # engines: the EngineKey they are for
 
 
 def _crypto() -> Any:
@@ -74,21 +67,40 @@ def _load_public(path: Path) -> Any:
         raise BundleError(f"{path}: not a usable Ed25519 public key ({exc})") from None
 
 
+def signature_ok(pubkey: Path, sig: bytes, raw: bytes) -> bool:
+    """Does `sig` (Ed25519) verify `raw` with the public key in `pubkey`?"""
+    from cryptography.exceptions import InvalidSignature
+
+    try:
+        _load_public(pubkey).verify(sig, raw)
+    except InvalidSignature:
+        return False
+    return True
+
+
 def build_bundle(out: Path, *, version: str, files: list[tuple[Path, str, str, dict[str, Any] | None]],
-                 config: str, key: Path, min_edge_version: str = "0.1.0") -> dict[str, Any]:
-    """files: (source, path in bundle, kind, engine key or None). Written atomically to `out`."""
+                 config: str, key: Path, min_edge_version: str = "0.1.0",
+                 base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """files: (source, path in bundle, kind, engine key or None). With `base` (an earlier
+    bundle's manifest) the bundle is thin: it lists every file but carries only those whose
+    content the base does not have. Written atomically to `out`."""
     from edge.config import parse_config
 
     parse_config(config, source="bundle config fragment")  # a bundle never ships a config that fails
     parse_version(version, "--version")
     parse_version(min_edge_version, "min_edge_version")
-    entries = [FileEntry(rel, sha256_file(src), src.stat().st_size, kind, k) for src, rel, kind, k in files]
-    for e in entries:
-        if e.path.startswith("/") or ".." in Path(e.path).parts:
-            raise BundleError(f"bundle path {e.path!r} must be relative and stay inside the bundle")
-    manifest = {"format": FORMAT, "bundle_version": version, "min_edge_version": min_edge_version,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "files": [e.__dict__ for e in entries], "config": config}
+    have = {(f["sha256"], f["size"]) for f in base["files"]} if base else set()
+    entries = []
+    for src, rel, kind, k in files:
+        digest, size = sha256_file(src), src.stat().st_size
+        entries.append(FileEntry(rel, digest, size, kind, k, carried=(digest, size) not in have))
+    manifest: dict[str, Any] = {
+        "format": FORMAT_THIN if base else FORMAT_FULL, "bundle_version": version,
+        "min_edge_version": min_edge_version, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "files": [e.as_dict() for e in entries], "config": config}
+    if base:
+        manifest["base"] = {"bundle_version": base["bundle_version"], "content_digest": content_digest(base)}
+    check_files("bundle", manifest)  # the same path rules the device applies
     raw = json.dumps(manifest, indent=2, sort_keys=True).encode()
     sig = _load_private(key).sign(raw)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
@@ -98,6 +110,8 @@ def build_bundle(out: Path, *, version: str, files: list[tuple[Path, str, str, d
             info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
             tar.addfile(info, io.BytesIO(data))
         for (src, rel, _, _), e in zip(files, entries):
+            if not e.carried:
+                continue
             info = tar.gettarinfo(str(src), arcname=f"files/{rel}")
             info.uid = info.gid = 0
             info.uname = info.gname = ""
@@ -113,6 +127,7 @@ class Bundle:
     manifest: dict[str, Any]
     raw_manifest: bytes
     signed_by: str | None  # the public key file that verified it; None when --insecure
+    signature: bytes = b""  # manifest.sig: kept beside the installed manifest for `edge ota verify`
 
     @property
     def version(self) -> str:
@@ -136,10 +151,10 @@ class Bundle:
     def files(self) -> list[FileEntry]:
         return [FileEntry(**f) for f in self.manifest["files"]]
 
-
-def content_digest(manifest: dict[str, Any]) -> str:
-    body = {k: manifest.get(k) for k in ("files", "config", "min_edge_version")}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    @property
+    def base(self) -> dict[str, Any] | None:
+        """A thin bundle's base: {bundle_version, content_digest}; None for a full bundle."""
+        return self.manifest.get("base")
 
 
 def open_bundle(path: Path, pubkey: Path | None, *, insecure: bool = False) -> Bundle:
@@ -168,13 +183,9 @@ def open_bundle(path: Path, pubkey: Path | None, *, insecure: bool = False) -> B
             raise BundleError(f"{path}: truncated bundle inside manifest.json/manifest.sig")
     signed_by = None
     if pubkey is not None:
-        from cryptography.exceptions import InvalidSignature
-
-        try:
-            _load_public(pubkey).verify(sig, raw)
-        except InvalidSignature:
+        if not signature_ok(pubkey, sig, raw):
             raise BundleError(f"{path}: signature does not verify with {pubkey}: the bundle was "
-                              "tampered with or signed by another key") from None
+                              "tampered with or signed by another key")
         signed_by = str(pubkey)
     elif not insecure:
         raise BundleError(f"{path}: refusing an unverified bundle: pass --pubkey (or --insecure)")
@@ -182,27 +193,18 @@ def open_bundle(path: Path, pubkey: Path | None, *, insecure: bool = False) -> B
         manifest = json.loads(raw)
     except ValueError as exc:
         raise BundleError(f"{path}: manifest.json is not JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{path}: manifest.json is not a JSON object")
     for field in ("format", "bundle_version", "files", "config"):
         if field not in manifest:
             raise BundleError(f"{path}: manifest.json lacks {field!r}")
-    if manifest["format"] != FORMAT:
-        raise BundleError(f"{path}: bundle format {manifest['format']}, this edge reads format {FORMAT}")
+    if not isinstance(manifest["config"], str):
+        raise BundleError(f"{path}: manifest config must be the config's TOML text")
+    if manifest["format"] not in (FORMAT_FULL, FORMAT_THIN):
+        raise BundleError(f"{path}: bundle format {manifest['format']}, this edge reads formats "
+                          f"{FORMAT_FULL} (full) and {FORMAT_THIN} (thin)")
     parse_version(manifest["bundle_version"], f"{path}: bundle_version")
     parse_version(manifest.get("min_edge_version", "0.0.0"), f"{path}: min_edge_version")
-    _check_files(path, manifest["files"])
-    return Bundle(path, manifest, raw, signed_by)
+    check_files(path, manifest)
+    return Bundle(path, manifest, raw, signed_by, sig)
 
-
-def _check_files(path: Path, files: Any) -> None:
-    """Field types of the signed file list: sizes bound extraction, so they must be sane."""
-    if not isinstance(files, list):
-        raise BundleError(f"{path}: manifest files must be a list")
-    seen: set[str] = set()
-    for f in files:
-        if not (isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("size"), int)
-                and f["size"] >= 0 and isinstance(f.get("sha256"), str) and isinstance(f.get("kind"), str)):
-            raise BundleError(f"{path}: manifest file entry {f!r}: expected path, sha256, size >= 0, kind")
-        rel = f["path"]
-        if not rel or rel.startswith("/") or ".." in Path(rel).parts or rel in seen:
-            raise BundleError(f"{path}: manifest path {rel!r} is empty, absolute, leaves the bundle or repeats")
-        seen.add(rel)

@@ -1,5 +1,8 @@
-"""What install checks before it writes anything: the bundle's config must only reference files
-the bundle carries (or that are on this device), and an engine for this device's key."""
+"""What is checked before anything is written. `check_bundle`: what depends on the bundle alone
+(the edge version it needs, a config that parses, every relative file it names listed in the
+manifest): `edge ota inspect` and `edge ota install` run the same checks, so a bundle gets one
+verdict and one exit code from both. `check_device`: files it names by absolute path on this
+device, and an engine for this device's key (install only)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Any
 from edge.ota.bundle import Bundle
 from edge.ota.errors import BundleError
 
-__all__ = ["check_references", "check_engines", "check_edge_version"]
+__all__ = ["check_bundle", "check_device", "check_engines", "check_edge_version"]
 
 
 def check_edge_version(bundle: Bundle) -> None:
@@ -23,25 +26,42 @@ def check_edge_version(bundle: Bundle) -> None:
         raise BundleError(f"{bundle.path}: needs edge >= {need}, this is {__version__}")
 
 
-def _missing(path: str, carried: set[str]) -> bool:
-    if os.path.isabs(path):
-        return not Path(path).is_file()  # a device-resident file, outside the bundle
-    return posixpath.normpath(path) not in carried
+def _config(bundle: Bundle) -> Any:
+    from edge.config import parse_config
+    from edge.errors import ConfigError
+
+    try:
+        return parse_config(bundle.manifest["config"], source=f"{bundle.path}: config")
+    except ConfigError as exc:
+        raise BundleError(str(exc)) from None
 
 
-def check_references(bundle: Bundle, device: Any) -> None:
-    """Name every model and recipe the config uses that the bundle does not carry."""
-    from edge.config import BUILTIN_PREFIX, parse_config
+def _refs(cfg: Any) -> list[tuple[str, str]]:
+    """(what, path) for every model and recipe file the config names."""
+    from edge.config import BUILTIN_PREFIX
 
-    cfg = parse_config(bundle.manifest["config"], source=f"{bundle.path}: config")
-    carried = {f.path for f in bundle.files}
-    missing = [f"model {m.name!r}: {m.path}" for m in cfg.models
-               if not m.path.startswith(BUILTIN_PREFIX) and _missing(m.path, carried)]
-    missing += [f"recipe of engine {e.name!r}: {e.recipe}" for e in cfg.engines
-                if e.recipe and _missing(e.recipe, carried)]
+    refs = [(f"model {m.name!r}", m.path) for m in cfg.models if not m.path.startswith(BUILTIN_PREFIX)]
+    return refs + [(f"recipe of engine {e.name!r}", e.recipe) for e in cfg.engines if e.recipe]
+
+
+def check_bundle(bundle: Bundle) -> None:
+    """Name every relative file the config uses that the bundle's manifest does not list."""
+    check_edge_version(bundle)
+    listed = {f.path for f in bundle.files}
+    missing = [f"{what}: {path}" for what, path in _refs(_config(bundle))
+               if not os.path.isabs(path) and posixpath.normpath(path) not in listed]
     if missing:
         raise BundleError(f"{bundle.path}: its config references files the bundle does not carry "
-                          f"(and this device does not have): {'; '.join(missing)}")
+                          f"(nor lists): {'; '.join(missing)}")
+
+
+def check_device(bundle: Bundle, device: Any) -> None:
+    """Files the config names by absolute path must be on this device; engines for its key."""
+    cfg = _config(bundle)
+    missing = [f"{what}: {path}" for what, path in _refs(cfg) if os.path.isabs(path) and not Path(path).is_file()]
+    if missing:
+        raise BundleError(f"{bundle.path}: its config references files outside the bundle that this "
+                          f"device does not have: {'; '.join(missing)}")
     if cfg.engines and device is not None:
         check_engines(bundle, cfg, device)
 

@@ -1,4 +1,4 @@
-"""`edge ota ...`: keygen, build (host), inspect, install, commit, rollback, recover, status (device)."""
+"""`edge ota ...`: keygen, build (host), inspect, install, commit, rollback, recover, status, verify (device)."""
 
 from __future__ import annotations
 
@@ -21,23 +21,43 @@ def _ota(config: Optional[Path], keep: Optional[int] = None):
     from edge.config import find_config, load_config, state_dir
     from edge.ota.install import Ota
 
-    cfg = load_config(find_config(str(config) if config else None))
-    return Ota(state_dir(cfg) / "ota", keep=keep or cfg.ota.keep_versions), cfg
+    path = find_config(str(config) if config else None)
+    cfg = load_config(path)
+    return Ota(state_dir(cfg) / "ota", keep=keep or cfg.ota.keep_versions, config=path), cfg
+
+
+def _controls(cfg: Any, unit: Optional[str]) -> list[tuple[Path, str]]:
+    """Where the running service's control socket may be: from the config it serves (the OTA
+    `current` link's), from its unit's StateDirectory=, from this config; in that order."""
+    from edge.config import load_config, state_dir
+    from edge.errors import EdgeError
+    from edge.ota.activate import unit_state_dirs
+    from edge.control import CONTROL_NAME, control_path
+
+    found: list[tuple[Path, str]] = []
+    serving = state_dir(cfg) / "ota" / "current" / "edge.toml"
+    try:
+        found.append((control_path(load_config(serving)), f"the state_dir of the served {serving}"))
+    except EdgeError:
+        pass  # no version or factory config is linked yet
+    u = unit or cfg.ota.unit
+    found += [(d / CONTROL_NAME, f"StateDirectory= of {u}") for d in unit_state_dirs(u)]
+    found.append((control_path(cfg), "the state_dir of the installer's config"))
+    return [(p, why) for i, (p, why) in enumerate(found) if p not in [q for q, _ in found[:i]]]
 
 
 def _activator(cfg: Any, restart_cmd: Optional[str], unit: Optional[str], health_url: Optional[str],
                timeout: Optional[float], pid_file: Optional[Path] = None, log_file: Optional[Path] = None,
-               reload: bool = False):
+               reload: bool = False, control: Optional[Path] = None):
     """Flags first, then the config's [ota] table."""
     from edge.ota.activate import ReloadActivator, command_activator, systemd_activator
 
     o = cfg.ota
-    if reload or (o.activation == "reload" and not restart_cmd):
+    if reload or control or (o.activation == "reload" and not restart_cmd):
         from edge.config import state_dir
-        from edge.control import control_path
 
-        return ReloadActivator(state_dir(cfg) / "ota" / "current" / "edge.toml", control_path(cfg),
-                               timeout or o.timeout_s)
+        where = [(control, "--control")] if control else _controls(cfg, unit)
+        return ReloadActivator(state_dir(cfg) / "ota" / "current" / "edge.toml", where, timeout or o.timeout_s)
     url = health_url or o.health_url or f"http://{cfg.server.host}:{cfg.server.port}/readyz"
     cmd, wait = restart_cmd or o.restart_cmd, timeout or o.timeout_s
     if cmd:
@@ -51,6 +71,8 @@ ReloadOpt = typer.Option(False, "--reload", help="activate by a zero-gap reload 
                          "service instead of a restart ([ota] activation = \"reload\")")
 LogFileOpt = typer.Option(None, "--log-file", help="with --pid-file: the service's output (its last "
                           "lines become the rollback reason)")
+ControlOpt = typer.Option(None, "--control", help="with --reload: the running service's control socket "
+                          "(default: found from the served config, the unit, this config)")
 
 
 def _echo(result: Any) -> None:
@@ -75,11 +97,14 @@ def build(version: str = typer.Option(..., "--version"), key: Path = typer.Optio
           model: list[Path] = typer.Option([], "--model", help="GGUF file -> models/<name> (repeatable)"),
           engines: Optional[Path] = typer.Option(None, "--engines", help="an engine store -> engines/"),
           recipe: list[Path] = typer.Option([], "--recipe", help="recipe + its ONNX -> recipes/ (repeatable)"),
+          base: Optional[Path] = typer.Option(None, "--base", help="an earlier bundle (or its manifest.json): "
+                                              "a thin bundle that carries only the files it lacks"),
           out: Path = typer.Option(..., "-o", "--out")) -> None:
-    """Build a signed bundle (on the host)."""
+    """Build a signed bundle (on the host); thin with --base."""
     from edge.engines.recipe import load_recipe
     from edge.engines.store import EngineStore
     from edge.ota.bundle import build_bundle
+    from edge.ota.manifest import read_base
 
     files: list[tuple[Path, str, str, Any]] = [(m, f"models/{m.name}", "model", None) for m in model]
     if engines:
@@ -95,29 +120,50 @@ def build(version: str = typer.Option(..., "--version"), key: Path = typer.Optio
     for src, _, _, _ in files:
         if not src.is_file():
             raise EdgeError(f"{src}: no such file to put in the bundle")
-    manifest = build_bundle(out, version=version, files=files, config=config.read_text(), key=key)
-    typer.echo(f"wrote {out}: version {version}, {len(manifest['files'])} files")
+    manifest = build_bundle(out, version=version, files=files, config=config.read_text(), key=key,
+                            base=read_base(base) if base else None)
+    carried = [f for f in manifest["files"] if f.get("carried", True)]
+    thin = f", thin on {manifest['base']['bundle_version']}: carries {len(carried)}" if base else ""
+    typer.echo(f"wrote {out}: version {version}, {len(manifest['files'])} files{thin}, "
+               f"{out.stat().st_size} bytes")
+
+
+FIELDS = {"version": lambda b: b.version, "content_digest": lambda b: b.content_digest,
+          "base_version": lambda b: (b.base or {}).get("bundle_version", ""),
+          "base_digest": lambda b: (b.base or {}).get("content_digest", "")}
 
 
 @ota_app.command()
-def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey")) -> None:
-    """Print a bundle's manifest and verify its signature (and every file's checksum, streaming)."""
+def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey"),
+            field: Optional[str] = typer.Option(None, "--field", help="print one manifest field and stop: "
+                                                + ", ".join(FIELDS))) -> None:
+    """Print a bundle's manifest and verify its signature and every file's checksum, streaming:
+    the checks install makes that do not depend on the device, with install's verdict."""
     from edge.ota.bundle import open_bundle
+    from edge.ota.checks import check_bundle
+    from edge.ota.errors import BundleError
     from edge.ota.extract import scan
 
     b = open_bundle(bundle, pubkey, insecure=pubkey is None)
-    typer.echo(f"bundle {bundle}: version {b.version}, created {b.manifest.get('created')}, "
+    if field is not None:
+        if field not in FIELDS:
+            raise EdgeError(f"--field {field!r}: expected one of {', '.join(FIELDS)}")
+        return typer.echo(FIELDS[field](b))
+    thin = f", thin on {b.base['bundle_version']} (content {b.base['content_digest'][:16]}…)" if b.base else ""
+    typer.echo(f"bundle {bundle}: version {b.version}{thin}, created {b.manifest.get('created')}, "
                f"needs edge >= {b.manifest.get('min_edge_version')}, "
                f"signature {'verified with ' + str(pubkey) if pubkey else 'NOT checked (no --pubkey)'}")
+    check_bundle(b)
     bad = 0
     for f, problem in scan(b):
         bad += problem is not None
         key = f" for {f.key['target']}" if f.key else ""
-        typer.echo(f"  {'ok ' if problem is None else 'BAD'} {f.kind:<7} {f.size:>12}  {f.path}{key}"
-                   + (f"  ({problem})" if problem else ""))
+        state = "ok " if problem is None else "BAD"
+        state = "dev" if not f.carried else state  # a thin bundle's file the device must have
+        typer.echo(f"  {state} {f.kind:<7} {f.size:>12}  {f.path}{key}" + (f"  ({problem})" if problem else ""))
     typer.echo("config:\n" + "\n".join("  " + line for line in b.manifest["config"].splitlines()))
     if bad:
-        raise EdgeError(f"{bad} file(s) in {bundle} do not match the manifest")
+        raise BundleError(f"{bad} file(s) in {bundle} do not match the manifest")
 
 
 @ota_app.command()
@@ -133,6 +179,7 @@ def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[P
             allow_downgrade: bool = typer.Option(False, "--allow-downgrade", help="install a version older "
                                                  "than the highest this device committed"),
             pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt, reload: bool = ReloadOpt,
+            control: Optional[Path] = ControlOpt,
             keep: Optional[int] = typer.Option(None, "--keep", min=2, help="versions kept on disk")) -> None:
     """Verify, check policy, stage, switch, restart, health-check; commit, or roll back on failure."""
     from edge.device import detect
@@ -145,7 +192,7 @@ def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[P
                         "([ota] pubkey in the config), pass --pubkey, or --insecure")
     b = open_bundle(bundle, None if insecure else key, insecure=insecure)
     act = None if no_activate else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file,
-                                              reload)
+                                              reload, control)
     result = ota.install(b, act, device=detect(), allow_downgrade=allow_downgrade, commit=not no_commit)
     _echo(result)
     if result["result"] == "rolled back":
@@ -157,11 +204,12 @@ def rollback(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = ty
              unit: Optional[str] = typer.Option(None, "--unit"), health_url: Optional[str] = typer.Option(None, "--health-url"),
              timeout: Optional[float] = typer.Option(None, "--timeout"),
              pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt,
+             reload: bool = ReloadOpt, control: Optional[Path] = ControlOpt,
              no_activate: bool = typer.Option(False, "--no-activate")) -> None:
-    """Undo a pending install, or switch back to the previous version; restart."""
+    """Undo a pending install, or switch back to the previous version; restart (or reload)."""
     ota, cfg = _ota(config)
     _echo(ota.rollback(None if no_activate else _activator(cfg, restart_cmd, unit, health_url, timeout,
-                                                           pid_file, log_file)))
+                                                           pid_file, log_file, reload, control)))
 
 
 @ota_app.command()
@@ -175,13 +223,18 @@ def recover(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typ
             unit: Optional[str] = typer.Option(None, "--unit"), health_url: Optional[str] = typer.Option(None, "--health-url"),
             timeout: Optional[float] = typer.Option(None, "--timeout"),
             pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt,
+            reload: bool = ReloadOpt, control: Optional[Path] = ControlOpt,
             boot: bool = typer.Option(False, "--boot", "--no-activate",
                                       help="at boot, before the service starts: no restart")) -> None:
     """Converge what a killed command or a power cut left: an uncommitted version is rolled back,
-    links are made to agree with state.json, leftovers are deleted, old versions pruned."""
+    links are made to agree with state.json (rebuilt if it is damaged), leftovers are deleted,
+    old versions pruned. Needs no free space."""
     ota, cfg = _ota(config)
-    act = None if boot else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file)
-    _echo(ota.recover(act) or {"result": "nothing pending", "version": ota.state()["current"]})
+    act = None if boot else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file,
+                                       reload, control)
+    rebuilt = ota.state().get("rebuilt")  # read-only: said here, written by recover
+    result = ota.recover(act) or {"result": "nothing pending", "version": ota.state()["current"]}
+    _echo({**result, **({"rebuilt": rebuilt} if rebuilt else {})})
 
 
 @ota_app.command()
@@ -196,3 +249,18 @@ def status(config: Optional[Path] = ConfigOpt,
         raise EdgeError(f"--field {field!r}: expected current, previous, pending or highest")
     value = st[field]["version"] if field == "pending" and st[field] else st[field]
     typer.echo(value or "")
+
+
+@ota_app.command()
+def verify(config: Optional[Path] = ConfigOpt, pubkey: Optional[Path] = PubOpt) -> None:
+    """Hash every file of every installed version again and compare it with the version's signed
+    manifest (flash bit-rot). Exit 0 when all match, 65 naming every file that does not."""
+    from edge.ota.errors import BundleError
+
+    ota, cfg = _ota(config)
+    key = pubkey or Path(cfg.ota.pubkey)
+    report = ota.verify(key if key.is_file() else None)
+    _echo(report)
+    if report["problems"]:
+        raise BundleError(f"{len(report['problems'])} installed file(s) do not match their signed manifest: "
+                          + "; ".join(report["problems"]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from edge.errors import EdgeError
 
-__all__ = ["BundleError", "VersionError", "PolicyError"]
+__all__ = ["BundleError", "VersionError", "PolicyError", "OtaStateError", "ServiceUnreachable"]
 
 
 class BundleError(EdgeError):
@@ -19,3 +19,15 @@ class VersionError(BundleError):
 
 class PolicyError(BundleError):
     """A validly signed bundle the update policy refuses: downgrade, replay, changed content."""
+
+
+class OtaStateError(EdgeError):
+    """The device's OTA state cannot be written: a full file system before its slots existed."""
+
+    exit_code = 75  # EX_TEMPFAIL: it works again once space is freed
+
+
+class ServiceUnreachable(EdgeError):
+    """A reload activation has no running service to ask: refused before anything is switched."""
+
+    exit_code = 69  # EX_UNAVAILABLE

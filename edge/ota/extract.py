@@ -1,33 +1,54 @@
-"""Bounded extraction: never more bytes than the signed manifest declares, per member and in
-total; free space is checked before the first byte is written. `scan` hashes members streaming
-(for `edge ota inspect`) without holding a member in memory.
+"""Bounded extraction into the content store: never more bytes than the signed manifest
+declares, per member and in total; free space (bytes and inodes) is checked before the first
+byte is written, counting only content the store does not have. A member whose content the
+store has is hashed as it streams by and written nowhere. `scan` hashes members streaming (for
+`edge ota inspect` and an already-current install) without holding a member in memory.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
-import shutil
+import os
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-from edge.ota.bundle import Bundle, FileEntry
+from edge.ota.bundle import Bundle
 from edge.ota.errors import BundleError
 from edge.ota.fsops import Fs
+from edge.ota.manifest import FileEntry, shown
+from edge.ota.store import Store
 
 __all__ = ["check_free_space", "extract_files", "scan", "HEADROOM"]
 
 CHUNK = 1 << 20
 HEADROOM = 1 << 20  # edge.toml, manifest.json, markers and directory blocks
+FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-def check_free_space(bundle: Bundle, dest: Path) -> None:
-    need, free = bundle.total_size + HEADROOM, shutil.disk_usage(dest).free
+def _needs(bundle: Bundle, store: Store, versions: Path) -> tuple[int, int]:
+    """(bytes, inodes) the install writes: new objects, and copies where links are impossible."""
+    new = {(f.sha256, f.size) for f in bundle.files if f.carried and not store.has(f.sha256, f.size)}
+    size = sum(s for _, s in new)
+    if store.objects.is_dir() and os.stat(store.objects).st_dev != os.stat(versions).st_dev:
+        size += bundle.total_size  # another file system: every file of the version is a copy
+    dirs = {str(Path(f.path).parent) for f in bundle.files}
+    # a hard link costs a dentry that tmpfs counts as an inode: one per file, not per object
+    return size + HEADROOM, len(new) + len(bundle.files) + len(dirs) + 8
+
+
+def check_free_space(bundle: Bundle, store: Store, versions: Path) -> None:
+    need, inodes = _needs(bundle, store, versions)
+    vfs = os.statvfs(versions)
+    free = vfs.f_bavail * vfs.f_frsize
     if need > free:
-        raise BundleError(f"{bundle.path}: needs {need} bytes on {dest}, only {free} free; "
+        raise BundleError(f"{bundle.path}: needs {need} bytes on {versions}, only {free} free; "
                           "nothing was written (free space, or lower [ota] keep_versions)")
+    if vfs.f_files and inodes > vfs.f_favail:  # f_files 0: the file system counts no inodes
+        raise BundleError(f"{bundle.path}: needs {inodes} inodes (files) on {versions}, only "
+                          f"{vfs.f_favail} free; nothing was written (free some files)")
 
 
 def _member_kind(m: tarfile.TarInfo) -> str:
@@ -44,15 +65,15 @@ def _member_kind(m: tarfile.TarInfo) -> str:
 
 def _checked_member(tar_name: str, m: tarfile.TarInfo, wanted: dict[str, FileEntry],
                     seen: set[str]) -> FileEntry:
-    """Refuse anything but a plain file the manifest lists, once, with the size it declares."""
+    """Refuse anything but a plain file the manifest lists as carried, once, with its size."""
     if not m.isfile() or m.issparse():
-        raise BundleError(f"{tar_name}: refusing {_member_kind(m)} entry {m.name!r}")
+        raise BundleError(f"{tar_name}: refusing {_member_kind(m)} entry {shown(m.name)}")
     rel = m.name[len("files/"):] if m.name.startswith("files/") else None
-    if rel is None or rel.startswith("/") or ".." in Path(rel).parts or rel not in wanted:
-        raise BundleError(f"{tar_name}: refusing entry {m.name!r}: not a file the signed "
-                          "manifest lists (path traversal or injected file)")
+    if rel is None or rel not in wanted:
+        raise BundleError(f"{tar_name}: refusing entry {shown(m.name)}: not a file the signed "
+                          "manifest lists as carried (path traversal or injected file)")
     if rel in seen:
-        raise BundleError(f"{tar_name}: refusing entry {m.name!r}: it appears twice")
+        raise BundleError(f"{tar_name}: refusing entry {shown(m.name)}: it appears twice")
     entry = wanted[rel]
     if m.size != entry.size:
         raise BundleError(f"{tar_name}: {rel} fails its check: manifest says {entry.size} bytes, "
@@ -76,47 +97,65 @@ def _copy_bounded(src: IO[bytes], out: IO[bytes] | None, limit: int, fs: Fs | No
     return size, h.hexdigest()
 
 
-def _extract_one(tar: tarfile.TarFile, m: tarfile.TarInfo, entry: FileEntry, dest: Path, fs: Fs) -> None:
-    rel, target = entry.path, dest / entry.path
-    fs.mkdir(target.parent)
-    try:
-        with tar.extractfile(m) as src, fs.create(target) as out:  # type: ignore[union-attr]
-            size, digest = _copy_bounded(src, out, entry.size, fs)
-            fs.fsync(out)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise BundleError(f"disk full while extracting {rel} ({entry.size} bytes, "
-                              f"{shutil.disk_usage(dest).free} free on {dest.parent}); "
-                              "the installed version is untouched") from None
-        raise BundleError(f"{tar.name}: truncated or unreadable bundle at {rel}: {exc}") from None
-    except (tarfile.TarError, EOFError) as exc:
-        raise BundleError(f"{tar.name}: truncated bundle at {rel}: {exc}") from None
+def _check(tar_name: str, entry: FileEntry, size: int, digest: str) -> None:
     if size != entry.size or digest != entry.sha256:
-        raise BundleError(f"{tar.name}: {rel} fails its check: manifest says {entry.size} bytes, "
+        raise BundleError(f"{tar_name}: {entry.path} fails its check: manifest says {entry.size} bytes, "
                           f"sha256 {entry.sha256[:16]}…; bundle has {size} bytes, sha256 {digest[:16]}…")
 
 
-def extract_files(bundle: Bundle, dest: Path, fs: Fs) -> None:
-    wanted = {f.path: f for f in bundle.files}
+def _extract_one(tar: tarfile.TarFile, m: tarfile.TarInfo, entry: FileEntry, store: Store) -> bool:
+    """The member's content into the store (True), or only hashed when the store has it (False)."""
+    known = store.has(entry.sha256, entry.size)
+    try:
+        with tar.extractfile(m) as src:  # type: ignore[union-attr]
+            size, digest = (_copy_bounded(src, None, entry.size, None) if known
+                            else store.add(src, entry, _copy_bounded))
+    except (tarfile.TarError, EOFError) as exc:
+        raise BundleError(f"{tar.name}: truncated bundle at {entry.path}: {exc}") from None
+    except OSError as exc:
+        if exc.errno in FULL:
+            raise
+        raise BundleError(f"{tar.name}: truncated or unreadable bundle at {entry.path}: {exc}") from None
+    _check(str(tar.name), entry, size, digest)
+    return not known
+
+
+def extract_files(bundle: Bundle, dest: Path, store: Store, fs: Fs) -> dict[str, Any]:
+    """Every file of the version at dest/<path>: carried ones from the bundle through the store,
+    the others (thin) from the store or an installed version. What was written and reused."""
+    wanted = {f.path: f for f in bundle.files if f.carried}
     seen: set[str] = set()
+    done: dict[str, Any] = {"written_bytes": 0, "reused_bytes": 0, "copied": []}
     try:
         with tarfile.open(bundle.path, "r:") as tar:
             for i, member in enumerate(tar):
                 if i < 2:
                     continue  # manifest.json, manifest.sig: already verified
                 entry = _checked_member(str(bundle.path), member, wanted, seen)
-                _extract_one(tar, member, entry, dest, fs)
+                written = _extract_one(tar, member, entry, store)
+                done["written_bytes" if written else "reused_bytes"] += entry.size
+                _placed(done, entry, store.place(store.object(entry.sha256), dest / entry.path))
                 seen.add(entry.path)
     except (tarfile.TarError, EOFError) as exc:
         raise BundleError(f"{bundle.path}: truncated or corrupt bundle: {exc}") from None
     missing = sorted(set(wanted) - seen)
     if missing:
         raise BundleError(f"{bundle.path}: truncated bundle: missing {missing[:3]}")
+    for entry in (f for f in bundle.files if not f.carried):
+        done["reused_bytes"] += entry.size
+        _placed(done, entry, store.place(store.source(entry), dest / entry.path))
+    return done
+
+
+def _placed(done: dict[str, Any], entry: FileEntry, copied_because: str | None) -> None:
+    if copied_because is not None:
+        done["copied"].append(f"{entry.path} ({copied_because})")
 
 
 def scan(bundle: Bundle) -> Iterator[tuple[FileEntry, str | None]]:
-    """(entry, problem or None) for every manifest file, hashing each member as it streams by."""
-    wanted = {f.path: f for f in bundle.files}
+    """(entry, problem or None) for every manifest file, hashing each member as it streams by
+    (a thin bundle's files that it does not carry have no problem here: the device has them)."""
+    wanted = {f.path: f for f in bundle.files if f.carried}
     problems: dict[str, str | None] = {}
     seen: set[str] = set()
     try:
@@ -133,4 +172,7 @@ def scan(bundle: Bundle) -> Iterator[tuple[FileEntry, str | None]]:
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise BundleError(f"{bundle.path}: truncated or corrupt bundle: {exc}") from None
     for f in bundle.files:
-        yield f, problems[f.path] if f.path in problems else "missing from the bundle"
+        if not f.carried:
+            yield f, None
+        else:
+            yield f, problems[f.path] if f.path in problems else "missing from the bundle"

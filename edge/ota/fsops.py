@@ -2,16 +2,47 @@
 kill the process at the N-th one (kill -9 at every point, not only at named steps):
   EDGE_OTA_FS_LOG=<file>    append "N op path" for each operation (count them once)
   EDGE_OTA_KILL_AT_OP=<N>   os._exit(137) just before operation N (what kill -9 leaves behind)
+
+The writes that must succeed on a full file system (state, markers, link switches) use only
+operations that allocate nothing: an overwrite in place of a file's existing bytes, and
+renameat2(RENAME_EXCHANGE), which swaps two names atomically (as OSTree swaps its boot loader
+directories); `rename_exchange` raises OSError(EINVAL) where the file system cannot.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import platform
 import shutil
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["Fs"]
+__all__ = ["Fs", "rename_exchange", "EXCHANGE_UNSUPPORTED"]
+
+AT_FDCWD = -100
+RENAME_EXCHANGE = 2
+# glibc before 2.28 (Ubuntu 18.04, JetPack 4) has no renameat2(): the raw system call instead
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "armv7l": 382, "armv8l": 382, "riscv64": 276, "ppc64le": 357}
+EXCHANGE_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+def rename_exchange(a: Path | str, b: Path | str) -> None:
+    """Swap the names `a` and `b` (both must exist) in one atomic step."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    args = (ctypes.c_int(AT_FDCWD), os.fsencode(a), ctypes.c_int(AT_FDCWD), os.fsencode(b),
+            ctypes.c_uint(RENAME_EXCHANGE))
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        rc = fn(*args)
+    elif platform.machine() in _SYS_RENAMEAT2:
+        rc = libc.syscall(ctypes.c_long(_SYS_RENAMEAT2[platform.machine()]), *args)
+    else:
+        raise OSError(errno.ENOSYS, f"renameat2 is not known on {platform.machine()}", str(a))
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 class Fs:
@@ -32,9 +63,9 @@ class Fs:
         self.op("mkdir", path)
         path.mkdir(parents=True, exist_ok=True)
 
-    def create(self, path: Path) -> BinaryIO:
+    def create(self, path: Path, mode: int = 0o644) -> BinaryIO:
         self.op("create", path)
-        return open(path, "wb")
+        return open(path, "wb", opener=lambda p, flags: os.open(p, flags, mode))
 
     def write(self, f: BinaryIO, data: bytes) -> None:
         self.op("write", f.name)
@@ -64,6 +95,36 @@ class Fs:
         self.write_file(tmp, data)
         self.replace(tmp, path)
         self.fsync_dir(path.parent)
+
+    def overwrite(self, path: Path, data: bytes) -> None:
+        """Write `data` over the first bytes of an existing file and fsync: no new inode, and no
+        new block where the file already has that many bytes (not on copy-on-write file systems)."""
+        self.op("overwrite", path)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], done)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def exchange(self, a: Path, b: Path) -> None:
+        self.op("exchange", f"{a} <-> {b}")
+        rename_exchange(a, b)
+
+    def link(self, src: Path, dst: Path) -> None:
+        """A hard link (of a symlink itself, not its target)."""
+        self.op("link", f"{src} -> {dst}")
+        os.link(src, dst, follow_symlinks=False)
+
+    def copy(self, src: Path, dst: Path) -> None:
+        self.op("copy", f"{src} -> {dst}")
+        with open(src, "rb") as fin, open(dst, "wb") as fout:
+            shutil.copyfileobj(fin, fout, 8 << 20)
+            fout.flush()
+            os.fsync(fout.fileno())
+        shutil.copymode(src, dst)
 
     def replace(self, src: Path, dst: Path) -> None:
         self.op("rename", f"{src} -> {dst}")

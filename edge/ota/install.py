@@ -1,17 +1,21 @@
 """Install a bundle on the device: verify, stage, switch, activate, health-check; commit or roll back.
 
-Layout under <state_dir>/ota: versions/<V>/ (files, edge.toml, manifest.json, .complete),
-`current` and `previous` symlinks, state.json. state.json is the truth; the links are derived
-from it and `recover` makes them agree. The state machine (one durable write per transition,
-each an atomic rename of state.json):
+Layout under <state_dir>/ota: objects/sha256/<hex> (the content store, edge.ota.store),
+versions/<V>/ (hard links into it, edge.toml, manifest.json, manifest.sig, .complete, .link),
+factory/ (edge.ota.factory), the `current` and `previous` symlinks (edge.ota.links), and
+state.json with its spare state.json.prev (edge.ota.statefile). state.json is the truth; the
+links are derived from it and `recover` makes them agree. The state machine (one durable write
+per transition, each an atomic exchange of the two state slots, none allocating):
 
   IDLE      pending = null; current -> state.current, previous -> state.previous.
   (staging) no durable change: versions/.staging-V-PID is garbage until renamed to versions/V
-            with its .complete marker; recover deletes it.
+            with its .complete marker (staged); recover deletes it.
   PENDING   write #1 {pending: {version: V, previous: <state.previous>}}: current -> V,
             previous -> state.current. The new version may now run, but is not committed.
-  commit    write #2 {current: V, previous: old current, pending: null, highest: max}: IDLE.
-  rollback  write #2' {pending: null} (current/previous as before the install): IDLE, links back.
+  commit    write #2 {current: V, previous: old current, pending: null, highest: max}: IDLE;
+            V's marker says committed.
+  rollback  write #2' {pending: null} (current/previous as before the install): IDLE, links
+            back (to the factory state after a first install); V's marker says failed.
 
 recover: deletes staging dirs, temp links and files and every version dir without .complete;
 in PENDING it rolls back (a version that was not committed was never confirmed healthy, so it is
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,16 +34,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from edge.ota import links
 from edge.ota.activate import Activator
-from edge.ota.bundle import Bundle, content_digest
+from edge.ota.bundle import Bundle
 from edge.ota.errors import BundleError, PolicyError, VersionError
 from edge.ota.fsops import Fs
+from edge.ota.manifest import content_digest
+from edge.ota.rebuild import EMPTY, rebuild_state
+from edge.ota.statefile import LEGACY, StateFile, overwrite_marker, read_marker
+from edge.ota.store import Store
 from edge.ota.version import Version, parse_version
 
 __all__ = ["Ota", "LINKS"]
 
-LINKS = ("current", "previous")
+LINKS = links.LINKS
 MAX_DIGESTS = 200  # versions whose content is remembered (same version, new content: refused)
+MAX_REASON = 600  # characters of a history reason (the state file has a fixed size)
 ActivatorLike = Union[Activator, Callable[[], "tuple[bool, str]"], None]
 
 
@@ -65,63 +74,75 @@ class Ota:
     root: Path  # <state_dir>/ota
     keep: int = 3
     fs: Fs = field(default_factory=Fs)
+    config: Path | None = None  # the device config: recorded as the factory state at the first install
 
     @property
     def versions(self) -> Path:
         return self.root / "versions"
 
+    @property
+    def store(self) -> Store:
+        return Store(self.root, self.fs)
+
+    @property
+    def slots(self) -> StateFile:
+        return StateFile(self.root, self.fs)
+
     # -- state ---------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        try:
-            st = json.loads((self.root / "state.json").read_text())
-        except FileNotFoundError:
-            st = {}
-        for k, v in (("current", None), ("previous", None), ("pending", None), ("highest", None),
-                     ("digests", {}), ("history", [])):
-            st.setdefault(k, v)
+        """state.json; rebuilt from the disk (with a `rebuilt` note) when it is damaged, or gone
+        while versions are installed."""
+        st, problem = StateFile.parse(self.root / "state.json")
+        if problem is not None:
+            st, problem = StateFile.parse(self.root / "state.json")  # once more: a write's exchange
+        if problem is None and st is None and self.versions.is_dir() and any(self.versions.iterdir()):
+            problem = "state.json is missing"
+        if problem is not None:
+            st = rebuild_state(self.root, problem)
+        st = st or {}
+        for k, v in EMPTY.items():
+            st.setdefault(k, json.loads(json.dumps(v)))
         return st
 
     def _save(self, st: dict[str, Any]) -> None:
-        self.fs.atomic_write(self.root / "state.json", (json.dumps(st, indent=2) + "\n").encode())
+        note = st.pop("rebuilt", None)
+        if note:
+            self._event(st, st["current"], "state rebuilt", note)
+        self.slots.write(st)
 
     @staticmethod
     def _event(st: dict[str, Any], version: str | None, event: str, reason: str = "") -> None:
+        if len(reason) > MAX_REASON:
+            reason = reason[:MAX_REASON - 1] + "…"
         st["history"] = st["history"][-49:] + [
             {"at": _now(), "version": version, "event": event, **({"reason": reason} if reason else {})}]
 
     def link_target(self, name: str) -> str | None:
-        try:
-            return Path(os.readlink(self.root / name)).name
-        except OSError:
-            return None
+        target = links.read(self.root / name)
+        return None if target is None else Path(target).name
 
-    @staticmethod
-    def wanted_links(st: dict[str, Any]) -> dict[str, str | None]:
+    def _factory_ok(self, st: dict[str, Any]) -> bool:
+        return bool(st.get("factory") and "config" in st["factory"] and (self.root / links.FACTORY).is_dir())
+
+    def wanted_links(self, st: dict[str, Any]) -> dict[str, str | None]:
         if st["pending"]:
-            return {"current": st["pending"]["version"], "previous": st["current"]}
-        return {"current": st["current"], "previous": st["previous"]}
+            cur, prev = st["pending"]["version"], st["current"]
+        else:
+            cur, prev = st["current"], st["previous"]
+        if cur is None and self._factory_ok(st):
+            cur = links.FACTORY  # no version installed: the service runs its factory config
+        return {"current": cur, "previous": prev}
 
     def _sync_links(self, st: dict[str, Any]) -> None:
-        changed = False
-        for name, version in self.wanted_links(st).items():
-            if self.link_target(name) == version and (version or not os.path.lexists(self.root / name)):
-                continue
-            if version is None:
-                self.fs.unlink(self.root / name)
-            else:
-                tmp = self.root / f".{name}.{os.getpid()}.lnk"
-                if os.path.lexists(tmp):
-                    self.fs.unlink(tmp)
-                self.fs.symlink(f"versions/{version}", tmp)
-                self.fs.replace(tmp, self.root / name)  # rename over the old link: atomic switch
-            changed = True
-        if changed:
+        changed = [links.point(self.root, self.fs, name, links.target_of(v))
+                   for name, v in self.wanted_links(st).items()]
+        if any(changed):
             self.fs.fsync_dir(self.root)
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
         self.versions.mkdir(parents=True, exist_ok=True)
-        with open(self.root / ".lock", "w") as lock:
+        with open(self.root / ".lock", "a") as lock:  # "a": an existing lock file is not truncated
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -148,63 +169,80 @@ class Ota:
                               "version this device has committed (a downgrade, or the replay of an "
                               "old bundle): pass --allow-downgrade to install it on purpose")
 
-    def _stage(self, bundle: Bundle) -> None:
-        from edge.ota.extract import check_free_space, extract_files
+    def check_content(self, bundle: Bundle) -> None:
+        """A thin bundle: every file it does not carry must be on this device, named if not."""
+        missing = self.store.missing(bundle.files)
+        if missing:
+            base = bundle.base or {}
+            raise BundleError(
+                f"{bundle.path}: a thin bundle (base {base.get('bundle_version')}) whose content this "
+                f"device does not have: {'; '.join(f'{f.path} (sha256 {f.sha256[:16]}…, {f.size} bytes)' for f in missing)}. "
+                "Nothing was written: install the full bundle, or one built on a version this device has")
 
-        final = self.versions / bundle.version  # validated: no path characters, not empty
-        if (final / ".complete").is_file():
-            return  # staged before, same content (check_policy compared it)
-        check_free_space(bundle, self.versions)
-        if os.path.lexists(final):
-            self.fs.rmtree(final)  # incomplete, never linked
-        staging = self.versions / f".staging-{bundle.version}-{os.getpid()}"
-        self.fs.mkdir(staging)
-        try:
-            extract_files(bundle, staging, self.fs)
-            for name, data in (("edge.toml", bundle.manifest["config"].encode()),
-                               ("manifest.json", bundle.raw_manifest),
-                               (".complete", bundle.version.encode() + b"\n")):
-                self.fs.write_file(staging / name, data)
-            for d in sorted((p for p in staging.rglob("*") if p.is_dir()), reverse=True):
-                self.fs.fsync_dir(d)
-            self.fs.fsync_dir(staging)
-            self.fs.replace(staging, final)
-            self.fs.fsync_dir(self.versions)
-        except BaseException:
-            self.fs.rmtree(staging)
-            raise
+    def _stage(self, bundle: Bundle) -> dict[str, Any]:
+        from edge.ota.stage import stage
+
+        return stage(self.versions, self.store, self.fs, bundle)
 
     # -- install / commit / rollback -----------------------------------------------------------
     def install(self, bundle: Bundle, activate: ActivatorLike, device: Any = None, *,
                 allow_downgrade: bool = False, commit: bool = True) -> dict[str, Any]:
         """activate None: switch only (`edge ota commit` later). commit False: activate and
         health-check, but leave the version pending for `edge ota commit` (Mender's ArtifactCommit)."""
-        from edge.ota.checks import check_edge_version, check_references
+        from edge.ota.checks import check_bundle, check_device
 
-        check_edge_version(bundle)
-        check_references(bundle, device)
+        check_bundle(bundle)
+        check_device(bundle, device)
         with self._locked():
+            self.slots.ensure_slots()
             self._recover(activate)
             st = self.state()
             self.check_policy(bundle, st, allow_downgrade)
             if st["current"] == bundle.version:
-                return {"result": "already-current", "version": bundle.version}
-            self._stage(bundle)
+                return self._already_current(bundle)
+            self.check_content(bundle)
+            check = getattr(activate, "check", None)
+            if check is not None:
+                check()  # a reload activator finds the running service before anything switches
+            self._first_install(st)
+            staged = self._stage(bundle)
             st["pending"] = {"version": bundle.version, "previous": st["previous"]}
             st["digests"] = dict(list({**st["digests"], bundle.version: bundle.content_digest}.items())[-MAX_DIGESTS:])
             self._event(st, bundle.version, "staged")
             self._save(st)  # write #1: IDLE -> PENDING
             self._sync_links(st)
             if activate is None:
-                return {"result": "switched", "version": bundle.version, "note": "not activated: run "
-                        "`edge ota commit` once the service is healthy, or `edge ota rollback`"}
+                return {"result": "switched", "version": bundle.version, **staged, "note": "not activated: "
+                        "run `edge ota commit` once the service is healthy, or `edge ota rollback`"}
             ok, why = _activate(activate)
             if not ok:
                 return self._rollback(activate, f"health check failed: {why}")
+            report = _report(activate)
             if not commit:
-                return {"result": "healthy", "version": bundle.version, "note": "pending: `edge ota "
-                        "commit` makes it permanent; a reboot or `edge ota recover` rolls it back"}
-            return self._commit()
+                return {"result": "healthy", "version": bundle.version, **staged, **report, "note": "pending: "
+                        "`edge ota commit` makes it permanent; a reboot or `edge ota recover` rolls it back"}
+            return {**self._commit(), **staged, **report}
+
+    def _already_current(self, bundle: Bundle) -> dict[str, Any]:
+        """The same content is installed; the bundle's own bytes are still checked, so that a
+        tampered copy is refused as it would be on any other device."""
+        from edge.ota.extract import scan
+
+        bad = [f"{f.path} ({problem})" for f, problem in scan(bundle) if problem]
+        if bad:
+            raise BundleError(f"{bundle.path}: {len(bad)} file(s) fail their check: {'; '.join(bad)} "
+                              f"(version {bundle.version} is installed and stays)")
+        return {"result": "already-current", "version": bundle.version, "verified": "the bundle's files "
+                "match its signed manifest; `edge ota verify` checks the installed ones"}
+
+    def _first_install(self, st: dict[str, Any]) -> bool:
+        """Before OTA takes over: record the config the service runs as the factory state."""
+        if st["current"] is None and st["pending"] is None and st.get("factory") is None and self.config:
+            from edge.ota.factory import record_factory
+
+            st["factory"] = record_factory(self.root, self.fs, self.config)
+            return True
+        return False
 
     def _commit(self) -> dict[str, Any]:
         st = self.state()
@@ -215,6 +253,7 @@ class Ota:
         st.update(previous=st["current"], current=version, pending=None, highest=str(max(highest)))
         self._event(st, version, "committed")
         self._save(st)  # write #2: PENDING -> IDLE on the new version
+        overwrite_marker(self.fs, self.versions / version, version, "committed")
         self._sync_links(st)
         self._prune(st)
         return {"result": "committed", "version": version, "previous": st["previous"]}
@@ -231,18 +270,26 @@ class Ota:
             raise BundleError(f"{reason}: nothing to roll back to (no install pending, no previous version)")
         self._event(st, bad, "rolled back", reason)
         self._save(st)  # write #2': back to IDLE on the version before
+        overwrite_marker(self.fs, self.versions / bad, bad, "failed")
         self._sync_links(st)
         self._prune(st)
         result = {"result": "rolled back", "version": st["current"], "failed": bad, "reason": reason}
         if st["current"] is None:
-            result["note"] = "that was the first install: no version is installed now"
-        elif activate is not None:
+            if not self._factory_ok(st):
+                why = (st.get("factory") or {}).get("unavailable", "none was recorded")
+                result["note"] = f"that was the first install: no version is installed now, and no factory config ({why})"
+                return result
+            result["factory"] = st["factory"]["config"]
+            result["note"] = ("that was the first install: the service is back on its factory config "
+                              f"({st['factory']['config']}, recorded at the first install)")
+        if activate is not None:
             ok, why = _activate(activate)
             if not ok:
                 st = self.state()
                 self._event(st, st["current"], "rollback unhealthy", why)
                 self._save(st)
-                raise BundleError(f"{reason}; rolled back to {st['current']}, which is not healthy either: {why}")
+                raise BundleError(f"{reason}; rolled back to {st['current'] or 'the factory config'}, "
+                                  f"which is not healthy either: {why}")
         return result
 
     def _recover(self, activate: ActivatorLike) -> dict[str, Any] | None:
@@ -251,6 +298,11 @@ class Ota:
         if st["pending"]:
             return self._rollback(activate, "never committed: the install was killed, the power was "
                                   "cut, or it was not confirmed before a reboot")
+        if self._first_install(st) or "rebuilt" in st:
+            self._save(st)
+        for name in (st["current"], st["previous"]):  # a kill between write #2 and the marker
+            if name:
+                overwrite_marker(self.fs, self.versions / name, name, "committed")
         self._sync_links(st)
         self._prune(st)
         return None
@@ -258,19 +310,30 @@ class Ota:
     def _clean_garbage(self) -> None:
         for p in sorted(self.root.glob(".*.lnk")) + sorted(self.root.glob(".*.tmp")):
             self.fs.unlink(p)
+        for d in sorted(self.root.glob(f".{links.FACTORY}-*")):
+            self.fs.rmtree(d)
         for d in sorted(self.versions.iterdir()):
             if d.name.startswith(".staging-") or (d.is_dir() and not (d / ".complete").is_file()):
                 self.fs.rmtree(d)  # staged by a killed install, or half-pruned: never linked
 
     def _prune(self, st: dict[str, Any]) -> None:
-        """Keep `keep` complete versions (current, previous and pending always among them)."""
+        """Keep `keep` versions: current, previous and pending always; then the highest by
+        SemVer among those that were committed; never-committed (failed, rolled back) ones
+        go first. Then the store drops every object no kept version references."""
         protect = {v for v in self.wanted_links(st).values() if v}
-        others = sorted((d for d in self.versions.iterdir() if (d / ".complete").is_file()
-                         and d.name not in protect), key=lambda d: d.stat().st_mtime, reverse=True)
-        for d in others[max(0, self.keep - len(protect)):]:
+        complete = [d for d in self.versions.iterdir() if read_marker(d)]
+        others = [d for d in complete if d.name not in protect]
+
+        def worth(d: Path) -> tuple[bool, Version]:
+            return read_marker(d) in ("committed", LEGACY), _parsed(d.name) or parse_version("0.0.0-0")
+
+        for d in sorted(others, key=worth)[:max(0, len(complete) - self.keep)]:
             self.fs.unlink(d / ".complete")  # incomplete first: a kill below leaves garbage, not a version
             self.fs.fsync_dir(d)
             self.fs.rmtree(d)
+        self.store.collect()
+        links.converge(self.root, self.fs, [d for d in self.versions.iterdir() if read_marker(d)]
+                       + ([self.root / links.FACTORY] if (self.root / links.FACTORY).is_dir() else []))
 
     # -- commands ------------------------------------------------------------------------------
     def recover(self, activate: ActivatorLike) -> dict[str, Any] | None:
@@ -286,10 +349,24 @@ class Ota:
             self._clean_garbage()
             return self._rollback(activate, reason)
 
+    def verify(self, pubkey: Path | None) -> dict[str, Any]:
+        from edge.ota.verify import verify_installed
+
+        with self._locked():
+            return verify_installed(self.root, pubkey)
+
     def status(self) -> dict[str, Any]:
         st = self.state()
         st.pop("digests")
         st["links"] = {name: self.link_target(name) for name in LINKS}
         st["on_disk"] = sorted(d.name for d in self.versions.glob("*") if (d / ".complete").is_file()) \
             if self.versions.exists() else []
+        st["store"] = self.store.usage()
         return st
+
+
+def _report(activate: ActivatorLike) -> dict[str, Any]:
+    """What a reload activation did (kept, loaded), for the install's answer."""
+    report = getattr(activate, "report", None)
+    return {"reload": {k: report.get(k) for k in ("kept", "loaded", "mode")}} if report else {}
+

@@ -3,7 +3,8 @@ it is validated before anything uses it as a path (an empty or path-like version
 and then delete, a directory outside the OTA tree).
 
 Grammar (SemVer 2.0 without build metadata): MAJOR.MINOR.PATCH[-PRE], numbers without leading
-zeros, PRE dot-separated identifiers of [0-9A-Za-z-], at most 64 characters in all.
+zeros and of any length (SemVer caps none: 1.0.2026120301 is a version), PRE dot-separated
+identifiers of [0-9A-Za-z-], at most 64 characters in all.
 Ordering is SemVer's: numbers numerically; a pre-release sorts before its release; pre-release
 identifiers compare numerically when both are numbers, numbers before words, else as ASCII.
 Two versions that compare equal are the same string.
@@ -19,8 +20,8 @@ from edge.ota.errors import VersionError
 __all__ = ["Version", "parse_version", "GRAMMAR"]
 
 GRAMMAR = "MAJOR.MINOR.PATCH[-PRERELEASE] (e.g. 1.4.0 or 1.5.0-rc.1)"
-_NUM = r"(?:0|[1-9][0-9]{0,8})"
-_ID = r"(?:0|[1-9][0-9]{0,8}|[0-9]*[A-Za-z-][0-9A-Za-z-]*)"
+_NUM = r"(?:0|[1-9][0-9]*)"
+_ID = r"(?:0|[1-9][0-9]*|[0-9]*[A-Za-z-][0-9A-Za-z-]*)"
 _RE = re.compile(rf"({_NUM})\.({_NUM})\.({_NUM})(?:-({_ID}(?:\.{_ID})*))?")
 MAX_LEN = 64
 
@@ -57,8 +58,8 @@ def parse_version(text: object, what: str = "bundle_version") -> Version:
     """The one validator: build, inspect and install all go through it."""
     if not isinstance(text, str) or not text:
         raise VersionError(f"{what} {text!r} is empty or not a string: expected {GRAMMAR}")
-    m = _RE.fullmatch(text)
-    if len(text) > MAX_LEN or m is None:
+    m = _RE.fullmatch(text) if len(text) <= MAX_LEN else None  # bounded before the regex runs
+    if m is None:
         raise VersionError(f"{what} {text!r} is not a version: expected {GRAMMAR}, at most "
                            f"{MAX_LEN} characters, no path characters")
     core = (int(m.group(1)), int(m.group(2)), int(m.group(3)))

@@ -1,10 +1,14 @@
-"""OTA test fixtures shared by test_ota.py, test_ota_policy.py and test_mender.py (registered as a
-pytest plugin in conftest.py): keys, two tiny models, bundles A and B, and a live service."""
+"""OTA test fixtures shared by the OTA and Mender tests (registered as a pytest plugin in
+conftest.py): keys, two tiny models, bundles A and B, a live service; and the tools for tests
+where space matters: a small tmpfs (`tmpfs`), filling it (`fill`), a snapshot of an OTA tree."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +19,8 @@ from edge.ota.install import Ota
 from ggufgen import write_tiny_llama
 from kit.pid1 import PidOne
 
-__all__ = ["A", "B", "VERSIONS", "cfg_text", "committed", "edge_ota", "install", "kit", "live"]
+__all__ = ["A", "B", "VERSIONS", "cfg_text", "committed", "device", "edge_ota", "fill", "install", "kit", "live",
+           "tmpfs", "tree"]
 
 
 def cfg_text(model: str, extra: str = "") -> str:
@@ -42,6 +47,18 @@ def kit(tmp_path: Path):
     device_cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "state"}"\n[[models]]\nname = "x"\npath = "x.gguf"\n')
     return {"dir": tmp_path, "key": key, "pub": pub, "a": a, "b": b, "bundles": bundles, "cfg": device_cfg,
             "ota": Ota(tmp_path / "state" / "ota")}
+
+
+def device(tmp_path: Path, *, model_bytes: int, keep: int) -> dict:
+    """A signing key, a model file of random bytes, a device config and its OTA root (no service)."""
+    key = tmp_path / "signing.key"
+    pub = keygen(key)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(os.urandom(model_bytes))
+    cfg = tmp_path / "device.toml"
+    cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "state"}"\n[[models]]\nname = "x"\npath = "x.gguf"\n')
+    return {"dir": tmp_path, "key": key, "pub": pub, "model": model, "cfg": cfg,
+            "ota": Ota(tmp_path / "state" / "ota", keep=keep)}
 
 
 def edge_ota(kit, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -71,3 +88,52 @@ def live(kit):
     pid1.close()
 
 
+
+
+@contextlib.contextmanager
+def tmpfs(mnt: Path, size: str, nr_inodes: int | None = None) -> Iterator[Path]:
+    """A tmpfs of `size` (and at most nr_inodes inodes) at `mnt`; skips, saying why, where this
+    process may not mount (not root, or no CAP_SYS_ADMIN in a container)."""
+    mnt.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size}" + (f",nr_inodes={nr_inodes}" if nr_inodes else "")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        why = f"cannot mount a tmpfs ({opts}) here: {r.stderr.strip() or r.returncode}"
+        print(why)
+        pytest.skip(why)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def fill(where: Path, blocks: bool = True, inodes: bool = True) -> Path:
+    """Fill the file system of `where` (its free blocks, its free inodes, or both) with files in
+    where/filler, until it answers ENOSPC; the folder, to free it again."""
+    filler = where / "filler"
+    filler.mkdir()
+    if blocks:
+        with open(filler / "blocks", "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * (4 << 10))
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+    n = 0
+    while inodes:
+        try:
+            (filler / f"i{n}").touch()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+            break
+        n += 1
+    return filler
+
+
+def tree(ota: Ota) -> dict:
+    """Everything under the OTA root but the lock: what a refusal must not change."""
+    from edge.fsutil import sha256_file
+
+    return {str(p.relative_to(ota.root)): (os.readlink(p) if p.is_symlink() else
+                                           sha256_file(p) if p.is_file() else "dir")
+            for p in sorted(ota.root.rglob("*")) if p.name not in (".lock",)}

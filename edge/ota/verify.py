@@ -1,0 +1,89 @@
+"""`edge ota verify`: every file of every installed version hashed again and compared with the
+version's signed manifest (flash bit-rot, a fleet's integrity check). The manifest's own
+signature is checked first where the key and manifest.sig (kept since the content store) are
+there; a file shared by versions (one object, hard links) is hashed once and named in each.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from edge.fsutil import sha256_file
+from edge.ota.manifest import check_path
+from edge.ota.statefile import MARKER
+from edge.ota.version import VersionError, parse_version
+
+__all__ = ["verify_installed"]
+
+
+def _signature(vdir: Path, raw: bytes, pubkey: Path | None) -> str | None:
+    """None when the manifest verifies; else why it is not (or was not) checked."""
+    if pubkey is None:
+        return "manifest signature not checked: no key ([ota] pubkey or --pubkey)"
+    sig = vdir / "manifest.sig"
+    if not sig.is_file():
+        return "manifest signature not checked: no manifest.sig (installed by an older edge)"
+    from edge.ota.bundle import signature_ok
+
+    return None if signature_ok(pubkey, sig.read_bytes(), raw) else f"DAMAGED: does not verify with {pubkey}"
+
+
+def _order(vdir: Path) -> tuple[int, Any]:
+    try:
+        return 1, parse_version(vdir.name)
+    except VersionError:
+        return 0, vdir.name
+
+
+def _one(vdir: Path, pubkey: Path | None, hashed: dict[tuple[int, int], str]) -> tuple[dict[str, Any], list[str]]:
+    name = f"versions/{vdir.name}"
+    try:
+        raw = (vdir / "manifest.json").read_bytes()
+        manifest = json.loads(raw)
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return {"files": 0}, [f"{name}/manifest.json: unreadable ({exc})"]
+    note = _signature(vdir, raw, pubkey)
+    bad = [f"{name}/manifest.json: {note[len('DAMAGED: '):]}"] if note and note.startswith("DAMAGED") else []
+    try:
+        if (vdir / "edge.toml").read_text() != manifest.get("config"):
+            bad.append(f"{name}/edge.toml: differs from the config in its signed manifest")
+    except (OSError, UnicodeDecodeError) as exc:
+        bad.append(f"{name}/edge.toml: unreadable ({exc})")
+    for f in files:
+        if check_path(f.get("path")) is not None:
+            bad.append(f"{name}/manifest.json: lists {f.get('path')!r}, not a path a version may hold")
+            continue
+        path = vdir / f["path"]
+        try:
+            st = path.stat()
+            key = (st.st_dev, st.st_ino)
+            if key not in hashed:
+                hashed[key] = sha256_file(path)
+        except OSError as exc:
+            bad.append(f"{name}/{f['path']}: {exc.strerror}")
+            continue
+        if st.st_size != f["size"] or hashed[key] != f["sha256"]:
+            bad.append(f"{name}/{f['path']}: {st.st_size} bytes, sha256 {hashed[key][:16]}…; its signed "
+                       f"manifest says {f['size']} bytes, sha256 {f['sha256'][:16]}…")
+    result: dict[str, Any] = {"files": len(files), "ok": not bad}
+    if note and not note.startswith("DAMAGED"):
+        result["note"] = note
+    return result, bad
+
+
+def verify_installed(root: Path, pubkey: Path | None) -> dict[str, Any]:
+    """{versions: {V: {files, ok, note?}}, problems: [...], hashed_bytes}; problems name files."""
+    versions = root / "versions"
+    dirs = sorted((d for d in versions.iterdir() if (d / MARKER).is_file()), key=_order) if versions.is_dir() else []
+    hashed: dict[tuple[int, int], str] = {}
+    report: dict[str, Any] = {"versions": {}, "problems": []}
+    for vdir in dirs:
+        result, bad = _one(vdir, pubkey, hashed)
+        report["versions"][vdir.name] = result
+        report["problems"] += bad
+    report["hashed_files"] = len(hashed)
+    report["result"] = "damaged" if report["problems"] else "ok"
+    return report
