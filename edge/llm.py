@@ -18,7 +18,8 @@ from edge.generate import GenParams, Job, Piece, generate
 from edge.gguf import GGUFInfo
 from edge.llamacpp import ContextSettings, DecodeError, Native
 from edge.mlock import MlockStatus, mlock_status, vm_locked_bytes
-from edge.prefixcache import PromptCache, default_limit_bytes
+from edge.memguard import model_need, prompt_cache_bytes
+from edge.prefixcache import PromptCache
 
 __all__ = ["GenParams", "GGUFModel", "Job", "Piece", "diagnose_load_failure", "load_gguf_model",
            "settings_for"]
@@ -36,8 +37,7 @@ class GGUFModel:
         self.native = native
         self.mlock = mlock
         self.n_ctx = min(int(cfg.n_ctx), native.n_ctx)  # llama.cpp may round the context up
-        self.cache = PromptCache(native, default_limit_bytes(cfg, info) if cfg.prompt_cache_mb is None
-                                 else cfg.prompt_cache_mb << 20)
+        self.cache = PromptCache(native, prompt_cache_bytes(cfg, model_need(cfg, info, True)["kv_cache"]))
         self._formatter = self._make_formatter()
 
     def _make_formatter(self) -> Any:

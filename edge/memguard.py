@@ -29,7 +29,7 @@ from typing import Any
 from edge.config import Config, EngineConfig, ModelConfig
 from edge.gguf import GGUFInfo, offload_split
 
-__all__ = ["MemoryReading", "Need", "Decision", "read_memory", "estimate", "decide", "engine_sizes", "unified_memory",
+__all__ = ["prompt_cache_bytes", "MemoryReading", "Need", "Decision", "read_memory", "estimate", "decide", "engine_sizes", "unified_memory",
            "TEST_MEMINFO_ENV"]
 
 MEMINFO = Path("/proc/meminfo")
@@ -137,7 +137,19 @@ def model_need(m: ModelConfig, info: GGUFInfo, shared_file: bool, unified: bool 
     weights = (0 if shared_file and m.use_mmap else cpu_weights) + (gpu_weights if unified else 0)
     offloaded = 1.0 if m.n_gpu_layers < 0 else min(1.0, m.n_gpu_layers / n_layer)
     gpu = gpu_weights + int(offloaded * kv) + (compute if offloaded else 0)
-    return {"model": weights, "kv_cache": kv, "compute": compute, "gpu": gpu, "dram": weights + kv + compute}
+    # declared and learned prefix states are restored into the prompt cache before the switch
+    cache = prompt_cache_bytes(m, kv) if m.prefixes or m.learn_prefixes else 0
+    return {"model": weights, "kv_cache": kv, "compute": compute, "prompt_cache": cache, "gpu": gpu,
+            "dram": weights + kv + compute + cache}
+
+
+def prompt_cache_bytes(m: ModelConfig, kv_bytes: int, total_ram: int | None = None) -> int:
+    """The prompt cache's bound (edge.prefixcache): `prompt_cache_mb`, or when unset the KV of
+    two full contexts (`kv_bytes`: one context's), at most 1/16 of RAM."""
+    if m.prompt_cache_mb is not None:
+        return m.prompt_cache_mb << 20
+    total = read_memory().total if total_ram is None else total_ram
+    return min(2 * kv_bytes, total // 16) if total else 2 * kv_bytes
 
 
 def engine_need(nbytes: int, unified: bool) -> dict[str, int]:

@@ -23,32 +23,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from edge.config import ModelConfig
-    from edge.gguf import GGUFInfo
     from edge.llamacpp import Native
 
-__all__ = ["CacheStats", "Entry", "PromptCache", "default_limit_bytes", "kv_bytes_per_token", "lcp",
-           "MIN_REUSE"]
+__all__ = ["CacheStats", "Entry", "PromptCache", "lcp", "MIN_REUSE"]
 
 MIN_REUSE = 16  # tokens: a shorter common prefix is a miss (a BOS, a chat turn's opener)
-
-
-def kv_bytes_per_token(info: GGUFInfo) -> int:
-    """The f16 KV cache one token takes, from the GGUF header (every layer's K and V)."""
-    from edge.memguard import model_need
-    from edge.config import ModelConfig
-
-    probe = ModelConfig(name="kv", path=info.path, n_ctx=1024)
-    return model_need(probe, info, True)["kv_cache"] // 1024
-
-
-def default_limit_bytes(cfg: ModelConfig, info: GGUFInfo) -> int:
-    """`prompt_cache_mb` unset: room for the KV of two full contexts, at most 1/16 of RAM."""
-    from edge.memguard import read_memory
-
-    want = 2 * cfg.n_ctx * kv_bytes_per_token(info)
-    total = read_memory().total
-    return min(want, total // 16) if total else want
 
 
 def lcp(a: list[int], b: list[int]) -> int:

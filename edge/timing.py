@@ -182,6 +182,7 @@ def format_report(report: dict[str, Any]) -> str:
         rate = f"{p['mb_per_s']:.0f}" if "mb_per_s" in p else ""
         detail = ", ".join(f"{k}={v}" for k, v in p["detail"].items() if not isinstance(v, (list, dict)))
         lines.append(f"{p['name']:<19}{p['start_s']:>9.3f}{p['seconds']:>9.3f}{mb:>9}{rate:>9}  {detail}")
+    lines += _model_lines(report)
     if report.get("warmup"):
         lines += ["", f"{'warm-up step':<19}{'seconds':>9}  what ran"]
         for w in report["warmup"]:
@@ -189,6 +190,25 @@ def format_report(report: dict[str, Any]) -> str:
     for plan in report.get("calibration") or []:
         lines += _plan_lines(plan)
     return "\n".join(lines)
+
+
+def _model_lines(report: dict[str, Any]) -> list[str]:
+    """Each model's llama.cpp context settings, then each prefix state restored or computed."""
+    lines = []
+    for m in report.get("models") or []:
+        c = m.get("context")
+        if c:
+            lines.append(f"model {m['name']}: n_ctx {m.get('n_ctx')}, n_batch {c['n_batch']}, n_ubatch "
+                         f"{c['n_ubatch']}, threads {c['n_threads']} (batch {c['n_threads_batch']}), flash_attn "
+                         f"{c['flash_attn']}, prompt cache up to {c['prompt_cache_limit_bytes'] / 2**20:.1f} MiB")
+    rows = [(p["detail"].get("model"), r) for p in report["phases"] if p["name"] == Phases.PREFIX_STATES
+            for r in p["detail"].get("prefixes", [])]
+    if rows:
+        lines += ["", f"{'prefix state':<19}{'tokens':>9}{'MB':>9}{'seconds':>9}  outcome (why)"]
+        lines += [f"{str(r['prefix']):<19}{r['tokens']:>9}{r['bytes'] / 1e6:>9.1f}{r['seconds']:>9.3f}  "
+                  f"{model}: {r['kind']} {r['outcome']}" + (f" ({r['why']})" if r.get("why") else "")
+                  for model, r in rows]
+    return [""] + lines if lines else []
 
 
 def _plan_lines(plan: dict[str, Any]) -> list[str]:

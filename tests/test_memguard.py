@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from edge.config import ModelConfig
-from edge.gguf import GGUFInfo, TensorRecord, offload_split
+from edge.gguf import GGUFInfo, TensorRecord, offload_split, read_gguf_info
 from edge.memguard import MIB, MemoryReading, decide, estimate, unified_memory
 
 FIX = Path(__file__).parent / "fixtures" / "devices"
@@ -74,3 +74,23 @@ def test_a_cpu_only_model_on_a_jetson_shares_the_mapped_file() -> None:
 def test_unified_memory_is_read_from_the_device_tree() -> None:
     assert unified_memory(FIX / "orin-nano-jp6") and unified_memory(FIX / "orin-agx")
     assert not unified_memory(FIX / "dgpu-x86")
+
+
+def test_restored_prefix_states_count_in_a_reloads_need(tiny_gguf: Path) -> None:
+    """Declared and learned prefixes are restored into the new set's prompt cache before the
+    switch: its bound counts as DRAM beside the old set (an empty cache counts nothing)."""
+    import dataclasses
+
+    from edge.config import ModelConfig, PrefixConfig
+    from edge.memguard import model_need, prompt_cache_bytes
+
+    info = read_gguf_info(tiny_gguf)
+    plain = ModelConfig(name="t", path=str(tiny_gguf), n_ctx=256)
+    declared = dataclasses.replace(plain, prefixes=[PrefixConfig(name="s", text="x")], prompt_cache_mb=64)
+    base, more = model_need(plain, info, False), model_need(declared, info, False)
+    assert base["prompt_cache"] == 0 and more["prompt_cache"] == 64 << 20
+    assert more["dram"] - base["dram"] == 64 << 20
+    # unset: two contexts' KV, at most 1/16 of RAM
+    auto = dataclasses.replace(plain, learn_prefixes=2)
+    assert prompt_cache_bytes(auto, base["kv_cache"], total_ram=1 << 40) == 2 * base["kv_cache"]
+    assert prompt_cache_bytes(auto, base["kv_cache"], total_ram=16 << 10) == 1 << 10

@@ -165,3 +165,33 @@ def test_cache_prompt_false_repeats_bit_for_bit_and_greedy_repeats_its_text(tmp_
     assert reused[1] == pytest.approx(exact[0][1], abs=1e-3)
     status, body = post(live.address, "/v1/completions", {"prompt": "x", "cache_prompt": "no"})
     assert status == 400 and body["error"]["param"] == "cache_prompt"
+
+
+def test_an_ota_activation_by_reload_serves_the_new_versions_prefix_at_once(kit) -> None:
+    """A version that declares a prefix computes its state while it warms beside the serving
+    version; the first request after the switch reuses it."""
+    from edge.ota.bundle import build_bundle
+    from kit import PidOne
+    from kit.ota import cfg_text, edge_ota
+
+    paths = f'[paths]\nstate_dir = "{kit["dir"] / "state"}"\n'
+    bundles = {}
+    for v, extra in (("1.0.0", ""), ("1.1.0", PREFIXES)):
+        bundles[v] = kit["dir"] / f"prefix-{v}.edgeb"
+        config = cfg_text("a.gguf", paths).replace("n_ctx = 256", "n_ctx = 512") + extra
+        build_bundle(bundles[v], version=v, files=[(kit["a"], "models/a.gguf", "model", None)], config=config,
+                     key=kit["key"])
+    r = edge_ota(kit, "install", str(bundles["1.0.0"]), "--pubkey", str(kit["pub"]), "--no-activate")
+    assert r.returncode == 0, r.stderr
+    assert edge_ota(kit, "commit").returncode == 0
+    with PidOne([*EDGE, "serve", "--config", str(kit["ota"].root / "current" / "edge.toml")]) as live:
+        live.start()
+        live.wait_for("READY", "1")
+        assert cached(complete(live.address, SYSTEM + "the a")) < 16  # 1.0.0 declares nothing
+        r = edge_ota(kit, "install", str(bundles["1.1.0"]), "--pubkey", str(kit["pub"]), "--reload",
+                     "--timeout", "120")
+        assert r.returncode == 0, r.stderr
+        rows = {row["prefix"]: row for p in json.loads((kit["dir"] / "state" / "last-reload.json").read_text())["phases"]
+                if p["name"] == "prefix_states" for row in p["detail"]["prefixes"]}
+        assert rows["sys"]["outcome"] == "computed"
+        assert cached(complete(live.address, SYSTEM + "the e")) >= 139
