@@ -83,6 +83,9 @@ class ServerConfig:
     keepalive_timeout_s: float = field(default=5.0, metadata=_range(0.1, 3600))
     max_body_bytes: int = field(default=8 << 20, metadata=_range(1024, 1 << 31))
     reload: str = "auto"  # auto | overlap | sequential: how a reload makes room (README "Reload")
+    # a stream's server-sent events: the first token at once, then at most one event per this
+    # many ms carrying every token made meanwhile (0: an event per token)
+    stream_interval_ms: float = field(default=40.0, metadata=_range(0.0, 1000.0))
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,9 @@ class ModelConfig:
     # llama.cpp for the device and model ("auto"), the physical batch (None: min(512, n_batch)),
     # batch threads (0: n_threads)
     flash_attn: bool | str = "auto"  # "auto" | true | false
+    # sliding-window layers (Gemma 3, ...): false keeps only their window, as llama-server does
+    # (less KV memory, faster prefill); true keeps every position (any cached prefix reusable)
+    swa_full: bool = False
     n_ubatch: int | None = field(default=None, metadata=_range(1, 1 << 16))
     n_threads_batch: int = field(default=0, metadata=_range(0, 1024))
     # The prompt cache (edge.prefixcache): KV states of earlier prefixes in host memory, bounded

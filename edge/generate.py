@@ -59,6 +59,7 @@ class Piece:
     text: str
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    at: float = 0.0  # the first piece of a generation: perf_counter() when it was made
 
 
 @dataclass

@@ -41,6 +41,7 @@ class ContextSettings:
     n_threads: int
     n_threads_batch: int
     flash_attn: str  # a key of FLASH_ATTN
+    swa_full: bool  # sliding-window layers keep every position (True) or only their window
     n_gpu_layers: int
     use_mmap: bool
     use_mlock: bool
@@ -76,6 +77,7 @@ class Native:
         cp.n_ctx, cp.n_batch, cp.n_ubatch = s.n_ctx, s.n_batch, min(s.n_ubatch, s.n_batch)
         cp.n_threads, cp.n_threads_batch = s.n_threads, s.n_threads_batch
         cp.flash_attn_type = FLASH_ATTN[s.flash_attn]
+        cp.swa_full = s.swa_full
         cp.no_perf = False
         self.ctx = lib.llama_init_from_model(self.model, cp)
         if not self.ctx:
@@ -86,6 +88,8 @@ class Native:
         self.n_ctx = int(lib.llama_n_ctx(self.ctx))
         self.n_batch = int(lib.llama_n_batch(self.ctx))
         self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
+        # sliding-window attention with only the window kept: how far back a token attends
+        self.n_swa = 0 if s.swa_full else int(lib.llama_model_n_swa(self.model))
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
         for i in range(self.n_batch):  # one sequence, always: set once
             self._batch.n_seq_id[i] = 1
@@ -172,6 +176,15 @@ class Native:
     def keep(self, n: int) -> bool:
         """Drop every position from n on; False where the memory cannot (recurrent models)."""
         return bool(self.lib.llama_memory_seq_rm(self.mem, SEQ, n, -1))
+
+    def can_continue_at(self, n: int) -> bool:
+        """Whether the sequence, cut to n tokens, still holds what the token at position n attends
+        to. Always, unless sliding-window layers keep only their window (swa_full = false): then
+        the window before n must not have been evicted."""
+        if not self.n_swa or n <= 0:
+            return True
+        pos_min = int(self.lib.llama_memory_seq_pos_min(self.mem, SEQ))
+        return 0 <= pos_min <= max(0, n - self.n_swa)
 
     def clear(self) -> None:
         self.lib.llama_memory_seq_rm(self.mem, SEQ, -1, -1)

@@ -120,7 +120,7 @@ class GGUFModel:
         """The llama.cpp context settings in the start report and `edge status`."""
         s = self.native.settings
         return {"n_batch": self.native.n_batch, "n_ubatch": s.n_ubatch, "n_threads": s.n_threads,
-                "n_threads_batch": s.n_threads_batch, "flash_attn": s.flash_attn,
+                "n_threads_batch": s.n_threads_batch, "flash_attn": s.flash_attn, "swa_full": s.swa_full,
                 "prompt_cache_limit_bytes": self.cache.limit_bytes}
 
     def close(self) -> None:
@@ -134,6 +134,7 @@ def settings_for(cfg: ModelConfig) -> ContextSettings:
     return ContextSettings(n_ctx=cfg.n_ctx, n_batch=min(cfg.n_batch, cfg.n_ctx),
                            n_ubatch=min(cfg.n_ubatch or 512, cfg.n_batch, cfg.n_ctx), n_threads=threads,
                            n_threads_batch=cfg.n_threads_batch or threads, flash_attn=cfg.flash_attn_mode,
+                           swa_full=cfg.swa_full,
                            n_gpu_layers=cfg.n_gpu_layers, use_mmap=cfg.use_mmap, use_mlock=cfg.use_mlock)
 
 

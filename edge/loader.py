@@ -170,7 +170,8 @@ class Loader:
             with self.timer.phase(Phases.MLOCK_VERIFY, model=m.name) as ph:
                 ph.detail.update(model.mlock.as_dict())
                 enforce(m, model.mlock)
-            workers[m.name] = ModelWorker(model, self.config.server.max_queue)
+            workers[m.name] = ModelWorker(model, self.config.server.max_queue,
+                                          self.config.server.stream_interval_ms / 1000)
             infos[m.name] = {**model.info.summary(), "name": m.name, "path": m.path, "n_ctx": model.n_ctx,
                              "context": model.context_info(), "mlock": model.mlock.as_dict()}
         return workers, infos

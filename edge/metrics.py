@@ -87,13 +87,15 @@ class Metrics:
         self.completion_tokens.labels(model).inc(completion)
 
     async def generation(self, model: str, pieces: AsyncIterator[T]) -> AsyncIterator[T]:
-        """`pieces` passed through, timing the first one (client aborts are counted by the route,
-        which knows whether the client left: `client_abort`)."""
+        """`pieces` passed through, timing the first one: from when it was made (`piece.at`,
+        stamped on the generating thread) where it says, else from its arrival (client aborts
+        are counted by the route, which knows whether the client left: `client_abort`)."""
         t0, first, warm = time.perf_counter(), True, _IN_WARMUP.get()
         try:
             async for piece in pieces:
                 if first and not warm:
-                    self.ttft.labels(model).observe(time.perf_counter() - t0)
+                    made = getattr(piece, "at", 0.0) or time.perf_counter()
+                    self.ttft.labels(model).observe(max(0.0, made - t0))
                 first = False
                 yield piece
         finally:

@@ -101,20 +101,22 @@ class PromptCache:
         cached prefix (unless `use_cache` is False: then the whole prompt is computed from
         position 0). `remember` False (warm-up) leaves the saved states and counters alone.
         Returns how many prompt tokens were reused."""
-        n, source = (lcp(self.live, tokens), None) if use_cache else (0, None)
+        last = len(tokens) - 1  # at most: the last prompt token is decoded again, its logits are needed
+        n, source = (min(lcp(self.live, tokens), last), None) if use_cache else (0, None)
+        if n and not self.native.can_continue_at(n):
+            n = 0  # the sliding-window layers no longer hold what position n needs
         if use_cache and self.entries:
             key, best = max(((k, lcp(e.tokens, tokens)) for k, e in self.entries.items()),
                             key=lambda kv: kv[1])
-            if best > n + MIN_REUSE // 2:
-                n, source = best, key
+            if min(best, last) > n + MIN_REUSE // 2:
+                n, source = min(best, last), key
         if remember:
-            self._save_live_if_losing(min(n, len(tokens) - 1) if source is None else 0)
+            self._save_live_if_losing(n if source is None else 0)
         if source is not None:
             n = self._restore(source, n)
-        n = min(n, len(tokens) - 1)  # the last prompt token is decoded again: its logits are needed
-        if n < len(self.live) and not self.native.keep(n):
-            self.native.clear()  # memory that cannot drop a suffix (recurrent models): start over
-            n = 0
+        if n < len(self.live) and not (self.native.keep(n) and self.native.can_continue_at(n)):
+            n = 0  # memory that cannot drop a suffix (recurrent models), or a restored state whose
+            # sliding window does not reach back to n: start over
         if n == 0:
             self.native.clear()
         self.live = list(tokens[:n])

@@ -64,7 +64,7 @@ def model_plan_key(model: GGUFModel, device: DeviceInfo, build: str | None) -> d
             "llama_system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),
             "backend": build, "n_ctx": model.n_ctx, "n_batch": int(params.n_batch),
             "n_ubatch": int(params.n_ubatch), "n_gpu_layers": model.cfg.n_gpu_layers,
-            "flash_attn": model.cfg.flash_attn_mode}
+            "flash_attn": model.cfg.flash_attn_mode, "swa_full": model.cfg.swa_full}
 
 
 def engine_plan_key(engine_key: dict[str, Any], device: DeviceInfo) -> dict[str, Any]:

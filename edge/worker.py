@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -44,10 +45,11 @@ class Worker:
 class ModelWorker(Worker):
     """Runs one model's jobs on its own thread, in order, with a bounded queue."""
 
-    def __init__(self, model: GGUFModel, max_queue: int) -> None:
+    def __init__(self, model: GGUFModel, max_queue: int, stream_interval_s: float = 0.0) -> None:
         super().__init__(model.cfg.name)
         self.model = model
         self.max_queue = max_queue
+        self.stream_interval_s = stream_interval_s  # a stream's events: at most one per interval
 
     def admit(self) -> None:
         """Take a place in the queue, or refuse with 503 -- before any response byte is sent."""
@@ -72,13 +74,16 @@ class ModelWorker(Worker):
     async def stream(self, job: Job, admitted: bool = False, eager: bool = True) -> AsyncIterator[Piece]:
         """Pieces of one generation; cancelling the consumer stops generation at the next token.
         `admitted`: the caller holds a place taken with admit() and releases it itself.
-        `eager`: wake the event loop for every piece it waits for (a stream); else only for the
-        first piece (time to first token) and the end. Pieces that came while the loop was busy
-        arrive merged into one, so a slow consumer costs the generating thread nothing."""
+        `eager`: wake the event loop for the pieces it waits for (a stream: the first at once,
+        then at most once per `stream_interval_s`, and the end); else only at the end (the
+        first piece carries the time it was made, for the time-to-first-token metric).
+        Pieces that came while the loop was busy arrive merged into one, so a slow consumer costs
+        the generating thread nothing; the end of the channel is the end of the job (no executor
+        future to resolve on the loop as well)."""
         if not admitted:
             self.admit()
         loop = asyncio.get_running_loop()
-        channel = _Channel(loop, eager)
+        channel = _Channel(loop, eager, self.stream_interval_s)
 
         def run() -> None:
             end: BaseException | None = None
@@ -99,7 +104,7 @@ class ModelWorker(Worker):
             channel.close(end)
 
         try:
-            fut = loop.run_in_executor(self._pool, run)
+            self._pool.submit(run)
             while True:
                 pieces, end = await channel.get()
                 if pieces:
@@ -108,7 +113,6 @@ class ModelWorker(Worker):
                     if isinstance(end, BaseException):
                         raise end
                     break
-            await fut
         finally:
             job.cancel.set()
             if not admitted:
@@ -120,11 +124,13 @@ _DONE = True  # what _Channel.get returns as `end` once the generation finished 
 
 class _Channel:
     """Pieces from the worker thread to the event loop. The thread never blocks; it schedules a
-    wake-up of the loop only when the loop waits for one (eager: any piece; else the first piece
-    and the end), so at most one wake-up is in flight whatever the token rate."""
+    wake-up of the loop only when the loop waits for one (eager: the first piece, then at most one
+    per interval; else the end), so at most one wake-up is in flight whatever the token rate. On
+    2 cores every wake-up of the loop takes a core from llama.cpp's threads mid-decode."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, eager: bool) -> None:
-        self._loop, self._eager = loop, eager
+    def __init__(self, loop: asyncio.AbstractEventLoop, eager: bool, interval_s: float = 0.0) -> None:
+        self._loop, self._eager, self._interval = loop, eager, interval_s
+        self._next_wake = 0.0  # monotonic: an eager channel wakes the loop at most this often
         self._lock = threading.Lock()
         self._items: list[Piece] = []
         self._end: BaseException | bool | None = None
@@ -132,12 +138,14 @@ class _Channel:
         self._first = True
 
     def put(self, piece: Piece) -> None:  # the worker thread
+        if self._first:
+            piece.at, self._first = time.perf_counter(), False
+        now = time.monotonic() if self._eager else 0.0
         with self._lock:
             self._items.append(piece)
-            wake = self._waiter if (self._eager or self._first) else None
-            self._first = False
+            wake = self._waiter if self._eager and now >= self._next_wake else None
             if wake is not None:
-                self._waiter = None
+                self._waiter, self._next_wake = None, now + self._interval
         if wake is not None:
             self._loop.call_soon_threadsafe(_wake, wake)
 
@@ -170,7 +178,7 @@ def _merged(pieces: list[Piece]) -> Piece:
     from edge.generate import Piece
 
     return Piece("".join(p.text for p in pieces), pieces[-1].finish_reason,
-                 [lp for p in pieces for lp in p.logprobs])
+                 [lp for p in pieces for lp in p.logprobs], at=pieces[0].at)
 
 
 class EngineWorker(Worker):

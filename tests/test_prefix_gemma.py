@@ -21,8 +21,8 @@ QUESTION = "\nQuestion: When does the bakery open on Saturday?\nAnswer:"
 
 
 def load(path: Path, **fields: object) -> GGUFModel:
-    cfg = ModelConfig(name="gemma", path=str(path), n_ctx=1024, n_threads=2, use_mlock=False,
-                      **fields)  # type: ignore[arg-type]
+    cfg = ModelConfig(**{"name": "gemma", "path": str(path), "n_ctx": 1024, "n_threads": 2,  # type: ignore[arg-type]
+                         "use_mlock": False, **fields})
     return load_gguf_model(cfg, read_gguf_info(path))
 
 
@@ -71,5 +71,26 @@ def test_a_chat_prefix_on_the_builtin_gemma_template(gemma_path: Path, tmp_path:
                                          {"role": "user", "content": q}])
             _, _, reused = greedy(m, tokens)
             assert reused >= len(prefix) - 2, (reused, len(prefix))
+    finally:
+        m.close()
+
+
+def test_a_prefix_whose_sliding_window_was_evicted_is_computed_again(gemma_path: Path) -> None:
+    """swa_full = false (the default, as llama-server): Gemma 3's sliding-window layers keep only
+    their window. After a long continuation the window behind the prefix's end is gone: the cache
+    must not reuse the prefix then (the answer would be computed from missing KV), and must
+    reuse it after a short one."""
+    m = load(gemma_path, n_ctx=2048)
+    try:
+        assert m.native.n_swa == 512
+        prefix = m.tokenize_prompt(RULES * 2)[:600]
+        question = m.tokenize_prompt(QUESTION)[1:]
+        greedy(m, prefix + m.tokenize_prompt(RULES * 3)[1:1200])  # 1,200 more tokens: window moved on
+        after_long = greedy(m, prefix + question)
+        assert after_long[2] == 0  # not reused: the window before position 600 was evicted
+        after_short = greedy(m, prefix + question[:-3])  # a short continuation: reused
+        assert after_short[2] >= 600 - 1
+        fresh = greedy(m, prefix + question, cache_prompt=False)
+        assert after_long[:2] == fresh[:2]
     finally:
         m.close()

@@ -1,0 +1,69 @@
+"""The model worker's hand-off to the event loop (edge.worker): pieces of a real (tiny) llama.cpp
+generation, the wake-ups they cost and what a cancelled consumer leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from edge.config import ModelConfig
+from edge.generate import GenParams, Job
+from edge.gguf import read_gguf_info
+from edge.llm import GGUFModel, load_gguf_model
+from edge.worker import ModelWorker
+
+
+@pytest.fixture(scope="module")
+def model(tiny_gguf: Path) -> GGUFModel:
+    m = load_gguf_model(ModelConfig(name="tiny", path=str(tiny_gguf), n_ctx=256, n_threads=1),
+                        read_gguf_info(tiny_gguf))
+    yield m
+    m.close()
+
+
+def job(m: GGUFModel, n: int = 40) -> Job:
+    return Job(tokens=m.tokenize_prompt("Hello world"), params=GenParams(max_tokens=n, temperature=0))
+
+
+async def pieces(worker: ModelWorker, j: Job, eager: bool) -> list[str]:
+    return [p.text async for p in worker.stream(j, eager=eager)]
+
+
+def test_a_stream_gets_the_first_piece_at_once_and_the_rest_per_interval(model: GGUFModel) -> None:
+    whole = "".join(asyncio.run(pieces(ModelWorker(model, 4), job(model), eager=False)))
+    slow = ModelWorker(model, 4, stream_interval_s=3600.0)  # an interval no generation outlasts
+    got = asyncio.run(pieces(slow, job(model), eager=True))
+    assert "".join(got) == whole and 1 <= len(got) <= 2  # the first piece, then everything else at the end
+
+
+def test_the_first_piece_carries_when_it_was_made(model: GGUFModel) -> None:
+    async def first_at() -> tuple[float, float, float]:
+        w = ModelWorker(model, 4)
+        t0 = time.perf_counter()
+        stream = w.stream(job(model, 8), eager=False)
+        p = await stream.__anext__()
+        t1 = time.perf_counter()
+        async for _ in stream:
+            pass
+        return t0, p.at, t1
+
+    t0, at, t1 = asyncio.run(first_at())
+    assert t0 < at <= t1  # stamped on the generating thread, before the loop saw it
+
+
+def test_a_consumer_that_goes_away_stops_the_generation(model: GGUFModel) -> None:
+    async def leave_after_one() -> Job:
+        w = ModelWorker(model, 4)
+        j = job(model, 200)
+        stream = w.stream(j, eager=True)
+        await stream.__anext__()
+        await stream.aclose()  # what a client's disconnect does (edge.metrics closes the stream)
+        assert j.cancel.is_set()
+        await w.call(lambda: None)  # queued behind the generation: runs once it has stopped
+        return j
+
+    j = asyncio.run(leave_after_one())
+    assert j.completion_tokens < 200
