@@ -189,20 +189,27 @@ class Native:
     def clear(self) -> None:
         self.lib.llama_memory_seq_rm(self.mem, SEQ, -1, -1)
 
-    def state_bytes(self) -> bytes:
-        """The sequence's KV state as llama.cpp serialises it (llama_state_seq_get_data)."""
+    def state_bytes(self) -> bytearray:
+        """The sequence's KV state as llama.cpp serialises it (llama_state_seq_get_data), written
+        straight into the buffer that keeps it (one copy: the buffer's pages are the kernel's
+        zero pages until llama.cpp writes them)."""
         size = int(self.lib.llama_state_seq_get_size(self.ctx, SEQ))
-        buf = (ctypes.c_uint8 * size)()
-        got = int(self.lib.llama_state_seq_get_data(self.ctx, buf, size, SEQ))
+        buf = bytearray(size)
+        got = int(self.lib.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, SEQ))
         if got == 0 and size:
             raise DecodeError("llama_state_seq_get_data returned nothing")
-        return bytes(memoryview(buf)[:got])
+        del buf[got:]
+        return buf
 
-    def set_state(self, data: bytes) -> bool:
+    def set_state(self, data: bytes | bytearray) -> bool:
         """Replace the sequence's KV with a saved state; False (and an empty sequence) where
-        llama.cpp refuses it (other model, context or cache layout)."""
+        llama.cpp refuses it (other model, context or cache layout). A bytearray is read in
+        place; bytes are copied once (ctypes needs a writable buffer)."""
         self.clear()
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if isinstance(data, bytearray):
+            buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
+        else:
+            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if int(self.lib.llama_state_seq_set_data(self.ctx, buf, len(data), SEQ)) == 0:
             self.clear()
             return False

@@ -50,7 +50,7 @@ class Entry:
     """One saved sequence state."""
 
     tokens: list[int]
-    state: bytes
+    state: bytearray  # as edge.llamacpp.Native.state_bytes made it (restored in place, not copied)
     name: str = ""  # a declared prefix's name; "" for a state saved from traffic
     pinned: bool = False
     hits: int = 0  # requests that reused it
@@ -139,7 +139,7 @@ class PromptCache:
             self.stats.hits += 1
             self.stats.reused_tokens += n
             if self.live_entry is None:
-                self.live_entry = Entry([], b"")
+                self.live_entry = Entry([], bytearray())
             self.live_entry.hit(n)
         else:
             self.stats.misses += 1
@@ -170,7 +170,7 @@ class PromptCache:
         covered = max((lcp(e.tokens, self.live) for e in self.entries.values()), default=0)
         if covered * 2 >= len(self.live):
             return
-        entry = self.live_entry or Entry([], b"")
+        entry = self.live_entry or Entry([], bytearray())
         entry.tokens, entry.state = list(self.live), self.native.state_bytes()
         self.add(entry)
         self.live_entry = None
@@ -213,6 +213,6 @@ class PromptCache:
         to the prefix they reused: what is worth keeping across a restart."""
         live = self.live_entry
         if live is not None and live.hits:
-            live = Entry(list(self.live), b"", hits=live.hits, reused=live.reused)
+            live = Entry(list(self.live), bytearray(), hits=live.hits, reused=live.reused)
         pool = [e for e in [*self.entries.values(), live] if e is not None and not e.pinned and e.hits]
         return sorted(pool, key=lambda e: (-e.hits, -e.reused))[:n]

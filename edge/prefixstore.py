@@ -90,14 +90,14 @@ def prefix_tokens(model: GGUFModel, p: PrefixConfig) -> list[int]:
 
 
 # -- the file ------------------------------------------------------------------------------------
-def write_state(path: Path, key: dict[str, Any], tokens: list[int], state: bytes, **meta: Any) -> None:
+def write_state(path: Path, key: dict[str, Any], tokens: list[int], state: bytes | bytearray, **meta: Any) -> None:
     header = json.dumps({"format": FORMAT, "key": key, "tokens": tokens, "state_bytes": len(state),
                          "state_crc32": zlib.crc32(state), **meta}).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, b"".join([MAGIC, _HEAD.pack(len(header)), header, state]))
 
 
-def read_state(path: Path, key: dict[str, Any], tokens: list[int] | None = None) -> tuple[dict[str, Any], bytes]:
+def read_state(path: Path, key: dict[str, Any], tokens: list[int] | None = None) -> tuple[dict[str, Any], bytearray]:
     """(header, state) of a file that passes every check, else StateRejected naming the first
     that fails. `tokens`: the token ids the state must be of (a declared prefix)."""
     from edge.warmplan import key_differences
@@ -125,7 +125,7 @@ def read_state(path: Path, key: dict[str, Any], tokens: list[int] | None = None)
         raise StateRejected(f"saved for another model or context: {', '.join(diff[:3])}")
     if tokens is not None and stored_tokens != tokens:
         raise StateRejected("saved for other prefix tokens (its text or the template changed)")
-    state = data[start + hlen:]
+    state = bytearray(memoryview(data)[start + hlen:])
     if len(state) != size:
         raise StateRejected(f"truncated: {len(state)} of {size} state bytes")
     if zlib.crc32(state) != crc:
