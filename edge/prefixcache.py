@@ -53,6 +53,7 @@ class Entry:
     state: bytearray  # as edge.llamacpp.Native.state_bytes made it (restored in place, not copied)
     name: str = ""  # a declared prefix's name; "" for a state saved from traffic
     pinned: bool = False
+    checkpoint: bool = False  # saved at the end of a prefix two requests shared (see _checkpoint)
     hits: int = 0  # requests that reused it
     reused: int = 0  # the shortest prefix of it those requests reused (what is worth keeping)
 
@@ -84,7 +85,6 @@ class PromptCache:
     native: Native
     limit_bytes: int
     live: list[int] = field(default_factory=list)  # tokens whose KV is in the sequence now
-    live_entry: Entry | None = None  # hit counts of what is live (its state is the sequence)
     entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)  # oldest use first
     stats: CacheStats = field(default_factory=CacheStats)
     nbytes: int = 0  # state bytes held: kept as entries come and go (read by /metrics)
@@ -122,6 +122,8 @@ class PromptCache:
         self.live = list(tokens[:n])
         if remember:
             self._count(n)
+            if n >= MIN_REUSE:
+                self._checkpoint()
         try:
             self.native.decode(tokens[n:], n)
         except BaseException:
@@ -138,12 +140,8 @@ class PromptCache:
         if n >= MIN_REUSE:
             self.stats.hits += 1
             self.stats.reused_tokens += n
-            if self.live_entry is None:
-                self.live_entry = Entry([], bytearray())
-            self.live_entry.hit(n)
         else:
             self.stats.misses += 1
-            self.live_entry = None
 
     def _restore(self, key: int, n: int) -> int:
         entry = self.entries[key]
@@ -153,13 +151,32 @@ class PromptCache:
             return 0
         self.stats.restores += 1
         self.live = list(entry.tokens)
-        if entry.pinned:
+        if entry.pinned or entry.checkpoint:
             self.entries.move_to_end(key)
-            self.live_entry = None
         else:  # taken: its tokens live in the sequence now, and are saved again with it if needed
             self._drop(key)
-            self.live_entry = entry
         return n
+
+    def _checkpoint(self) -> None:
+        """The sequence holds exactly a prefix this request shares with an earlier one: keep its
+        state, unless a saved state already ends within MIN_REUSE tokens before its end. Saved
+        at the prefix's end, it serves the next request that starts with it after any number of
+        unrelated ones; a state saved further on could not be cut back to it where
+        sliding-window layers keep only their window (llama.cpp saves only the window). A longer
+        checkpoint of the same prefix gives way: checkpoints converge on what requests share."""
+        n, prefix = len(self.live), self.live
+        hits = 0
+        for key, e in list(self.entries.items()):
+            m = lcp(e.tokens, prefix)
+            if m == len(e.tokens) and m >= n - MIN_REUSE:
+                e.hit(m)  # this request reused what it holds
+                self.entries.move_to_end(key)
+                return
+            if e.checkpoint and m == n < len(e.tokens):
+                hits += self._drop(key).hits  # its requests shared this shorter prefix too
+        entry = Entry(list(prefix), self.native.state_bytes(), checkpoint=True, hits=hits)
+        entry.hit(n)
+        self.add(entry)
 
     def _save_live_if_losing(self, keep: int) -> None:
         """Save the live state before a prompt throws more of it away than it keeps, unless a
@@ -170,10 +187,7 @@ class PromptCache:
         covered = max((lcp(e.tokens, self.live) for e in self.entries.values()), default=0)
         if covered * 2 >= len(self.live):
             return
-        entry = self.live_entry or Entry([], bytearray())
-        entry.tokens, entry.state = list(self.live), self.native.state_bytes()
-        self.add(entry)
-        self.live_entry = None
+        self.add(Entry(list(self.live), self.native.state_bytes()))
 
     # -- saved states ----------------------------------------------------------------------------
     def add(self, entry: Entry) -> bool:
@@ -203,16 +217,12 @@ class PromptCache:
         """After a failed decode the sequence's content is unknown: empty it."""
         self.native.clear()
         self.live = []
-        self.live_entry = None
 
     def pinned(self) -> list[Entry]:
         return [e for e in self.entries.values() if e.pinned]
 
     def most_reused(self, n: int) -> list[Entry]:
-        """Up to n unpinned states (the live one included) that requests reused most, each cut
-        to the prefix they reused: what is worth keeping across a restart."""
-        live = self.live_entry
-        if live is not None and live.hits:
-            live = Entry(list(self.live), bytearray(), hits=live.hits, reused=live.reused)
-        pool = [e for e in [*self.entries.values(), live] if e is not None and not e.pinned and e.hits]
+        """Up to n unpinned states that requests reused most (checkpoints, mostly): what is worth
+        keeping across a restart, each to be cut to the prefix those requests reused."""
+        pool = [e for e in self.entries.values() if not e.pinned and e.hits]
         return sorted(pool, key=lambda e: (-e.hits, -e.reused))[:n]

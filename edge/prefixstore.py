@@ -176,7 +176,7 @@ def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where
         state = native.state_bytes()
         write_state(path, key, tokens, state, kind="declared", name=p.name)
         _prune(folder, p.name)
-    model.cache.live, model.cache.live_entry = list(tokens), None
+    model.cache.live = list(tokens)
     if not model.cache.add(Entry(list(tokens), state, name=p.name, pinned=True)):
         need = sum(e.nbytes for e in model.cache.pinned()) + len(state)
         raise ConfigError(where.source, f"{where.field}.prompt_cache_mb", f"the declared prefixes need "
@@ -235,7 +235,8 @@ def _learned(model: GGUFModel, folder: Path, key: dict[str, Any]) -> list[dict[s
             header, state = read_state(path, key)
             tokens = [int(t) for t in header["tokens"]]
             row.update(tokens=len(tokens), bytes=len(state))
-            entry = Entry(tokens, state, hits=int(header.get("hits", 0)), reused=int(header.get("reused", 0)))
+            entry = Entry(tokens, state, hits=int(header.get("hits", 0)), reused=int(header.get("reused", 0)),
+                          checkpoint=True)
             if len(tokens) >= model.n_ctx:
                 row["why"] = f"{len(tokens)} tokens: no room in the context of {model.n_ctx}"
             elif not model.native.set_state(state):
@@ -243,7 +244,7 @@ def _learned(model: GGUFModel, folder: Path, key: dict[str, Any]) -> list[dict[s
             elif not model.cache.add(entry):
                 row["why"] = "no room beside the declared prefixes (prompt_cache_mb)"
             else:
-                model.cache.live, model.cache.live_entry = list(tokens), None
+                model.cache.live = list(tokens)
                 row["outcome"] = "restored"
         except (StateRejected, ValueError, TypeError) as exc:
             row["why"] = str(exc)
@@ -259,13 +260,15 @@ def save_learned(model: GGUFModel, folder: Path) -> list[dict[str, Any]]:
     native, cache, key = model.native, model.cache, prefix_key(model)
     rows: list[dict[str, Any]] = []
     for e in cache.most_reused(model.cfg.learn_prefixes):
-        n = max(1, min(e.reused, len(e.tokens)))
-        if e.state and not native.set_state(e.state):
+        if not native.set_state(e.state):
             continue
-        native.keep(n)
+        n = max(1, min(e.reused, len(e.tokens)))
+        if n < len(e.tokens) and not (native.keep(n) and native.can_continue_at(n)):
+            n = len(e.tokens)  # cannot be cut (a sliding window saved only at its end): kept whole
+        state = native.state_bytes() if n < len(e.tokens) else e.state
         name = f"learned-{len(rows)}"
-        write_state(folder / f"{name}.kvstate", key, list(e.tokens[:n]), native.state_bytes(),
-                    kind="learned", hits=e.hits, reused=n)
+        write_state(folder / f"{name}.kvstate", key, list(e.tokens[:n]), state, kind="learned",
+                    hits=e.hits, reused=n)
         rows.append({"prefix": name, "tokens": n, "hits": e.hits})
     cache.reset()
     for path in folder.glob("learned-*.kvstate"):

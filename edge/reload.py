@@ -43,6 +43,8 @@ __all__ = ["Reloader"]
 
 log = logging.getLogger("edge")
 
+QUIET_S, QUIET_MAX_S = 0.25, 5.0  # the old set is freed after this long without requests (at most)
+
 # [server] fields a reload cannot apply: they shape the sockets and the uvicorn server itself.
 RESTART_ONLY = ("host", "port", "unix_socket", "unix_socket_mode", "backlog", "drain_timeout_s")
 
@@ -264,8 +266,14 @@ class _Run:
             if not drained:  # freed when its last request ends; reported now
                 log.warning("reload: %d requests of the old set still running after %.0f s", old.active, limit)
                 await old.drained(None)
+            # Freeing the old set (llama.cpp contexts and mappings, a full GC) takes a core for
+            # ~0.1 s: done once the new set has been quiet a moment, not under its first requests.
+            ph.detail["quiet"] = await self.r.dispatcher.route.quiet(QUIET_S, QUIET_MAX_S)
+            t0 = time.perf_counter()
             self.extra["freed"] += await asyncio.to_thread(old.loaded.close, new)
+            t1 = time.perf_counter()
             _collect()
+            ph.detail.update(close_s=round(t1 - t0, 4), gc_s=round(time.perf_counter() - t1, 4))
         self.extra["drain_s"] = round(ph.seconds, 4)
         self._write()
         log.info("reload done: kept %s, loaded %s, freed %s; old set drained in %.3f s",

@@ -81,6 +81,21 @@ class Route:
         self.active = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self.arrived = asyncio.Event()  # set by every request that comes in
+
+    async def quiet(self, for_s: float, at_most_s: float) -> bool:
+        """Wait until no request has been in this set for `for_s` seconds; False if that did not
+        happen within `at_most_s` (steady traffic)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + at_most_s
+        while (left := end - loop.time()) > 0:
+            try:
+                await asyncio.wait_for(self.idle.wait(), left)
+                self.arrived.clear()
+                await asyncio.wait_for(self.arrived.wait(), min(for_s, max(0.0, end - loop.time())))
+            except asyncio.TimeoutError:
+                return self.idle.is_set()
+        return False
 
     async def drained(self, timeout: float | None) -> bool:
         """Wait until no request (stream included) is in this set any more; False on timeout."""
@@ -135,6 +150,7 @@ class Dispatcher:
         route = self.route
         route.active += 1
         route.idle.clear()
+        route.arrived.set()
         try:
             await route.loaded.app(scope, receive, send)
         finally:
