@@ -107,7 +107,7 @@ def main() -> None:
     args = ap.parse_args()
 
     model = gemma_path()
-    texts = Texts(model, args.prefix_tokens, 12 * args.rounds + 8)
+    texts = Texts(model, args.prefix_tokens, 20 * args.rounds + 8)  # 5 questions per server and round
     tmp = Path(tempfile.mkdtemp(prefix="edge-bench-prefix-"))
     cfgs = {mode: edge_cfg(tmp / f"edge-{mode}", model, args.n_ctx, args.threads, mode, texts.prefix)
             for mode in ("declared", "learned", "none")}
