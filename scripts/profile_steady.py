@@ -34,14 +34,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from bench_steady import banned_tokens, body, timed  # noqa: E402
+from bench_steady import banned_tokens, body, timed  # noqa: E402  (requests as bench-steady sends them)
 from benchlib import edge_config, emit, env_for_bench, gemma_path, novel_prompts, start_edge  # noqa: E402
 
 # The leaf Python frame of a sample says what the thread was doing: a ctypes call shows as the
 # Python function that made it (py-spy without --native never pauses edge). Leaves are
-# `Class.function (file:line)`.
-NATIVE = {("llamacpp.py", "decode"): "llama.cpp compute", ("llamacpp.py", "decode_one"): "llama.cpp compute",
-          ("generate.py", "sample"): "llama.cpp sampling"}
+# `Class.function (file:line)`. Both edge's own loop (edge/llamacpp.py, edge/generate.py) and
+# llama-cpp-python's (llama_cpp/, as edge used before) are recognised, so that the same profile
+# reads any version.
+NATIVE = {"decode": "llama.cpp compute", "decode_one": "llama.cpp compute", "sample": "llama.cpp sampling"}
+NATIVE_FILES = ("edge/llamacpp.py", "edge/generate.py", "llama_cpp/_internals.py", "llama_cpp/llama_cpp.py")
 WAITING = {"select", "_worker", "wait", "get", "acquire", "_wait_for_tstate_lock"}
 
 
@@ -54,12 +56,10 @@ def classify(stack: str) -> str:
     if func in WAITING:
         return "idle"
     if "edge-" in thread:  # a model's worker thread
-        if "edge/llamacpp.py" in where or "edge/generate.py" in where:
-            name = next((b for (f, fn), b in NATIVE.items() if f in where and fn == func), None)
-            if name:
-                return name
-            if "edge/llamacpp.py" in where:
-                return "other native calls"
+        if any(f in where for f in NATIVE_FILES) and func in NATIVE:
+            return NATIVE[func]
+        if "edge/llamacpp.py" in where or ("llama_cpp/" in where and func not in NATIVE):
+            return "other native calls" if "edge/" in where or "_internals" in where else "llama-cpp-python"
         return "edge on the worker thread"
     if "MainThread" in thread:
         return "HTTP and the event loop"
@@ -105,7 +105,7 @@ def main() -> None:
     share = {k: round(v / total, 4) for k, v in sorted(busy.items(), key=lambda kv: -kv[1])}
     per_request_ms = {k: round(1000 * v / args.rate / len(walls), 2) for k, v in busy.items()}
     edge_ms = sum(per_request_ms.get(k, 0.0) for k in ("edge on the worker thread", "HTTP and the event loop",
-                                                        "other native calls"))
+                                                        "other native calls", "llama-cpp-python"))
     result = {"requests": len(walls), "prompt_tokens": 100, "completion_tokens": 16, "threads": args.threads,
               "rate_hz": args.rate, "request_s_median": round(sorted(walls)[len(walls) // 2], 4),
               "wall_s": round(wall, 3), "samples": dict(buckets), "share_of_busy_samples": share,
