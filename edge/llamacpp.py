@@ -3,9 +3,11 @@ and every native call edge makes on them.
 
 edge does not use llama-cpp-python's high-level `Llama` class: it owns the generation loop
 (edge.generate) and the KV cache (edge.prefixcache), so the class's per-token Python (logit
-copies, a Python sampler for logit bias, a single-prefix cache) and its setting that differs from
-llama.cpp's own default (flash attention forced off) are gone. What is left here is a thin layer over `llama.h` whose every call runs on the
-model's worker thread; ctypes releases the GIL during each call, so the event loop runs meanwhile.
+copies, a Python sampler for logit bias, a single-prefix cache) is gone, and so are its settings
+that differ from llama.cpp's and llama-server's own defaults (flash attention forced off,
+sliding-window layers kept at full size). What is left is a thin layer over `llama.h` whose every
+call runs on the model's worker thread; ctypes releases the GIL during each call, so the event
+loop runs meanwhile.
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ class Native:
         self._batch: Any = None
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = s.n_gpu_layers
-        mp.load_mode = (3 if s.use_mlock else 1) if s.use_mmap else (2 if s.use_mlock else 0)
+        mp.load_mode = {(True, True): lib.LLAMA_LOAD_MODE_MMAP_MLOCK, (True, False): lib.LLAMA_LOAD_MODE_MMAP,
+                        (False, True): lib.LLAMA_LOAD_MODE_MLOCK,
+                        (False, False): lib.LLAMA_LOAD_MODE_NONE}[(s.use_mmap, s.use_mlock)]
         self.model = lib.llama_model_load_from_file(path.encode(), mp)  # the GIL is released
         if not self.model:
             raise ValueError(f"Failed to load model from file: {path}")
@@ -121,7 +125,7 @@ class Native:
             big = ctypes.create_string_buffer(-n)
             n = self.lib.llama_token_to_piece(self.vocab, tok, big, -n, 0, special)
             return big.raw[:n]
-        return self._piece.raw[:n]
+        return ctypes.string_at(self._piece, n)
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
         return b"".join(self.piece(t, special) for t in tokens)
