@@ -143,6 +143,9 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
                            "(models[].max_choices)", param="n")
     jobs, echoes = [], []
     for tokens, stops, echo in prompts:
+        if not tokens:  # a model that adds no BOS: nothing to compute the first token from
+            raise RequestError("the prompt is empty: it has no token to generate from (this model "
+                               "adds no beginning-of-sequence token)", param="messages" if chat else "prompt")
         max_tokens = ask.max_tokens
         if max_tokens is None:  # the configured default, but never more than the context has left
             max_tokens = min(m.cfg.max_tokens_default, max(1, m.n_ctx - len(tokens)))
@@ -258,6 +261,10 @@ async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
     except EdgeError as exc:  # headers are gone: report in-band, as OpenAI does
         finished = True
         yield b"data: " + json.dumps({"error": {"message": str(exc)}}).encode() + b"\n\n"
+    except Exception as exc:  # never a cut chunked body: the error in-band too, logged once
+        log.exception("internal error in a stream of model %r", shape.model)
+        finished = True
+        yield b"data: " + json.dumps({"error": {"message": f"internal error: {type(exc).__name__}"}}).encode() + b"\n\n"
     finally:  # counted also when the client went away mid-stream
         run.worker.release()
         metrics.tokens(run.prefilled_prompt_tokens(), run.usage()["completion_tokens"], model=shape.model)

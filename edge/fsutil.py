@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["atomic_write", "fsync_dir", "sha256_file"]
@@ -26,11 +27,14 @@ def fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes | str, mode: int | None = None) -> None:
-    """Write a hidden temp file beside `path`, fsync it, rename it over `path`, fsync the dir."""
+def atomic_write(path: Path, data: bytes | bytearray | str | Sequence[bytes | bytearray],
+                 mode: int | None = None) -> None:
+    """Write a hidden temp file beside `path`, fsync it, rename it over `path`, fsync the dir.
+    `data` may be a sequence of chunks (written one after another, never joined in memory)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    chunks = [data.encode()] if isinstance(data, str) else [data] if isinstance(data, (bytes, bytearray)) else data
     with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
+        f.writelines(chunks)
         f.flush()
         os.fsync(f.fileno())
     if mode is not None:

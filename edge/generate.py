@@ -15,7 +15,6 @@ Runs on the model's worker thread (edge.worker), like every call into llama.cpp.
 from __future__ import annotations
 
 import codecs
-import ctypes
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -192,10 +191,3 @@ def _decode_loop(native: Native, cache: PromptCache, chain: SamplerChain, job: J
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else None
-
-
-def token_ids_digest(tokens: list[int]) -> str:
-    """A short digest of token ids (prefix keys, logs)."""
-    import hashlib
-
-    return hashlib.sha256((ctypes.c_int32 * len(tokens))(*tokens)).hexdigest()[:32]

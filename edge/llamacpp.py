@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,8 @@ class Native:
             self._batch.seq_id[i][0] = SEQ
         self._tok, self._pos, self._out = self._batch.token, self._batch.pos, self._batch.logits
         self._piece = ctypes.create_string_buffer(256)
+        # a Native dropped without close() (a load failing half-way) still frees what it holds
+        self._free = weakref.finalize(self, _free, lib, self.model, self.ctx, self._batch)
 
     def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
         """Fewer (or again all) threads, e.g. while a reload's new set warms up beside this one."""
@@ -181,14 +184,22 @@ class Native:
         """Drop every position from n on; False where the memory cannot (recurrent models)."""
         return bool(self.lib.llama_memory_seq_rm(self.mem, SEQ, n, -1))
 
+    def pos_min(self) -> int:
+        """The oldest position the sequence still holds (-1: empty)."""
+        return int(self.lib.llama_memory_seq_pos_min(self.mem, SEQ))
+
+    def reaches(self, pos_min: int, n: int) -> bool:
+        """Whether a sequence holding positions from `pos_min` on, cut to n tokens, still holds
+        what the token at position n attends to. Always, unless sliding-window layers keep only
+        their window (swa_full = false): then the window before n must still be there."""
+        return not self.n_swa or n <= 0 or 0 <= pos_min <= max(0, n - self.n_swa)
+
     def can_continue_at(self, n: int) -> bool:
-        """Whether the sequence, cut to n tokens, still holds what the token at position n attends
-        to. Always, unless sliding-window layers keep only their window (swa_full = false): then
-        the window before n must not have been evicted."""
-        if not self.n_swa or n <= 0:
-            return True
-        pos_min = int(self.lib.llama_memory_seq_pos_min(self.mem, SEQ))
-        return 0 <= pos_min <= max(0, n - self.n_swa)
+        """`reaches` for the sequence as it is now."""
+        return self.reaches(self.pos_min(), n)
+
+    def state_size(self) -> int:
+        return int(self.lib.llama_state_seq_get_size(self.ctx, SEQ))
 
     def clear(self) -> None:
         self.lib.llama_memory_seq_rm(self.mem, SEQ, -1, -1)
@@ -197,12 +208,15 @@ class Native:
         """The sequence's KV state as llama.cpp serialises it (llama_state_seq_get_data), written
         straight into the buffer that keeps it (one copy: the buffer's pages are the kernel's
         zero pages until llama.cpp writes them)."""
-        size = int(self.lib.llama_state_seq_get_size(self.ctx, SEQ))
+        size = self.state_size()
         buf = bytearray(size)
-        got = int(self.lib.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, SEQ))
+        view = (ctypes.c_uint8 * size).from_buffer(buf)
+        got = int(self.lib.llama_state_seq_get_data(self.ctx, view, size, SEQ))
+        del view  # the buffer is exported while a view lives: released before any resize
         if got == 0 and size:
             raise DecodeError("llama_state_seq_get_data returned nothing")
-        del buf[got:]
+        if got != size:
+            del buf[got:]
         return buf
 
     def set_state(self, data: bytes | bytearray) -> bool:
@@ -220,13 +234,18 @@ class Native:
         return True
 
     def close(self) -> None:
-        lib = self.lib
-        if self._batch is not None:
-            lib.llama_batch_free(self._batch)
-            self._batch = None
-        if self.ctx:
-            lib.llama_free(self.ctx)
-            self.ctx = None
-        if self.model:
-            lib.llama_model_free(self.model)
-            self.model = None
+        """The batch, the context and the model freed now (once)."""
+        if hasattr(self, "_free"):
+            self._free()
+        else:  # the context could not be made: only the model is there
+            _free(self.lib, self.model, self.ctx, None)
+        self._batch = self.ctx = self.model = None
+
+
+def _free(lib: Any, model: Any, ctx: Any, batch: Any) -> None:
+    if batch is not None:
+        lib.llama_batch_free(batch)
+    if ctx:
+        lib.llama_free(ctx)
+    if model:
+        lib.llama_model_free(model)

@@ -18,7 +18,7 @@ from edge.generate import GenParams, Job, Piece, generate
 from edge.gguf import GGUFInfo
 from edge.llamacpp import ContextSettings, DecodeError, Native
 from edge.mlock import MlockStatus, mlock_status, vm_locked_bytes
-from edge.memguard import model_need, prompt_cache_bytes
+from edge.memguard import kv_bytes, prompt_cache_bytes
 from edge.prefixcache import PromptCache
 
 __all__ = ["GenParams", "GGUFModel", "Job", "Piece", "diagnose_load_failure", "load_gguf_model",
@@ -28,8 +28,8 @@ log = logging.getLogger("edge")
 
 
 class GGUFModel:
-    """A llama.cpp model, its context and its prompt cache; every method must run on the model's
-    worker thread."""
+    """A llama.cpp model, its context and its prompt cache. Every method runs on the model's
+    worker thread, but `close()`, which runs on any thread once no job is left on it."""
 
     def __init__(self, cfg: ModelConfig, info: GGUFInfo, native: Native, mlock: MlockStatus) -> None:
         self.cfg = cfg
@@ -37,7 +37,7 @@ class GGUFModel:
         self.native = native
         self.mlock = mlock
         self.n_ctx = min(int(cfg.n_ctx), native.n_ctx)  # llama.cpp may round the context up
-        self.cache = PromptCache(native, prompt_cache_bytes(cfg, model_need(cfg, info, True)["kv_cache"]))
+        self.cache = PromptCache(native, prompt_cache_bytes(cfg, kv_bytes(cfg, info)))
         self._formatter = self._make_formatter()
 
     def _make_formatter(self) -> Any:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, EngineConfig, cache_dir, check_writable, find_config, load_config
 from edge.errors import require
-from edge.loadset import Loaded, LoadPlan, model_key
+from edge.loadset import Loaded, LoadPlan, close_worker, model_key
 from edge.mlock import enforce
 from edge.systemd import Notifier, setup_logging
 from edge.timing import Phases, StartTimer
@@ -116,10 +116,17 @@ class Loader:
         plan = plan or self.prepare()
         self.import_backends(plan)
         self.finish_model_files(plan)
-        workers, infos = self.load_models_beside_http(plan.files)
-        engines, engine_infos = self.load_engines(plan.engines)
-        self.restore_prefixes(workers)
-        return self.assemble(plan, {**workers, **engines}, {**infos, **engine_infos}, metrics)
+        made: dict[str, Any] = {}  # closed again if a later step fails: nothing loaded is left behind
+        try:
+            workers, infos = self.load_models_beside_http(plan.files, made)
+            engines, engine_infos = self.load_engines(plan.engines)
+            made.update(engines)
+            self.restore_prefixes(workers)
+            return self.assemble(plan, made, {**infos, **engine_infos}, metrics)
+        except BaseException:
+            for worker in made.values():
+                close_worker(worker)
+            raise
 
     def import_backends(self, plan: LoadPlan) -> None:
         """llama_cpp (and onnxruntime) imported beside the page-in threads."""
@@ -143,10 +150,11 @@ class Loader:
                                model=f.cfg.name, threads=f.pagein.threads if f.pagein else 0,
                                **res.as_detail())
 
-    def load_models_beside_http(self, files: list[ModelFile]) -> tuple[dict[str, ModelWorker], dict[str, Any]]:
+    def load_models_beside_http(self, files: list[ModelFile], made: dict[str, Any]
+                                ) -> tuple[dict[str, ModelWorker], dict[str, Any]]:
         """llama.cpp loads with the GIL released: the HTTP stack is imported meanwhile."""
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-load") as pool:
-            loading = pool.submit(self.load_models, files)
+            loading = pool.submit(self.load_models, files, made)
             self.import_http()
             return loading.result()
 
@@ -154,8 +162,10 @@ class Loader:
         with self.timer.phase(Phases.IMPORTS_HTTP) as ph:
             ph.detail["modules"] = _import(["uvicorn", "starlette.applications", "edge.app", "edge.serving"])
 
-    def load_models(self, files: list[ModelFile]) -> tuple[dict[str, ModelWorker], dict[str, Any]]:
-        """Each model through llama.cpp (mmap, mlock), then the lock measured and the policy applied."""
+    def load_models(self, files: list[ModelFile], made: dict[str, Any]
+                    ) -> tuple[dict[str, ModelWorker], dict[str, Any]]:
+        """Each model through llama.cpp (mmap, mlock), then the lock measured and the policy
+        applied; each worker in `made` as soon as it exists."""
         from edge.llm import load_gguf_model
         from edge.worker import ModelWorker
 
@@ -167,11 +177,11 @@ class Loader:
                                   use_mlock=m.use_mlock) as ph:
                 model = load_gguf_model(m, f.validate() if f.info is None else f.info)
                 ph.bytes = model.info.size
+            made[m.name] = workers[m.name] = ModelWorker(model, self.config.server.max_queue,
+                                                         self.config.server.stream_interval_ms / 1000)
             with self.timer.phase(Phases.MLOCK_VERIFY, model=m.name) as ph:
                 ph.detail.update(model.mlock.as_dict())
                 enforce(m, model.mlock)
-            workers[m.name] = ModelWorker(model, self.config.server.max_queue,
-                                          self.config.server.stream_interval_ms / 1000)
             infos[m.name] = {**model.info.summary(), "name": m.name, "path": m.path, "n_ctx": model.n_ctx,
                              "context": model.context_info(), "mlock": model.mlock.as_dict()}
         return workers, infos
@@ -281,12 +291,16 @@ def save_learned(loaded: Loaded, cfg: Config) -> None:
 
     from edge.prefixstore import folder_for, save_learned as save
 
+    log = logging.getLogger("edge")
     for name, w in loaded.state.workers.items():
         if w.model.cfg.learn_prefixes and name not in loaded.closed:
-            rows = w.run(save, w.model, folder_for(cache_dir(cfg), name))
-            logging.getLogger("edge").info(
-                "%s: saved %d learned prefixes for the next start: %s", name, len(rows),
-                ", ".join(f"{r['tokens']} tokens ({r['hits']} hits)" for r in rows) or "none")
+            try:
+                rows = w.run(save, w.model, folder_for(cache_dir(cfg), name))
+            except OSError as exc:  # a full or read-only disk: the next start has none, no more
+                log.warning("%s: learned prefixes not saved: %s", name, exc)
+                continue
+            log.info("%s: saved %d learned prefixes for the next start: %s", name, len(rows),
+                     ", ".join(f"{r['tokens']} tokens ({r['hits']} hits)" for r in rows) or "none")
 
 
 def _device_and_build(llama: bool) -> tuple[Any, str | None]:

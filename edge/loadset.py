@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     Validation = concurrent.futures.Future[tuple[float, float, GGUFInfo]]
 
-__all__ = ["Loaded", "LoadPlan", "model_key"]
+__all__ = ["Loaded", "LoadPlan", "close_worker", "model_key"]
 
 
 @dataclass
@@ -53,10 +53,7 @@ class Loaded:
         freed = []
         for name, worker in self.workers().items():
             if id(worker) not in shared and name not in self.closed:
-                worker.close()  # waits for the job on its thread, if any
-                model = getattr(worker, "model", None)
-                if hasattr(model, "close"):
-                    model.close()  # the context and the mapping now, not whenever GC gets to it
+                close_worker(worker)
                 self.closed.add(name)
                 freed.append(name)
         return freed
@@ -80,6 +77,14 @@ class LoadPlan:
     kept: dict[str, Any] = field(default_factory=dict)  # name -> worker of the previous set
     kept_infos: dict[str, dict[str, Any]] = field(default_factory=dict)
     validations: list[Validation] = field(default_factory=list)  # one per file, joined by the load
+
+
+def close_worker(worker: Any) -> None:
+    """A model's or engine's worker, and what it holds, closed now (not whenever GC gets to it)."""
+    worker.close()  # waits for the job on its thread, if any
+    model = getattr(worker, "model", None)
+    if hasattr(model, "close"):
+        model.close()  # the llama.cpp context, the prompt cache and the mapping
 
 
 def model_key(m: ModelConfig) -> tuple[Any, ...]:

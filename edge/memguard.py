@@ -29,8 +29,8 @@ from typing import Any
 from edge.config import Config, EngineConfig, ModelConfig
 from edge.gguf import GGUFInfo, offload_split
 
-__all__ = ["prompt_cache_bytes", "MemoryReading", "Need", "Decision", "read_memory", "estimate", "decide", "engine_sizes", "unified_memory",
-           "TEST_MEMINFO_ENV"]
+__all__ = ["Decision", "MemoryReading", "Need", "TEST_MEMINFO_ENV", "decide", "engine_sizes",
+           "estimate", "kv_bytes", "prompt_cache_bytes", "read_memory", "unified_memory"]
 
 MEMINFO = Path("/proc/meminfo")
 TEGRA_RELEASE = "etc/nv_tegra_release"
@@ -112,6 +112,16 @@ def _int(meta: dict[str, Any], key: str, default: int) -> int:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else default
 
 
+def kv_bytes(m: ModelConfig, info: GGUFInfo) -> int:
+    """The f16 KV cache of n_ctx tokens: every layer's K and V, from the GGUF header."""
+    meta, arch = info.metadata, info.architecture
+    n_head = _int(meta, f"{arch}.attention.head_count", 1)
+    k_len = _int(meta, f"{arch}.attention.key_length", _int(meta, f"{arch}.embedding_length", 1) // n_head or 1)
+    v_len = _int(meta, f"{arch}.attention.value_length", k_len)
+    return (_int(meta, f"{arch}.block_count", 1) * m.n_ctx
+            * _int(meta, f"{arch}.attention.head_count_kv", n_head) * (k_len + v_len) * 2)
+
+
 def model_need(m: ModelConfig, info: GGUFInfo, shared_file: bool, unified: bool = False) -> dict[str, int]:
     """One model: its weights (CPU-resident ones 0 when the same file is mapped already), the f16
     KV cache of n_ctx tokens, and the compute buffers llama.cpp sizes by n_batch (an upper
@@ -121,12 +131,9 @@ def model_need(m: ModelConfig, info: GGUFInfo, shared_file: bool, unified: bool 
     n_layer = _int(meta, f"{arch}.block_count", 1)
     n_embd = _int(meta, f"{arch}.embedding_length", 1)
     n_head = _int(meta, f"{arch}.attention.head_count", 1)
-    n_head_kv = _int(meta, f"{arch}.attention.head_count_kv", n_head)
-    k_len = _int(meta, f"{arch}.attention.key_length", n_embd // n_head or 1)
-    v_len = _int(meta, f"{arch}.attention.value_length", k_len)
     n_vocab = _int(meta, "n_vocab", 32000)
     n_ctx, n_batch = m.n_ctx, min(m.n_batch, m.n_ctx)
-    kv = n_layer * n_ctx * n_head_kv * (k_len + v_len) * 2
+    kv = kv_bytes(m, info)
     # logits of one batch, the attention scores of one batch against the context, activations
     compute = 4 * n_batch * (n_vocab + n_head * n_ctx + 4 * n_embd) + CONTEXT_OVERHEAD
     if m.n_gpu_layers != 0 and info.tensors:

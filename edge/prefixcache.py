@@ -56,6 +56,7 @@ class Entry:
     checkpoint: bool = False  # saved at the end of a prefix two requests shared (see _checkpoint)
     hits: int = 0  # requests that reused it
     reused: int = 0  # the shortest prefix of it those requests reused (what is worth keeping)
+    pos_min: int = 0  # the oldest position it holds (a sliding window keeps only its end)
 
     @property
     def nbytes(self) -> int:
@@ -105,18 +106,18 @@ class PromptCache:
         n, source = (min(lcp(self.live, tokens), last), None) if use_cache else (0, None)
         if n and not self.native.can_continue_at(n):
             n = 0  # the sliding-window layers no longer hold what position n needs
-        if use_cache and self.entries:
-            key, best = max(((k, lcp(e.tokens, tokens)) for k, e in self.entries.items()),
-                            key=lambda kv: kv[1])
-            if min(best, last) > n + MIN_REUSE // 2:
-                n, source = min(best, last), key
+        if use_cache:
+            key, best = self._best_entry(tokens, last)
+            if best > n + MIN_REUSE // 2:
+                n, source = best, key
         if remember:
-            self._save_live_if_losing(n if source is None else 0)
-        if source is not None:
-            n = self._restore(source, n)
+            self._save_live_if_losing(n if source is None else 0, protect=source)
+        if source is not None and not self._restore(source):
+            n = 0
         if n < len(self.live) and not (self.native.keep(n) and self.native.can_continue_at(n)):
-            n = 0  # memory that cannot drop a suffix (recurrent models), or a restored state whose
-            # sliding window does not reach back to n: start over
+            n = 0  # memory that cannot drop a suffix (recurrent models): start over
+        elif source is not None:
+            self._taken(source)
         if n == 0:
             self.native.clear()
         self.live = list(tokens[:n])
@@ -143,19 +144,33 @@ class PromptCache:
         else:
             self.stats.misses += 1
 
-    def _restore(self, key: int, n: int) -> int:
+    def _best_entry(self, tokens: list[int], last: int) -> tuple[int | None, int]:
+        """The saved state that gives `tokens` the longest prefix it can really continue from
+        (a state saved with only a sliding window's end cannot be cut far back)."""
+        best: tuple[int | None, int] = (None, 0)
+        for key, e in self.entries.items():
+            m = min(lcp(e.tokens, tokens), last)
+            if m > best[1] and (m == len(e.tokens) or self.native.reaches(e.pos_min, m)):
+                best = (key, m)
+        return best
+
+    def _restore(self, key: int) -> bool:
         entry = self.entries[key]
         if not self.native.set_state(entry.state):
             self._drop(key)  # llama.cpp refused it: never offered again
             self.live = []
-            return 0
+            return False
         self.stats.restores += 1
         self.live = list(entry.tokens)
-        if entry.pinned or entry.checkpoint:
-            self.entries.move_to_end(key)
-        else:  # taken: its tokens live in the sequence now, and are saved again with it if needed
+        self.entries.move_to_end(key)
+        return True
+
+    def _taken(self, key: int) -> None:
+        """A restored state that was used: its tokens live in the sequence now (and are saved
+        again with it if needed), unless it is kept for good (pinned, a checkpoint)."""
+        entry = self.entries.get(key)
+        if entry is not None and not (entry.pinned or entry.checkpoint):
             self._drop(key)
-        return n
 
     def _checkpoint(self) -> None:
         """The sequence holds exactly a prefix this request shares with an earlier one: keep its
@@ -165,39 +180,49 @@ class PromptCache:
         sliding-window layers keep only their window (llama.cpp saves only the window). A longer
         checkpoint of the same prefix gives way: checkpoints converge on what requests share."""
         n, prefix = len(self.live), self.live
-        hits = 0
-        for key, e in list(self.entries.items()):
+        for key, e in self.entries.items():
             m = lcp(e.tokens, prefix)
             if m == len(e.tokens) and m >= n - MIN_REUSE:
                 e.hit(m)  # this request reused what it holds
                 self.entries.move_to_end(key)
                 return
-            if e.checkpoint and m == n < len(e.tokens):
-                hits += self._drop(key).hits  # its requests shared this shorter prefix too
-        entry = Entry(list(prefix), self.native.state_bytes(), checkpoint=True, hits=hits)
+        size = self.native.state_size()
+        if not size or not self._room_for(size):
+            return
+        longer = [k for k, e in self.entries.items() if e.checkpoint and lcp(e.tokens, prefix) == n < len(e.tokens)]
+        hits = sum(self._drop(k).hits for k in longer)  # their requests shared this shorter prefix too
+        entry = Entry(list(prefix), self.native.state_bytes(), checkpoint=True, hits=hits,
+                      pos_min=self.native.pos_min())
         entry.hit(n)
         self.add(entry)
 
-    def _save_live_if_losing(self, keep: int) -> None:
+    def _save_live_if_losing(self, keep: int, protect: int | None = None) -> None:
         """Save the live state before a prompt throws more of it away than it keeps, unless a
-        saved state already covers most of it."""
+        saved state already covers most of it. `protect`: a state about to be restored, which
+        making room must not evict."""
         lose = len(self.live) - keep
-        if lose < MIN_REUSE or lose <= keep or self.limit_bytes <= 0:
+        if lose < MIN_REUSE or lose <= keep:
             return
         covered = max((lcp(e.tokens, self.live) for e in self.entries.values()), default=0)
-        if covered * 2 >= len(self.live):
+        size = self.native.state_size() if covered * 2 < len(self.live) else 0
+        if not size or not self._room_for(size, protect):
             return
-        self.add(Entry(list(self.live), self.native.state_bytes()))
+        self.add(Entry(list(self.live), self.native.state_bytes(), pos_min=self.native.pos_min()), protect)
+
+    def _room_for(self, nbytes: int, protect: int | None = None) -> bool:
+        """Whether a state of `nbytes` can be kept at all (beside the pinned states and the one
+        protected), before it is copied out of llama.cpp."""
+        kept = sum(e.nbytes for k, e in self.entries.items() if e.pinned or k == protect)
+        return kept + nbytes <= self.limit_bytes
 
     # -- saved states ----------------------------------------------------------------------------
-    def add(self, entry: Entry) -> bool:
+    def add(self, entry: Entry, protect: int | None = None) -> bool:
         """Keep `entry` (as the most recently used), evicting the least recently used unpinned
-        states until it fits; False (nothing changed) when it cannot fit beside the pinned ones."""
-        pinned = sum(e.nbytes for e in self.entries.values() if e.pinned)
-        if pinned + entry.nbytes > self.limit_bytes:
+        states (never `protect`) until it fits; False (nothing changed) when it cannot fit."""
+        if not self._room_for(entry.nbytes, protect):
             return False
         used = self.nbytes
-        for key in [k for k, e in self.entries.items() if not e.pinned]:
+        for key in [k for k, e in self.entries.items() if not e.pinned and k != protect]:
             if used + entry.nbytes <= self.limit_bytes:
                 break
             used -= self._drop(key).nbytes
@@ -207,6 +232,37 @@ class PromptCache:
         self._next += 1
         self.stats.saves += 0 if entry.pinned else 1
         return True
+
+    # -- states from and to disk (edge.prefixstore) ------------------------------------------------
+    def load(self, tokens: list[int], state: bytearray) -> bool:
+        """A saved state into the sequence, its tokens made live; False (and an empty sequence)
+        where llama.cpp refuses it."""
+        if self.native.set_state(state):
+            self.live = list(tokens)
+            return True
+        self.live = []
+        return False
+
+    def compute(self, tokens: list[int]) -> bytearray:
+        """`tokens` prefilled from position 0; the sequence's state after them."""
+        self.reset()
+        try:
+            self.native.decode(tokens, 0)
+        except BaseException:
+            self.reset()
+            raise
+        self.live = list(tokens)
+        return self.native.state_bytes()
+
+    def cut(self, e: Entry, n: int) -> tuple[list[int], bytearray] | None:
+        """`e`'s tokens and state cut to its first n tokens, where its window reaches back that
+        far (else whole); None where llama.cpp refuses the state."""
+        if not self.load(e.tokens, e.state):
+            return None
+        if n < len(e.tokens) and self.native.reaches(e.pos_min, n) and self.native.keep(n):
+            self.live = self.live[:n]
+            return list(self.live), self.native.state_bytes()
+        return list(e.tokens), e.state
 
     def clear(self) -> None:
         """Every saved state gone (the model is being closed)."""

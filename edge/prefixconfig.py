@@ -33,7 +33,6 @@ class PrefixConfig:
     tools: list[dict[str, Any]] | None = None
 
 
-
 PREFIX_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import struct
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from edge.errors import ConfigError
+from edge.errors import ConfigError, RequestError
 from edge.fsutil import atomic_write
 from edge.prefixcache import Entry
 
@@ -62,28 +63,25 @@ def folder_for(cache_dir: Path, model: str) -> Path:
 
 def prefix_key(model: GGUFModel) -> dict[str, Any]:
     """What makes a saved KV state valid for this loaded model and context."""
-    import llama_cpp
-
     from edge.llama_gpu import llama_build
-    from edge.warmplan import model_identity
+    from edge.warmplan import context_identity
 
     p = model.native.params
-    return {"format": FORMAT, **model_identity(model),
-            "llama_cpp_python": getattr(llama_cpp, "__version__", None),
-            "llama_system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),
-            "backend": llama_build(), "n_ctx": model.n_ctx, "n_batch": int(p.n_batch),
-            "n_ubatch": int(p.n_ubatch), "type_k": int(p.type_k), "type_v": int(p.type_v),
-            "swa_full": bool(p.swa_full), "n_gpu_layers": model.cfg.n_gpu_layers,
-            "flash_attn": model.cfg.flash_attn_mode}
+    return {"format": FORMAT, **context_identity(model, llama_build()), "type_k": int(p.type_k),
+            "type_v": int(p.type_v)}
 
 
-def prefix_tokens(model: GGUFModel, p: PrefixConfig) -> list[int]:
+def prefix_tokens(model: GGUFModel, p: PrefixConfig, source: str = "", field: str = "") -> list[int]:
     """A declared prefix's tokens: its text as a completion prompt starts, or its messages (and
-    tools) rendered by the chat template up to where the next turn's content would begin."""
+    tools) rendered by the chat template up to where the next turn's content would begin. A
+    template that cannot render them is a ConfigError naming `field` (models[i].prefixes[j])."""
     if p.messages is None:
         return model.tokenize_prompt(p.text or "")
     msgs = [{"role": m.role, "content": m.content} for m in p.messages]
-    texts = [model.render_chat([*msgs, {"role": "user", "content": probe}], p.tools) for probe in PROBES]
+    try:
+        texts = [model.render_chat([*msgs, {"role": "user", "content": probe}], p.tools) for probe in PROBES]
+    except RequestError as exc:
+        raise ConfigError(source, f"{field}.messages", str(exc)) from None
     (a, added_bos, _), (b, _, _) = texts
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return model.native.tokenize(a[:n].encode("utf-8"), add_bos=not added_bos, special=True)
@@ -94,41 +92,54 @@ def write_state(path: Path, key: dict[str, Any], tokens: list[int], state: bytes
     header = json.dumps({"format": FORMAT, "key": key, "tokens": tokens, "state_bytes": len(state),
                          "state_crc32": zlib.crc32(state), **meta}).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, b"".join([MAGIC, _HEAD.pack(len(header)), header, state]))
+    atomic_write(path, [MAGIC, _HEAD.pack(len(header)), header, state])
+
+
+def _read_header(f: BinaryIO) -> dict[str, Any]:
+    """The header of an open state file, its position left at the state; StateRejected if it is
+    not one of edge's or is cut short."""
+    head = f.read(len(MAGIC) + _HEAD.size)
+    if head[:len(MAGIC)] != MAGIC:
+        raise StateRejected("not an edge KV state file (magic)")
+    if len(head) < len(MAGIC) + _HEAD.size:
+        raise StateRejected("truncated header")
+    (hlen,) = _HEAD.unpack_from(head, len(MAGIC))
+    raw = f.read(hlen) if hlen <= MAX_HEADER else b""
+    if len(raw) != hlen or not raw:
+        raise StateRejected("truncated header")
+    try:
+        header = json.loads(raw)
+        int(header["state_bytes"]), int(header["state_crc32"]), header["key"], header["tokens"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StateRejected(f"unreadable header ({type(exc).__name__})") from None
+    return header
 
 
 def read_state(path: Path, key: dict[str, Any], tokens: list[int] | None = None) -> tuple[dict[str, Any], bytearray]:
     """(header, state) of a file that passes every check, else StateRejected naming the first
-    that fails. `tokens`: the token ids the state must be of (a declared prefix)."""
+    that fails. `tokens`: the token ids the state must be of (a declared prefix). The state is
+    read into the buffer that keeps it (once)."""
     from edge.warmplan import key_differences
 
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            header = _read_header(f)
+            stored_key, size = header["key"], int(header["state_bytes"])
+            if not isinstance(stored_key, dict) or stored_key != key:
+                diff = key_differences(stored_key, key) if isinstance(stored_key, dict) else ["key"]
+                raise StateRejected(f"saved for another model or context: {', '.join(diff[:3])}")
+            if tokens is not None and header["tokens"] != tokens:
+                raise StateRejected("saved for other prefix tokens (its text or the template changed)")
+            state = bytearray(size)
+            got = f.readinto(state)
+            extra = f.read(1)
     except FileNotFoundError:
         raise StateRejected("no saved state") from None
     except OSError as exc:
         raise StateRejected(f"unreadable: {exc.strerror or exc}") from None
-    if data[:len(MAGIC)] != MAGIC:
-        raise StateRejected("not an edge KV state file (magic)")
-    start = len(MAGIC) + _HEAD.size
-    (hlen,) = _HEAD.unpack_from(data, len(MAGIC)) if len(data) >= start else (None,)
-    if hlen is None or hlen > MAX_HEADER or start + hlen > len(data):
-        raise StateRejected("truncated header")
-    try:
-        header = json.loads(data[start:start + hlen])
-        size, crc = int(header["state_bytes"]), int(header["state_crc32"])
-        stored_key, stored_tokens = header["key"], header["tokens"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise StateRejected(f"unreadable header ({type(exc).__name__})") from None
-    if not isinstance(stored_key, dict) or stored_key != key:
-        diff = key_differences(stored_key, key) if isinstance(stored_key, dict) else ["key"]
-        raise StateRejected(f"saved for another model or context: {', '.join(diff[:3])}")
-    if tokens is not None and stored_tokens != tokens:
-        raise StateRejected("saved for other prefix tokens (its text or the template changed)")
-    state = bytearray(memoryview(data)[start + hlen:])
-    if len(state) != size:
-        raise StateRejected(f"truncated: {len(state)} of {size} state bytes")
-    if zlib.crc32(state) != crc:
+    if got != size or extra:
+        raise StateRejected(f"truncated: {got} of {size} state bytes" if got != size else "longer than its header says")
+    if zlib.crc32(state) != int(header["state_crc32"]):
         raise StateRejected("checksum mismatch (corrupt)")
     return header, state
 
@@ -153,9 +164,9 @@ def restore_prefixes(model: GGUFModel, folder: Path, source: str, field: str,
 
 def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where, j: int,
               p: PrefixConfig, recompute: bool) -> dict[str, Any]:
-    t0, native = time.perf_counter(), model.native
-    tokens = prefix_tokens(model, p)
+    t0, cache = time.perf_counter(), model.cache
     name = f"{where.field}.prefixes[{j}]"
+    tokens = prefix_tokens(model, p, where.source, name)
     if len(tokens) >= model.n_ctx:
         raise ConfigError(where.source, name, f"prefix {p.name!r} is {len(tokens)} tokens: it leaves no "
                           f"room in the context of {model.n_ctx} tokens (n_ctx)")
@@ -163,7 +174,7 @@ def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where
     if not recompute:
         try:
             state = read_state(path, key, tokens)[1]
-            if not native.set_state(state):
+            if not cache.load(tokens, state):
                 state, why = None, "llama.cpp refused the saved state"
         except StateRejected as exc:
             why = _why_new(folder, p.name, key) if not path.exists() else str(exc)
@@ -171,14 +182,11 @@ def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where
     if state is None:
         if path.exists():
             log.warning("%s: prefix %r: %s (%s): computing it again", model.cfg.name, p.name, why, path)
-        native.clear()
-        native.decode(tokens, 0)
-        state = native.state_bytes()
+        state = cache.compute(tokens)
         write_state(path, key, tokens, state, kind="declared", name=p.name)
         _prune(folder, p.name)
-    model.cache.live = list(tokens)
-    if not model.cache.add(Entry(list(tokens), state, name=p.name, pinned=True)):
-        need = sum(e.nbytes for e in model.cache.pinned()) + len(state)
+    if not cache.add(Entry(list(tokens), state, name=p.name, pinned=True, pos_min=model.native.pos_min())):
+        need = sum(e.nbytes for e in cache.pinned()) + len(state)
         raise ConfigError(where.source, f"{where.field}.prompt_cache_mb", f"the declared prefixes need "
                           f"{need / 2**20:.1f} MiB of KV state, more than the prompt cache's "
                           f"{model.cache.limit_bytes / 2**20:.1f} MiB: raise prompt_cache_mb")
@@ -195,8 +203,9 @@ def _state_path(folder: Path, name: str, key: dict[str, Any], tokens: list[int])
 
 
 def _others(folder: Path, name: str) -> list[Path]:
-    """The prefix's state files, newest first."""
-    found = [p for p in folder.glob(f"{name}.*.kvstate") if p.name.count(".") == 2]
+    """The prefix's state files (`<name>.<16 hex digits>.kvstate`), newest first."""
+    own = re.compile(rf"{re.escape(name)}\.[0-9a-f]{{16}}\.kvstate")
+    found = [p for p in folder.glob(f"{name}.*.kvstate") if own.fullmatch(p.name)]
     return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
 
 
@@ -207,13 +216,11 @@ def _why_new(folder: Path, name: str, key: dict[str, Any]) -> str:
     for path in _others(folder, name):
         try:
             with open(path, "rb") as f:
-                head = f.read(len(MAGIC) + _HEAD.size)
-                (hlen,) = _HEAD.unpack_from(head, len(MAGIC))
-                stored = json.loads(f.read(min(hlen, MAX_HEADER)))["key"]
-            diff = key_differences(stored, key)
+                stored = _read_header(f)["key"]
+            diff = key_differences(stored, key) if isinstance(stored, dict) else ["key"]
             return "no saved state for this key" + (f" ({', '.join(diff[:3])})" if diff else
                                                     " (the prefix's tokens changed)")
-        except (OSError, ValueError, KeyError, TypeError, struct.error):
+        except (OSError, StateRejected):
             continue
     return "no saved state"
 
@@ -235,16 +242,14 @@ def _learned(model: GGUFModel, folder: Path, key: dict[str, Any]) -> list[dict[s
             header, state = read_state(path, key)
             tokens = [int(t) for t in header["tokens"]]
             row.update(tokens=len(tokens), bytes=len(state))
-            entry = Entry(tokens, state, hits=int(header.get("hits", 0)), reused=int(header.get("reused", 0)),
-                          checkpoint=True)
             if len(tokens) >= model.n_ctx:
                 row["why"] = f"{len(tokens)} tokens: no room in the context of {model.n_ctx}"
-            elif not model.native.set_state(state):
+            elif not model.cache.load(tokens, state):
                 row["why"] = "llama.cpp refused the saved state"
-            elif not model.cache.add(entry):
+            elif not model.cache.add(Entry(tokens, state, hits=int(header.get("hits", 0)), checkpoint=True,
+                                           reused=int(header.get("reused", 0)), pos_min=model.native.pos_min())):
                 row["why"] = "no room beside the declared prefixes (prompt_cache_mb)"
             else:
-                model.cache.live = list(tokens)
                 row["outcome"] = "restored"
         except (StateRejected, ValueError, TypeError) as exc:
             row["why"] = str(exc)
@@ -257,21 +262,19 @@ def _learned(model: GGUFModel, folder: Path, key: dict[str, Any]) -> list[dict[s
 def save_learned(model: GGUFModel, folder: Path) -> list[dict[str, Any]]:
     """The `learn_prefixes` states traffic reused most, each cut to the part it reused, written
     for the next start; older learned files beyond them removed. Runs after the drain."""
-    native, cache, key = model.native, model.cache, prefix_key(model)
+    cache, key = model.cache, prefix_key(model)
     rows: list[dict[str, Any]] = []
     for e in cache.most_reused(model.cfg.learn_prefixes):
-        if not native.set_state(e.state):
+        got = cache.cut(e, max(1, min(e.reused, len(e.tokens))))  # whole where a window cannot be cut
+        if got is None:
             continue
-        n = max(1, min(e.reused, len(e.tokens)))
-        if n < len(e.tokens) and not (native.keep(n) and native.can_continue_at(n)):
-            n = len(e.tokens)  # cannot be cut (a sliding window saved only at its end): kept whole
-        state = native.state_bytes() if n < len(e.tokens) else e.state
+        tokens, state = got
         name = f"learned-{len(rows)}"
-        write_state(folder / f"{name}.kvstate", key, list(e.tokens[:n]), state, kind="learned",
-                    hits=e.hits, reused=n)
-        rows.append({"prefix": name, "tokens": n, "hits": e.hits})
+        write_state(folder / f"{name}.kvstate", key, tokens, state, kind="learned", hits=e.hits, reused=len(tokens))
+        rows.append({"prefix": name, "tokens": len(tokens), "hits": e.hits})
     cache.reset()
     for path in folder.glob("learned-*.kvstate"):
-        if path.stem.removeprefix("learned-").isdigit() and int(path.stem[8:]) >= len(rows):
+        index = path.stem.removeprefix("learned-")
+        if index.isdigit() and int(index) >= len(rows):
             path.unlink(missing_ok=True)
     return rows

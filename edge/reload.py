@@ -206,14 +206,14 @@ class _Run:
         self.extra["warmup_threads"] = warm_n
         self.extra["serving_threads_while_warming"] = max(1, cores - warm_n)
         # queued behind the serving requests on each worker's thread; not waited for here
-        split = [asyncio.ensure_future(w.call(_set_threads, w.model, max(1, cores - warm_n))) for w in serving]
+        split = [asyncio.ensure_future(w.control(_set_threads, w.model, max(1, cores - warm_n))) for w in serving]
         try:
             for w in fresh:
-                await w.call(_set_threads, w.model, warm_n)
+                await w.control(_set_threads, w.model, warm_n)
             await self.loader.warm(new)
         finally:
             await asyncio.gather(*split, return_exceptions=True)
-            await asyncio.gather(*(w.call(_set_threads, w.model, None) for w in fresh + serving),
+            await asyncio.gather(*(w.control(_set_threads, w.model, None) for w in fresh + serving),
                                  return_exceptions=True)
 
     async def _clear_room(self, plan: LoadPlan) -> None:
@@ -235,7 +235,8 @@ class _Run:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             old = self.old
-            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else f.result().close(old))
+            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else
+                                  loop.run_in_executor(None, f.result().close, old))  # not on the loop
             raise
 
     def switch(self, new: Loaded) -> Route:

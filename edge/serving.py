@@ -89,12 +89,14 @@ class Route:
         loop = asyncio.get_running_loop()
         end = loop.time() + at_most_s
         while (left := end - loop.time()) > 0:
+            window = 0.0
             try:
                 await asyncio.wait_for(self.idle.wait(), left)
                 self.arrived.clear()
-                await asyncio.wait_for(self.arrived.wait(), min(for_s, max(0.0, end - loop.time())))
+                window = min(for_s, max(0.0, end - loop.time()))
+                await asyncio.wait_for(self.arrived.wait(), window)
             except asyncio.TimeoutError:
-                return self.idle.is_set()
+                return self.idle.is_set() and window >= for_s  # a window cut by the deadline: no
         return False
 
     async def drained(self, timeout: float | None) -> bool:

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from edge.device import DeviceInfo
     from edge.llm import GGUFModel
 
-__all__ = ["PLAN_FORMAT", "Plan", "PlanStore", "WarmResult", "device_identity", "engine_plan_key", "model_identity",
-           "model_plan_key", "warm_one"]
+__all__ = ["PLAN_FORMAT", "Plan", "PlanStore", "WarmResult", "context_identity", "device_identity",
+           "engine_plan_key", "model_identity", "model_plan_key", "warm_one"]
 
 log = logging.getLogger("edge")
 
@@ -54,17 +54,22 @@ def model_identity(model: GGUFModel) -> dict[str, Any]:
             "model_size": st.st_size, "model_mtime_ns": st.st_mtime_ns}
 
 
-def model_plan_key(model: GGUFModel, device: DeviceInfo, build: str | None) -> dict[str, Any]:
-    """Runs on the model's worker thread (it asks the loaded llama.cpp context)."""
+def context_identity(model: GGUFModel, build: str | None) -> dict[str, Any]:
+    """The model file, the llama.cpp that loaded it (version, CPU features, CPU/CUDA `build`) and
+    every context setting that changes what it computes: what the warm-up plan's key and a saved
+    KV state's key share. Reads the loaded context's settings (plain fields: any thread)."""
     import llama_cpp
 
-    params = model.native.params
-    return {"kind": "model", **model_identity(model), "device": device_identity(device),
-            "llama_cpp_python": getattr(llama_cpp, "__version__", None),
+    p = model.native.params
+    return {**model_identity(model), "llama_cpp_python": getattr(llama_cpp, "__version__", None),
             "llama_system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),
-            "backend": build, "n_ctx": model.n_ctx, "n_batch": int(params.n_batch),
-            "n_ubatch": int(params.n_ubatch), "n_gpu_layers": model.cfg.n_gpu_layers,
-            "flash_attn": model.cfg.flash_attn_mode, "swa_full": model.cfg.swa_full}
+            "backend": build, "n_ctx": model.n_ctx, "n_batch": int(p.n_batch), "n_ubatch": int(p.n_ubatch),
+            "n_gpu_layers": model.cfg.n_gpu_layers, "flash_attn": model.cfg.flash_attn_mode,
+            "swa_full": bool(p.swa_full)}
+
+
+def model_plan_key(model: GGUFModel, device: DeviceInfo, build: str | None) -> dict[str, Any]:
+    return {"kind": "model", **context_identity(model, build), "device": device_identity(device)}
 
 
 def engine_plan_key(engine_key: dict[str, Any], device: DeviceInfo) -> dict[str, Any]:

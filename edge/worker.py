@@ -71,6 +71,12 @@ class ModelWorker(Worker):
         finally:
             self.release()
 
+    async def control(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A call on the model's thread that is no request (thread counts during a reload): it
+        neither waits for nor counts in the request queue's bound, so a full queue cannot
+        refuse it."""
+        return await Worker.call(self, fn, *args)
+
     async def stream(self, job: Job, admitted: bool = False, eager: bool = True) -> AsyncIterator[Piece]:
         """Pieces of one generation; cancelling the consumer stops generation at the next token.
         `admitted`: the caller holds a place taken with admit() and releases it itself.

@@ -182,3 +182,34 @@ def test_a_full_queue_refuses_streams_before_the_first_byte_and_frees_every_plac
     assert busy and all(r.headers["retry-after"] == "1" and "data:" not in r.text for r in busy)
     assert all(r.text.endswith("data: [DONE]\n\n") for r in responses if r.status_code == 200)
     assert state.workers["tiny"].pending == 0  # every admitted stream gave its place back
+
+
+class FailingDecodeDouble:
+    """Test double at the llama.cpp boundary (edge.llamacpp.Native): delegates everything; the
+    n-th single-token decode raises what a broken native call would (not an edge error)."""
+
+    def __init__(self, native, fail_at: int) -> None:
+        self._native, self._left = native, fail_at
+
+    def __getattr__(self, name: str):
+        return getattr(self._native, name)
+
+    def decode_one(self, tok: int, pos: int) -> None:
+        self._left -= 1
+        if self._left == 0:
+            raise RuntimeError("a native call failed")
+        self._native.decode_one(tok, pos)
+
+
+def test_an_unexpected_error_mid_stream_ends_the_stream_in_band(model) -> None:
+    real = model.native
+    model.native = model.cache.native = FailingDecodeDouble(real, fail_at=3)
+    try:
+        resp = run(call(make_state(model), "POST", "/v1/completions",
+                        json={"prompt": "Hello", "max_tokens": 8, "temperature": 0, "stream": True}))
+    finally:
+        model.native = model.cache.native = real
+    events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert resp.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"] == "internal error: RuntimeError"
+    assert model.cache.live == []  # the sequence's content was unknown: emptied

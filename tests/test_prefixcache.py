@@ -161,3 +161,41 @@ def test_the_model_key_is_the_file_not_the_path(tmp_path: Path, tiny_gguf: Path)
     assert key == model_key(ModelConfig(name="m", path=str(b)))
     assert key != model_key(ModelConfig(name="m", path=str(c)))
     assert key != model_key(ModelConfig(name="m", path=str(b), n_ctx=1024))  # other settings
+
+
+def test_making_room_never_evicts_the_state_about_to_be_restored(tiny_gguf: Path) -> None:
+    """A full cache, an unrelated request, then the oldest prefix again: saving the unrelated
+    request's state must not evict the very state the next request restores."""
+    m = load(tiny_gguf)
+    try:
+        a, b, other = ([1] + [tok] * 120 for tok in (260, 261, 262))
+        run_tokens(m, a)
+        run_tokens(m, b)  # saves a
+        size = m.cache.nbytes
+        m.cache.limit_bytes = 2 * size + size // 2  # two states
+        run_tokens(m, other)  # saves b: a and b held
+        again = run_tokens(m, a + [263] * 5)  # saving `other` must evict b, not a
+        assert again.cached_tokens == len(a)
+        assert m.cache.nbytes <= m.cache.limit_bytes
+    finally:
+        m.close()
+
+
+def test_a_state_that_cannot_be_cut_there_is_not_chosen_and_stays(tiny_gguf: Path) -> None:
+    """A saved state whose window does not reach back to where a prompt leaves it is passed
+    over (the prompt is computed) and kept for prompts that continue it whole."""
+    m = load(tiny_gguf)
+    try:
+        long = [1] + [260] * 200
+        run_tokens(m, long)
+        run_tokens(m, [1] + [261] * 50)  # saves `long`
+        (entry,) = m.cache.entries.values()
+        entry.pos_min = 150  # as a state saved with only a 50-token sliding window's end
+        m.native.n_swa = 50  # (the tiny model has none: its n_swa stands in for Gemma's here)
+        cut = run_tokens(m, long[:60] + [262] * 3)
+        assert cut.cached_tokens < 16 and entry in m.cache.entries.values()
+        whole = run_tokens(m, long + [263] + [262] * 3)
+        assert whole.cached_tokens >= len(long)
+    finally:
+        m.native.n_swa = 0
+        m.close()

@@ -67,3 +67,18 @@ def test_a_consumer_that_goes_away_stops_the_generation(model: GGUFModel) -> Non
 
     j = asyncio.run(leave_after_one())
     assert j.completion_tokens < 200
+
+
+def test_a_control_call_runs_when_the_request_queue_is_full(model: GGUFModel) -> None:
+    """A reload sets thread counts through control calls: a full queue must not refuse them
+    (a kept model would serve on with fewer threads)."""
+    from edge.errors import RequestError
+
+    async def go() -> int:
+        w = ModelWorker(model, max_queue=1)
+        w.admit()  # the queue is full
+        with pytest.raises(RequestError):
+            await w.call(lambda: 1)
+        return await w.control(lambda: 2)
+
+    assert asyncio.run(go()) == 2
