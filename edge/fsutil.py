@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Sequence
@@ -30,14 +31,20 @@ def fsync_dir(d: Path) -> None:
 def atomic_write(path: Path, data: bytes | bytearray | str | Sequence[bytes | bytearray],
                  mode: int | None = None) -> None:
     """Write a hidden temp file beside `path`, fsync it, rename it over `path`, fsync the dir.
-    `data` may be a sequence of chunks (written one after another, never joined in memory)."""
+    `data` may be a sequence of chunks (written one after another, never joined in memory).
+    A write that fails (a full disk) leaves `path` as it was and removes its temp file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     chunks = [data.encode()] if isinstance(data, str) else [data] if isinstance(data, (bytes, bytearray)) else data
-    with open(tmp, "wb") as f:
-        f.writelines(chunks)
-        f.flush()
-        os.fsync(f.fileno())
-    if mode is not None:
-        os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.writelines(chunks)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(path.parent)

@@ -3,11 +3,15 @@ recorded on the failure path, and the OTA state read (never written) as `edge ot
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import resource
 import shutil
+import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -74,15 +78,39 @@ def test_a_corrupt_ledger_is_recounted_from_the_reports(tmp_path: Path, caplog: 
     assert "not an edge history ledger" in caplog.text
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+@contextlib.contextmanager
+def _unwritable(state_dir: Path) -> Iterator[None]:
+    """Writes into `state_dir` fail: a read-only directory, or (root writes anywhere) a file-size
+    limit of 0, which fails every write of a byte as a full disk does (EFBIG, SIGXFSZ ignored)."""
+    if os.geteuid() != 0:
+        dirs = [state_dir, *(p for p in state_dir.rglob("*") if p.is_dir())]
+        for d in dirs:
+            d.chmod(0o555)
+        try:
+            yield
+        finally:
+            for d in dirs:
+                d.chmod(0o755)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+
+
 def test_an_unwritable_state_dir_keeps_counts_in_memory(tmp_path: Path) -> None:
     _start(tmp_path)
-    tmp_path.chmod(0o555)
-    try:
-        assert Ledger(tmp_path).update() == {"start": {"ok": 1}}
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    ledger = Ledger(tmp_path)
+    with _unwritable(tmp_path):
+        assert ledger.update() == {"start": {"ok": 1}}
         assert record_failed_start(tmp_path, StartTimer().report()) is None  # no exception
-    finally:
-        tmp_path.chmod(0o755)
+    # nothing half-written: every file is as it was, no temp file left behind
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 def test_reload_results() -> None:
