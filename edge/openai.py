@@ -9,10 +9,12 @@ No native imports here (the grammar converter of llama-cpp-python is pure Python
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from edge.errors import RequestError
+from edge.jsoncheck import check_schema_repeats
 
 __all__ = ["Ask", "Limits", "IGNORED", "REFUSED", "parse"]
 
@@ -91,7 +93,9 @@ def _get(body: dict[str, Any], name: str, types: tuple[type, ...], default: Any,
     if isinstance(val, bool) and bool not in types or not isinstance(val, types):
         raise _bad(name, f"{name} must be {' or '.join(t.__name__ for t in types)}, "
                          f"found {json.dumps(val)[:40]}")
-    if (lo is not None and val < lo) or (hi is not None and val > hi):
+    if isinstance(val, float) and not math.isfinite(val):
+        raise _bad(name, f"{name} must be a finite number, found {val}")
+    if (lo is not None and not val >= lo) or (hi is not None and not val <= hi):
         raise _bad(name, f"{name} must be in [{lo}, {hi}], found {val}")
     return val
 
@@ -267,7 +271,8 @@ def _tools(body: dict[str, Any], ask: Ask, limits: Limits) -> None:
         raise _bad("tools", "tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}")
     names = [t["function"]["name"] for t in tools]
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if name not in names:
             raise _bad("tool_choice", f"tool_choice must name one of the tools {names}")
         tools = [t for t in tools if t["function"]["name"] == name]
@@ -324,6 +329,7 @@ def grammar(schema: dict[str, Any], param: str) -> str:
     """GBNF for a JSON schema, by llama-cpp-python's converter (llama.cpp's own, ported)."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
+    check_schema_repeats(schema, param)  # before the converter writes the repetitions out
     try:
         return json_schema_to_gbnf(json.dumps(schema))
     except Exception as exc:  # the converter raises ValueError/KeyError/... on what it cannot do

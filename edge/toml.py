@@ -6,6 +6,7 @@ config, edge.config, and the engine recipes, edge.engines.recipe, are both built
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -45,7 +46,7 @@ def build_dataclass(cls: type, raw: Any, source: str, where: str) -> Any:
         values[name] = _coerce(hints[name], raw[name], source, key)
         lo, hi = f.metadata.get("range", (None, None))
         val = values[name]
-        if (lo is not None and val < lo) or (hi is not None and val > hi):
+        if (lo is not None and not val >= lo) or (hi is not None and not val <= hi):
             raise ConfigError(source, key, f"expected a value in [{lo}, {hi}], found {val!r}")
         choices = f.metadata.get("choices")
         if choices and val not in choices:
@@ -82,6 +83,8 @@ def _coerce(tp: Any, val: Any, source: str, key: str) -> Any:
     }[tp](val)
     if not ok:
         raise ConfigError(source, key, f"expected {_TYPE_WORDS[tp]}, found {_kind(val)} {val!r}")
+    if tp is float and not math.isfinite(val):  # TOML has nan and inf; no field means either
+        raise ConfigError(source, key, f"expected a finite number, found {val!r}")
     return float(val) if tp is float else val
 
 

@@ -88,6 +88,11 @@ def test_the_readme_example_config_is_valid() -> None:
     (MIN + '[server]\nhost = ""\n', "server.host", "empty string"),
     (MIN + '[[models]]\nname = "n"\npath = "builtin:nope"\n', "models[1].path",
      "unknown builtin model 'nope'; expected one of ['builtin:gemma3-270m']"),
+    # TOML has nan and inf, and every range check passed nan
+    (MIN + "[server]\nstream_interval_ms = nan\n", "server.stream_interval_ms", "a finite number, found nan"),
+    (MIN + "[server]\ndrain_timeout_s = -nan\n", "server.drain_timeout_s", "a finite number, found nan"),
+    (MIN + "[server]\nheader_timeout_s = inf\n", "server.header_timeout_s", "a finite number, found inf"),
+    (MIN + "[warmup]\nbudget_s = nan\n", "warmup.budget_s", "a finite number"),
 ])
 def test_more_bad_fields(text: str, field: str, words: str) -> None:
     e = err(text)

@@ -317,6 +317,49 @@ def test_known_fields_may_be_null_unknown_ones_may_not() -> None:
         assert err.value.param in ("foo", "safety_identifier") and "unknown field" in str(err.value)
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty"])
+def test_nan_is_no_number_for_any_sampling_field(tiny: Service, field: str) -> None:
+    import httpx
+
+    # Python's json (and so any client built on it) writes NaN; every range check passed it
+    for path, body in (("/completions", '{"prompt": "x", "max_tokens": 1, "%s": NaN}'),
+                       ("/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "%s": NaN}')):
+        r = httpx.post(tiny.base + path, content=(body % field).encode(),
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field and "finite" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"type": "string", "minLength": 10**9}, ".minLength"),
+    ({"type": "array", "items": {"type": "string", "maxLength": 10**6}}, ".items.maxLength"),
+    ({"type": "string", "pattern": "^a{99999999}$"}, ".pattern"),
+    ({"type": "string", "pattern": "^((ab{100}){100}){100}$"}, ".pattern"),  # nested: 10**6
+])
+def test_a_schema_that_would_repeat_past_the_limit_is_a_400_and_the_service_serves_on(
+        tiny: Service, schema: dict, where: str) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    message = bad_request(lambda: tiny.client.chat.completions.create(
+        model="tiny", messages=HI, max_tokens=2, response_format=fmt), "response_format.json_schema")
+    assert f"response_format.json_schema{where}: asks for more than 10000 repetitions" in message
+    ok = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "minLength": 2, "pattern": "^(a{3}b){4}$"}}}
+    r = tiny.client.chat.completions.create(model="tiny", messages=HI, max_tokens=40, response_format=ok)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_tool_choice_naming_its_function_wrongly_is_a_400() -> None:
+    from edge.errors import RequestError
+    from edge.openai import Limits, parse
+
+    limits = Limits(n_ctx=512, n_vocab=100, max_n=4, tools=True)
+    for choice in ({"type": "function", "function": "get_weather"}, {"type": "function", "function": 5},
+                   {"type": "function"}, {"type": "function", "function": {"name": "nope"}}):
+        with pytest.raises(RequestError) as err:
+            parse({"messages": HI, "tools": [CITY_TOOL], "tool_choice": choice}, True, limits)
+        assert err.value.param == "tool_choice" and "must name one of the tools" in str(err.value)
+
+
 def test_a_forced_tool_call_is_parsed_into_tool_calls(tools: Service) -> None:
     r = tools.client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "weather in Paris?"}], tools=[CITY_TOOL],
