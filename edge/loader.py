@@ -299,8 +299,8 @@ def save_learned(loaded: Loaded, cfg: Config) -> None:
             except OSError as exc:  # a full or read-only disk: the next start has none, no more
                 log.warning("%s: learned prefixes not saved: %s", name, exc)
                 continue
-            log.info("%s: saved %d learned prefixes for the next start: %s", name, len(rows),
-                     ", ".join(f"{r['tokens']} tokens ({r['hits']} hits)" for r in rows) or "none")
+            log.info("%s: learned prefixes saved for the next start: %d (%s)", name, len(rows),
+                     ", ".join(f"{r['tokens']} tokens, {r['hits']} hits" for r in rows) or "none")
 
 
 def _device_and_build(llama: bool) -> tuple[Any, str | None]:

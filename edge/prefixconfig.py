@@ -54,6 +54,12 @@ def check_prefixes(prefixes: list[PrefixConfig], source: str, where: str,
             raise ConfigError(source, key, f"expected exactly one of text, file or messages, found {given or 'none'}")
         if p.tools is not None and p.messages is None:
             raise ConfigError(source, f"{key}.tools", "tools belong to a chat prefix: give messages too")
+        for i, tool in enumerate(p.tools or []):  # the shape a request's tools must have
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict) or \
+                    not isinstance(function.get("name"), str) or not function["name"]:
+                raise ConfigError(source, f"{key}.tools[{i}]", 'expected {type = "function", '
+                                  'function = {name = "...", ...}}, as a request\'s tools are')
         if p.text == "" or p.messages == []:
             raise ConfigError(source, f"{key}.{given[0]}", "expected a non-empty prefix")
         for i, msg in enumerate(p.messages or []):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import struct
 import time
@@ -78,6 +79,10 @@ def prefix_tokens(model: GGUFModel, p: PrefixConfig, source: str = "", field: st
     if p.messages is None:
         return model.tokenize_prompt(p.text or "")
     msgs = [{"role": m.role, "content": m.content} for m in p.messages]
+    if p.tools and not model.supports_tools:
+        raise ConfigError(source, f"{field}.tools", f"model {model.cfg.name!r}'s chat template has no "
+                          "tool support (it never mentions `tools`), so it would leave them out: set "
+                          "the model's chat_template to one that does, or remove tools")
     try:
         texts = [model.render_chat([*msgs, {"role": "user", "content": probe}], p.tools) for probe in PROBES]
     except RequestError as exc:
@@ -125,6 +130,10 @@ def read_state(path: Path, key: dict[str, Any], tokens: list[int] | None = None)
         with open(path, "rb") as f:
             header = _read_header(f)
             stored_key, size = header["key"], int(header["state_bytes"])
+            left = os.fstat(f.fileno()).st_size - f.tell()
+            if not 0 <= size <= left:  # before a buffer of that size is made
+                raise StateRejected(f"truncated: {max(left, 0)} of {size} state bytes" if size > left
+                                    else f"unreadable header (state_bytes {size})")
             if not isinstance(stored_key, dict) or stored_key != key:
                 diff = key_differences(stored_key, key) if isinstance(stored_key, dict) else ["key"]
                 raise StateRejected(f"saved for another model or context: {', '.join(diff[:3])}")
@@ -157,6 +166,12 @@ def restore_prefixes(model: GGUFModel, folder: Path, source: str, field: str,
     computed and saved; then the learned ones that still fit. One report row each."""
     where, key = _Where(source, field), prefix_key(model)
     rows = [_declared(model, folder, key, where, j, p, recompute) for j, p in enumerate(model.cfg.prefixes)]
+    if any(r["outcome"] == "no room" for r in rows):  # every state made first: the whole need
+        need = sum(r["bytes"] for r in rows)
+        raise ConfigError(source, f"{field}.prompt_cache_mb", f"the declared prefixes need {need / 2**20:.2f} "
+                          f"MiB of KV state ({need} bytes), more than the prompt cache's "
+                          f"{model.cache.limit_bytes / 2**20:.2f} MiB: raise prompt_cache_mb to at least "
+                          f"{-(-need // 2**20)}")
     if model.cfg.learn_prefixes:
         rows += _learned(model, folder, key)
     return rows
@@ -180,16 +195,14 @@ def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where
             why = _why_new(folder, p.name, key) if not path.exists() else str(exc)
     outcome = "restored" if state is not None else "computed"
     if state is None:
-        if path.exists():
-            log.warning("%s: prefix %r: %s (%s): computing it again", model.cfg.name, p.name, why, path)
+        if path.exists():  # a damaged file is worth a warning; a recompute asked for is not
+            log.log(logging.INFO if recompute else logging.WARNING, "%s: prefix %r: %s (%s): computing "
+                    "it again", model.cfg.name, p.name, why, path)
         state = cache.compute(tokens)
         write_state(path, key, tokens, state, kind="declared", name=p.name)
         _prune(folder, p.name)
     if not cache.add(Entry(list(tokens), state, name=p.name, pinned=True, pos_min=model.native.pos_min())):
-        need = sum(e.nbytes for e in cache.pinned()) + len(state)
-        raise ConfigError(where.source, f"{where.field}.prompt_cache_mb", f"the declared prefixes need "
-                          f"{need / 2**20:.1f} MiB of KV state, more than the prompt cache's "
-                          f"{model.cache.limit_bytes / 2**20:.1f} MiB: raise prompt_cache_mb")
+        outcome = "no room"  # restore_prefixes refuses the config once every state's size is known
     return {"prefix": p.name, "kind": "declared", "tokens": len(tokens), "bytes": len(state),
             "outcome": outcome, "why": "" if outcome == "restored" else why,
             "seconds": round(time.perf_counter() - t0, 4)}
@@ -213,16 +226,20 @@ def _why_new(folder: Path, name: str, key: dict[str, Any]) -> str:
     """Why there is no state for this key: what changed since the newest one saved."""
     from edge.warmplan import key_differences
 
+    newest = None
     for path in _others(folder, name):
         try:
             with open(path, "rb") as f:
                 stored = _read_header(f)["key"]
-            diff = key_differences(stored, key) if isinstance(stored, dict) else ["key"]
-            return "no saved state for this key" + (f" ({', '.join(diff[:3])})" if diff else
-                                                    " (the prefix's tokens changed)")
         except (OSError, StateRejected):
             continue
-    return "no saved state"
+        if stored == key:  # a state of this very key, for other tokens
+            return "no saved state for this key (the prefix's tokens changed)"
+        if newest is None:
+            newest = key_differences(stored, key) if isinstance(stored, dict) else ["key"]
+    if newest is None:
+        return "no saved state"
+    return "no saved state for this key" + (f" ({', '.join(newest[:3])})" if newest else "")
 
 
 def _prune(folder: Path, name: str) -> None:

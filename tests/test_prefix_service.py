@@ -85,7 +85,7 @@ def test_learned_prefixes_are_saved_at_sigterm_and_restored_at_the_next_start(
     for tail in ("a", "e", "o"):
         complete(first.address, common + tail)
     assert first.stop() == 0
-    assert "saved 1 learned prefixes" in first.log_tail()
+    assert "learned prefixes saved for the next start: 1 (" in first.log_tail()
     second = service(cfg)
     (row,) = prefix_rows(report(cfg)).values()
     assert row["kind"] == "learned" and row["outcome"] == "restored" and row["tokens"] > 190

@@ -114,6 +114,50 @@ def test_a_damaged_state_file_is_ignored_with_a_warning_and_rewritten(
         m.close()
 
 
+@pytest.mark.parametrize("state_bytes", [-5, 2**45, "too_long"])
+@pytest.mark.parametrize("kind", ["declared", "learned"])
+def test_a_header_claiming_a_wrong_state_size_is_rejected_before_any_buffer_is_made(
+        tiny_gguf: Path, tmp_path: Path, state_bytes: object, kind: str) -> None:
+    """A header's state_bytes was given to bytearray() as it was: -5 a ValueError, 2**45 a
+    MemoryError, either an exit 70 at every start (the file stays, systemd restarts)."""
+    declared = [PrefixConfig(name="sys", text=SYSTEM)] if kind == "declared" else []
+    m = load(tiny_gguf, prefixes=declared, learn_prefixes=0 if declared else 1)
+    try:
+        if declared:
+            restore(m, tmp_path)
+            (path,) = tmp_path.glob("sys.*.kvstate")
+        else:
+            m.cache.compute(m.tokenize_prompt(SYSTEM))
+            path = tmp_path / "learned-0.kvstate"
+            state = m.native.state_bytes()
+            write_state(path, prefix_key(m), m.tokenize_prompt(SYSTEM), state, kind="learned", hits=3, reused=10)
+        data = path.read_bytes()
+        head_end = len(MAGIC) + 4 + int.from_bytes(data[len(MAGIC):len(MAGIC) + 4], "little")
+        header = json.loads(data[len(MAGIC) + 4:head_end])
+        size = header["state_bytes"]
+        header["state_bytes"] = size - 1 if state_bytes == "too_long" else state_bytes
+        raw = json.dumps(header).encode()
+        path.write_bytes(MAGIC + len(raw).to_bytes(4, "little") + raw + data[head_end:])
+        (row,) = restore(m, tmp_path)
+        assert row["outcome"] == ("computed" if declared else "ignored")
+        assert {-5: "unreadable header (state_bytes -5)", 2**45: f"truncated: {size} of {2**45}",
+                "too_long": "longer than its header says"}[state_bytes] in row["why"]
+    finally:
+        m.close()
+
+
+def test_the_reason_for_a_recompute_is_the_change_that_made_it(tiny_gguf: Path, tmp_path: Path) -> None:
+    for n_ctx, text in ((512, SYSTEM), (256, SYSTEM), (512, SYSTEM + "More.")):
+        m = load(tiny_gguf, n_ctx=n_ctx, prefixes=[PrefixConfig(name="sys", text=text)])
+        try:
+            (row,) = restore(m, tmp_path)
+        finally:
+            m.close()
+    # the newest file is of another key (n_ctx 256), but one of this very key (512) exists: what
+    # changed is the prefix's text, not n_ctx
+    assert row["why"] == "no saved state for this key (the prefix's tokens changed)"
+
+
 def test_read_state_checks_tokens_and_key(tiny_gguf: Path, tmp_path: Path) -> None:
     path = tmp_path / "x.kvstate"
     write_state(path, {"a": 1, "n_ctx": 2}, [1, 2, 3], b"state", kind="declared")
@@ -152,13 +196,38 @@ def test_a_prefix_longer_than_the_context_is_a_config_error(tiny_gguf: Path, tmp
         m.close()
 
 
-def test_prefixes_larger_than_the_cache_name_prompt_cache_mb(tiny_gguf: Path, tmp_path: Path) -> None:
-    m = load(tiny_gguf, prompt_cache_mb=1, prefixes=[PrefixConfig(name="sys", text=SYSTEM)])
+def test_prefixes_larger_than_the_cache_name_prompt_cache_mb_and_the_whole_need(
+        tiny_gguf: Path, tmp_path: Path) -> None:
+    prefixes = [PrefixConfig(name="sys", text=SYSTEM), PrefixConfig(name="two", text="Other words. " * 4)]
+    m = load(tiny_gguf, prompt_cache_mb=1, prefixes=prefixes)
     m.cache.limit_bytes = 1000  # smaller than one state (a double of a tiny device's budget)
     try:
         with pytest.raises(ConfigError) as err:
             restore(m, tmp_path)
+        sizes = [len(read_state(p, prefix_key(m))[1]) for p in sorted(tmp_path.glob("*.kvstate"))]
+        assert len(sizes) == 2  # both states made (and kept for the start after the fix)
         assert err.value.field == "models[0].prompt_cache_mb" and "raise prompt_cache_mb" in str(err.value)
+        assert f"({sum(sizes)} bytes)" in str(err.value)  # what both need, not what the first did
+    finally:
+        m.close()
+
+
+def test_tools_on_a_declared_prefix_are_checked_like_a_requests(tmp_path: Path, tiny_gguf: Path) -> None:
+    from edge.config import load_config
+
+    system = '{role = "system", content = "Be brief."}'
+    base = f'[[models]]\nname = "m"\npath = "{tiny_gguf}"\n[[models.prefixes]]\nname = "p"\nmessages = [{system}]\n'
+    (tmp_path / "bad.toml").write_text(base + 'tools = [{type = "nonsense"}]\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "bad.toml")
+    assert err.value.field == "models[0].prefixes[0].tools[0]" and 'type = "function"' in str(err.value)
+    # a template that never mentions tools would leave them out of the prefix: refused
+    m = load(tiny_gguf, prefixes=[PrefixConfig(name="p", messages=[MessageConfig("system", "Be brief.")],
+                                               tools=TOOLS)])
+    try:
+        with pytest.raises(ConfigError) as err:
+            restore(m, tmp_path)
+        assert err.value.field == "models[0].prefixes[0].tools" and "no tool support" in str(err.value)
     finally:
         m.close()
 
