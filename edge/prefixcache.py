@@ -138,9 +138,11 @@ class PromptCache:
         self.live.append(tok)
 
     def _count(self, n: int) -> None:
+        """One generation's reuse: a hit from MIN_REUSE tokens on; every reused token counted
+        (so the counter is the sum of what each generation's usage says it reused)."""
+        self.stats.reused_tokens += n
         if n >= MIN_REUSE:
             self.stats.hits += 1
-            self.stats.reused_tokens += n
         else:
             self.stats.misses += 1
 

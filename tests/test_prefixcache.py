@@ -57,6 +57,13 @@ def test_the_next_request_reuses_the_live_prefix(model: GGUFModel) -> None:
     assert model.cache.stats.hits == 1 and model.cache.stats.misses == 1
 
 
+def test_reused_tokens_are_what_each_generation_reused_short_reuse_included(model: GGUFModel) -> None:
+    jobs = [run(model, text)[0] for text in (PREFIX + "the a", "the a b", "the a c", PREFIX + "the e")]
+    assert 0 < jobs[2].cached_tokens < 16  # a short reuse (BOS and a word): a miss, still reused
+    assert model.cache.stats.reused_tokens == sum(j.cached_tokens for j in jobs)
+    assert (model.cache.stats.hits, model.cache.stats.misses) == (1, 3)
+
+
 def test_an_unrelated_request_does_not_lose_a_long_prefix(model: GGUFModel) -> None:
     run(model, PREFIX + "the a")
     unrelated, _, _ = run(model, "a the a the " * 8)
