@@ -141,7 +141,7 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
         raise RequestError(f"{len(prompts)} prompts x n={ask.n} is more than the "
                            f"{m.cfg.max_choices} choices this model allows per request "
                            "(models[].max_choices)", param="n")
-    jobs, echoes = [], []
+    jobs, echoes, starts = [], [], []
     for tokens, stops, echo in prompts:
         if not tokens:  # a model that adds no BOS: nothing to compute the first token from
             raise RequestError("the prompt is empty: it has no token to generate from (this model "
@@ -157,7 +157,8 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
                      replace(params, seed=(params.seed + j) % (2**32 - 1)),
                      cache_prompt=ask.cache_prompt, remember=not in_warmup()) for j in range(ask.n)]
         echoes += [echo if ask.echo else ""] * ask.n
-    shape = Shape(chat, m.cfg.name, ask.sampling["logprobs"] is not None)
+        starts += [0 if ask.echo else len(echo)] * ask.n  # echo: the prompt is in the choice's text
+    shape = Shape(chat, m.cfg.name, ask.sampling["logprobs"] is not None, starts)
     return _Run(worker, ask, jobs, echoes, sum(len(t) for t, _, _ in prompts), shape)
 
 

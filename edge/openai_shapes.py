@@ -84,12 +84,14 @@ def parse_tool_calls(text: str, names: list[str]) -> list[dict[str, Any]] | None
 class Shape:
     """One request's answer: how choices become OpenAI JSON, streamed or whole."""
 
-    def __init__(self, chat: bool, model: str, logprobs: bool) -> None:
+    def __init__(self, chat: bool, model: str, logprobs: bool, prompt_chars: list[int] | None = None) -> None:
+        """`prompt_chars`: each choice's prompt length; a completion's `text_offset` counts from
+        the prompt's start, as OpenAI's (and llama-cpp-python's) do."""
         self.chat, self.model, self.logprobs = chat, model, logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.object = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
-        self._offsets: dict[int, int] = {}  # completions: text offset of each choice's logprobs
+        self._offsets = dict(enumerate(prompt_chars or []))  # completions: where each choice's next token starts
 
     def _lp(self, index: int, lps: list[TokenLogprob]) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -102,7 +104,7 @@ class Shape:
         return out
 
     def _message(self, c: Choice, delta: bool) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "assistant"}
+        msg: dict[str, Any] = {} if delta else {"role": "assistant"}  # a stream: role_chunk says it once
         if c.tool_calls:
             msg["tool_calls"] = [{**call, "index": i} if delta else call
                                  for i, call in enumerate(c.tool_calls)]

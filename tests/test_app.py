@@ -65,6 +65,7 @@ def test_streaming_sends_sse_chunks_then_done(model) -> None:
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])  # said once, as OpenAI does
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
 

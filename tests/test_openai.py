@@ -145,7 +145,16 @@ def test_completion_logprobs_are_the_chosen_tokens(tiny: Service) -> None:
         assert 1 <= len(top) <= 3 and chosen <= 0  # a dict: alternatives that print alike merge
         assert chosen == pytest.approx(max(top.values()))  # greedy: the likeliest one
         assert top[tok] == pytest.approx(chosen)
-    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # counted from the prompt's start, as OpenAI and llama-cpp-python count
+    assert lp.text_offset[0] == len("Hello world") and lp.text_offset == sorted(lp.text_offset)
+    assert [b - a for a, b in zip(lp.text_offset, lp.text_offset[1:])] == [len(t) for t in lp.tokens[:-1]]
+    two = greedy(tiny, prompt=["Hi", "Hello world"], max_tokens=3, logprobs=1, stream=True)
+    firsts = {}
+    for chunk in two:
+        for ch in chunk.choices:
+            if ch.logprobs and ch.logprobs.text_offset:
+                firsts.setdefault(ch.index, ch.logprobs.text_offset[0])
+    assert firsts == {0: 2, 1: len("Hello world")}
     bad_request(lambda: greedy(tiny, logprobs=6), "logprobs")
 
 
