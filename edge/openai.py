@@ -125,8 +125,10 @@ def _check_ignored(name: str, val: Any) -> None:
         raise _bad(name, "service_tier: edge has one tier; only 'auto' or 'default' are accepted")
     if name == "modalities" and val != ["text"]:
         raise _bad(name, "modalities: edge produces text only; only [\"text\"] is accepted")
-    if name in ("user", "safety_identifier") and not isinstance(val, str):
+    if name in ("user", "safety_identifier", "prompt_cache_key") and not isinstance(val, str):
         raise _bad(name, f"{name} must be a string")
+    if name == "metadata" and not (isinstance(val, dict) and all(isinstance(v, str) for v in val.values())):
+        raise _bad(name, "metadata must be an object of string values")
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -141,10 +143,9 @@ def _logit_bias(body: dict[str, Any], n_vocab: int) -> tuple[tuple[int, float], 
     bias = _get(body, "logit_bias", (dict,), {})
     out = []
     for key, val in bias.items():
-        try:
-            tok = int(key)
-        except ValueError:
-            raise _bad("logit_bias", f"logit_bias keys must be token ids, found {key!r}") from None
+        if not (key.isascii() and key.lstrip("-").isdigit()):  # int() also takes "1_0", " 1", "١"
+            raise _bad("logit_bias", f"logit_bias keys must be token ids (decimal digits), found {key!r}")
+        tok = int(key)
         if not 0 <= tok < n_vocab:
             raise _bad("logit_bias", f"logit_bias: token {tok} is not in the vocabulary (0..{n_vocab - 1})")
         if isinstance(val, bool) or not isinstance(val, (int, float)) or not -100 <= val <= 100:
@@ -211,10 +212,19 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     for key in opts:
         if key != "include_usage":
             raise _bad(f"stream_options.{key}", f"stream_options.{key} is not supported")
-    return stream, bool(_get(opts, "include_usage", (bool,), False))
+    include = opts.get("include_usage", False)
+    if include is not None and not isinstance(include, bool):
+        raise _bad("stream_options.include_usage", "stream_options.include_usage must be a boolean, "
+                   f"found {json.dumps(include)[:40]}")
+    return stream, bool(include)
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+# What a message may carry: OpenAI's message fields. The first four reach the template; the
+# others are what clients send back with an assistant message of an earlier answer (the
+# openai client's message objects carry them, mostly null) and mean nothing to generation.
+_MESSAGE_KEYS = ("role", "name", "tool_call_id", "tool_calls")
+_MESSAGE_ECHOES = ("content", "refusal", "audio", "function_call", "annotations")
 
 
 def _content(msg: dict[str, Any], where: str) -> str | None:
@@ -227,9 +237,12 @@ def _content(msg: dict[str, Any], where: str) -> str | None:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind != "text":
             raise _bad(f"{where}.content[{j}].type", f"{where}.content[{j}]: only parts of type "
-                       f"'text' with a string `text` are supported, found type {kind!r}")
+                       f"'text' are supported, found type {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"{where}.content[{j}].text", f"{where}.content[{j}]: a text part needs a "
+                       f"string `text`, found {json.dumps(part.get('text'))[:40]}")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -238,7 +251,11 @@ def _message(i: int, msg: Any, tools_ok: bool) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(msg, dict) or msg.get("role") not in _ROLES:
         raise _bad(where, f"{where} must be an object with a role in {list(_ROLES)}")
-    out = {k: v for k, v in msg.items() if k in ("role", "name", "tool_call_id", "tool_calls")}
+    unknown = [k for k in msg if k not in _MESSAGE_KEYS and k not in _MESSAGE_ECHOES]
+    if unknown:
+        raise _bad(f"{where}.{unknown[0]}", f"{where}: unknown field {unknown[0]!r} (a message has "
+                   f"{', '.join(_MESSAGE_KEYS + _MESSAGE_ECHOES)})")
+    out = {k: v for k, v in msg.items() if k in _MESSAGE_KEYS}
     out["content"] = _content(msg, where)
     if out["role"] == "developer":  # OpenAI's newer name for system; templates know `system`
         out["role"] = "system"
@@ -298,6 +315,10 @@ def _call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
 def _response_format(body: dict[str, Any], ask: Ask) -> None:
     fmt = _get(body, "response_format", (dict,), {"type": "text"})
     kind = fmt.get("type")
+    extra = [k for k in fmt if k not in ("type", "json_schema" if kind == "json_schema" else "type")]
+    if extra:
+        raise _bad(f"response_format.{extra[0]}", f"response_format.{extra[0]} is not a field of a "
+                   f"{kind!r} response format")
     if kind == "json_object":
         ask.schema = ({"type": "object"}, "response_format")
     elif kind == "json_schema":
@@ -305,6 +326,10 @@ def _response_format(body: dict[str, Any], ask: Ask) -> None:
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise _bad("response_format.json_schema", "response_format.json_schema must be an "
                        "object with a `schema` object")
+        extra = [k for k in spec if k not in ("name", "description", "schema", "strict")]
+        if extra:  # strict or not, the grammar holds the output to the schema
+            raise _bad(f"response_format.json_schema.{extra[0]}", f"response_format.json_schema."
+                       f"{extra[0]} is unknown (name, description, schema and strict are its fields)")
         ask.schema = (spec.get("schema") or {"type": "object"}, "response_format.json_schema")
     elif kind != "text":
         raise _bad("response_format.type", "response_format.type must be 'text', 'json_object' "
@@ -320,6 +345,7 @@ def _chat_fields(body: dict[str, Any], ask: Ask, limits: Limits) -> None:
     if ask.schema is not None and body.get("tools"):
         raise _bad("response_format", "response_format with tools is not supported: one grammar "
                                       "constrains the output")
+    _get(body, "parallel_tool_calls", (bool,), True)  # checked with or without tools
     _tools(body, ask, limits)
     if ask.tools and ask.sampling["logprobs"] is not None:
         raise _bad("logprobs", "logprobs with tools is not supported")

@@ -357,6 +357,38 @@ def test_a_schema_that_would_repeat_past_the_limit_is_a_400_and_the_service_serv
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize("chat, body, param", [
+    (False, {"prompt": "x", "logit_bias": {"1_0": 5}}, "logit_bias"),  # int() reads 10
+    (False, {"prompt": "x", "logit_bias": {"\u0661": 5}}, "logit_bias"),  # an Arabic-Indic 1
+    (False, {"prompt": "x", "logit_bias": {" 1": 5}}, "logit_bias"),
+    (True, {"messages": [{"role": "user", "content": "x", "foo": 1}]}, "messages[0].foo"),
+    (True, {"messages": HI, "parallel_tool_calls": "x"}, "parallel_tool_calls"),
+    (True, {"messages": HI, "metadata": 5}, "metadata"),
+    (True, {"messages": HI, "prompt_cache_key": 5}, "prompt_cache_key"),
+    (True, {"messages": HI, "response_format": {"type": "text", "foo": 1}}, "response_format.foo"),
+    (True, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {}, "foo": 1}}}, "response_format.json_schema.foo"),
+    (True, {"messages": HI, "stream": True, "stream_options": {"include_usage": "x"}},
+     "stream_options.include_usage"),
+    (True, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+])
+def test_fields_inside_fields_are_checked_too(chat: bool, body: dict, param: str) -> None:
+    from edge.errors import RequestError
+    from edge.openai import Limits, parse
+
+    with pytest.raises(RequestError) as err:
+        parse(body, chat, Limits(n_ctx=512, n_vocab=100, max_n=4, tools=False))
+    assert err.value.param == param, str(err.value)
+
+
+def test_an_assistant_message_sent_back_as_the_client_got_it_is_accepted(tiny: Service) -> None:
+    first = tiny.client.chat.completions.create(model="tiny", messages=HI, max_tokens=3)
+    echoed = first.choices[0].message.model_dump()  # refusal, annotations, audio, function_call...
+    r = tiny.client.chat.completions.create(model="tiny", max_tokens=3, messages=[
+        *HI, echoed, {"role": "user", "content": "again"}])
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
 def test_a_tool_choice_naming_its_function_wrongly_is_a_400() -> None:
     from edge.errors import RequestError
     from edge.openai import Limits, parse
