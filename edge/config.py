@@ -115,7 +115,7 @@ class ModelConfig:
     # llama.cpp context settings, with llama-server's defaults: flash attention decided by
     # llama.cpp for the device and model ("auto"), the physical batch (None: min(512, n_batch)),
     # batch threads (0: n_threads)
-    flash_attn: bool | str = "auto"  # "auto" | true | false
+    flash_attn: bool | str = field(default="auto", metadata={"choices": ("auto", True, False)})
     # sliding-window layers (Gemma 3, ...): false keeps only their window, as llama-server does
     # (less KV memory, faster prefill); true keeps every position (any cached prefix reusable)
     swa_full: bool = False

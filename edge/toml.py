@@ -43,7 +43,13 @@ def build_dataclass(cls: type, raw: Any, source: str, where: str) -> Any:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(source, key, "missing: this field is required")
             continue
-        values[name] = _coerce(hints[name], raw[name], source, key)
+        try:
+            values[name] = _coerce(hints[name], raw[name], source, key)
+        except ConfigError:
+            if not f.metadata.get("choices"):
+                raise  # else the choices say best what was expected (`"auto"`, true or false)
+            raise ConfigError(source, key, f"expected one of {list(f.metadata['choices'])}, "
+                              f"found {_kind(raw[name])} {raw[name]!r}") from None
         lo, hi = f.metadata.get("range", (None, None))
         val = values[name]
         if (lo is not None and not val >= lo) or (hi is not None and not val <= hi):

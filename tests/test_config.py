@@ -93,6 +93,7 @@ def test_the_readme_example_config_is_valid() -> None:
     (MIN + "[server]\ndrain_timeout_s = -nan\n", "server.drain_timeout_s", "a finite number, found nan"),
     (MIN + "[server]\nheader_timeout_s = inf\n", "server.header_timeout_s", "a finite number, found inf"),
     (MIN + "[warmup]\nbudget_s = nan\n", "warmup.budget_s", "a finite number"),
+    (MIN + "flash_attn = 1\n", "models[0].flash_attn", "expected one of ['auto', True, False], found an integer 1"),
 ])
 def test_more_bad_fields(text: str, field: str, words: str) -> None:
     e = err(text)
