@@ -282,5 +282,13 @@ class PromptCache:
     def most_reused(self, n: int) -> list[Entry]:
         """Up to n unpinned states that requests reused most (checkpoints, mostly): what is worth
         keeping across a restart, each to be cut to the prefix those requests reused."""
-        pool = [e for e in self.entries.values() if not e.pinned and e.hits]
+        pool = [e for e in self.entries.values() if not e.pinned and e.hits and not self._covered(e)]
         return sorted(pool, key=lambda e: (-e.hits, -e.reused))[:n]
+
+    def _covered(self, e: Entry) -> bool:
+        """Whether a pinned (declared) state already gives what `e` was reused for: a learned
+        copy of a declared prefix would only take a learned slot and its bytes twice."""
+        need = min(e.reused or len(e.tokens), len(e.tokens))
+        return any(p.pinned and lcp(p.tokens, e.tokens) >= need
+                   and (need == len(p.tokens) or self.native.reaches(p.pos_min, need))
+                   for p in self.entries.values())

@@ -281,6 +281,22 @@ def test_learned_prefixes_survive_a_restart(tiny_gguf: Path, tmp_path: Path) -> 
         m.close()
 
 
+def test_a_declared_prefix_is_not_learned_again(tiny_gguf: Path, tmp_path: Path) -> None:
+    common = "the world the " * 10
+    m = load(tiny_gguf, learn_prefixes=2, prefixes=[PrefixConfig(name="sys", text=SYSTEM)])
+    try:
+        restore(m, tmp_path)
+        for tail in ("a", "e", "o"):  # requests after the declared prefix, and after another one
+            greedy(m, m.tokenize_prompt(SYSTEM + tail))
+            greedy(m, m.tokenize_prompt(common + tail))
+        rows = save_learned(m, tmp_path)
+        assert len(rows) == 1 and rows[0]["tokens"] > 190  # the other one; "sys" is declared
+        header, _ = read_state(tmp_path / "learned-0.kvstate", prefix_key(m))
+        assert header["tokens"][:50] == m.tokenize_prompt(common)[:50]
+    finally:
+        m.close()
+
+
 def test_learned_prefixes_of_another_key_are_ignored(tiny_gguf: Path, tmp_path: Path) -> None:
     m = load(tiny_gguf, learn_prefixes=1)
     for tail in ("a", "e"):
