@@ -127,8 +127,8 @@ def _check_ignored(name: str, val: Any) -> None:
         raise _bad(name, "modalities: edge produces text only; only [\"text\"] is accepted")
     if name in ("user", "safety_identifier", "prompt_cache_key") and not isinstance(val, str):
         raise _bad(name, f"{name} must be a string")
-    if name == "metadata" and not (isinstance(val, dict) and all(isinstance(v, str) for v in val.values())):
-        raise _bad(name, "metadata must be an object of string values")
+    if name == "metadata" and not isinstance(val, dict):
+        raise _bad(name, "metadata must be an object")
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
