@@ -1,0 +1,60 @@
+"""Bad inputs to the CLI: each one a one-line error naming the file, field or option and what
+was expected, with the exit code the README documents, and never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from edge.timing import StartTimer, write_report
+from kit import EDGE, write_config
+
+
+def edge(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    r = subprocess.run([*EDGE, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+@pytest.fixture()
+def cfg(tmp_path: Path, tiny_gguf: Path) -> Path:
+    return write_config(tmp_path / "edge.toml", tiny_gguf)
+
+
+# -- edge status: damaged reports, a state_dir that is a file, --svg checked first -----------------
+@pytest.mark.parametrize("text", ['{"broken', "[1,2]", "{}", '{"pid": 1, "phases": [{"name": "a"}]}'])
+@pytest.mark.parametrize("flags", [[], ["--json"], ["--svg", "t.svg"]])
+def test_status_names_a_damaged_start_report(cfg: Path, text: str, flags: list[str]) -> None:
+    (cfg.parent / "state").mkdir()
+    (cfg.parent / "state" / "last-start.json").write_text(text)
+    r = edge("status", "--config", str(cfg), *flags, cwd=cfg.parent)
+    assert r.returncode == 1
+    assert f"report {cfg.parent / 'state' / 'last-start.json'} is unreadable: " in r.stderr
+
+
+def test_status_shows_the_good_start_beside_a_damaged_failed_start(cfg: Path) -> None:
+    write_report(StartTimer().report(sockets=["127.0.0.1:1"]), cfg.parent / "state")
+    (cfg.parent / "state" / "last-failed-start.json").write_text('{"x')
+    r = edge("status", "--config", str(cfg))
+    assert r.returncode == 1 and r.stdout.startswith("last start: ")
+    assert r.stderr.strip().splitlines() == [
+        f"edge: report {cfg.parent / 'state' / 'last-failed-start.json'} is unreadable: "
+        "not valid JSON (Unterminated string starting at: line 1 column 2 (char 1))"]
+
+
+def test_status_of_a_state_dir_that_is_a_file_is_a_config_error(cfg: Path) -> None:
+    (cfg.parent / "state").write_text("")
+    r = edge("status", "--config", str(cfg))
+    assert r.returncode == 78
+    assert r.stderr.strip() == f"edge: error: {cfg}: paths.state_dir: {cfg.parent / 'state'} is not a directory"
+
+
+@pytest.mark.parametrize("where", ["dir", "/proc/t.svg", "/proc/edge-x/t.svg", "missing/t.svg"])
+def test_status_checks_the_svg_path_before_printing(cfg: Path, where: str) -> None:
+    write_report(StartTimer().report(sockets=[]), cfg.parent / "state")
+    (cfg.parent / "dir").mkdir()
+    r = edge("status", "--config", str(cfg), "--svg", where, cwd=cfg.parent)
+    assert r.returncode == 2 and "--svg" in r.stderr and r.stdout == ""
