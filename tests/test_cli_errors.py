@@ -58,3 +58,16 @@ def test_status_checks_the_svg_path_before_printing(cfg: Path, where: str) -> No
     (cfg.parent / "dir").mkdir()
     r = edge("status", "--config", str(cfg), "--svg", where, cwd=cfg.parent)
     assert r.returncode == 2 and "--svg" in r.stderr and r.stdout == ""
+
+
+# -- edge build-engine: a recipe that is a folder, or not UTF-8 -------------------------------------
+@pytest.mark.parametrize("kind, words", [("dir", "is a directory; expected a recipe file"),
+                                         ("latin1", "expected a UTF-8 TOML recipe, found a byte 0xff")])
+def test_build_engine_names_a_recipe_it_cannot_read(tmp_path: Path, kind: str, words: str) -> None:
+    recipe = tmp_path / "r.toml"
+    if kind == "dir":
+        recipe.mkdir()
+    else:
+        recipe.write_bytes(b'name = "\xff\xfe"\n')
+    r = edge("build-engine", str(recipe))
+    assert r.returncode == 78 and r.stderr.strip() == f"edge: error: {recipe}: {words}" + r.stderr.strip().split(words)[1]
