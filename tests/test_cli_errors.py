@@ -70,4 +70,5 @@ def test_build_engine_names_a_recipe_it_cannot_read(tmp_path: Path, kind: str, w
     else:
         recipe.write_bytes(b'name = "\xff\xfe"\n')
     r = edge("build-engine", str(recipe))
-    assert r.returncode == 78 and r.stderr.strip() == f"edge: error: {recipe}: {words}" + r.stderr.strip().split(words)[1]
+    assert r.returncode == 78 and r.stderr.startswith(f"edge: error: {recipe}: {words}")
+    assert len(r.stderr.strip().splitlines()) == 1
