@@ -72,3 +72,19 @@ def test_build_engine_names_a_recipe_it_cannot_read(tmp_path: Path, kind: str, w
     r = edge("build-engine", str(recipe))
     assert r.returncode == 78 and r.stderr.startswith(f"edge: error: {recipe}: {words}")
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_warmup_checks_the_svg_path_before_the_rehearsal(cfg: Path) -> None:
+    r = edge("warmup", "--config", str(cfg), "--svg", str(cfg.parent))
+    assert r.returncode == 2 and f"{cfg.parent} is a directory; expected a file name" in r.stderr
+    assert not (cfg.parent / "state").exists()  # nothing ran
+
+
+# -- edge ota keygen: -o where no file can be made ---------------------------------------------------
+@pytest.mark.parametrize("out, words", [("/proc/edge-x/key", "its folder /proc/edge-x does not exist"),
+                                        ("/proc/key", "cannot write in /proc"),
+                                        (".", "is a directory; expected a file name")])
+def test_ota_keygen_checks_its_output_path(tmp_path: Path, out: str, words: str) -> None:
+    r = edge("ota", "keygen", "-o", out, cwd=tmp_path)
+    assert r.returncode == 2 and "'-o' / '--out'" in r.stderr and words in r.stderr
+    assert list(tmp_path.iterdir()) == []

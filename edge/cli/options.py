@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from edge.config import Config, load
+from edge.fsutil import cannot_create
 
 __all__ = ["ConfigOpt", "JsonOpt", "config_of", "output_file"]
 
@@ -31,20 +30,9 @@ def config_of(config: Optional[str]) -> Config:
 
 
 def output_file(value: Optional[Path]) -> Optional[Path]:
-    """A callback for an option naming a file to write at the end (--svg, -o): checked before any
-    work is done, by a real file made and removed beside it, so that a bad path is a usage error
-    (exit 2) and not a failure after the work."""
-    if value is None:
-        return None
-    if value.is_dir():
-        raise typer.BadParameter(f"{value} is a directory; expected a file name")
-    folder = value.parent
-    if not folder.is_dir():
-        raise typer.BadParameter(f"{value}: its folder {folder} does not exist")
-    try:
-        fd, name = tempfile.mkstemp(prefix=f".{value.name}.", suffix=".probe", dir=folder)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as exc:
-        raise typer.BadParameter(f"{value}: cannot write in {folder}: {exc.strerror or exc}") from None
+    """A callback for an option naming a file to write at the end (--svg): checked before any work
+    is done, so that a bad path is a usage error (exit 2), not a failure after the work."""
+    why = None if value is None else cannot_create(value)
+    if why:
+        raise typer.BadParameter(why)
     return value

@@ -79,8 +79,19 @@ def _echo(result: Any) -> None:
     typer.echo(json.dumps(result, indent=2))
 
 
+def _new_file(value: Path) -> Path:
+    """-o checked before the key is made: a folder, or a folder that is missing or not writable,
+    is a usage error (exit 2)."""
+    from edge.fsutil import cannot_create
+
+    why = cannot_create(value)
+    if why:
+        raise typer.BadParameter(why)
+    return value
+
+
 @ota_app.command()
-def keygen(out: Path = typer.Option(Path("signing.key"), "-o", "--out")) -> None:
+def keygen(out: Path = typer.Option(Path("signing.key"), "-o", "--out", callback=_new_file)) -> None:
     """Make an Ed25519 signing key (OUT, mode 0600) and its public key (OUT.pub)."""
     from edge.ota.bundle import keygen as make
 
@@ -88,6 +99,8 @@ def keygen(out: Path = typer.Option(Path("signing.key"), "-o", "--out")) -> None
         pub = make(out)
     except FileExistsError:
         raise EdgeError(f"{out} exists: refusing to overwrite a signing key") from None
+    except OSError as exc:
+        raise EdgeError(f"{exc.filename or out}: cannot write the key: {exc.strerror or exc}") from None
     typer.echo(f"wrote {out} (keep it secret) and {pub} (install it on devices as /etc/edge/ota.pub)")
 
 
