@@ -88,3 +88,14 @@ def test_ota_keygen_checks_its_output_path(tmp_path: Path, out: str, words: str)
     r = edge("ota", "keygen", "-o", out, cwd=tmp_path)
     assert r.returncode == 2 and "'-o' / '--out'" in r.stderr and words in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# -- edge ota verify: read only, and explicit when nothing is installed ------------------------------
+@pytest.mark.parametrize("state", ["state", "/proc/edge-state"])
+def test_ota_verify_with_nothing_installed_says_so_and_makes_nothing(cfg: Path, state: str) -> None:
+    text = cfg.read_text().replace(str(cfg.parent / "state"), state if state.startswith("/") else str(cfg.parent / state))
+    cfg.write_text(text)
+    r = edge("ota", "verify", "--config", str(cfg))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"versions": {}, "problems": [], "hashed_files": 0, "result": "nothing installed"}
+    assert sorted(p.name for p in cfg.parent.iterdir()) == ["edge.toml"]
