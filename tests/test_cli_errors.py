@@ -99,3 +99,11 @@ def test_ota_verify_with_nothing_installed_says_so_and_makes_nothing(cfg: Path, 
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == {"versions": {}, "problems": [], "hashed_files": 0, "result": "nothing installed"}
     assert sorted(p.name for p in cfg.parent.iterdir()) == ["edge.toml"]
+
+
+# -- [warmup] prompts that cannot fit the context: the config is wrong --------------------------------
+def test_warmup_prompt_longer_than_the_context_is_a_config_error(cfg: Path) -> None:
+    cfg.write_text(cfg.read_text().replace("decode_tokens = 4", f'decode_tokens = 4\nprompts = ["{"word " * 400}"]'))
+    r = edge("warmup", "--config", str(cfg))
+    assert r.returncode == 78, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"edge: error: {cfg}: warmup.prompts[0]: is ")
