@@ -4,6 +4,7 @@ was expected, with the exit code the README documents, and never a traceback."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from pathlib import Path
 
@@ -107,3 +108,39 @@ def test_warmup_prompt_longer_than_the_context_is_a_config_error(cfg: Path) -> N
     r = edge("warmup", "--config", str(cfg))
     assert r.returncode == 78, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"edge: error: {cfg}: warmup.prompts[0]: is ")
+
+
+# -- [server]: a socket edge cannot bind is a config error naming the field --------------------------
+def _server(cfg: Path, line: str) -> Path:
+    cfg.write_text(cfg.read_text().replace('host = "127.0.0.1"', line, 1))
+    return cfg
+
+
+@pytest.mark.parametrize("case, field, words", [
+    ("missing", "server.unix_socket", "its folder {d}/missing does not exist"),
+    ("long", "server.unix_socket", "expected a path of at most 107 bytes (the AF_UNIX limit)"),
+    ("dir", "server.unix_socket", "cannot listen on {d}: a directory is in the way"),
+    ("file", "server.unix_socket", "a file that is not a socket is in the way"),
+    ("bad host", "server.host", "expected an IP address or a host name, found 'not a host!!'"),
+    ("not local", "server.host", "cannot listen on 192.0.2.1:0: Cannot assign requested address"),
+])
+def test_serve_names_the_server_field_it_cannot_listen_on(cfg: Path, case: str, field: str, words: str) -> None:
+    d = cfg.parent
+    (d / "file.sock").write_text("")
+    line = {"missing": f'unix_socket = "{d}/missing/e.sock"', "long": f'unix_socket = "{d}/{"x" * 120}.sock"',
+            "dir": f'unix_socket = "{d}"', "file": f'unix_socket = "{d}/file.sock"',
+            "bad host": 'host = "not a host!!"', "not local": 'host = "192.0.2.1"'}[case]
+    r = edge("serve", "--config", str(_server(cfg, line)))
+    assert r.returncode == 78, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"edge: error: {cfg}: {field}: ") and words.format(d=d) in last, last
+
+
+def test_serve_on_a_port_in_use_is_not_a_config_error(cfg: Path) -> None:
+    with socket.socket() as taken:  # a port the kernel picked, held for the test
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg.write_text(cfg.read_text().replace("port = 0", f"port = {port}"))
+        r = edge("serve", "--config", str(cfg))
+    assert r.returncode == 70 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in r.stderr
