@@ -144,3 +144,15 @@ def test_serve_on_a_port_in_use_is_not_a_config_error(cfg: Path) -> None:
         cfg.write_text(cfg.read_text().replace("port = 0", f"port = {port}"))
         r = edge("serve", "--config", str(cfg))
     assert r.returncode == 70 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in r.stderr
+
+
+# -- edge reload: a config that is not there; no service to ask ----------------------------------------
+def test_reload_of_a_missing_config_says_so(tmp_path: Path) -> None:
+    r = edge("reload", "--config", str(tmp_path / "none.toml"))
+    assert r.returncode == 78 and r.stderr.strip() == f"edge: error: {tmp_path / 'none.toml'}: config file does not exist"
+
+
+def test_reload_with_no_service_is_unavailable(cfg: Path) -> None:
+    r = edge("reload", "--config", str(cfg))
+    assert r.returncode == 69 and r.stderr.strip().startswith(
+        f"edge: error: no edge service answers on {cfg.parent / 'state' / 'control.sock'}: ")

@@ -278,7 +278,7 @@ def test_sighup_reloads_the_config_the_service_was_started_with(tmp_path: Path, 
 def test_edge_reload_without_a_service_says_so(tmp_path: Path, models) -> None:
     cfg_a, _ = configs(tmp_path, models)
     r = edge_reload(cfg_a)
-    assert r.returncode == 70 and "no edge service answers on" in r.stderr, r.stderr
+    assert r.returncode == 69 and "no edge service answers on" in r.stderr, r.stderr
     assert str(tmp_path / "state" / "control.sock") in r.stderr and "Traceback" not in r.stderr
 
 

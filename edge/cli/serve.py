@@ -91,7 +91,10 @@ def reload(config: Optional[str] = typer.Option(
     one, then takes the traffic. Exit 0 once it serves; else the error's exit code and why (the
     old set keeps serving)."""
     from edge.control import control_path, request_reload
+    from edge.errors import ConfigError
 
+    if config and not Path(config).exists():  # anything else wrong with it, the service reports
+        raise ConfigError(config, "", "config file does not exist")
     target = str(Path(config).resolve()) if config else None
     path = Path(socket_path) if socket_path else control_path(_config_for_state(config))
     answer = request_reload(path, target, timeout)
