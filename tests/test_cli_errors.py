@@ -156,3 +156,23 @@ def test_reload_with_no_service_is_unavailable(cfg: Path) -> None:
     r = edge("reload", "--config", str(cfg))
     assert r.returncode == 69 and r.stderr.strip().startswith(
         f"edge: error: no edge service answers on {cfg.parent / 'state' / 'control.sock'}: ")
+
+
+# -- bad arguments are usage errors (exit 2) naming the option, checked before any work ---------------
+@pytest.mark.parametrize("args, option", [
+    (["bench", "--url", "notaurl"], "'--url'"),
+    (["bench", "--url", "ftp://x"], "'--url'"),
+    (["ota", "status", "--field", "bogus"], "'--field'"),
+    (["units", "install", "--prefix", "/proc/edge-x"], "'--prefix'"),
+    (["units", "install", "--prefix", "/etc/hostname"], "'--prefix'"),
+    (["units", "print", "--listen", "bogus"], "'--listen'"),
+    (["units", "print", "--listen", "127.0.0.1:99999"], "'--listen'"),
+    (["units", "print", "--edge", "bin/edge"], "'--edge'"),
+    (["units", "print", "--unix-socket", "rel.sock"], "'--unix-socket'"),
+    (["fleet", "agent", "--remote-write", "notaurl"], "'--remote-write'"),
+    (["fleet", "agent", "--remote-write", "http://fleet/api/v1/write", "--interval", "bogus"], "'--interval'"),
+])
+def test_bad_arguments_are_usage_errors(tmp_path: Path, args: list[str], option: str) -> None:
+    r = edge(*args, cwd=tmp_path)
+    assert r.returncode == 2 and f"Invalid value for {option}" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import typer
 
-from edge.cli.options import ConfigOpt, JsonOpt, config_of, output_file
+from edge.cli.options import ConfigOpt, JsonOpt, config_of, output_file, url_of
 from edge.config import DEFAULT_URL
 from edge.errors import EX_SOFTWARE, EdgeError
 
@@ -220,7 +220,8 @@ def _format_failed(r: dict[str, Any]) -> str:
             f"exit {r.get('exit_code')}: {r.get('error')}\n{table}")
 
 
-def bench(url: str = typer.Option(DEFAULT_URL, "--url", help="the running service"),
+def bench(url: str = typer.Option(DEFAULT_URL, "--url", callback=lambda v: url_of(v, ("http",)),
+                                 help="the running service"),
           requests: int = typer.Option(50, "--requests", min=1),
           concurrency: int = typer.Option(4, "--concurrency", min=1),
           prompt: str = typer.Option("Question: What is the capital of France?\nAnswer:", "--prompt"),
