@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,9 @@ from edge.builtin_models import BUILTINS  # light: the table, not the model
 from edge.errors import ConfigError
 from edge.prefixconfig import MessageConfig, PrefixConfig, check_prefixes
 from edge.toml import build_dataclass  # also the engine recipes' builder (edge.engines.recipe)
+
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes, one of them the terminating NUL
+_HOST = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*")
 
 __all__ = [
     "BUILTIN_PREFIX",
@@ -272,13 +276,21 @@ def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
             path = str((base_dir / path).resolve())  # relative paths are relative to the config file
         resolved.append(_check_cache(dataclasses.replace(m, path=path), source, where, base_dir))
     object.__setattr__(cfg, "models", resolved)
-    if not cfg.server.host.strip():
+    _check_server(cfg.server, source)
+
+
+def _check_server(server: ServerConfig, source: str) -> None:
+    if not server.host.strip():
         raise ConfigError(source, "server.host", "expected an address such as \"127.0.0.1\", found an "
                           "empty string (which would listen on every interface)")
-    if cfg.server.reload not in RELOAD_MODES:
-        raise ConfigError(source, "server.reload", f"expected one of {list(RELOAD_MODES)}, "
-                          f"found {cfg.server.reload!r}")
-    mode = cfg.server.unix_socket_mode
+    if not _HOST.fullmatch(server.host):
+        raise ConfigError(source, "server.host", f"expected an IP address or a host name, found {server.host!r}")
+    if server.unix_socket and len(os.fsencode(server.unix_socket)) > UNIX_PATH_MAX:
+        raise ConfigError(source, "server.unix_socket", f"expected a path of at most {UNIX_PATH_MAX} bytes (the "
+                          f"AF_UNIX limit), found {len(os.fsencode(server.unix_socket))} bytes")
+    if server.reload not in RELOAD_MODES:
+        raise ConfigError(source, "server.reload", f"expected one of {list(RELOAD_MODES)}, found {server.reload!r}")
+    mode = server.unix_socket_mode
     if not (mode.isdigit() and set(mode) <= set("01234567") and len(mode) <= 4):
         raise ConfigError(source, "server.unix_socket_mode", f"expected an octal mode such as \"0660\", found {mode!r}")
 

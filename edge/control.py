@@ -94,8 +94,10 @@ def request_reload(path: Path, config: str | None, timeout: float | None) -> dic
     try:
         sock.connect(str(path))
     except (FileNotFoundError, ConnectionRefusedError):
-        raise EdgeError(f"no edge service answers on {path}: is `edge serve` running with this "
-                        "state directory?") from None
+        from edge.ota.errors import ServiceUnreachable  # light: the error classes only
+
+        raise ServiceUnreachable(f"no edge service answers on {path}: is `edge serve` running with this "
+                                 "state directory?") from None
     except PermissionError:
         raise EdgeError(f"{path}: permission denied: run `edge reload` as the service's user or root") from None
     except OSError as exc:

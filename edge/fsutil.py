@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["atomic_write", "fsync_dir", "sha256_file"]
+__all__ = ["atomic_write", "cannot_create", "fsync_dir", "sha256_file"]
 
 
 def sha256_file(path: Path) -> str:
@@ -48,3 +49,21 @@ def atomic_write(path: Path, data: bytes | bytearray | str | Sequence[bytes | by
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def cannot_create(path: Path) -> str | None:
+    """Why a file cannot be written at `path` (a folder there, its folder missing or not
+    writable), by a real file made and removed beside it; None when it can. The file at `path`
+    itself, if any, is left alone."""
+    if path.is_dir():
+        return f"{path} is a directory; expected a file name"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"{path}: its folder {folder} does not exist"
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        return f"{path}: cannot write in {folder}: {exc.strerror or exc}"
+    return None

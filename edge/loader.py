@@ -260,7 +260,7 @@ class Loader:
         identity = asyncio.ensure_future(asyncio.to_thread(_device_and_build, bool(state.workers)))
 
         async def key_of_model(w: Any) -> dict[str, Any]:
-            lengths = await w.call(check_prompts, w.model, cfg.warmup)  # a prompt that cannot fit fails
+            lengths = await w.call(check_prompts, w.model, cfg.warmup, cfg.source)  # a prompt that cannot fit fails
             device, build = await identity
             return {**model_plan_key(w.model, device, build), "prompts": _digest(cfg.warmup.prompts),
                     "prompt_tokens": lengths}
@@ -271,8 +271,9 @@ class Loader:
 
         targets = []
         for name, w in state.workers.items():
-            if name in loaded.kept:
-                continue  # serving already, and warm: its thread belongs to clients
+            if name in loaded.kept:  # serving already, and warm: its thread belongs to clients,
+                await w.call(check_prompts, w.model, cfg.warmup, cfg.source)  # but the prompts must fit
+                continue
             make = functools.partial(w.call, model_candidates, w.model, cfg.warmup)
             targets.append(WarmTarget("model", name, functools.partial(key_of_model, w),
                                       model_floor(w.model, cfg.warmup), make, w.call))

@@ -10,6 +10,7 @@ imports it in the start's imports_http phase.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import os
 import signal
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.config import ServerConfig
-from edge.errors import EdgeError
+from edge.errors import ConfigError, EdgeError
 from edge.connections import ConnectionGuard
 from edge.limits import LimitsMiddleware, RequestLimits, connection_limit
 from edge.systemd import Notifier, watchdog_interval_s
@@ -40,12 +41,19 @@ DRAIN_IDLE_S = 1.0
 
 
 def bind_sockets(cfg: ServerConfig, source: str = "config") -> list[socket.socket]:
-    """Listening sockets from the [server] table: a Unix socket if set, else host:port."""
+    """Listening sockets from the [server] table: a Unix socket if set, else host:port. A bind
+    that fails is a ConfigError naming the field (78), but for a port in use: that one may pass
+    on a restart (EdgeError, 70)."""
     try:
         return [_bind(cfg)]
     except OSError as exc:
         where = cfg.unix_socket or f"{cfg.host}:{cfg.port}"
-        raise EdgeError(f"cannot listen on {where} (server table of {source}): {exc.strerror}") from None
+        why = f"cannot listen on {where}: {exc.strerror or exc}"
+        if cfg.unix_socket:
+            raise ConfigError(source, "server.unix_socket", why) from None
+        if exc.errno == errno.EADDRINUSE:
+            raise EdgeError(f"{why} (server table of {source})") from None
+        raise ConfigError(source, "server.port" if exc.errno == errno.EACCES else "server.host", why) from None
 
 
 def _bind(cfg: ServerConfig) -> socket.socket:
@@ -53,6 +61,11 @@ def _bind(cfg: ServerConfig) -> socket.socket:
         path = Path(cfg.unix_socket)
         if path.exists() and stat.S_ISSOCK(path.stat().st_mode):
             path.unlink()  # a stale socket from an earlier run
+        elif not path.parent.is_dir():
+            raise OSError(errno.ENOENT, f"its folder {path.parent} does not exist")
+        elif path.exists() or path.is_symlink():
+            raise OSError(errno.EEXIST, f"{'a directory' if path.is_dir() else 'a file that is not a socket'} "
+                                        "is in the way")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(str(path))
         os.chmod(path, int(cfg.unix_socket_mode, 8))

@@ -22,7 +22,7 @@ from typing import Any
 from edge.fsutil import atomic_write
 
 __all__ = ["Phase", "Phases", "StartTimer", "ReloadTimer", "format_report", "write_report", "read_last_report",
-           "process_age_s", "REPORT_NAME", "RELOAD_REPORT_NAME", "format_reload_report"]
+           "process_age_s", "REPORT_NAME", "RELOAD_REPORT_NAME", "format_reload_report", "UnreadableReport"]
 
 REPORT_NAME = "last-start.json"
 RELOAD_REPORT_NAME = "last-reload.json"
@@ -156,11 +156,49 @@ def write_report(report: dict[str, Any], state_dir: Path, kind: str = "start") -
     return path
 
 
+class UnreadableReport(ValueError):
+    """A report file is there but is not one edge wrote: not JSON, not an object, a field missing."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        self.path = path
+        super().__init__(f"report {path} is unreadable: {why}")
+
+
+# The fields every report carries (StartTimer.report), and what each one holds.
+_FIELDS: dict[str, type | tuple[type, ...]] = {"edge_version": str, "pid": int, "host": str, "started_at": str,
+                                               "ready_s": (int, float), "phases": list}
+
+
 def read_last_report(state_dir: Path, kind: str = "start") -> dict[str, Any] | None:
+    """last-<kind>.json; None when there is none yet; UnreadableReport when it is damaged."""
+    path = state_dir / f"last-{kind}.json"
     try:
-        return json.loads((state_dir / f"last-{kind}.json").read_text())
+        report = json.loads(path.read_text())
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UnreadableReport(path, getattr(exc, "strerror", None) or str(exc)) from None
+    except ValueError as exc:
+        raise UnreadableReport(path, f"not valid JSON ({exc})") from None
+    if not isinstance(report, dict):
+        raise UnreadableReport(path, f"expected a JSON object, found {type(report).__name__}")
+    for name, kinds in _FIELDS.items():
+        if not isinstance(report.get(name), kinds) or isinstance(report.get(name), bool):
+            raise UnreadableReport(path, f"field {name!r} missing or not a {_kind_name(kinds)}")
+    bad = next((p for p in report["phases"] if not _is_phase(p)), None)
+    if bad is not None:
+        raise UnreadableReport(path, f"a phase is not an object of name, start_s, seconds, detail: {bad!r:.60}")
+    return report
+
+
+def _is_phase(p: Any) -> bool:
+    return (isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("detail"), dict)
+            and all(isinstance(p.get(k), (int, float)) for k in ("start_s", "seconds")))
+
+
+def _kind_name(kinds: type | tuple[type, ...]) -> str:
+    return "number" if isinstance(kinds, tuple) else {"str": "string", "int": "integer"}.get(kinds.__name__,
+                                                                                             kinds.__name__)
 
 
 def _prune(folder: Path, kind: str, keep: int) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from edge.config import WarmupConfig
-from edge.errors import WarmupError
+from edge.errors import ConfigError, WarmupError
 from edge.httpwire import encode_request, parse_response
 
 if TYPE_CHECKING:
@@ -243,15 +243,15 @@ def model_candidates(model: GGUFModel, cfg: WarmupConfig) -> list[Candidate]:
     return steps + [s for _, s in sorted(sized, key=lambda x: x[0])]
 
 
-def check_prompts(model: GGUFModel, cfg: WarmupConfig) -> list[int]:
-    """Each workload prompt's length in tokens; WarmupError when one cannot be served with
-    decode_tokens in the model's context (whatever the plan: the config is wrong)."""
+def check_prompts(model: GGUFModel, cfg: WarmupConfig, source: str = "<config>") -> list[int]:
+    """Each workload prompt's length in tokens; ConfigError (of the config file `source`) when
+    one cannot be served with decode_tokens in the model's context (whatever the plan)."""
     decode = min(cfg.decode_tokens, max(1, model.n_ctx // 4))
     lengths = [len(model.tokenize_prompt(p)) for p in cfg.prompts]
     for i, n in enumerate(lengths):
         if n + decode > model.n_ctx:
-            raise WarmupError(f"warm-up: [warmup] prompts[{i}] is {n} tokens; with {decode} to generate "
-                              f"that is more than the context of model {model.cfg.name!r} ({model.n_ctx} tokens)")
+            raise ConfigError(source, f"warmup.prompts[{i}]", f"is {n} tokens; with {decode} to generate that is "
+                              f"more than the context of model {model.cfg.name!r} ({model.n_ctx} tokens)")
     return lengths
 
 

@@ -233,11 +233,11 @@ def test_update_under_load_then_a_failing_bundle_rolls_back(kit, live) -> None:
         _, now = post(live.address, "/v1/completions", req)
         text_b = now["choices"][0]["text"]
         assert text_b != text_a  # another model is answering
-        bad = kit["dir"] / "C.edgeb"  # a model that loads, but whose warm-up cannot pass
+        bad = kit["dir"] / "C.edgeb"  # a model that loads, but whose warm-up prompt cannot fit its context
         build_bundle(bad, version="3.0.0", files=[(kit["a"], "models/a.gguf", "model", None)], key=kit["key"],
                      config=cfg_text("a.gguf", 'prompts = ["' + "word " * 300 + '"]\n'))
         result = ota.install(open_bundle(bad, kit["pub"]), activate=restart)
-        assert result["result"] == "rolled back" and "warm-up" in live.log_tail(20000)
+        assert result["result"] == "rolled back" and "warmup.prompts[0]" in live.log_tail(20000)
         _, after = post(live.address, "/v1/completions", req)
         assert after["choices"][0]["text"] == text_b  # B kept serving
     assert errors == []
@@ -282,7 +282,7 @@ def test_activation_by_reload_has_no_gap_and_a_failing_version_never_serves(kit)
         bundles[v] = kit["dir"] / f"r{v}.edgeb"
         build_bundle(bundles[v], version=v, files=[(m, f"models/{m.name}", "model", None)],
                      config=cfg_text(m.name, paths), key=kit["key"])
-    bad = kit["dir"] / "r3.edgeb"  # loads, but its warm-up cannot pass
+    bad = kit["dir"] / "r3.edgeb"  # loads, but its warm-up prompt cannot fit its context
     build_bundle(bad, version="3.0.0", files=[(kit["a"], "models/a.gguf", "model", None)], key=kit["key"],
                  config=cfg_text("a.gguf", 'prompts = ["' + "word " * 300 + '"]\n' + paths))
     assert ota.install(open_bundle(bundles["1.0.0"], kit["pub"]), activate=None)["result"] == "switched"
@@ -300,7 +300,7 @@ def test_activation_by_reload_has_no_gap_and_a_failing_version_never_serves(kit)
             text_b = post(live.address, "/v1/completions", req)[1]["choices"][0]["text"]
             result = ota.install(open_bundle(bad, kit["pub"]), activate=activator)
             assert result["result"] == "rolled back"
-            assert "warm-up" in json.dumps(ota.state()["history"][-1]).lower()
+            assert "warmup.prompts[0]" in json.dumps(ota.state()["history"][-1])
             assert post(live.address, "/v1/completions", req)[1]["choices"][0]["text"] == text_b
         assert live.proc.pid == pid and live.proc.poll() is None  # never restarted
     assert text_b != text_a and errors == []

@@ -190,7 +190,10 @@ def test_failed_reloads_leave_the_old_set_serving(tmp_path: Path, models, servic
     cfg_a, _ = configs(tmp_path, models)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(models["b"].read_bytes()[:5000])
+    long = tmp_path / "long.toml"  # A's models, kept: a prompt that cannot fit them still fails the reload
+    long.write_text(cfg_a.read_text().replace("decode_tokens = 4", f'decode_tokens = 4\nprompts = ["{"word " * 400}"]'))
     bad = {
+        "prompts": (long, 78, [str(long), "warmup.prompts[0]", "more than the context of model"]),
         "truncated": (write_config(tmp_path / "cut.toml", cut), 65, [str(cut), "truncated GGUF"]),
         "config": (write_config(tmp_path / "typo.toml", models["b"], n_ctx='"big"'), 78,  # type: ignore[arg-type]
                    [str(tmp_path / "typo.toml"), "models[0].n_ctx", "expected an integer"]),
@@ -275,7 +278,7 @@ def test_sighup_reloads_the_config_the_service_was_started_with(tmp_path: Path, 
 def test_edge_reload_without_a_service_says_so(tmp_path: Path, models) -> None:
     cfg_a, _ = configs(tmp_path, models)
     r = edge_reload(cfg_a)
-    assert r.returncode == 70 and "no edge service answers on" in r.stderr, r.stderr
+    assert r.returncode == 69 and "no edge service answers on" in r.stderr, r.stderr
     assert str(tmp_path / "state" / "control.sock") in r.stderr and "Traceback" not in r.stderr
 
 

@@ -142,7 +142,9 @@ def test_units_install_into_unwritable_place_is_a_clear_error(tmp_path: Path) ->
     blocker.write_text("x")
     r = subprocess.run([*EDGE, "units", "install", "--prefix", str(blocker)], capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode != 0 and "cannot write units under" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and f"'--prefix': {blocker} is not an existing directory" in r.stderr
+    r = subprocess.run([*EDGE, "units", "install", "--prefix", "/proc"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "cannot write units under /proc" in r.stderr and "Traceback" not in r.stderr
 
 
 def _levels(checks) -> dict[str, str]:

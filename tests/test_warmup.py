@@ -142,7 +142,7 @@ def test_new_workload_prompts_recalibrate_and_one_that_cannot_fit_fails(config: 
     assert plan_of(report)["plan"] == "calibrated" and "prompts" in plan_of(report)["why"]
     assert "prompt_0" in rows(report)
     write_config(config, tiny_gguf, extra_model=TINY, extra=CALIBRATION + f'prompts = ["{"word " * 300}"]\n')
-    with pytest.raises(WarmupError, match=r"prompts\[0\] is \d+ tokens.*context of model 'tiny' \(256 tokens\)"):
+    with pytest.raises(ConfigError, match=r"warmup.prompts\[0\]: is \d+ tokens.*context of model 'tiny' \(256 tokens\)"):
         rehearse(config)
 
 

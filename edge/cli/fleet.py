@@ -3,12 +3,13 @@ and a Prometheus agent on the device that pushes its metrics out (no inbound con
 
 from __future__ import annotations
 
+import re
 import socket
 from typing import Optional
 
 import typer
 
-from edge.cli.options import ConfigOpt, config_of
+from edge.cli.options import ConfigOpt, config_of, http_url
 
 __all__ = ["register"]
 
@@ -26,13 +27,25 @@ def rules() -> None:
     typer.echo(rules_text(), nl=False)
 
 
+# A Prometheus duration: units from the largest down, each at most once (15s, 1m30s, 500ms).
+_DURATION = re.compile(r"(?=\d)(\d+y)?(\d+w)?(\d+d)?(\d+h)?(\d+m)?(\d+s)?(\d+ms)?")
+
+
+def _duration(value: str) -> str:
+    if not _DURATION.fullmatch(value) or not any(c in "123456789" for c in value):
+        raise typer.BadParameter(f"expected a Prometheus duration such as 15s or 1m30s, found {value!r}")
+    return value
+
+
 @fleet_app.command("agent")
-def agent(remote_write: str = typer.Option(..., "--remote-write", help="the fleet's remote-write URL"),
+def agent(remote_write: str = typer.Option(..., "--remote-write", callback=http_url,
+                                           help="the fleet's remote-write URL"),
           instance: Optional[str] = typer.Option(None, "--instance", help="this device's name in the "
                                                  "fleet (default: its hostname)"),
           target: Optional[str] = typer.Option(None, "--target", help="edge's address to scrape "
                                                "(default: [server] host:port of the config)"),
-          interval: str = typer.Option("15s", "--interval", help="scrape interval"),
+          interval: str = typer.Option("15s", "--interval", callback=_duration,
+                                       help="scrape interval (a Prometheus duration: 15s, 1m30s)"),
           unit: bool = typer.Option(False, "--unit", help="print the systemd unit instead of the config"),
           prometheus: str = typer.Option("/usr/bin/prometheus", "--prometheus",
                                          help="the Prometheus binary the unit runs (its version picks the agent flag)"),

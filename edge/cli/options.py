@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
 
 from edge.config import Config, load
+from edge.fsutil import cannot_create
 
-__all__ = ["ConfigOpt", "JsonOpt", "config_of"]
+__all__ = ["ConfigOpt", "JsonOpt", "config_of", "http_url", "output_file", "url_of"]
 
 
 def _config_path(value: Optional[str]) -> Optional[str]:
@@ -25,3 +27,34 @@ JsonOpt = typer.Option(False, "--json", help="print as JSON")
 def config_of(config: Optional[str]) -> Config:
     """The config named by --config, else the lookup order's (`edge.config.load`)."""
     return load(config)
+
+
+def output_file(value: Optional[Path]) -> Optional[Path]:
+    """A callback for an option naming a file to write at the end (--svg): checked before any work
+    is done, so that a bad path is a usage error (exit 2), not a failure after the work."""
+    why = None if value is None else cannot_create(value)
+    if why:
+        raise typer.BadParameter(why)
+    return value
+
+
+def http_url(value: Optional[str]) -> Optional[str]:
+    """A callback for an option naming an http(s):// URL with a host (--remote-write)."""
+    return url_of(value, ("http", "https"))
+
+
+def url_of(value: Optional[str], schemes: tuple[str, ...]) -> Optional[str]:
+    """`value` if it is a URL of one of `schemes` with a host; else a usage error (exit 2)."""
+    import urllib.parse
+
+    if value is None:
+        return None
+    try:
+        u = urllib.parse.urlsplit(value)
+        u.port  # noqa: B018  (a port out of range or not a number raises here)
+    except ValueError as exc:
+        raise typer.BadParameter(f"expected a URL, found {value!r} ({exc})") from None
+    if u.scheme not in schemes or not u.hostname:
+        raise typer.BadParameter(f"expected an {' or '.join(f'{x}://' for x in schemes)} URL with a host, "
+                                 f"found {value!r}")
+    return value

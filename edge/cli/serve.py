@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import typer
 
-from edge.cli.options import ConfigOpt, JsonOpt, config_of
+from edge.cli.options import ConfigOpt, JsonOpt, config_of, output_file, url_of
 from edge.config import DEFAULT_URL
 from edge.errors import EX_SOFTWARE, EdgeError
 
@@ -50,7 +50,8 @@ def _record_failed_start(start: Any, config: Optional[str], exc: Exception) -> N
         typer.echo(f"edge: could not record the failed start: {why}", err=True)
 
 
-SvgOpt = typer.Option(None, "--svg", help="also draw the report as an SVG timeline into this file")
+SvgOpt = typer.Option(None, "--svg", callback=output_file,
+                      help="also draw the report as an SVG timeline into this file")
 
 
 def warmup(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt,
@@ -90,7 +91,10 @@ def reload(config: Optional[str] = typer.Option(
     one, then takes the traffic. Exit 0 once it serves; else the error's exit code and why (the
     old set keeps serving)."""
     from edge.control import control_path, request_reload
+    from edge.errors import ConfigError
 
+    if config and not Path(config).exists():  # anything else wrong with it, the service reports
+        raise ConfigError(config, "", "config file does not exist")
     target = str(Path(config).resolve()) if config else None
     path = Path(socket_path) if socket_path else control_path(_config_for_state(config))
     answer = request_reload(path, target, timeout)
@@ -131,35 +135,75 @@ def _config_for_state(config: Optional[str]) -> Any:
 
 def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Optional[Path] = SvgOpt) -> None:
     """Show the reports of the last start and of the last reload: phases, seconds, bytes, rates;
-    and a start that failed after it, if one did."""
-    from edge.config import state_dir
+    and a start that failed after it, if one did. A damaged report is named (exit 1), the others
+    are still shown."""
     from edge.history import FAILED_START
-    from edge.timing import REPORT_NAME, format_reload_report, format_report, read_last_report
+    from edge.timing import REPORT_NAME
 
-    folder = state_dir(config_of(config))
-    report = read_last_report(folder)
-    failed = read_last_report(folder, kind=FAILED_START)
+    folder = _state_folder(config_of(config))
+    damaged: list[str] = []
+    report = _read_report(folder, "start", damaged)
+    failed = _read_report(folder, FAILED_START, damaged)
     if failed is not None and report is not None and _newer(report, failed):
         failed = None  # an earlier failure, followed by a good start
-    if report is None and failed is None:
+    if report is None and failed is None and not damaged:
         typer.echo(f"no start report yet in {folder / REPORT_NAME}: has `edge serve` run?", err=True)
         raise typer.Exit(1)
-    reload_report = read_last_report(folder, kind="reload") if report is not None else None
+    reload_report = _read_report(folder, "reload", damaged) if report is not None else None
     if reload_report is not None and reload_report.get("pid") != report.get("pid"):
         reload_report = None  # a reload of an earlier run of the service, not of this one
     if as_json:  # the start report as before, the last reload (and a later failed start) beside it
         typer.echo(json.dumps({**(report or {}), "last_reload": reload_report, "last_failed_start": failed},
                               indent=2))
     else:
-        if report is not None:
-            typer.echo(format_report(report))
-        if reload_report is not None:
-            typer.echo("\n" + format_reload_report(reload_report))
-        if failed is not None:
-            typer.echo(("\n" if report else "") + _format_failed(failed))
+        _print_reports(folder, report, reload_report, failed, damaged)
+    for why in damaged:
+        typer.echo(f"edge: {why}", err=True)
     if svg is not None:
         drawn = [(r, k) for r, k in ((report, "start"), (reload_report, "reload"), (failed, "start")) if r]
         _write_svg(svg, drawn)
+    if damaged:
+        raise typer.Exit(1)
+
+
+def _state_folder(cfg: Any) -> Path:
+    from edge.config import state_dir
+    from edge.errors import ConfigError
+
+    folder = state_dir(cfg)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(cfg.source, "paths.state_dir", f"{folder} is not a directory")
+    return folder
+
+
+def _read_report(folder: Path, kind: str, damaged: list[str]) -> Optional[dict[str, Any]]:
+    """The last report of this kind; None if there is none, or if it is damaged (why: in `damaged`)."""
+    from edge.timing import UnreadableReport, read_last_report
+
+    try:
+        return read_last_report(folder, kind=kind)
+    except UnreadableReport as exc:
+        damaged.append(str(exc))
+        return None
+
+
+def _print_reports(folder: Path, report: Any, reload_report: Any, failed: Any, damaged: list[str]) -> None:
+    """Each report as a table; one whose fields cannot be shown is named in `damaged` instead."""
+    from edge.history import FAILED_START
+    from edge.timing import format_reload_report, format_report
+
+    shown = False
+    for r, kind, render in ((report, "start", format_report), (reload_report, "reload", format_reload_report),
+                            (failed, FAILED_START, _format_failed)):
+        if r is None:
+            continue
+        try:
+            text = render(r)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            damaged.append(f"report {folder / f'last-{kind}.json'} is unreadable: {type(exc).__name__}: {exc}")
+            continue
+        typer.echo(("\n" if shown else "") + text)
+        shown = True
 
 
 def _newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -176,7 +220,8 @@ def _format_failed(r: dict[str, Any]) -> str:
             f"exit {r.get('exit_code')}: {r.get('error')}\n{table}")
 
 
-def bench(url: str = typer.Option(DEFAULT_URL, "--url", help="the running service"),
+def bench(url: str = typer.Option(DEFAULT_URL, "--url", callback=lambda v: url_of(v, ("http",)),
+                                 help="the running service"),
           requests: int = typer.Option(50, "--requests", min=1),
           concurrency: int = typer.Option(4, "--concurrency", min=1),
           prompt: str = typer.Option("Question: What is the capital of France?\nAnswer:", "--prompt"),

@@ -15,10 +15,39 @@ __all__ = ["register"]
 units_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                         help="systemd units: print or install edge.socket + edge.service.")
 
-EdgeOpt = typer.Option(None, "--edge", help="absolute command for ExecStart (default: this edge)")
+def _absolute(value: Optional[str]) -> Optional[str]:
+    if value is not None and not value.startswith("/"):
+        raise typer.BadParameter(f"expected an absolute path (systemd needs one), found {value!r}")
+    return value
+
+
+def _listen(values: list[str]) -> list[str]:
+    """ListenStream= addresses: PORT, HOST:PORT or [V6]:PORT, the host an IP address."""
+    import ipaddress
+
+    for v in values:
+        host, _, port = v.rpartition(":")
+        try:
+            if host:
+                ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+            ok = port.isdigit() and 1 <= int(port) <= 65535
+        except ValueError:
+            ok = False
+        if not ok:
+            raise typer.BadParameter(f"expected PORT, ADDRESS:PORT or [IPV6]:PORT (a port 1-65535), found {v!r}")
+    return values
+
+
+def _prefix(value: str) -> str:
+    if not Path(value).is_dir():
+        raise typer.BadParameter(f"{value} is not an existing directory")
+    return value
+
+
+EdgeOpt = typer.Option(None, "--edge", callback=_absolute, help="absolute command for ExecStart (default: this edge)")
 UnitConfigOpt = typer.Option(str(SYSTEM_CONFIG), "--config", help="config path the service reads")
-ListenOpt = typer.Option([DEFAULT_LISTEN], "--listen", help="TCP address for ListenStream= (repeatable)")
-UnixOpt = typer.Option(None, "--unix-socket", help="also listen on this Unix socket (mode 0660)")
+ListenOpt = typer.Option([DEFAULT_LISTEN], "--listen", callback=_listen, help="TCP address for ListenStream= (repeatable)")
+UnixOpt = typer.Option(None, "--unix-socket", callback=_absolute, help="also listen on this Unix socket (mode 0660)")
 GroupOpt = typer.Option(None, "--socket-group", help="group owning the Unix socket")
 UserOpt = typer.Option(False, "--user", help="user units (systemctl --user), without privileged sandboxing")
 RootOpt = typer.Option("/", "--root", help="the device's root tree: its GPU platform decides DeviceAllow=")
@@ -46,7 +75,7 @@ def units_print(edge: Optional[str] = EdgeOpt, config: str = UnitConfigOpt, list
 
 
 @units_app.command("install")
-def units_install(prefix: str = typer.Option("/", "--prefix", help="root to install under"),
+def units_install(prefix: str = typer.Option("/", "--prefix", callback=_prefix, help="root to install under"),
                   edge: Optional[str] = EdgeOpt, config: str = UnitConfigOpt, listen: list[str] = ListenOpt,
                   unix_socket: Optional[str] = UnixOpt, socket_group: Optional[str] = GroupOpt,
                   user: bool = UserOpt) -> None:

@@ -76,6 +76,13 @@ def load_recipe(path: str | Path) -> Recipe:
         raw = tomllib.loads(p.read_text())
     except FileNotFoundError:
         raise ConfigError(src, "", "recipe file does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(src, "", "is a directory; expected a recipe file (engines/<model>.toml)") from None
+    except OSError as exc:
+        raise ConfigError(src, "", f"cannot read the recipe file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(src, "", f"expected a UTF-8 TOML recipe, found a byte {exc.object[exc.start]:#04x} "
+                                   f"that is not UTF-8 at offset {exc.start}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(src, "", f"not valid TOML: {exc}") from None
     r = build_dataclass(Recipe, raw, src, "")

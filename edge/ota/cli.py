@@ -79,8 +79,28 @@ def _echo(result: Any) -> None:
     typer.echo(json.dumps(result, indent=2))
 
 
+def _new_file(value: Path) -> Path:
+    """-o checked before the key is made: a folder, or a folder that is missing or not writable,
+    is a usage error (exit 2)."""
+    from edge.fsutil import cannot_create
+
+    why = cannot_create(value)
+    if why:
+        raise typer.BadParameter(why)
+    return value
+
+
+def _one_of(value: Optional[str], choices: list[str]) -> Optional[str]:
+    if value is not None and value not in choices:
+        raise typer.BadParameter(f"expected one of {', '.join(choices)}, found {value!r}")
+    return value
+
+
+STATUS_FIELDS = ["current", "previous", "pending", "highest"]
+
+
 @ota_app.command()
-def keygen(out: Path = typer.Option(Path("signing.key"), "-o", "--out")) -> None:
+def keygen(out: Path = typer.Option(Path("signing.key"), "-o", "--out", callback=_new_file)) -> None:
     """Make an Ed25519 signing key (OUT, mode 0600) and its public key (OUT.pub)."""
     from edge.ota.bundle import keygen as make
 
@@ -88,6 +108,8 @@ def keygen(out: Path = typer.Option(Path("signing.key"), "-o", "--out")) -> None
         pub = make(out)
     except FileExistsError:
         raise EdgeError(f"{out} exists: refusing to overwrite a signing key") from None
+    except OSError as exc:
+        raise EdgeError(f"{exc.filename or out}: cannot write the key: {exc.strerror or exc}") from None
     typer.echo(f"wrote {out} (keep it secret) and {pub} (install it on devices as /etc/edge/ota.pub)")
 
 
@@ -135,8 +157,8 @@ FIELDS = {"version": lambda b: b.version, "content_digest": lambda b: b.content_
 
 @ota_app.command()
 def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey"),
-            field: Optional[str] = typer.Option(None, "--field", help="print one manifest field and stop: "
-                                                + ", ".join(FIELDS))) -> None:
+            field: Optional[str] = typer.Option(None, "--field", callback=lambda v: _one_of(v, list(FIELDS)),
+                                                help="print one manifest field and stop: " + ", ".join(FIELDS))) -> None:
     """Print a bundle's manifest and verify its signature and every file's checksum, streaming:
     the checks install makes that do not depend on the device, with install's verdict."""
     from edge.ota.bundle import open_bundle
@@ -146,8 +168,6 @@ def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey"
 
     b = open_bundle(bundle, pubkey, insecure=pubkey is None)
     if field is not None:
-        if field not in FIELDS:
-            raise EdgeError(f"--field {field!r}: expected one of {', '.join(FIELDS)}")
         return typer.echo(FIELDS[field](b))
     thin = f", thin on {b.base['bundle_version']} (content {b.base['content_digest'][:16]}…)" if b.base else ""
     typer.echo(f"bundle {bundle}: version {b.version}{thin}, created {b.manifest.get('created')}, "
@@ -239,14 +259,13 @@ def recover(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typ
 
 @ota_app.command()
 def status(config: Optional[Path] = ConfigOpt,
-           field: Optional[str] = typer.Option(None, "--field", help="print one field: current, previous, "
+           field: Optional[str] = typer.Option(None, "--field", callback=lambda v: _one_of(v, STATUS_FIELDS),
+                                               help="print one field: current, previous, "
                                                "pending (its version) or highest; empty when none")) -> None:
     """Current, previous, pending and highest versions, links, versions on disk, history."""
     st = _ota(config)[0].status()
     if field is None:
         return _echo(st)
-    if field not in ("current", "previous", "pending", "highest"):
-        raise EdgeError(f"--field {field!r}: expected current, previous, pending or highest")
     value = st[field]["version"] if field == "pending" and st[field] else st[field]
     typer.echo(value or "")
 

@@ -350,8 +350,11 @@ class Ota:
             return self._rollback(activate, reason)
 
     def verify(self, pubkey: Path | None) -> dict[str, Any]:
+        """Read only: with nothing installed (no versions/), nothing is made, not even the lock."""
         from edge.ota.verify import verify_installed
 
+        if not self.versions.is_dir():
+            return verify_installed(self.root, pubkey)
         with self._locked():
             return verify_installed(self.root, pubkey)
 

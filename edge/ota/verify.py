@@ -75,7 +75,8 @@ def _one(vdir: Path, pubkey: Path | None, hashed: dict[tuple[int, int], str]) ->
 
 
 def verify_installed(root: Path, pubkey: Path | None) -> dict[str, Any]:
-    """{versions: {V: {files, ok, note?}}, problems: [...], hashed_bytes}; problems name files."""
+    """{versions: {V: {files, ok, note?}}, problems: [...], hashed_files, result}; problems name
+    files; result: ok, damaged, or nothing installed (no complete version to check)."""
     versions = root / "versions"
     dirs = sorted((d for d in versions.iterdir() if (d / MARKER).is_file()), key=_order) if versions.is_dir() else []
     hashed: dict[tuple[int, int], str] = {}
@@ -85,5 +86,5 @@ def verify_installed(root: Path, pubkey: Path | None) -> dict[str, Any]:
         report["versions"][vdir.name] = result
         report["problems"] += bad
     report["hashed_files"] = len(hashed)
-    report["result"] = "damaged" if report["problems"] else "ok"
+    report["result"] = "damaged" if report["problems"] else "ok" if dirs else "nothing installed"
     return report
