@@ -171,6 +171,9 @@ def test_reload_with_no_service_is_unavailable(cfg: Path) -> None:
     (["units", "print", "--unix-socket", "rel.sock"], "'--unix-socket'"),
     (["fleet", "agent", "--remote-write", "notaurl"], "'--remote-write'"),
     (["fleet", "agent", "--remote-write", "http://fleet/api/v1/write", "--interval", "bogus"], "'--interval'"),
+    (["engines", "ls", "--store", "/nonexistent-store"], "--store"),  # a typo is no empty store
+    (["engines", "verify", "--store", "/nonexistent-store"], "--store"),
+    (["engines", "gc", "--store", "/etc/hostname"], "--store"),
 ])
 def test_bad_arguments_are_usage_errors(tmp_path: Path, args: list[str], option: str) -> None:
     r = edge(*args, cwd=tmp_path)

@@ -18,11 +18,19 @@ engines_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
 StoreOpt = typer.Option(None, "--store", help="engine store (default: <cache_dir>/engines of the config)")
 
 
-def _store(store: Optional[Path], config: Optional[str]):  # -> EngineStore (imported lazily)
+def _store(store: Optional[Path], config: Optional[str], existing: bool = True):  # -> EngineStore (lazy)
+    """The store named by --store (a folder; one that is not there is an error where engines are
+    read: a typo must not read as an empty store), else the config's (empty until a build)."""
     from edge.config import cache_dir
     from edge.engines.store import EngineStore
 
-    return EngineStore(store) if store else EngineStore(cache_dir(config_of(config)) / "engines")
+    if store is None:
+        return EngineStore(cache_dir(config_of(config)) / "engines")
+    if store.exists() and not store.is_dir():
+        raise typer.BadParameter(f"{store} is not a folder; expected an engine store", param_hint="--store")
+    if existing and not store.exists():
+        raise typer.BadParameter(f"there is no engine store at {store}", param_hint="--store")
+    return EngineStore(store)
 
 
 def build_engine(recipe: Path = typer.Argument(..., help="engines/<model>.toml"),
@@ -36,7 +44,7 @@ def build_engine(recipe: Path = typer.Argument(..., help="engines/<model>.toml")
     from edge.engines.recipe import load_recipe
 
     r = load_recipe(recipe)
-    st = _store(store, config)
+    st = _store(store, config, existing=False)  # a build makes it
     typer.echo(f"building {r.name} from {r.onnx} with {backend} into {st.root}")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), transient=False) as bar:
