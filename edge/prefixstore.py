@@ -4,7 +4,9 @@ restarts.
 `<cache_dir>/prefix/<model>/<name>.<key digest>.kvstate` holds a declared prefix's KV state (the
 digest covers the key and the prefix's tokens, so the states of the last few configurations
 coexist and a reload back to an earlier one restores instead of recomputing; KEEP per prefix),
-`learned-<i>.kvstate` the i-th prefix that traffic reused most before the last SIGTERM. A file is
+`learned.<key digest>.<i>.kvstate` the i-th prefix that traffic reused most before the last
+SIGTERM under that key (those of the KEEP newest keys are kept, so a configuration changed back
+finds them again). A file is
 
     MAGIC (8 bytes) | header length (4 bytes, little-endian) | header (JSON) | state
 
@@ -247,14 +249,52 @@ def _prune(folder: Path, name: str) -> None:
         old.unlink(missing_ok=True)
 
 
+def _learned_path(folder: Path, key: dict[str, Any], i: int) -> Path:
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return folder / f"learned.{digest}.{i}.kvstate"
+
+
+def _learned_files(folder: Path) -> dict[str, list[Path]]:
+    """Learned state files by key digest, the key saved most recently first."""
+    own = re.compile(r"learned\.([0-9a-f]{16})\.\d+\.kvstate")
+    by_key: dict[str, list[Path]] = {}
+    for path in folder.glob("learned.*.kvstate"):
+        m = own.fullmatch(path.name)
+        if m:
+            by_key.setdefault(m[1], []).append(path)
+    newest = {k: max(p.stat().st_mtime_ns for p in paths) for k, paths in by_key.items()}
+    return dict(sorted(by_key.items(), key=lambda kv: -newest[kv[0]]))
+
+
+def _learned_elsewhere(folder: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+    """The row saying why no learned state is restored when only other keys have some."""
+    from edge.warmplan import key_differences
+
+    for paths in _learned_files(folder).values():
+        try:
+            with open(min(paths), "rb") as f:
+                stored = _read_header(f)["key"]
+        except (OSError, StateRejected):
+            continue
+        diff = key_differences(stored, key) if isinstance(stored, dict) else ["key"]
+        return {"prefix": "learned", "kind": "learned", "tokens": 0, "bytes": 0, "outcome": "ignored",
+                "why": "saved for another model or context" + (f": {', '.join(diff[:3])}" if diff else ""),
+                "seconds": 0.0}
+    return None
+
+
 def _learned(model: GGUFModel, folder: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i in range(model.cfg.learn_prefixes):
-        path = folder / f"learned-{i}.kvstate"
+        path = _learned_path(folder, key, i)
         if not path.exists():
+            if i == 0 and (elsewhere := _learned_elsewhere(folder, key)) is not None:
+                rows.append(elsewhere)
             break
         t0 = time.perf_counter()
-        row = {"prefix": path.stem, "kind": "learned", "tokens": 0, "bytes": 0, "outcome": "ignored"}
+        row = {"prefix": f"learned-{i}", "kind": "learned", "tokens": 0, "bytes": 0, "outcome": "ignored"}
         try:
             header, state = read_state(path, key)
             tokens = [int(t) for t in header["tokens"]]
@@ -286,12 +326,16 @@ def save_learned(model: GGUFModel, folder: Path) -> list[dict[str, Any]]:
         if got is None:
             continue
         tokens, state = got
-        name = f"learned-{len(rows)}"
-        write_state(folder / f"{name}.kvstate", key, tokens, state, kind="learned", hits=e.hits, reused=len(tokens))
-        rows.append({"prefix": name, "tokens": len(tokens), "hits": e.hits})
+        write_state(_learned_path(folder, key, len(rows)), key, tokens, state, kind="learned", hits=e.hits,
+                    reused=len(tokens))
+        rows.append({"prefix": f"learned-{len(rows)}", "tokens": len(tokens), "hits": e.hits})
     cache.reset()
-    for path in folder.glob("learned-*.kvstate"):
-        index = path.stem.removeprefix("learned-")
-        if index.isdigit() and int(index) >= len(rows):
-            path.unlink(missing_ok=True)
+    mine = _learned_path(folder, key, 0).name.split(".")[1]
+    for n, (digest, paths) in enumerate(_learned_files(folder).items()):
+        for path in paths:  # this key's beyond what was just saved; keys older than the KEEP newest
+            index = int(path.name.split(".")[2])
+            if (digest == mine and index >= len(rows)) or (digest != mine and n >= KEEP):
+                path.unlink(missing_ok=True)
+    for path in folder.glob("learned-*.kvstate"):  # the names of edge before keys were in them
+        path.unlink(missing_ok=True)
     return rows

@@ -14,7 +14,7 @@ from edge.generate import GenParams, Job
 from edge.gguf import read_gguf_info
 from edge.llm import GGUFModel, load_gguf_model
 from edge.prefixcache import lcp
-from edge.prefixstore import (MAGIC, StateRejected, prefix_key, prefix_tokens, read_state,
+from edge.prefixstore import (MAGIC, StateRejected, _learned_path, prefix_key, prefix_tokens, read_state,
                               restore_prefixes, save_learned, write_state)
 
 SYSTEM = "Hello world. " * 8
@@ -128,7 +128,7 @@ def test_a_header_claiming_a_wrong_state_size_is_rejected_before_any_buffer_is_m
             (path,) = tmp_path.glob("sys.*.kvstate")
         else:
             m.cache.compute(m.tokenize_prompt(SYSTEM))
-            path = tmp_path / "learned-0.kvstate"
+            path = _learned_path(tmp_path, prefix_key(m), 0)
             state = m.native.state_bytes()
             write_state(path, prefix_key(m), m.tokenize_prompt(SYSTEM), state, kind="learned", hits=3, reused=10)
         data = path.read_bytes()
@@ -266,7 +266,7 @@ def test_learned_prefixes_survive_a_restart(tiny_gguf: Path, tmp_path: Path) -> 
         # the common prefix of the prompts (their last few tokens merge with what follows)
         prompts = [m.tokenize_prompt(common + tail) for tail in ("a", "e", "o")]
         assert n == min(lcp(prompts[0], prompts[1]), lcp(prompts[1], prompts[2])) > 190
-        header, _ = read_state(tmp_path / "learned-0.kvstate", prefix_key(m))
+        header, _ = read_state(_learned_path(tmp_path, prefix_key(m), 0), prefix_key(m))
         assert header["kind"] == "learned" and header["hits"] == 2 and len(header["tokens"]) == n
     finally:
         m.close()
@@ -291,7 +291,7 @@ def test_a_declared_prefix_is_not_learned_again(tiny_gguf: Path, tmp_path: Path)
             greedy(m, m.tokenize_prompt(common + tail))
         rows = save_learned(m, tmp_path)
         assert len(rows) == 1 and rows[0]["tokens"] > 190  # the other one; "sys" is declared
-        header, _ = read_state(tmp_path / "learned-0.kvstate", prefix_key(m))
+        header, _ = read_state(_learned_path(tmp_path, prefix_key(m), 0), prefix_key(m))
         assert header["tokens"][:50] == m.tokenize_prompt(common)[:50]
     finally:
         m.close()
@@ -310,6 +310,30 @@ def test_learned_prefixes_of_another_key_are_ignored(tiny_gguf: Path, tmp_path: 
         assert m.cache.nbytes == 0
     finally:
         m.close()
+
+
+def test_learned_prefixes_wait_out_a_change_of_key(tiny_gguf: Path, tmp_path: Path) -> None:
+    common = "the world the " * 10
+
+    def serve(n_ctx: int, traffic: bool) -> list[dict[str, object]]:
+        m = load(tiny_gguf, n_ctx=n_ctx, learn_prefixes=1)
+        try:
+            rows = restore(m, tmp_path)
+            for tail in ("a", "e") if traffic else ():
+                greedy(m, m.tokenize_prompt(common + tail))
+            save_learned(m, tmp_path)
+            return rows
+        finally:
+            m.close()
+
+    serve(512, traffic=True)  # learned under n_ctx 512
+    (row,) = serve(256, traffic=False)  # a config change, no traffic before its SIGTERM
+    assert row["outcome"] == "ignored" and "n_ctx 512 → 256" in row["why"]
+    (row,) = serve(512, traffic=False)  # and back: what 512 learned is still there
+    assert row["outcome"] == "restored" and row["tokens"] > 190
+    for n_ctx in (128, 192, 320, 384):  # more keys than KEEP learn something: the oldest go
+        serve(n_ctx, traffic=True)
+    assert len({p.name.split(".")[1] for p in tmp_path.glob("learned.*.kvstate")}) == 3
 
 
 def test_only_the_newest_states_of_a_prefix_are_kept(tiny_gguf: Path, tmp_path: Path,
