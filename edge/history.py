@@ -76,8 +76,10 @@ def _result(kind: str, report: dict[str, Any]) -> str:
 def _identity(kind: str, name: str, report: dict[str, Any]) -> str:
     if kind != "reload":
         return name  # written once
-    # the switch and the drain write the same reload: same pid, start and switch offset
-    end = report.get("switch_s")
+    # the switch and the drain write the same reload: one timer, one start to the microsecond
+    if isinstance(report.get("started_unix"), (int, float)):
+        return f"reload/{report.get('pid')}/{report['started_unix']}"
+    end = report.get("switch_s")  # reports of edge before started_unix: pid, start, switch offset
     return f"reload/{report.get('pid')}/{report.get('started_at')}/{end if end is not None else report.get('ready_s')}"
 
 
@@ -134,10 +136,10 @@ class Ledger:
                 yield name, kind
 
     def _load(self) -> None:
-        data = read_json(self.path) or {}
-        counts, seen = data.get("counts"), data.get("seen")
-        if data and (data.get("format") != LEDGER_FORMAT or not isinstance(counts, dict)
-                     or not isinstance(seen, dict)):
+        data = read_json(self.path) if self.path.exists() else {}
+        counts, seen = (data.get("counts"), data.get("seen")) if isinstance(data, dict) else (None, None)
+        if not isinstance(data, dict) or data and (data.get("format") != LEDGER_FORMAT or not isinstance(
+                counts, dict) or not isinstance(seen, dict)):
             log.warning("%s is not an edge history ledger (format %s): counting from the reports "
                         "on disk again", self.path, LEDGER_FORMAT)
             counts, seen = {}, {}

@@ -128,7 +128,7 @@ def chart_of(report: dict[str, Any], kind: str = "start") -> Chart:
     phases = [p for p in report.get("phases") or [] if isinstance(p, dict) and "name" in p]
     if kind == "reload":
         chart = Chart(f"edge reload · {report.get('started_at', '?')} · pid {report.get('pid', '?')}",
-                      f"mode {report.get('mode')} · kept {', '.join(report.get('kept') or []) or '-'}"
+                      f"mode {report.get('mode') or 'not decided'} · kept {', '.join(report.get('kept') or []) or '-'}"
                       f" · loaded {', '.join(report.get('loaded') or []) or '-'} · config {report.get('config')}")
         chart.bars += _old_set(report, phases)
     else:

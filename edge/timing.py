@@ -121,6 +121,7 @@ class StartTimer:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started_at)),
+            "started_unix": round(self.started_at, 6),  # one start or reload, whatever else shares its second
             "ready_s": round(self.now(), 4),
             "phases": [p.as_dict() for p in phases],
             **extra,
@@ -148,7 +149,8 @@ def write_report(report: dict[str, Any], state_dir: Path, kind: str = "start") -
     reports = state_dir / "reports"
     reports.mkdir(parents=True, exist_ok=True)
     data = json.dumps(report, indent=2, sort_keys=False) + "\n"
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    now = time.time()  # to the millisecond: reloads of one process may share a second
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}"
     path = reports / f"{kind}-{stamp}-{report['pid']}.json"
     atomic_write(path, data)
     atomic_write(state_dir / f"last-{kind}.json", data)
@@ -278,8 +280,9 @@ def format_reload_report(report: dict[str, Any]) -> str:
         drain = report.get("drain_s")
         outcome = (f"switched at {report.get('switch_s', 0):.3f} s; old set drained in "
                    + (f"{drain:.3f} s" if drain is not None else "(still draining)"))
-    mem = report.get("memory", {})
-    lines = [head, outcome, f"mode {report.get('mode')}: {mem.get('reason', '')}",
+    mem = report.get("memory") or {}  # null: the reload failed before the memory guard decided
+    mode = f"mode {report['mode']}: {mem.get('reason', '')}" if report.get("mode") else "mode: not decided"
+    lines = [head, outcome, mode,
              f"kept: {', '.join(report.get('kept', [])) or '-'}   "
              f"loaded: {', '.join(report.get('loaded', [])) or '-'}   "
              f"freed: {', '.join(report.get('freed', [])) or '-'}", "",

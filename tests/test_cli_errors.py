@@ -46,6 +46,18 @@ def test_status_shows_the_good_start_beside_a_damaged_failed_start(cfg: Path) ->
         "not valid JSON (Unterminated string starting at: line 1 column 2 (char 1))"]
 
 
+def test_status_shows_a_reload_that_failed_before_the_memory_guard(cfg: Path) -> None:
+    from edge.timing import ReloadTimer
+
+    write_report(StartTimer().report(sockets=["127.0.0.1:1"]), cfg.parent / "state")
+    write_report(ReloadTimer().report(kind="reload", error="models[0].path: no such file", memory=None,
+                                      mode=None, kept=[], loaded=[]), cfg.parent / "state", kind="reload")
+    r = edge("status", "--config", str(cfg), "--svg", "t.svg", cwd=cfg.parent)
+    assert r.returncode == 0, r.stderr
+    assert "FAILED after" in r.stdout and "mode: not decided" in r.stdout
+    assert "mode None" not in (cfg.parent / "t.svg").read_text()
+
+
 def test_status_of_a_state_dir_that_is_a_file_is_a_config_error(cfg: Path) -> None:
     (cfg.parent / "state").write_text("")
     r = edge("status", "--config", str(cfg))

@@ -34,6 +34,25 @@ def test_printed_agent_config_passes_promtool(tmp_path: Path) -> None:
     assert 'replacement: "dev \\"7\\""' in text  # escaped, not broken, by a name with quotes
 
 
+def test_the_target_comes_from_the_config_as_prometheus_takes_it(tmp_path: Path, tiny_gguf: Path) -> None:
+    from kit import write_config
+
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
+    text = cfg.read_text()
+    v6 = tmp_path / "v6.toml"
+    v6.write_text(text.replace('host = "127.0.0.1"', 'host = "::1"', 1))
+    assert "targets: [\"[::1]:" in _edge("fleet", "agent", "--remote-write", "https://f/api/v1/write",
+                                          "--config", str(v6))
+    unix = tmp_path / "unix.toml"  # edge then listens on the socket only: nothing to scrape
+    unix.write_text(text.replace("[server]\n", f'[server]\nunix_socket = "{tmp_path}/e.sock"\n', 1))
+    for args in (["--config", str(unix)], ["--target", "http://x/metrics"], ["--target", "x:99999"]):
+        r = subprocess.run([*EDGE, "fleet", "agent", "--remote-write", "https://f/api/v1/write", *args],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "Invalid value for --target" in r.stderr.replace("'", ""), r.stderr
+    assert "targets: [\"[fe80::1]:8088\"]" in _edge("fleet", "agent", "--remote-write", "https://f/api/v1/write",
+                                                    "--target", "[fe80::1]:8088")
+
+
 def test_agent_flag_follows_the_prometheus_major() -> None:
     assert agent_flag(2) == "--enable-feature=agent" and agent_flag(None) == "--enable-feature=agent"
     assert agent_flag(3) == "--agent"

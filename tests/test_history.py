@@ -113,6 +113,28 @@ def test_an_unwritable_state_dir_keeps_counts_in_memory(tmp_path: Path) -> None:
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", "not json{"])
+def test_a_ledger_that_is_no_json_object_is_recounted_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, text: str) -> None:
+    _start(tmp_path)
+    (tmp_path / LEDGER).write_text(text)
+    assert Ledger(tmp_path).update() == {"start": {"ok": 1}}
+    assert "not an edge history ledger" in caplog.text
+
+
+def test_reloads_in_one_second_are_each_counted(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    for _ in range(4):  # failed reloads of one process, a few ms each
+        write_report(ReloadTimer().report(kind="reload", error="bad config", memory=None, mode=None),
+                     tmp_path, kind="reload")
+    assert ledger.update() == {"reload": {"failed": 4}}
+    assert len(list((tmp_path / "reports").glob("reload-*.json"))) == 4
+    timer = ReloadTimer()  # one reload written at the switch and again after the drain: once
+    for drain in (None, 0.5):
+        write_report(timer.report(kind="reload", switch_s=1.0, drain_s=drain), tmp_path, kind="reload")
+    assert ledger.update() == {"reload": {"failed": 4, "ok": 1}}
+
+
 def test_reload_results() -> None:
     assert reload_result({"error": None, "switch_s": 1.0}) == "ok"
     assert reload_result({"error": "bad"}) == "failed"

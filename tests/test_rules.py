@@ -35,7 +35,7 @@ def test_printed_rules_pass_promtool_check(tmp_path: Path) -> None:
     r = subprocess.run([promtool, "check", "rules", str(_printed_rules(tmp_path))], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 11 rules found" in r.stdout
+    assert "SUCCESS: 13 rules found" in r.stdout
 
 
 def test_rules_file_is_in_the_wheel(tmp_path: Path) -> None:
@@ -174,13 +174,42 @@ def _prompt_cache_test() -> dict:
                                  "description": description}}]}]}
 
 
+def _silence_test() -> dict:
+    """a pushes for 10 minutes, then nothing (power or uplink gone); b pushes throughout, not ready
+    for a while (EdgeNotReady's case, not this one). a restarts failing every 5 minutes for half an
+    hour (a loop), b failed once a long time ago."""
+    dev = {"job": "edge"}
+    failed = {**dev, "result": "failed"}
+    series = [_series("edge_ready", {**dev, "instance": "a"}, "1x10"),
+              _series("edge_ready", {**dev, "instance": "b"}, "1x10 0x10 1x40"),
+              _series("edge_starts_total", {**failed, "instance": "a"}, "0 0 0 0 0 1 1 1 1 1 2 2 2 2 2 3x45"),
+              _series("edge_starts_total", {**failed, "instance": "b"}, "1x60")]
+    silent = ("The device or its agent is down, or its uplink is: nothing reaches the fleet (a pushing "
+              "device cannot report up == 0).")
+    return {"interval": "1m", "input_series": series, "alert_rule_test": [
+        {"eval_time": "14m", "alertname": "EdgeDeviceSilent", "exp_alerts": []},  # lookback, then for: 10m
+        {"eval_time": "30m", "alertname": "EdgeDeviceSilent", "exp_alerts": [
+            {"exp_labels": {**dev, "instance": "a", "severity": "critical"},
+             "exp_annotations": {"summary": "edge on a has sent no metrics for 15 minutes",
+                                 "description": silent}}]},
+        {"eval_time": "10m", "alertname": "EdgeStartsFailing", "exp_alerts": []},  # 2 so far
+        {"eval_time": "20m", "alertname": "EdgeStartsFailing", "exp_alerts": [
+            {"exp_labels": {**failed, "instance": "a", "severity": "critical"},
+             "exp_annotations": {"summary": "edge on a failed to start about 3 times in 30 minutes",
+                                 "description": "A restart loop: `edge status` on the device shows the "
+                                                "last failed start's report and exit code."}}]},
+        {"eval_time": "59m", "alertname": "EdgeStartsFailing", "exp_alerts": []},  # the loop ended
+    ]}
+
+
 def test_every_alert_fires_where_it_should_and_nowhere_else(tmp_path: Path) -> None:
     promtool = need("promtool")
     rules = _printed_rules(tmp_path)
-    tests = [_start_test(), _alerts_test(), _prompt_cache_test()]
+    tests = [_start_test(), _alerts_test(), _prompt_cache_test(), _silence_test()]
     alerts = {t["alertname"] for case in tests for t in case.get("alert_rule_test", [])}
     assert alerts == {"EdgeNotReady", "EdgeStartSlowerThanFleet", "EdgeOtaRolledBack", "EdgeMlockNotTaken",
-                      "EdgeModelOnCpu", "EdgePromptCacheHitRateCollapse"}  # every alert of the file
+                      "EdgeModelOnCpu", "EdgePromptCacheHitRateCollapse", "EdgeDeviceSilent",
+                      "EdgeStartsFailing"}  # every alert of the file
     assert alerts == set(_alert_names(rules.read_text()))
     spec = tmp_path / "edge-rules.test.yml"  # JSON is YAML
     spec.write_text(json.dumps({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": tests}, indent=1))

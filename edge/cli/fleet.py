@@ -20,8 +20,8 @@ fleet_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
 @fleet_app.command("rules")
 def rules() -> None:
     """Print the Prometheus rules shipped with edge (p50/p95 ready time by module and model;
-    alerts: not ready, slow start, OTA rolled back, mlock not taken, model on the CPU,
-    prompt-cache hit-rate collapse). Drop the output into the fleet Prometheus' rule_files."""
+    alerts: not ready, device silent, starts failing, slow start, OTA rolled back, mlock not taken,
+    model on the CPU, prompt-cache hit-rate collapse). Drop the output into the fleet Prometheus' rule_files."""
     from edge.fleetagent import rules_text
 
     typer.echo(rules_text(), nl=False)
@@ -37,12 +37,34 @@ def _duration(value: str) -> str:
     return value
 
 
+def _target(value: Optional[str]) -> Optional[str]:
+    """host:port, [v6]:port: what Prometheus takes in static_configs (no scheme, no path)."""
+    if value is None:
+        return None
+    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})", value)
+    if not m or not 0 < int(m[2]) < 65536:
+        raise typer.BadParameter(f"expected host:port (an IPv6 address in brackets), found {value!r}")
+    return value
+
+
+def _config_target(config: Optional[str]) -> str:
+    """The config's [server] address as a scrape target; an IPv6 host in brackets."""
+    server = config_of(config).server
+    if server.unix_socket:  # edge then listens on the socket only: nothing for the agent to reach
+        raise typer.BadParameter(f"the config serves on the unix socket {server.unix_socket} only; "
+                                 "Prometheus scrapes TCP: give --target (edge listening on TCP too)",
+                                 param_hint="--target")
+    host = f"[{server.host}]" if ":" in server.host else server.host
+    return f"{host}:{server.port}"
+
+
 @fleet_app.command("agent")
 def agent(remote_write: str = typer.Option(..., "--remote-write", callback=http_url,
                                            help="the fleet's remote-write URL"),
           instance: Optional[str] = typer.Option(None, "--instance", help="this device's name in the "
                                                  "fleet (default: its hostname)"),
-          target: Optional[str] = typer.Option(None, "--target", help="edge's address to scrape "
+          target: Optional[str] = typer.Option(None, "--target", callback=_target,
+                                               help="edge's address to scrape, host:port "
                                                "(default: [server] host:port of the config)"),
           interval: str = typer.Option("15s", "--interval", callback=_duration,
                                        help="scrape interval (a Prometheus duration: 15s, 1m30s)"),
@@ -55,8 +77,7 @@ def agent(remote_write: str = typer.Option(..., "--remote-write", callback=http_
     from edge.fleetagent import AgentSetup, prometheus_major
 
     if target is None:
-        server = config_of(config).server
-        target = f"{server.host}:{server.port}"
+        target = _config_target(config)
     setup = AgentSetup(remote_write=remote_write, instance=instance or socket.gethostname(),
                        target=target, interval=interval, binary=prometheus)
     typer.echo(setup.unit(prometheus_major(prometheus)) if unit else setup.config(), nl=False)
