@@ -135,7 +135,7 @@ def test_thin_bundle_whose_content_is_missing_is_refused_before_writing(dev) -> 
     before = tree(ota)
     r = edge_ota(dev, "install", str(thin), "--pubkey", str(dev["pub"]), "--no-activate")
     assert r.returncode == 65 and "Traceback" not in r.stderr, r.stderr
-    assert "thin bundle (base 0.9.0) whose content this device does not have: models/m.gguf" in r.stderr
+    assert "thin bundle (base 0.9.0) whose content this device does not have intact: models/m.gguf" in r.stderr
     assert "models/e.gguf" not in r.stderr  # it carries that one
     assert "Nothing was written" in r.stderr and tree(ota) == before
 
@@ -215,3 +215,66 @@ def test_verify_finds_a_flipped_byte_in_every_version_that_shares_it(dev) -> Non
         (ota.versions / "1.1.0" / "manifest.json").read_text().replace("# v2", "# v3"))
     r = edge_ota(dev, "verify", "--pubkey", str(dev["pub"]))
     assert "versions/1.1.0/manifest.json: does not verify with" in r.stderr
+
+
+def _damage(obj: Path) -> None:
+    obj.chmod(0o644)
+    data = bytearray(obj.read_bytes())
+    data[300] ^= 0xFF
+    obj.write_bytes(bytes(data))
+    obj.chmod(0o444)
+
+
+def test_a_damaged_object_is_never_linked_into_a_new_version(dev) -> None:
+    """Flash bit-rot in the store: a full bundle writes the object anew from its own bytes; a thin
+    one that needs it is refused before writing, as for content the device does not have."""
+    ota = dev["ota"]
+    install(dev, build(dev, "1.0.0"))
+    (obj,) = ota.store.objects.iterdir()
+    _damage(obj)
+    thin = build(dev, "1.1.0", config=CFG + "# 1.1\n", base=read_base(build(dev, "1.0.1")))
+    before = tree(ota)
+    with pytest.raises(BundleError, match="does not have intact: models/m.gguf"):
+        install(dev, thin, ota=Ota(ota.root, config=dev["cfg"]))
+    assert tree(ota) == before
+    r = install(dev, build(dev, "1.2.0", config=CFG + "# 1.2\n"), ota=Ota(ota.root, config=dev["cfg"]))
+    assert r["result"] == "committed" and r["written_bytes"] == 64 << 10  # the object, anew
+    fresh = ota.versions / "1.2.0" / "models" / "m.gguf"
+    assert fresh.read_bytes() == dev["model"].read_bytes()
+    r = edge_ota(dev, "verify", "--pubkey", str(dev["pub"]))
+    assert r.returncode == 65 and "1.0.0/models/m.gguf" in r.stderr + r.stdout  # the old links
+    assert "1.2.0/models/m.gguf" not in r.stderr + r.stdout
+
+
+def test_an_install_says_which_pending_version_it_rolled_back_first(dev) -> None:
+    ota = dev["ota"]
+    install(dev, build(dev, "1.0.0"))
+    ota.install(open_bundle(build(dev, "1.1.0", config=CFG + "# 1.1\n"), dev["pub"]), None)  # pending
+    r = install(dev, build(dev, "1.2.0", config=CFG + "# 1.2\n"))
+    assert r["result"] == "committed" and r["rolled_back_first"] == {
+        "failed": "1.1.0", "reason": "still pending (never committed) when the install of 1.2.0 began"}
+    assert ota.status()["history"][-3]["reason"].startswith("still pending")
+
+
+def test_a_deleted_state_json_is_rebuilt_by_the_next_install(dev) -> None:
+    ota = dev["ota"]
+    install(dev, build(dev, "1.0.0"))
+    (ota.root / "state.json").unlink()
+    r = edge_ota(dev, "install", str(build(dev, "1.1.0", config=CFG + "# 1.1\n")), "--pubkey",
+                 str(dev["pub"]), "--no-activate")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    st = ota.status()
+    assert st["pending"]["version"] == "1.1.0" and st["current"] == "1.0.0" and st["highest"] == "1.0.0"
+    assert any(e["event"] == "state rebuilt" for e in st["history"])
+
+
+def test_a_busy_lock_is_try_again_later(dev) -> None:
+    import fcntl
+
+    ota = dev["ota"]
+    install(dev, build(dev, "1.0.0"))
+    with open(ota.root / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for args in (["verify", "--pubkey", str(dev["pub"])], ["commit"]):
+            r = edge_ota(dev, *args)
+            assert r.returncode == 75 and "another edge ota command is running" in r.stderr, r.stderr

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from edge.errors import EdgeError
 
-__all__ = ["BundleError", "VersionError", "PolicyError", "OtaStateError", "ServiceUnreachable"]
+__all__ = ["BundleError", "VersionError", "PolicyError", "OtaStateError", "OtaBusy", "ServiceUnreachable",
+           "RolledBackUnhealthy"]
 
 
 class BundleError(EdgeError):
@@ -31,3 +32,16 @@ class ServiceUnreachable(EdgeError):
     """A reload activation has no running service to ask: refused before anything is switched."""
 
     exit_code = 69  # EX_UNAVAILABLE
+
+
+class OtaBusy(EdgeError):
+    """Another `edge ota` command holds the lock: try again when it is done."""
+
+    exit_code = 75  # EX_TEMPFAIL
+
+
+class RolledBackUnhealthy(EdgeError):
+    """A version was rolled back, and the one it went back to fails its health check too: the
+    device serves nothing healthy. Exit 1, as every rollback; the message says both reasons."""
+
+    exit_code = 1

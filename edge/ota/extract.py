@@ -30,7 +30,7 @@ FULL = (errno.ENOSPC, errno.EDQUOT)
 
 def _needs(bundle: Bundle, store: Store, versions: Path) -> tuple[int, int]:
     """(bytes, inodes) the install writes: new objects, and copies where links are impossible."""
-    new = {(f.sha256, f.size) for f in bundle.files if f.carried and not store.has(f.sha256, f.size)}
+    new = {(f.sha256, f.size) for f in bundle.files if f.carried and not store.intact(f.sha256, f.size)}
     size = sum(s for _, s in new)
     if store.objects.is_dir() and os.stat(store.objects).st_dev != os.stat(versions).st_dev:
         size += bundle.total_size  # another file system: every file of the version is a copy
@@ -104,8 +104,9 @@ def _check(tar_name: str, entry: FileEntry, size: int, digest: str) -> None:
 
 
 def _extract_one(tar: tarfile.TarFile, m: tarfile.TarInfo, entry: FileEntry, store: Store) -> bool:
-    """The member's content into the store (True), or only hashed when the store has it (False)."""
-    known = store.has(entry.sha256, entry.size)
+    """The member's content into the store (True), or only hashed when the store has it intact
+    (False); a damaged object is written anew from the bundle."""
+    known = store.intact(entry.sha256, entry.size)
     try:
         with tar.extractfile(m) as src:  # type: ignore[union-attr]
             size, digest = (_copy_bounded(src, None, entry.size, None) if known

@@ -74,6 +74,9 @@ def record_factory(root: Path, fs: Fs, config: Path | None) -> dict[str, Any]:
     if config is None:
         return {"unavailable": "no device config file (the installer ran on built-in defaults)"}
     final = root / FACTORY
+    if final.is_dir():  # recorded at the first install; the state that said so was lost since
+        return {"config": str(config.resolve()), "sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
+                "recorded": "at an earlier first install (kept)"}
     staging = root / f".{FACTORY}-{os.getpid()}"
     fs.mkdir(staging)
     try:

@@ -37,7 +37,7 @@ from typing import Any, Union
 from edge.ota import links
 from edge.ota.activate import Activator
 from edge.ota.bundle import Bundle
-from edge.ota.errors import BundleError, PolicyError, VersionError
+from edge.ota.errors import BundleError, OtaBusy, PolicyError, RolledBackUnhealthy, VersionError
 from edge.ota.fsops import Fs
 from edge.ota.manifest import content_digest
 from edge.ota.rebuild import EMPTY, rebuild_state
@@ -146,7 +146,8 @@ class Ota:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise BundleError(f"another edge ota command is running on {self.root}") from None
+                raise OtaBusy(f"another edge ota command is running on {self.root}: try again when it "
+                              "is done") from None
             yield
 
     # -- policy and staging --------------------------------------------------------------------
@@ -176,7 +177,7 @@ class Ota:
             base = bundle.base or {}
             raise BundleError(
                 f"{bundle.path}: a thin bundle (base {base.get('bundle_version')}) whose content this "
-                f"device does not have: {'; '.join(f'{f.path} (sha256 {f.sha256[:16]}…, {f.size} bytes)' for f in missing)}. "
+                f"device does not have intact: {'; '.join(f'{f.path} (sha256 {f.sha256[:16]}…, {f.size} bytes)' for f in missing)}. "
                 "Nothing was written: install the full bundle, or one built on a version this device has")
 
     def _stage(self, bundle: Bundle) -> dict[str, Any]:
@@ -194,8 +195,11 @@ class Ota:
         check_bundle(bundle)
         check_device(bundle, device)
         with self._locked():
+            # a version still pending (never committed) goes first, and the answer says so; the
+            # state is rebuilt here too if it is damaged, before the slots are (re)made
+            earlier = self._recover(activate, f"still pending (never committed) when the install of "
+                                              f"{bundle.version} began")
             self.slots.ensure_slots()
-            self._recover(activate)
             st = self.state()
             self.check_policy(bundle, st, allow_downgrade)
             if st["current"] == bundle.version:
@@ -211,17 +215,18 @@ class Ota:
             self._event(st, bundle.version, "staged")
             self._save(st)  # write #1: IDLE -> PENDING
             self._sync_links(st)
+            before = {"rolled_back_first": {k: earlier[k] for k in ("failed", "reason")}} if earlier else {}
             if activate is None:
-                return {"result": "switched", "version": bundle.version, **staged, "note": "not activated: "
-                        "run `edge ota commit` once the service is healthy, or `edge ota rollback`"}
+                return {"result": "switched", "version": bundle.version, **staged, **before, "note": "not "
+                        "activated: run `edge ota commit` once the service is healthy, or `edge ota rollback`"}
             ok, why = _activate(activate)
             if not ok:
-                return self._rollback(activate, f"health check failed: {why}")
+                return {**self._rollback(activate, f"health check failed: {why}"), **before}
             report = _report(activate)
             if not commit:
-                return {"result": "healthy", "version": bundle.version, **staged, **report, "note": "pending: "
-                        "`edge ota commit` makes it permanent; a reboot or `edge ota recover` rolls it back"}
-            return {**self._commit(), **staged, **report}
+                return {"result": "healthy", "version": bundle.version, **staged, **report, **before, "note":
+                        "pending: `edge ota commit` makes it permanent; a reboot or `edge ota recover` rolls it back"}
+            return {**self._commit(), **staged, **report, **before}
 
     def _already_current(self, bundle: Bundle) -> dict[str, Any]:
         """The same content is installed; the bundle's own bytes are still checked, so that a
@@ -288,16 +293,17 @@ class Ota:
                 st = self.state()
                 self._event(st, st["current"], "rollback unhealthy", why)
                 self._save(st)
-                raise BundleError(f"{reason}; rolled back to {st['current'] or 'the factory config'}, "
-                                  f"which is not healthy either: {why}")
+                went_to = st["current"] or "the factory config"
+                raise RolledBackUnhealthy(f"{bad} rolled back ({reason}) to {went_to}, which is not healthy "
+                                          f"either: {why}")
         return result
 
-    def _recover(self, activate: ActivatorLike) -> dict[str, Any] | None:
+    def _recover(self, activate: ActivatorLike, why: str = "never committed: the install was killed, "
+                 "the power was cut, or it was not confirmed before a reboot") -> dict[str, Any] | None:
         self._clean_garbage()
         st = self.state()
         if st["pending"]:
-            return self._rollback(activate, "never committed: the install was killed, the power was "
-                                  "cut, or it was not confirmed before a reboot")
+            return self._rollback(activate, why)
         if self._first_install(st) or "rebuilt" in st:
             self._save(st)
         for name in (st["current"], st["previous"]):  # a kill between write #2 and the marker

@@ -19,7 +19,7 @@ import json
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -40,6 +40,8 @@ CopyFn = Callable[[IO[bytes], IO[bytes], int, Fs], "tuple[int, str]"]
 class Store:
     root: Path  # <state_dir>/ota
     fs: Fs
+    # objects hashed by this install: an object is trusted by its content, never by its name
+    _intact: dict[str, bool] = field(default_factory=dict, repr=False)
 
     @property
     def objects(self) -> Path:
@@ -59,6 +61,15 @@ class Store:
             return False
         return stat.S_ISREG(st.st_mode) and st.st_size == size
 
+    def intact(self, sha256: str, size: int) -> bool:
+        """The object is there and its bytes hash to its name (once per install: flash bit-rot
+        or a damaged object must not be linked into a new version)."""
+        if not self.has(sha256, size):
+            return False
+        if sha256 not in self._intact:
+            self._intact[sha256] = sha256_file(self.object(sha256)) == sha256
+        return self._intact[sha256]
+
     # -- writing -------------------------------------------------------------------------------
     def add(self, src: IO[bytes], entry: FileEntry, copy: CopyFn) -> tuple[int, str]:
         """Stream `src` into a new object; (bytes, sha256) read. The object is renamed into place
@@ -70,8 +81,9 @@ class Store:
             with self.fs.create(tmp, 0o444) as out:
                 size, digest = copy(src, out, entry.size, self.fs)
                 self.fs.fsync(out)
-            if size == entry.size and digest == entry.sha256:
+            if size == entry.size and digest == entry.sha256:  # over a damaged object: repaired
                 self.fs.replace(tmp, self.object(entry.sha256))
+                self._intact[entry.sha256] = True
         finally:
             if tmp.exists():
                 self.fs.unlink(tmp)
@@ -95,18 +107,27 @@ class Store:
     def locate(self, entry: FileEntry) -> Path | None:
         """Where this device has `entry`'s content: its object, or (not yet hashed) a file of an
         installed version whose signed manifest lists the same sha256 and size."""
-        if self.has(entry.sha256, entry.size):
+        if self.intact(entry.sha256, entry.size):
             return self.object(entry.sha256)
+        damaged = self._inode(self.object(entry.sha256))  # versions' links to it are damaged too
         for vdir, manifest in self.manifests():
             for f in manifest.get("files") or []:
                 if f.get("sha256") == entry.sha256 and f.get("size") == entry.size:
                     p = vdir / f["path"]
                     try:
-                        if p.is_file() and p.stat().st_size == entry.size:
+                        if p.is_file() and p.stat().st_size == entry.size and self._inode(p) != damaged:
                             return p
                     except OSError:
                         continue
         return None
+
+    @staticmethod
+    def _inode(path: Path) -> tuple[int, int] | None:
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
 
     def source(self, entry: FileEntry) -> Path:
         """The content for a file a thin bundle does not carry: an object, or an installed
