@@ -116,7 +116,7 @@ def test_build_refuses_empty_and_path_like_versions(dev) -> None:
             bundle(dev, v)
     r = subprocess.run([*EDGE, "ota", "build", "--version", "", "--key", str(dev["key"]), "--config",
                         str(dev["cfg"]), "-o", str(dev["dir"] / "x.edgeb")], capture_output=True, text=True)
-    assert r.returncode == 65 and "--version '' is empty" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "'--version': version '' is empty" in r.stderr and "Traceback" not in r.stderr
     with pytest.raises(VersionError, match="min_edge_version 'v9.0.0' is not a version"):
         build_bundle(dev["dir"] / "y.edgeb", version="1.0.0", files=[], config=CFG, key=dev["key"],
                      min_edge_version="v9.0.0")

@@ -8,11 +8,13 @@ What a valid manifest is: edge.ota.manifest.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,13 +82,16 @@ def signature_ok(pubkey: Path, sig: bytes, raw: bytes) -> bool:
 
 def build_bundle(out: Path, *, version: str, files: list[tuple[Path, str, str, dict[str, Any] | None]],
                  config: str, key: Path, min_edge_version: str = "0.1.0",
-                 base: dict[str, Any] | None = None) -> dict[str, Any]:
+                 base: dict[str, Any] | None = None, source: str = "bundle config fragment",
+                 check: Callable[["Bundle"], None] | None = None) -> dict[str, Any]:
     """files: (source, path in bundle, kind, engine key or None). With `base` (an earlier
     bundle's manifest) the bundle is thin: it lists every file but carries only those whose
-    content the base does not have. Written atomically to `out`."""
+    content the base does not have. `check` sees the unsigned bundle before anything is
+    written (the CLI's: the checks a device makes). Written atomically to `out`: a write that
+    fails for any reason leaves no temp file."""
     from edge.config import parse_config
 
-    parse_config(config, source="bundle config fragment")  # a bundle never ships a config that fails
+    parse_config(config, source=source)  # a bundle never ships a config that fails
     parse_version(version, "--version")
     parse_version(min_edge_version, "min_edge_version")
     have = {(f["sha256"], f["size"]) for f in base["files"]} if base else set()
@@ -102,23 +107,32 @@ def build_bundle(out: Path, *, version: str, files: list[tuple[Path, str, str, d
         manifest["base"] = {"bundle_version": base["bundle_version"], "content_digest": content_digest(base)}
     check_files("bundle", manifest)  # the same path rules the device applies
     raw = json.dumps(manifest, indent=2, sort_keys=True).encode()
+    if check is not None:
+        check(Bundle(Path(source), manifest, raw, None))
     sig = _load_private(key).sign(raw)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        _write_tar(tmp, raw, sig, [(src, rel) for (src, rel, _, _), e in zip(files, entries) if e.carried])
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return manifest
+
+
+def _write_tar(tmp: Path, raw: bytes, sig: bytes, carried: list[tuple[Path, str]]) -> None:
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
         for name, data in (("manifest.json", raw), ("manifest.sig", sig)):
             info = tarfile.TarInfo(name)
             info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
             tar.addfile(info, io.BytesIO(data))
-        for (src, rel, _, _), e in zip(files, entries):
-            if not e.carried:
-                continue
+        for src, rel in carried:
             info = tar.gettarinfo(str(src), arcname=f"files/{rel}")
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             with open(src, "rb") as f:
                 tar.addfile(info, f)
-    os.replace(tmp, out)
-    return manifest
 
 
 @dataclass

@@ -14,7 +14,9 @@ ota_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                       help="Fleet updates: signed bundles, atomic install, health check, rollback.")
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="the device's edge config (for state dir and health URL)")
-PubOpt = typer.Option(None, "--pubkey", help="Ed25519 public key that signs bundles (default: [ota] pubkey)")
+PUBKEY = "an Ed25519 public key file (PEM, as `edge ota keygen` writes OUT.pub)"
+PubOpt = typer.Option(None, "--pubkey", callback=lambda v: _a_file(PUBKEY)(v),
+                      help="Ed25519 public key that signs bundles (default: [ota] pubkey)")
 
 
 def _ota(config: Optional[Path], keep: Optional[int] = None):
@@ -90,6 +92,42 @@ def _new_file(value: Path) -> Path:
     return value
 
 
+def _new_key(value: Path) -> Path:
+    """keygen -o: as _new_file, and a key that is there already is never overwritten."""
+    if value.exists() and not value.is_dir():
+        raise typer.BadParameter(f"{value} exists; refusing to overwrite a key")
+    return _new_file(value)
+
+
+def _a_file(what: str):
+    """A callback: the option (one path, none, or a repeated option's list) names files that exist."""
+    def check(value: Any) -> Any:
+        for v in value if isinstance(value, list) else [] if value is None else [value]:
+            if not v.is_file():
+                found = "is a directory" if v.is_dir() else "is not a file" if v.exists() else "does not exist"
+                raise typer.BadParameter(f"{v} {found}; expected {what}")
+        return value
+    return check
+
+
+def _a_folder(value: Optional[Path]) -> Optional[Path]:
+    if value is not None and not value.is_dir():
+        found = "is not a folder" if value.exists() else "does not exist"
+        raise typer.BadParameter(f"{value} {found}; expected an engine store (a folder that exists)")
+    return value
+
+
+def _version(value: str) -> str:
+    from edge.ota.errors import VersionError
+    from edge.ota.version import parse_version
+
+    try:
+        parse_version(value, "version")  # the installer's grammar (edge/ota/version.py)
+    except VersionError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
 def _one_of(value: Optional[str], choices: list[str]) -> Optional[str]:
     if value is not None and value not in choices:
         raise typer.BadParameter(f"expected one of {', '.join(choices)}, found {value!r}")
@@ -100,33 +138,25 @@ STATUS_FIELDS = ["current", "previous", "pending", "highest"]
 
 
 @ota_app.command()
-def keygen(out: Path = typer.Option(Path("signing.key"), "-o", "--out", callback=_new_file)) -> None:
+def keygen(out: Path = typer.Option(Path("signing.key"), "-o", "--out", callback=_new_key)) -> None:
     """Make an Ed25519 signing key (OUT, mode 0600) and its public key (OUT.pub)."""
     from edge.ota.bundle import keygen as make
 
     try:
         pub = make(out)
     except FileExistsError:
-        raise EdgeError(f"{out} exists: refusing to overwrite a signing key") from None
+        raise typer.BadParameter(f"{out} exists; refusing to overwrite a key",  # made meanwhile
+                                 param_hint="'-o' / '--out'") from None
     except OSError as exc:
         raise EdgeError(f"{exc.filename or out}: cannot write the key: {exc.strerror or exc}") from None
     typer.echo(f"wrote {out} (keep it secret) and {pub} (install it on devices as /etc/edge/ota.pub)")
 
 
-@ota_app.command()
-def build(version: str = typer.Option(..., "--version"), key: Path = typer.Option(..., "--key"),
-          config: Path = typer.Option(..., "--config", help="the config the devices run for this version"),
-          model: list[Path] = typer.Option([], "--model", help="GGUF file -> models/<name> (repeatable)"),
-          engines: Optional[Path] = typer.Option(None, "--engines", help="an engine store -> engines/"),
-          recipe: list[Path] = typer.Option([], "--recipe", help="recipe + its ONNX -> recipes/ (repeatable)"),
-          base: Optional[Path] = typer.Option(None, "--base", help="an earlier bundle (or its manifest.json): "
-                                              "a thin bundle that carries only the files it lacks"),
-          out: Path = typer.Option(..., "-o", "--out")) -> None:
-    """Build a signed bundle (on the host); thin with --base."""
+def _bundle_files(model: list[Path], engines: Optional[Path],
+                  recipe: list[Path]) -> list[tuple[Path, str, str, Any]]:
+    """(source, path in bundle, kind, engine key) for every file the options name."""
     from edge.engines.recipe import load_recipe
     from edge.engines.store import EngineStore
-    from edge.ota.bundle import build_bundle
-    from edge.ota.manifest import read_base
 
     files: list[tuple[Path, str, str, Any]] = [(m, f"models/{m.name}", "model", None) for m in model]
     if engines:
@@ -142,8 +172,70 @@ def build(version: str = typer.Option(..., "--version"), key: Path = typer.Optio
     for src, _, _, _ in files:
         if not src.is_file():
             raise EdgeError(f"{src}: no such file to put in the bundle")
-    manifest = build_bundle(out, version=version, files=files, config=config.read_text(), key=key,
-                            base=read_base(base) if base else None)
+    return files
+
+
+def _config_text(path: Path) -> str:
+    """--config read as edge.config.load_config reads one: missing or unreadable is a config error."""
+    from edge.errors import ConfigError
+
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(path), "", "config file does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(path), "", f"cannot read config file: {exc}") from None
+
+
+def _carries_what_config_names(config: Path):
+    """The check inspect and install make (edge.ota.checks.check_bundle), made at build: a config
+    that names a file the bundle does not list is refused here, not by every device later."""
+    from edge.config import parse_config
+    from edge.errors import ConfigError
+    from edge.ota.checks import check_bundle
+    from edge.ota.errors import BundleError
+
+    def check(bundle: Any) -> None:
+        try:
+            check_bundle(bundle)
+        except BundleError as exc:
+            why = str(exc).removeprefix(f"{bundle.path}: ")
+            cfg = parse_config(bundle.manifest["config"], source=str(config))
+            for i, m in enumerate(cfg.models):  # name the fields as config errors do
+                why = why.replace(f"model {m.name!r}: ", f"models[{i}].path = ")
+            for i, e in enumerate(cfg.engines):
+                why = why.replace(f"recipe of engine {e.name!r}: ", f"engines[{i}].recipe = ")
+            listed = ", ".join(f.path for f in bundle.files) or "no files"
+            raise ConfigError(str(config), "", f"{why}; the bundle lists {listed}") from None
+    return check
+
+
+@ota_app.command()
+def build(version: str = typer.Option(..., "--version", callback=_version,
+                                      help="the bundle's version: MAJOR.MINOR.PATCH[-PRERELEASE]"),
+          key: Path = typer.Option(..., "--key", callback=_a_file("an Ed25519 signing key (edge ota keygen)")),
+          config: Path = typer.Option(..., "--config", help="the config the devices run for this version"),
+          model: list[Path] = typer.Option([], "--model", callback=_a_file("a GGUF model file"),
+                                           help="GGUF file -> models/<name> (repeatable)"),
+          engines: Optional[Path] = typer.Option(None, "--engines", callback=_a_folder,
+                                                 help="an engine store -> engines/"),
+          recipe: list[Path] = typer.Option([], "--recipe", help="recipe + its ONNX -> recipes/ (repeatable)"),
+          base: Optional[Path] = typer.Option(None, "--base",
+                                              callback=_a_file("an earlier bundle or its manifest.json"),
+                                              help="an earlier bundle (or its manifest.json): "
+                                              "a thin bundle that carries only the files it lacks"),
+          out: Path = typer.Option(..., "-o", "--out", callback=_new_file)) -> None:
+    """Build a signed bundle (on the host); thin with --base."""
+    from edge.ota.bundle import build_bundle
+    from edge.ota.manifest import read_base
+
+    text = _config_text(config)
+    files = _bundle_files(model, engines, recipe)
+    try:
+        manifest = build_bundle(out, version=version, files=files, config=text, key=key, source=str(config),
+                                base=read_base(base) if base else None, check=_carries_what_config_names(config))
+    except OSError as exc:
+        raise EdgeError(f"{exc.filename or out}: cannot build the bundle: {exc.strerror or exc}") from None
     carried = [f for f in manifest["files"] if f.get("carried", True)]
     thin = f", thin on {manifest['base']['bundle_version']}: carries {len(carried)}" if base else ""
     typer.echo(f"wrote {out}: version {version}, {len(manifest['files'])} files{thin}, "
@@ -156,7 +248,7 @@ FIELDS = {"version": lambda b: b.version, "content_digest": lambda b: b.content_
 
 
 @ota_app.command()
-def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey"),
+def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey", callback=lambda v: _a_file(PUBKEY)(v)),
             field: Optional[str] = typer.Option(None, "--field", callback=lambda v: _one_of(v, list(FIELDS)),
                                                 help="print one manifest field and stop: " + ", ".join(FIELDS))) -> None:
     """Print a bundle's manifest and verify its signature and every file's checksum, streaming:
