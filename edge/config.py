@@ -44,6 +44,7 @@ __all__ = [
     "default_config",
     "find_config",
     "load_config",
+    "read_config_text",
     "parse_config",
     "build_dataclass",
     "state_dir",
@@ -227,14 +228,17 @@ def load(explicit: str | Path | None) -> Config:
 def load_config(path: Path | None) -> Config:
     if path is None:
         return default_config()
-    source = str(path)
+    return parse_config(read_config_text(path), source=str(path), base_dir=path.parent)
+
+
+def read_config_text(path: Path) -> str:
+    """A config file's text; missing or unreadable is a ConfigError naming it."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(source, "", "config file does not exist") from None
+        raise ConfigError(str(path), "", "config file does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(source, "", f"cannot read config file: {exc}") from None
-    return parse_config(text, source=source, base_dir=path.parent)
+        raise ConfigError(str(path), "", f"cannot read config file: {exc}") from None
 
 
 def parse_config(text: str, *, source: str = "<string>", base_dir: Path | None = None) -> Config:

@@ -14,7 +14,7 @@ from typing import Any
 from edge.ota.bundle import Bundle
 from edge.ota.errors import BundleError
 
-__all__ = ["check_bundle", "check_device", "check_engines", "check_edge_version"]
+__all__ = ["check_bundle", "check_device", "check_engines", "check_edge_version", "unlisted"]
 
 
 def check_edge_version(bundle: Bundle) -> None:
@@ -36,20 +36,27 @@ def _config(bundle: Bundle) -> Any:
         raise BundleError(str(exc)) from None
 
 
-def _refs(cfg: Any) -> list[tuple[str, str]]:
-    """(what, path) for every model and recipe file the config names."""
+def _refs(cfg: Any) -> list[tuple[str, str, str]]:
+    """(config field, what, path) for every model and recipe file the config names."""
     from edge.config import BUILTIN_PREFIX
 
-    refs = [(f"model {m.name!r}", m.path) for m in cfg.models if not m.path.startswith(BUILTIN_PREFIX)]
-    return refs + [(f"recipe of engine {e.name!r}", e.recipe) for e in cfg.engines if e.recipe]
+    refs = [(f"models[{i}].path", f"model {m.name!r}", m.path) for i, m in enumerate(cfg.models)
+            if not m.path.startswith(BUILTIN_PREFIX)]
+    return refs + [(f"engines[{i}].recipe", f"recipe of engine {e.name!r}", e.recipe)
+                   for i, e in enumerate(cfg.engines) if e.recipe]
+
+
+def unlisted(bundle: Bundle) -> list[tuple[str, str, str]]:
+    """(config field, what, path) of every relative file the config uses that the bundle's
+    manifest does not list."""
+    listed = {f.path for f in bundle.files}
+    return [r for r in _refs(_config(bundle)) if not os.path.isabs(r[2]) and posixpath.normpath(r[2]) not in listed]
 
 
 def check_bundle(bundle: Bundle) -> None:
     """Name every relative file the config uses that the bundle's manifest does not list."""
     check_edge_version(bundle)
-    listed = {f.path for f in bundle.files}
-    missing = [f"{what}: {path}" for what, path in _refs(_config(bundle))
-               if not os.path.isabs(path) and posixpath.normpath(path) not in listed]
+    missing = [f"{what}: {path}" for _, what, path in unlisted(bundle)]
     if missing:
         raise BundleError(f"{bundle.path}: its config references files the bundle does not carry "
                           f"(nor lists): {'; '.join(missing)}")
@@ -58,7 +65,7 @@ def check_bundle(bundle: Bundle) -> None:
 def check_device(bundle: Bundle, device: Any) -> None:
     """Files the config names by absolute path must be on this device; engines for its key."""
     cfg = _config(bundle)
-    missing = [f"{what}: {path}" for what, path in _refs(cfg) if os.path.isabs(path) and not Path(path).is_file()]
+    missing = [f"{what}: {path}" for _, what, path in _refs(cfg) if os.path.isabs(path) and not Path(path).is_file()]
     if missing:
         raise BundleError(f"{bundle.path}: its config references files outside the bundle that this "
                           f"device does not have: {'; '.join(missing)}")

@@ -81,22 +81,19 @@ def _echo(result: Any) -> None:
     typer.echo(json.dumps(result, indent=2))
 
 
-def _new_file(value: Path) -> Path:
-    """-o checked before the key is made: a folder, or a folder that is missing or not writable,
-    is a usage error (exit 2)."""
-    from edge.fsutil import cannot_create
+def _output_file(value: Path) -> Path:
+    """edge.cli.options.output_file (imported when called: edge.cli imports this module)."""
+    from edge.cli.options import output_file
 
-    why = cannot_create(value)
-    if why:
-        raise typer.BadParameter(why)
-    return value
+    return output_file(value)
 
 
 def _new_key(value: Path) -> Path:
-    """keygen -o: as _new_file, and a key that is there already is never overwritten."""
+    """keygen -o: as any output file (checked before the key is made), and a key that is there
+    already is never overwritten."""
     if value.exists() and not value.is_dir():
         raise typer.BadParameter(f"{value} exists; refusing to overwrite a key")
-    return _new_file(value)
+    return _output_file(value)
 
 
 def _a_file(what: str):
@@ -175,38 +172,19 @@ def _bundle_files(model: list[Path], engines: Optional[Path],
     return files
 
 
-def _config_text(path: Path) -> str:
-    """--config read as edge.config.load_config reads one: missing or unreadable is a config error."""
-    from edge.errors import ConfigError
-
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(str(path), "", "config file does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(str(path), "", f"cannot read config file: {exc}") from None
-
-
 def _carries_what_config_names(config: Path):
     """The check inspect and install make (edge.ota.checks.check_bundle), made at build: a config
     that names a file the bundle does not list is refused here, not by every device later."""
-    from edge.config import parse_config
     from edge.errors import ConfigError
-    from edge.ota.checks import check_bundle
-    from edge.ota.errors import BundleError
+    from edge.ota.checks import unlisted
 
     def check(bundle: Any) -> None:
-        try:
-            check_bundle(bundle)
-        except BundleError as exc:
-            why = str(exc).removeprefix(f"{bundle.path}: ")
-            cfg = parse_config(bundle.manifest["config"], source=str(config))
-            for i, m in enumerate(cfg.models):  # name the fields as config errors do
-                why = why.replace(f"model {m.name!r}: ", f"models[{i}].path = ")
-            for i, e in enumerate(cfg.engines):
-                why = why.replace(f"recipe of engine {e.name!r}: ", f"engines[{i}].recipe = ")
+        missing = unlisted(bundle)
+        if missing:
             listed = ", ".join(f.path for f in bundle.files) or "no files"
-            raise ConfigError(str(config), "", f"{why}; the bundle lists {listed}") from None
+            raise ConfigError(str(config), "", "its config references files the bundle does not carry (nor "
+                              f"lists): {'; '.join(f'{field} = {path}' for field, _, path in missing)}; "
+                              f"the bundle lists {listed}")
     return check
 
 
@@ -224,12 +202,13 @@ def build(version: str = typer.Option(..., "--version", callback=_version,
                                               callback=_a_file("an earlier bundle or its manifest.json"),
                                               help="an earlier bundle (or its manifest.json): "
                                               "a thin bundle that carries only the files it lacks"),
-          out: Path = typer.Option(..., "-o", "--out", callback=_new_file)) -> None:
+          out: Path = typer.Option(..., "-o", "--out", callback=_output_file)) -> None:
     """Build a signed bundle (on the host); thin with --base."""
+    from edge.config import read_config_text
     from edge.ota.bundle import build_bundle
     from edge.ota.manifest import read_base
 
-    text = _config_text(config)
+    text = read_config_text(config)
     files = _bundle_files(model, engines, recipe)
     try:
         manifest = build_bundle(out, version=version, files=files, config=text, key=key, source=str(config),
