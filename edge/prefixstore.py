@@ -32,6 +32,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from edge.errors import ConfigError, RequestError
@@ -210,11 +211,14 @@ def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where
             "seconds": round(time.perf_counter() - t0, 4)}
 
 
-def _state_path(folder: Path, name: str, key: dict[str, Any], tokens: list[int]) -> Path:
+def _digest(value: Any) -> str:
     import hashlib
 
-    digest = hashlib.sha256(json.dumps([key, tokens], sort_keys=True).encode()).hexdigest()[:16]
-    return folder / f"{name}.{digest}.kvstate"
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _state_path(folder: Path, name: str, key: dict[str, Any], tokens: list[int]) -> Path:
+    return folder / f"{name}.{_digest([key, tokens])}.kvstate"
 
 
 def _others(folder: Path, name: str) -> list[Path]:
@@ -224,21 +228,28 @@ def _others(folder: Path, name: str) -> list[Path]:
     return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
 
 
-def _why_new(folder: Path, name: str, key: dict[str, Any]) -> str:
-    """Why there is no state for this key: what changed since the newest one saved."""
+def _key_changes(paths: list[Path], key: dict[str, Any]) -> Iterator[list[str] | None]:
+    """For each readable state file of `paths`, in order: None when it was saved under `key`,
+    else the key's fields that differ (unreadable files are passed over)."""
     from edge.warmplan import key_differences
 
-    newest = None
-    for path in _others(folder, name):
+    for path in paths:
         try:
             with open(path, "rb") as f:
                 stored = _read_header(f)["key"]
         except (OSError, StateRejected):
             continue
-        if stored == key:  # a state of this very key, for other tokens
+        yield None if stored == key else key_differences(stored, key) if isinstance(stored, dict) else ["key"]
+
+
+def _why_new(folder: Path, name: str, key: dict[str, Any]) -> str:
+    """Why there is no state for this key: what changed since the newest one saved."""
+    newest = None
+    for diff in _key_changes(_others(folder, name), key):
+        if diff is None:  # a state of this very key, for other tokens
             return "no saved state for this key (the prefix's tokens changed)"
         if newest is None:
-            newest = key_differences(stored, key) if isinstance(stored, dict) else ["key"]
+            newest = diff
     if newest is None:
         return "no saved state"
     return "no saved state for this key" + (f" ({', '.join(newest[:3])})" if newest else "")
@@ -250,10 +261,7 @@ def _prune(folder: Path, name: str) -> None:
 
 
 def _learned_path(folder: Path, key: dict[str, Any], i: int) -> Path:
-    import hashlib
-
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return folder / f"learned.{digest}.{i}.kvstate"
+    return folder / f"learned.{_digest(key)}.{i}.kvstate"
 
 
 def _learned_files(folder: Path) -> dict[str, list[Path]]:
@@ -270,15 +278,8 @@ def _learned_files(folder: Path) -> dict[str, list[Path]]:
 
 def _learned_elsewhere(folder: Path, key: dict[str, Any]) -> dict[str, Any] | None:
     """The row saying why no learned state is restored when only other keys have some."""
-    from edge.warmplan import key_differences
-
-    for paths in _learned_files(folder).values():
-        try:
-            with open(min(paths), "rb") as f:
-                stored = _read_header(f)["key"]
-        except (OSError, StateRejected):
-            continue
-        diff = key_differences(stored, key) if isinstance(stored, dict) else ["key"]
+    for diff in _key_changes([min(paths) for paths in _learned_files(folder).values()], key):
+        diff = diff or []
         return {"prefix": "learned", "kind": "learned", "tokens": 0, "bytes": 0, "outcome": "ignored",
                 "why": "saved for another model or context" + (f": {', '.join(diff[:3])}" if diff else ""),
                 "seconds": 0.0}
@@ -330,7 +331,7 @@ def save_learned(model: GGUFModel, folder: Path) -> list[dict[str, Any]]:
                     reused=len(tokens))
         rows.append({"prefix": f"learned-{len(rows)}", "tokens": len(tokens), "hits": e.hits})
     cache.reset()
-    mine = _learned_path(folder, key, 0).name.split(".")[1]
+    mine = _digest(key)
     for n, (digest, paths) in enumerate(_learned_files(folder).items()):
         for path in paths:  # this key's beyond what was just saved; keys older than the KEEP newest
             index = int(path.name.split(".")[2])
