@@ -1,5 +1,5 @@
 """The builtin models a config names as `builtin:NAME` (edge.config.BUILTIN_PREFIX): the table of
-what each one is, apart from the code that makes a real file of it (edge.modelfile). Light on
+what each one is, apart from the code that makes a real file of it (edge.model.file). Light on
 purpose: the config's validation reads the names, and nothing here imports the model's package
 until a start assembles it.
 """

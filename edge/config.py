@@ -78,7 +78,7 @@ class ServerConfig:
     drain_timeout_s: float = field(default=30.0, metadata=_range(0, 3600))
     max_queue: int = field(default=64, metadata=_range(1, 100000))
     log_level: str = field(default="info", metadata={"choices": LOG_LEVELS})
-    # What one client may hold or send (edge.limits): beyond max_connections new connections
+    # What one client may hold or send (edge.serve.limits): beyond max_connections new connections
     # wait in the listen backlog; a request head must be complete within header_timeout_s of
     # the connection's opening (or of the end of its keep-alive idle time), a body within
     # body_timeout_s (else 408); a body over max_body_bytes is a 413.
@@ -126,7 +126,7 @@ class ModelConfig:
     swa_full: bool = False
     n_ubatch: int | None = field(default=None, metadata=_range(1, 1 << 16))
     n_threads_batch: int = field(default=0, metadata=_range(0, 1024))
-    # The prompt cache (edge.prefixcache): KV states of earlier prefixes in host memory, bounded
+    # The prompt cache (edge.model.promptcache): KV states of earlier prefixes in host memory, bounded
     # by bytes (None: two full contexts' KV, at most 1/16 of RAM; 0: off); declared prefixes,
     # restored from disk at every start; the N prefixes traffic reused most, saved at SIGTERM.
     prompt_cache_mb: int | None = field(default=None, metadata=_range(0, 1 << 20))
@@ -147,7 +147,7 @@ class WarmupConfig:
     decode_tokens: int = field(default=16, metadata=_range(1, 4096))
     chat: bool = True
     prompts: list[str] = field(default_factory=list)  # extra prompts from the real workload
-    # Calibration (edge.warmup): a candidate is kept when its first run is slower than a repeat
+    # Calibration (edge.lifecycle.warmup): a candidate is kept when its first run is slower than a repeat
     # of the same shape by more than max(min_gain_s, min_gain_ratio x repeat); calibration and
     # the stored plan each get budget_s seconds at most (what does not fit is reported).
     # The ratio sits above the repeat-to-repeat spread measured by scripts/warmup-noise on the

@@ -95,7 +95,7 @@ class MlockError(EdgeError):
 class GpuOffloadUnavailable(EdgeError):
     """A model asks for n_gpu_layers, and the installed llama.cpp cannot offload: a restart cannot
     fix either cause (a CPU-only build, or a device the unit or driver keeps closed), so the unit
-    stops instead of looping. The message (edge.llama_gpu) says which cause and the fix."""
+    stops instead of looping. The message (edge.model.gpu) says which cause and the fix."""
 
 
 # Where TensorRT comes from on a Jetson (no pip wheel there): README "Installing the GPU path".

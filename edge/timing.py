@@ -4,7 +4,7 @@ Every phase of a start is measured against the moment the kernel started the pro
 /proc/self/stat), so the report also shows the cost of the interpreter and of imports that ran
 before edge's own code. Phases may overlap (prefetch runs beside imports): each one carries its
 own start offset and duration. `Phases` names every phase once; the start, the reload and
-the engine load (edge.engines.load) all time theirs under those names.
+the engine load (edge.lifecycle.engines) all time theirs under those names.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Phases:
     IMPORTS_HTTP = "imports_http"
     MLOCK_VERIFY = "mlock_verify"
     PREFIX_STATES = "prefix_states"  # declared/learned prefixes restored from disk (or computed)
-    DEVICE = "device"  # engines (edge.engines.load): device, lookup, read, deserialize
+    DEVICE = "device"  # engines (edge.lifecycle.engines): device, lookup, read, deserialize
     ENGINE_LOOKUP = "engine_lookup"
     ENGINE_READ = "engine_read"
     ENGINE_DESERIALIZE = "engine_deserialize"  # on the worker thread: the CUDA context made current there too
@@ -62,7 +62,7 @@ class Phases:
     WARMUP = "warmup"
     HTTP_SETUP = "http_setup"
     READY = "ready"
-    # a reload (edge.reload) adds these to the load-and-warm phases above
+    # a reload (edge.lifecycle.reload) adds these to the load-and-warm phases above
     MEMORY_GUARD = "memory_guard"
     DRAIN_OLD = "drain_old"  # sequential: the old set drains and is freed before the load
     SWITCH = "switch"

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 from benchlib import (EDGE, WORDS, Answer, Peer, Started, completion, edge_config, emit,  # noqa: E402
                       env_for_bench, gemma_path, llama_cpp_server, llama_server, novel_prompts,
                       proc_memory, request_until_answered, start_edge, start_peer, summary)
-from edge.pagein import evict  # noqa: E402
+from edge.model.pagein import evict  # noqa: E402
 
 EDGE_NAME = "edge"
 # issue 11's targets: edge's TTFSA over each peer's, hot and cold alike.

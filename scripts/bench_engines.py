@@ -20,11 +20,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import ROOT, emit, summary  # noqa: E402
-from edge.device import detect  # noqa: E402
+from edge.device.identity import detect  # noqa: E402
 from edge.engines.build import build_engine  # noqa: E402
 from edge.engines.recipe import load_recipe  # noqa: E402
 from edge.engines.runtime import session_from_engine  # noqa: E402
-from edge.engines.load import read_verified  # noqa: E402
+from edge.lifecycle.engines import read_verified  # noqa: E402
 from edge.engines.store import EngineStore  # noqa: E402
 
 RECIPE = ROOT / "engines" / "mlp-demo.toml"

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from benchlib import EDGE, ROOT, emit, env_for_bench, summary  # noqa: E402
 from edge.config import ServerConfig  # noqa: E402
-from edge.httpwire import request  # noqa: E402
+from edge.serve.client import request  # noqa: E402
 from ggufgen import write_tiny_llama  # noqa: E402
 from kit import PidOne, half_heads, metric  # noqa: E402
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 from benchlib import EDGE, REQUEST, edge_config, emit, env_for_bench, gemma_path  # noqa: E402
 from kit import ClientLoad, LoadResult, PidOne  # noqa: E402
 
-from edge.bench import percentile  # noqa: E402
+from edge.serve.bench import percentile  # noqa: E402
 
 
 def correct(status: int, body: bytes) -> bool:

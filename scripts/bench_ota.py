@@ -32,7 +32,7 @@ from bench_load import TimedLoad, correct, in_windows, stats  # noqa: E402
 from benchlib import EDGE, REQUEST, emit, env_for_bench, gemma_path  # noqa: E402
 from kit import PidOne  # noqa: E402
 
-from edge.bench import percentile  # noqa: E402
+from edge.serve.bench import percentile  # noqa: E402
 
 
 def load_average() -> list[float]:

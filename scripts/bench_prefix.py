@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 
 from benchlib import (EDGE, Started, edge_config, emit, env_for_bench, gemma_path, llama_cpp_server,  # noqa: E402
                       llama_server, novel_prompts, start_edge, start_peer, summary)
-from edge.httpwire import request as http  # noqa: E402
+from edge.serve.client import request as http  # noqa: E402
 
 STEPS = ("first", "next", "after_unrelated", "after_restart")
 

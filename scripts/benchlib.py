@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge.httpwire import request as http  # one request per connection: (status, unchunked body)
+from edge.serve.client import request as http  # one request per connection: (status, unchunked body)
 
 ROOT = Path(__file__).resolve().parent.parent
 EDGE = [sys.executable, "-m", "edge.cli"]
@@ -54,7 +54,7 @@ blue red black white purple brown gray pink quick slow happy sad loud quiet brig
 def gemma_path() -> Path:
     """The embedded default model, assembled (and verified) into the repo's .data cache."""
     from edge.config import ModelConfig
-    from edge.modelfile import VerifiedCache, resolve_model
+    from edge.model.file import VerifiedCache, resolve_model
 
     cache = ROOT / ".data" / "cache"
     m = resolve_model(ModelConfig(name="gemma3-270m", path="builtin:gemma3-270m"), cache,

@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the test kit (tests/kit) is not part of the package
 
-from edge.httpwire import request  # noqa: E402
+from edge.serve.client import request  # noqa: E402
 from kit import PidOne  # noqa: E402
 QUESTION = "Question: What is the capital of France?\nAnswer:"
 

@@ -26,8 +26,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from edge.device import detect, probe_gpu  # noqa: E402
-from edge.httpwire import request as http  # noqa: E402
+from edge.device.identity import detect, probe_gpu  # noqa: E402
+from edge.serve.client import request as http  # noqa: E402
 
 RECIPE = ROOT / "engines" / "mlp-demo.toml"
 BUDGET_S = 450.0  # the whole check stays under 8 minutes
@@ -163,7 +163,7 @@ def refusals(folder: Path, device: Any) -> dict[str, Any]:
 
 
 def tiny_gguf(folder: Path) -> Path | None:
-    from edge.llama_gpu import llama_build
+    from edge.model.gpu import llama_build
 
     if llama_build() != "cuda":
         return None

@@ -6,8 +6,8 @@ split by what each thread was doing:
   not Python threads and are not sampled, so this is the calling thread's share);
 - llama.cpp sampling: inside llama_sampler_sample;
 - other native calls: tokenize, token pieces, state copies, vocabulary checks;
-- edge on the worker thread: Python frames of edge.generate / edge.prefixcache / edge.llm;
-- HTTP and the event loop: the main thread's Python (uvicorn, h11, starlette, edge.app, JSON);
+- edge on the worker thread: Python frames of edge.model.generate / edge.model.promptcache / edge.model.llm;
+- HTTP and the event loop: the main thread's Python (uvicorn, h11, starlette, edge.serve.app, JSON);
 - idle: the event loop waiting (epoll) and the worker waiting for work.
 
 Also edge's own time per request (everything that is not llama.cpp's compute or sampling, both
@@ -39,11 +39,11 @@ from benchlib import edge_config, emit, env_for_bench, gemma_path, novel_prompts
 
 # The leaf Python frame of a sample says what the thread was doing: a ctypes call shows as the
 # Python function that made it (py-spy without --native never pauses edge). Leaves are
-# `Class.function (file:line)`. Both edge's own loop (edge/llamacpp.py, edge/generate.py) and
+# `Class.function (file:line)`. Both edge's own loop (edge/model/native.py, edge/model/generate.py) and
 # llama-cpp-python's (llama_cpp/, as edge used before) are recognised, so that the same profile
 # reads any version.
 NATIVE = {"decode": "llama.cpp compute", "decode_one": "llama.cpp compute", "sample": "llama.cpp sampling"}
-NATIVE_FILES = ("edge/llamacpp.py", "edge/generate.py", "llama_cpp/_internals.py", "llama_cpp/llama_cpp.py")
+NATIVE_FILES = ("edge/model/native.py", "edge/model/generate.py", "llama_cpp/_internals.py", "llama_cpp/llama_cpp.py")
 WAITING = {"select", "_worker", "wait", "get", "acquire", "_wait_for_tstate_lock"}
 
 
@@ -58,7 +58,7 @@ def classify(stack: str) -> str:
     if "edge-" in thread:  # a model's worker thread
         if any(f in where for f in NATIVE_FILES) and func in NATIVE:
             return NATIVE[func]
-        if "edge/llamacpp.py" in where or ("llama_cpp/" in where and func not in NATIVE):
+        if "edge/model/native.py" in where or ("llama_cpp/" in where and func not in NATIVE):
             return "other native calls" if "edge/" in where or "_internals" in where else "llama-cpp-python"
         return "edge on the worker thread"
     if "MainThread" in thread:

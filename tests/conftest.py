@@ -73,7 +73,7 @@ def ort_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PidO
     """`edge serve` of the demo engine (engines/mlp-demo.toml) built with ONNX Runtime into a
     fresh store: (the PID-1 stand-in, its folder). Shared by the engine and limits tests."""
     pytest.importorskip("onnxruntime")
-    from edge.device import detect
+    from edge.device.identity import detect
     from edge.engines.build import build_engine
     from edge.engines.recipe import load_recipe
     from edge.engines.store import EngineStore

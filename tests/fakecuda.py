@@ -2,7 +2,7 @@
 
 `FakeDriver` stands in for cuda-python's driver module (`cuda.bindings.driver`), the only CUDA
 module edge calls. It is a copy of the real one for the success paths, checked against the
-installed module by tests/test_fakecuda.py (every function it offers exists there with the same
+installed module by tests/device/test_fakecuda.py (every function it offers exists there with the same
 parameters): the enums and handle types *are* the real module's (CUresult.CUDA_SUCCESS,
 CUdevice_attribute, CUstream_flags, CUdevice, CUcontext, CUstream, CUdeviceptr); every call
 returns (CUresult, *values), and a failure (err, None, ...) with as many Nones as values; calls

@@ -12,7 +12,7 @@ import sys
 
 from edge import toml
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_SOFTWARE, EX_UNAVAILABLE, EXIT_CODES
-from edge.units import UnitOptions, render_service
+from edge.host.units import UnitOptions, render_service
 from kit import EDGE, post, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,9 +67,9 @@ def test_unwritable_state_dir_exits_78_before_the_load(tmp_path: Path, tiny_gguf
 def test_internal_error_exits_70_with_its_traceback_once(tmp_path: Path, tiny_gguf: Path) -> None:
     cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
     # A bug stand-in: the start itself raises something no one expects.
-    r = _serve(cfg, pre="import edge.start\n"
+    r = _serve(cfg, pre="import edge.lifecycle.start\n"
                         "def broken(self): raise KeyError('a bug')\n"
-                        "edge.start.ColdStart.run = broken")
+                        "edge.lifecycle.start.ColdStart.run = broken")
     assert r.returncode == EX_SOFTWARE, r.stderr
     assert r.stderr.count("Traceback") == 1 and "KeyError: 'a bug'" in r.stderr
     assert f"exiting {EX_SOFTWARE}" in r.stderr

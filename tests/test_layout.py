@@ -29,13 +29,13 @@ def test_module_is_in_no_import_circle(module: str) -> None:
 def test_the_lifecycle_flows_one_way() -> None:
     """start takes the reloader and the dispatcher; reload takes the dispatcher; both make their
     sets with the loader; the loaded set's types sit below them all, the phase names lowest."""
-    lifecycle = ["edge.start", "edge.reload", "edge.serving", "edge.loader", "edge.loadset", "edge.timing"]
+    lifecycle = ["edge.lifecycle.start", "edge.lifecycle.reload", "edge.lifecycle.serving", "edge.lifecycle.loader", "edge.lifecycle.loadset", "edge.timing"]
     below = {m: lifecycle[i + 1:] for i, m in enumerate(lifecycle)}
     up = [str(a) for a in GRAPH.arrows if a.source in below and a.target in lifecycle
           and a.target not in below[a.source]]
     assert not up, "imports that run back up the lifecycle: " + "; ".join(up)
-    assert "edge.loader" in GRAPH.targets("edge.start") & GRAPH.targets("edge.reload")
-    assert GRAPH.targets("edge.serving") & set(lifecycle) <= {"edge.loadset"}
+    assert "edge.lifecycle.loader" in GRAPH.targets("edge.lifecycle.start") & GRAPH.targets("edge.lifecycle.reload")
+    assert GRAPH.targets("edge.lifecycle.serving") & set(lifecycle) <= {"edge.lifecycle.loadset"}
 
 
 @pytest.mark.parametrize("module", sorted(GRAPH.files))

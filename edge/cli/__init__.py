@@ -22,7 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 for group in (serve, units, doctor, engines, fleet):
     group.register(app)
 
-from edge.ota.cli import ota_app  # noqa: E402  (light: its commands import what they need)
+from edge.cli.ota import ota_app  # noqa: E402  (light: its commands import what they need)
 
 app.add_typer(ota_app, name="ota")
 

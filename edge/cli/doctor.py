@@ -14,8 +14,8 @@ __all__ = ["register"]
 
 def doctor(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt) -> None:
     """Check config, model files, mlock limits, memory and units; explain each fix."""
-    from edge.doctor import run_checks
-    from edge.units import unit_dir
+    from edge.host.doctor import run_checks
+    from edge.host.units import unit_dir
 
     checks = run_checks(config, [unit_dir("/", False), unit_dir("/", True)])
     if as_json:
@@ -31,7 +31,7 @@ def doctor(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt) -> None:
 
 def device(as_json: bool = JsonOpt) -> None:
     """What this machine is: Jetson module, L4T, SM arch, CUDA, TensorRT, ONNX Runtime."""
-    from edge.device import detect
+    from edge.device.identity import detect
 
     info = detect().as_dict()
     typer.echo(json.dumps(info, indent=2) if as_json else

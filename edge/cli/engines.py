@@ -39,7 +39,7 @@ def build_engine(recipe: Path = typer.Argument(..., help="engines/<model>.toml")
     """Build an engine offline for this machine's key and put it in the store (atomically)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from edge.device import detect
+    from edge.device.identity import detect
     from edge.engines.build import build_engine as build
     from edge.engines.recipe import load_recipe
 
@@ -89,7 +89,7 @@ def engines_verify(store: Optional[Path] = StoreOpt, config: Optional[str] = Con
 def engines_gc(keep: int = typer.Option(2, "--keep", min=0, help="newest engines to keep per model"),
                store: Optional[Path] = StoreOpt, config: Optional[str] = ConfigOpt) -> None:
     """Remove old engines (keeping the newest N per model and every one the config uses)."""
-    from edge.device import detect
+    from edge.device.identity import detect
     from edge.engines.lookup import configured_engines
 
     cfg = config_of(config)

@@ -22,7 +22,7 @@ def rules() -> None:
     """Print the Prometheus rules shipped with edge (p50/p95 ready time by module and model;
     alerts: not ready, device silent, starts failing, slow start, OTA rolled back, mlock not taken,
     model on the CPU, prompt-cache hit-rate collapse). Drop the output into the fleet Prometheus' rule_files."""
-    from edge.fleetagent import rules_text
+    from edge.fleet.agent import rules_text
 
     typer.echo(rules_text(), nl=False)
 
@@ -74,7 +74,7 @@ def agent(remote_write: str = typer.Option(..., "--remote-write", callback=http_
           config: Optional[str] = ConfigOpt) -> None:
     """Print a Prometheus agent-mode config (or, with --unit, its systemd unit) that scrapes edge on
     this device and remote-writes to the fleet: devices behind NAT push, nothing connects to them."""
-    from edge.fleetagent import AgentSetup, prometheus_major
+    from edge.fleet.agent import AgentSetup, prometheus_major
 
     if target is None:
         target = _config_target(config)

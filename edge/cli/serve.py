@@ -22,7 +22,7 @@ def serve(config: Optional[str] = ConfigOpt) -> None:
     from edge.timing import StartTimer
 
     timer = StartTimer()  # first: the report measures from exec, config parsing included
-    from edge.start import ColdStart
+    from edge.lifecycle.start import ColdStart
 
     start = ColdStart(config, timer=timer)
     try:
@@ -38,7 +38,7 @@ def _record_failed_start(start: Any, config: Optional[str], exc: Exception) -> N
     """A start that never reached READY leaves its report too (phases so far, the error, the
     exit code), so that the fleet sees failed starts (edge_starts_total{result="failed"})."""
     from edge.config import state_dir
-    from edge.history import record_failed_start
+    from edge.fleet.history import record_failed_start
 
     code = exc.exit_code if isinstance(exc, EdgeError) else EX_SOFTWARE
     report = start.timer.report(config=config, result="failed", error=str(exc) or type(exc).__name__,
@@ -59,7 +59,7 @@ def warmup(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt,
                                           help="measure the warm-up candidates anew and store the plan"),
            svg: Optional[Path] = SvgOpt) -> None:
     """Rehearse a start (page-in, load, lock, warm-up) without serving, and report each phase."""
-    from edge.start import ColdStart
+    from edge.lifecycle.start import ColdStart
     from edge.timing import format_report
 
     report = ColdStart(config).rehearse(recalibrate=calibrate)
@@ -70,7 +70,7 @@ def warmup(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt,
 
 def _write_svg(path: Path, reports: list[tuple[dict[str, Any], str]]) -> None:
     from edge.fsutil import atomic_write
-    from edge.timeline import chart_of, render_svg
+    from edge.fleet.timeline import chart_of, render_svg
 
     try:
         atomic_write(path, render_svg([chart_of(r, kind) for r, kind in reports]))
@@ -90,7 +90,7 @@ def reload(config: Optional[str] = typer.Option(
     """Reload the running service without a gap: the new set is loaded and warmed beside the old
     one, then takes the traffic. Exit 0 once it serves; else the error's exit code and why (the
     old set keeps serving)."""
-    from edge.control import control_path, request_reload
+    from edge.lifecycle.control import control_path, request_reload
     from edge.errors import ConfigError
 
     if config and not Path(config).exists():  # anything else wrong with it, the service reports
@@ -137,7 +137,7 @@ def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Opti
     """Show the reports of the last start and of the last reload: phases, seconds, bytes, rates;
     and a start that failed after it, if one did. A damaged report is named (exit 1), the others
     are still shown."""
-    from edge.history import FAILED_START
+    from edge.fleet.history import FAILED_START
     from edge.timing import REPORT_NAME
 
     folder = _state_folder(config_of(config))
@@ -189,7 +189,7 @@ def _read_report(folder: Path, kind: str, damaged: list[str]) -> Optional[dict[s
 
 def _print_reports(folder: Path, report: Any, reload_report: Any, failed: Any, damaged: list[str]) -> None:
     """Each report as a table; one whose fields cannot be shown is named in `damaged` instead."""
-    from edge.history import FAILED_START
+    from edge.fleet.history import FAILED_START
     from edge.timing import format_reload_report, format_report
 
     shown = False
@@ -207,7 +207,7 @@ def _print_reports(folder: Path, report: Any, reload_report: Any, failed: Any, d
 
 
 def _newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    from edge.history import timestamp
+    from edge.fleet.history import timestamp
 
     return (timestamp(a.get("started_at")) or 0) >= (timestamp(b.get("started_at")) or 0)
 
@@ -228,7 +228,7 @@ def bench(url: str = typer.Option(DEFAULT_URL, "--url", callback=lambda v: url_o
           max_tokens: int = typer.Option(16, "--max-tokens", min=1),
           model: Optional[str] = typer.Option(None, "--model")) -> None:
     """Latency and throughput of a running service (JSON): p50/p95/p99, requests/s, tokens/s."""
-    from edge.bench import bench as run
+    from edge.serve.bench import bench as run
 
     try:
         result = run(url, requests=requests, concurrency=concurrency, prompt=prompt,

@@ -54,8 +54,8 @@ RootOpt = typer.Option("/", "--root", help="the device's root tree: its GPU plat
 
 
 def _options(edge: Optional[str], config: str, listen: list[str], unix_socket: Optional[str],
-             socket_group: Optional[str], user: bool, root: str):  # -> edge.units.UnitOptions (lazy import)
-    from edge.units import UnitOptions, default_edge_command, platform_devices
+             socket_group: Optional[str], user: bool, root: str):  # -> edge.host.units.UnitOptions (lazy import)
+    from edge.host.units import UnitOptions, default_edge_command, platform_devices
 
     devices, modprobe = platform_devices(root)
     return UnitOptions(edge=edge or default_edge_command(), config=config, listen=tuple(listen),
@@ -68,7 +68,7 @@ def units_print(edge: Optional[str] = EdgeOpt, config: str = UnitConfigOpt, list
                 unix_socket: Optional[str] = UnixOpt, socket_group: Optional[str] = GroupOpt,
                 user: bool = UserOpt, root: str = RootOpt) -> None:
     """Print edge.socket and edge.service as they would be installed on the device at --root."""
-    from edge.units import render_service, render_socket
+    from edge.host.units import render_service, render_socket
 
     o = _options(edge, config, listen, unix_socket, socket_group, user, root)
     typer.echo(f"# edge.socket\n{render_socket(o)}\n# edge.service\n{render_service(o)}")
@@ -81,7 +81,7 @@ def units_install(prefix: str = typer.Option("/", "--prefix", callback=_prefix, 
                   user: bool = UserOpt) -> None:
     """Write edge.socket and edge.service (atomically) and say which systemctl commands to run;
     the GPU device policy is that of the device at --prefix."""
-    from edge.units import install_starter_config, install_units, reclaim_config_dir
+    from edge.host.units import install_starter_config, install_units, reclaim_config_dir
 
     o = _options(edge, config, listen, unix_socket, socket_group, user, prefix)
     try:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge.device import DeviceInfo
+from edge.device.identity import DeviceInfo
 from edge.engines.key import build_key
 from edge.engines.recipe import Recipe, check_onnx, profile_shapes
 from edge.engines.store import EngineStore, StoredEngine

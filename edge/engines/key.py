@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edge.device import DeviceInfo, slug
+from edge.device.identity import DeviceInfo, slug
 from edge.errors import EngineError, MissingDependency
 
 if TYPE_CHECKING:

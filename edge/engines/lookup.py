@@ -1,11 +1,11 @@
 """Which stored engine each configured engine is on this device: the store of an engine entry
-and the lookup by this device's key. Below the loader (edge.engines.load), so that `edge doctor`,
+and the lookup by this device's key. Below the loader (edge.lifecycle.engines), so that `edge doctor`,
 `edge engines gc` and the reload's memory guard ask it without the engine workers."""
 
 from __future__ import annotations
 
 from edge.config import Config, EngineConfig, cache_dir
-from edge.device import DeviceInfo
+from edge.device.identity import DeviceInfo
 from edge.engines.key import key_for
 from edge.engines.store import EngineStore, StoredEngine
 from edge.errors import EdgeError

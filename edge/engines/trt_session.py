@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from edge.engines.cuda import CudaApi, PinnedBuffer, PrimaryContext, cuda_api
+from edge.device.cuda import CudaApi, PinnedBuffer, PrimaryContext, cuda_api
 from edge.engines.store import StoredEngine
 from edge.engines.tensors import KSERVE_DTYPES, TensorSpec, profile_for
 from edge.errors import JETPACK_TRT, EngineError, MissingDependency
@@ -35,7 +35,7 @@ log = logging.getLogger("edge")
 
 def import_trt_runtime() -> Any:
     """`tensorrt`, else the lean runtime `tensorrt_lean` (version-compatible engines only); the
-    same order as edge.device.tensorrt_version, which puts that module's version in the key."""
+    same order as edge.device.identity.tensorrt_version, which puts that module's version in the key."""
     try:
         import tensorrt as trt
     except ImportError:

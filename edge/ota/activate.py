@@ -198,7 +198,7 @@ class ReloadActivator:
 
     def activate(self) -> tuple[bool, str]:
         from edge.errors import EdgeError
-        from edge.control import request_reload
+        from edge.lifecycle.control import request_reload
 
         try:
             self.check()

@@ -1,4 +1,4 @@
-# promtool (tests/test_metrics.py's `promtool check metrics`, tests/test_rules.py's `promtool check
+# promtool (tests/serve/test_metrics.py's `promtool check metrics`, tests/fleet/test_rules.py's `promtool check
 # rules` / `promtool test rules`) and the prometheus binary (tests/test_fleet_agent.py: agent mode
 # remote-writing to a receiver). Debian ships both in the `prometheus` package (about 96 MB
 # installed, no recommends pulled in; 2.42 on Debian 12). On a machine where systemd runs, Debian's

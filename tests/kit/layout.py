@@ -7,7 +7,7 @@ inside a function (a lazy import runs just the same, only later) or under `if TY
 resolved against the importing module. `from pkg import name` points at the submodule
 `pkg.name` when there is one, else at `pkg`. A package's `__init__` that Python runs on the way
 to a submodule is not an arrow: the code does not name it; nor is a module imported by a string
-at run time (`importlib.import_module`, which edge.loader uses only to time the imports phases).
+at run time (`importlib.import_module`, which edge.lifecycle.loader uses only to time the imports phases).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Arrow:
 
 
 def module_name(path: Path, root: Path) -> str:
-    """`edge/engines/load.py` → `edge.engines.load`; a package's `__init__.py` → the package."""
+    """`edge/lifecycle/engines.py` → `edge.lifecycle.engines`; a package's `__init__.py` → the package."""
     parts = list(path.relative_to(root.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()

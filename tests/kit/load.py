@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from edge.bench import percentile
-from edge.httpwire import request
+from edge.serve.bench import percentile
+from edge.serve.client import request
 
 __all__ = ["ClientLoad", "HALF_HEAD", "LoadResult", "half_heads"]
 

@@ -1,0 +1,265 @@
+"""What this machine is: Jetson module and L4T release, GPU (name, SM arch), CUDA, TensorRT, ONNX Runtime, CPU.
+
+Every file read takes a `root`, so tests run detection over fixture trees of real Orin (JetPack 5
+and 6), Xavier, Nano, dGPU and pip-assembled CUDA layouts. Two things are asked of the running
+software rather than of files, and both are parameters so tests pass doubles at that boundary:
+the GPU (`probe_gpu`, through cuda-python's driver API only: the driver's own CUDA version, the
+device's name, SM arch, whether it is integrated, its memory, or why none could be used) and the
+TensorRT module that would deserialize an engine (`tensorrt_version`, read from the module
+without importing it).
+
+CUDA numbers and where each comes from: `cuda_driver` is what the driver supports
+(cuDriverGetVersion); `cuda_runtimes` lists every CUDA runtime the process could load (the
+toolkit's /usr/local/cuda that JetPack's TensorRT links, the nvidia-cuda-runtime wheel a
+TensorRT wheel preloads), each with its source; `cuda` (the engine key's CUDA major) is the
+first runtime found, else the driver's, and `cuda_source` says which.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DeviceInfo", "GpuInfo", "GpuProbe", "SOC_SM", "detect", "probe_gpu", "sm_for_soc",
+           "tensorrt_version", "slug", "version_tuple"]
+
+# Jetson SoC (device-tree "compatible") -> SM arch of its integrated GPU
+SOC_SM = {"tegra264": "sm_110", "tegra234": "sm_87", "tegra194": "sm_72", "tegra186": "sm_62",
+          "tegra210": "sm_53"}
+# pip-assembled CUDA runtime: the wheel a TensorRT wheel depends on and preloads
+CUDART_DISTS = ("nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime")
+# the module an engine is deserialized with -> the distributions that may carry it
+TRT_MODULES = {"tensorrt": ("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu13-bindings",
+                            "tensorrt-cu12-bindings"),
+               "tensorrt_lean": ("tensorrt-lean", "tensorrt-lean-cu13", "tensorrt-lean-cu12",
+                                 "tensorrt-lean-cu13-bindings", "tensorrt-lean-cu12-bindings")}
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """GPU 0 as the CUDA driver reports it."""
+
+    name: str  # "Orin", "NVIDIA H100 80GB HBM3", ...
+    sm: str  # sm_87
+    integrated: bool = False  # shares the CPU's DRAM (every Jetson)
+    total_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuProbe:
+    """What the driver said: the GPU, the driver's CUDA version (known even when cuInit fails),
+    and, when there is no usable GPU, why (one line)."""
+
+    gpu: GpuInfo | None
+    driver: str | None = None  # MAJ.MIN (cuDriverGetVersion)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    cpu_arch: str
+    jetson_model: str | None
+    soc: str | None
+    l4t_release: str | None
+    sm: str | None
+    sm_source: str | None  # "gpu" (queried) | "soc-table" | None
+    cuda: str | None  # MAJ.MIN: the engine key's CUDA (its major)
+    tensorrt: str | None  # the module's own __version__, build number included where it has one
+    onnxruntime: str | None
+    gpu_name: str | None = None
+    cuda_source: str | None = None  # where `cuda` came from: a runtime's source, or "driver"
+    cuda_driver: str | None = None  # MAJ.MIN the driver supports (cuDriverGetVersion)
+    cuda_runtimes: tuple[tuple[str, str], ...] = ()  # (MAJ.MIN, where) of each runtime found
+    gpu_integrated: bool | None = None  # unified memory (a Jetson's iGPU)
+    gpu_total_bytes: int | None = None
+    gpu_error: str | None = None  # why no GPU could be used, as the driver said
+
+    @property
+    def platform(self) -> str | None:
+        """What an engine's tactics were timed on beyond the SM arch: Orin AGX, NX and Nano all
+        report sm_87 (and "Orin"), with different SM counts and memory; so a Jetson is its module,
+        a dGPU its CPU arch and product name (plans are not portable across host platforms: an
+        H100 PCIe in an x86 and in an aarch64 server are two platforms)."""
+        if self.jetson_model:
+            return slug(self.jetson_model.replace("NVIDIA ", "").replace(" Developer Kit", ""))
+        return slug(f"{self.cpu_arch} {self.gpu_name}") if self.gpu_name else None
+
+    @property
+    def jetson(self) -> bool:
+        return bool(self.soc or self.l4t_release)
+
+    @property
+    def unified_memory(self) -> bool:
+        """The GPU's buffers are the CPU's DRAM: a Jetson, or a GPU the driver calls integrated."""
+        return self.jetson or bool(self.gpu_integrated)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["cuda_runtimes"] = [{"version": v, "source": w} for v, w in self.cuda_runtimes]
+        return {**d, "platform": self.platform, "unified_memory": self.unified_memory}
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def _read(root: Path, rel: str) -> str | None:
+    try:
+        return (root / rel).read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def sm_for_soc(compatible: list[str]) -> tuple[str | None, str | None]:
+    for entry in compatible:
+        soc = entry.split(",")[-1]
+        if soc in SOC_SM:
+            return soc, SOC_SM[soc]
+    return None, None
+
+
+def _l4t(text: str | None) -> str | None:
+    # "# R36 (release), REVISION: 3.0, GCID: ..., BOARD: generic, EABI: aarch64, DATE: ..."
+    m = re.search(r"R(\d+)\s*\(release\),\s*REVISION:\s*([\d.]+)", text or "")
+    return f"{m.group(1)}.{m.group(2)}" if m else None
+
+
+DistVersion = Callable[[tuple[str, ...]], "str | None"]
+
+
+def version_tuple(version: str | None) -> tuple[int, ...]:
+    return tuple(int(p) if p.isdigit() else 0 for p in (version or "").split("."))
+
+
+def _cuda_runtimes(root: Path, dists: DistVersion) -> list[tuple[str, str]]:
+    """Each CUDA runtime the process could load, from files and installed packages: the
+    toolkit's (what JetPack's TensorRT links) and the pip wheel (what a TensorRT wheel preloads).
+    Absent files are normal (runtime-only and pip-assembled installs), never an error."""
+    found = []
+    text = _read(root, "usr/local/cuda/version.json")
+    if text:
+        try:
+            found.append((".".join(json.loads(text)["cuda"]["version"].split(".")[:2]),
+                          "/usr/local/cuda/version.json"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass
+    m = re.search(r"CUDA Version (\d+)\.(\d+)", _read(root, "usr/local/cuda/version.txt") or "")
+    if m and not found:
+        found.append((f"{m.group(1)}.{m.group(2)}", "/usr/local/cuda/version.txt"))
+    for name in CUDART_DISTS:
+        v = dists((name,))
+        if v:
+            found.append((".".join(v.split(".")[:2]), f"pip {name} {v}"))
+    return found
+
+
+def _dist_version(names: tuple[str, ...]) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _module_version(module: str) -> str | None:
+    """`__version__` of an importable module, read from its __init__.py without importing it
+    (None when it is not installed or the file does not assign a literal)."""
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        return str(getattr(loaded, "__version__", "")) or None
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin:
+        return None
+    try:
+        tree = ast.parse(Path(spec.origin).read_text(errors="replace"))
+    except (OSError, SyntaxError):
+        return _dist_version(TRT_MODULES.get(module, ()))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__version__"
+                                                for t in node.targets):
+            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                return node.value.value
+    return _dist_version(TRT_MODULES.get(module, ()))
+
+
+def tensorrt_version() -> str | None:
+    """The version of the module an engine would be deserialized with: `tensorrt` (JetPack's
+    system package, or a wheel), else the lean runtime `tensorrt_lean` — the order
+    edge.engines.trt_session imports them in."""
+    for module in TRT_MODULES:
+        try:
+            present = module in sys.modules or importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            present = False
+        if present:
+            return _module_version(module)
+    return None
+
+
+def _maj_min(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"  # 12060 -> 12.6
+
+
+def probe_gpu(driver: Any = None) -> GpuProbe:
+    """GPU 0 through cuda-python's driver API (`driver`: the module, or a test double); a probe
+    with no GPU and the reason where there is no cuda-python, driver library or usable device."""
+    from edge.device.cuda import CudaApi, driver_module
+    from edge.errors import EdgeError
+
+    try:
+        api = CudaApi(driver or driver_module())
+    except EdgeError as exc:  # MissingDependency: cuda-python
+        return GpuProbe(None, None, str(exc))
+    version = None
+    try:
+        version = _maj_min(api.call("cuDriverGetVersion"))  # needs no cuInit
+        api.call("cuInit", 0)
+        dev = api.call("cuDeviceGet", 0)
+        attr = api.driver.CUdevice_attribute
+        major = api.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+        minor = api.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+        integrated = api.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_INTEGRATED, dev)
+        raw = api.call("cuDeviceGetName", 256, dev)
+        total = api.call("cuDeviceTotalMem", dev)
+    except EdgeError as exc:
+        return GpuProbe(None, version, str(exc))
+    name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace").strip()
+    return GpuProbe(GpuInfo(name=name, sm=f"sm_{major}{minor}", integrated=bool(integrated),
+                            total_bytes=int(total)), version)
+
+
+def detect(root: str | Path = "/", gpu: Callable[[], GpuProbe] = probe_gpu,
+           cpu_arch: str | None = None,
+           trt: Callable[[], str | None] = tensorrt_version, dists: DistVersion | None = None) -> DeviceInfo:
+    """`gpu`, `trt` and `dists` (installed package versions) are what the running software says;
+    tests pass doubles for them along with a fixture `root`."""
+    dists = dists or _dist_version
+    root = Path(root)
+    model = (_read(root, "proc/device-tree/model") or "").strip("\x00\n ") or None
+    compatible = [c for c in (_read(root, "proc/device-tree/compatible") or "").split("\x00") if c]
+    soc, table_sm = sm_for_soc(compatible)
+    probe = gpu()
+    g = probe.gpu
+    sm, source = (g.sm, "gpu") if g else (table_sm, "soc-table" if table_sm else None)
+    runtimes = _cuda_runtimes(root, dists)
+    cuda, cuda_source = runtimes[0] if runtimes else (probe.driver, "driver" if probe.driver else None)
+    return DeviceInfo(cpu_arch=cpu_arch or platform.machine(), jetson_model=model if soc else None,
+                      soc=soc, l4t_release=_l4t(_read(root, "etc/nv_tegra_release")), sm=sm,
+                      sm_source=source, cuda=cuda, tensorrt=trt(),
+                      onnxruntime=dists(("onnxruntime", "onnxruntime-gpu")),
+                      gpu_name=g.name if g else None, cuda_source=cuda_source, cuda_driver=probe.driver,
+                      cuda_runtimes=tuple(runtimes), gpu_integrated=g.integrated if g else None,
+                      gpu_total_bytes=g.total_bytes if g else None, gpu_error=probe.error)

@@ -1,0 +1,320 @@
+"""systemd units for a device: rendered for the installed `edge`, written atomically.
+
+The service is started at boot (WantedBy=multi-user.target), not on the first connection: the
+point is that the model is paged in, locked and warm before traffic comes. The socket unit holds
+the listening socket across restarts, so connections made meanwhile wait in its backlog.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import string
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from edge.config import DEFAULT_MAX_CONNECTIONS
+from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
+from edge.fsutil import atomic_write, fsync_dir
+from edge.serve.limits import nofile_for
+
+__all__ = ["UnitOptions", "platform_devices", "render_service", "render_socket", "install_units", "install_starter_config", "reclaim_config_dir",
+           "render_rearm", "REARM_UNIT", "default_edge_command", "STARTER_CONFIG", "START_LIMIT_BURST", "START_LIMIT_INTERVAL_S"]
+
+# Device nodes CUDA opens, by platform. DeviceAllow= takes a node path (systemd stat()s it when
+# the service starts; a node this device lacks allows nothing) or `char-<name>` with a driver name
+# from /proc/devices, which covers every minor the driver has now or creates later (nvidia0..N).
+# Misc-class nodes (/dev/nvmap: major 10 "misc") can only be named by path: `char-misc` would
+# allow every misc device.
+JETSON_JP5_DEVICES = [  # L4T r35 (JetPack 5): nvgpu built in, nodes flat under /dev
+    "/dev/nvmap", "/dev/nvhost-ctrl", "/dev/nvhost-ctrl-gpu", "/dev/nvhost-prof-gpu",
+    "/dev/nvhost-gpu", "/dev/nvhost-as-gpu", "/dev/nvhost-dbg-gpu", "/dev/nvhost-tsg-gpu",
+    "/dev/nvhost-sched-gpu", "/dev/nvhost-power-gpu", "/dev/nvhost-nvsched-gpu", "/dev/nvhost-ctxsw-gpu",
+    "/dev/nvhost-ctrl-nvdla0", "/dev/nvhost-ctrl-nvdla1", "/dev/nvhost-nvdla0", "/dev/nvhost-nvdla1",
+]
+JETSON_JP6_DEVICES = [  # L4T r36 (JetPack 6): out-of-tree nvgpu, the iGPU under /dev/nvgpu/igpu0
+    "/dev/nvgpu/igpu0/ctrl", "/dev/nvgpu/igpu0/as", "/dev/nvgpu/igpu0/channel", "/dev/nvgpu/igpu0/tsg",
+    "/dev/nvgpu/igpu0/dbg", "/dev/nvgpu/igpu0/prof", "/dev/nvgpu/igpu0/prof-ctx",
+    "/dev/nvgpu/igpu0/prof-dev", "/dev/nvgpu/igpu0/sched", "/dev/nvgpu/igpu0/power",
+    "/dev/nvgpu/igpu0/ctxsw", "/dev/nvgpu/igpu0/nvsched", "/dev/nvgpu/igpu0/nvsched_ctrl_fifo",
+    "/dev/host1x-fence",
+]
+DGPU_DEVICES = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset"]
+# Driver names in /proc/devices: "nvidia-frontend" (older drivers) or "nvidia"/"nvidiactl"/
+# "nvidia-modeset" (R470+) for major 195, "nvidia-uvm", "nvidia-caps" (MIG); "nvgpu"/"nvhost"
+# where the Jetson kernel registers its GPU nodes under those names; "drm" (major 226): on
+# JetPack 6 cuInit fails with CUDA_ERROR_NOT_SUPPORTED (801) unless the GPU's render node
+# /dev/dri/renderD* opens, and its minor is not fixed (renderD128 or renderD129 with a display
+# controller), so the class allows it whatever its number. A name not in /proc/devices allows
+# nothing.
+GPU_DEVICE_CLASSES = ["char-nvidia-frontend", "char-nvidia", "char-nvidiactl", "char-nvidia-modeset",
+                      "char-nvidia-uvm", "char-nvidia-caps", "char-nvgpu", "char-nvhost", "char-drm"]
+GPU_DEVICES = JETSON_JP5_DEVICES + JETSON_JP6_DEVICES + DGPU_DEVICES
+# dGPU: /dev/nvidia-uvm and /dev/nvidiaN are often made on first use by the setuid
+# nvidia-modprobe, which NoNewPrivileges= and the empty bounding set forbid to the service;
+# a privileged (+), failure-tolerant (-) ExecStartPre= makes them before the sandboxed start.
+NVIDIA_MODPROBE = "/usr/bin/nvidia-modprobe"
+
+# A start that fails with a restartable code is retried this often within this window, then the
+# service stays failed (RestartSec=2 alone would retry forever: the default limit of 5 starts in
+# 10 s is never reached by a start that takes more than 0 s to fail).
+START_LIMIT_BURST = 5
+START_LIMIT_INTERVAL_S = 600
+
+STARTER_CONFIG = """\
+# Starter config written by `edge units install` (it never overwrites an existing file).
+# Every field and its default: README "Config". After editing: systemctl restart edge.service
+[server]
+drain_timeout_s = 30.0
+
+[[models]]
+name = "gemma3-270m"
+path = "builtin:gemma3-270m"   # the embedded default model (extra `default-model`); or a .gguf path
+use_mlock = true
+"""
+
+
+def default_edge_command() -> str:
+    """The absolute command that runs this edge: the console script beside this Python, if any."""
+    script = Path(sys.executable).with_name("edge")
+    if script.is_file() and os.access(script, os.X_OK):
+        return str(script)
+    found = shutil.which("edge")
+    return found if found else f"{sys.executable} -m edge.cli"
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    edge: str = field(default_factory=default_edge_command)
+    config: str = "/etc/edge/edge.toml"
+    listen: tuple[str, ...] = ("127.0.0.1:8088",)
+    unix_socket: str | None = None
+    socket_group: str | None = None
+    backlog: int = 4096
+    user: bool = False  # a user unit (systemctl --user): no privileged sandboxing
+    watchdog_s: int = 30
+    start_timeout_s: int = 300
+    stop_timeout_s: int = 45  # above the service's drain_timeout_s (30 by default)
+    groups: tuple[str, ...] = ("video", "render")  # GPU device access on L4T and desktop distros
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # the config's server.max_connections
+    devices: tuple[str, ...] | None = None  # DeviceAllow= entries; None: every platform's
+    modprobe: str | None = None  # nvidia-modprobe to run privileged before the start (dGPU)
+
+    @property
+    def loopback_only(self) -> bool:
+        return all(a.split(":")[0] in ("127.0.0.1", "localhost", "[::1]") for a in self.listen)
+
+
+REARM_UNIT = "edge-socket-rearm.service"
+
+
+def render_socket(o: UnitOptions) -> str:
+    lines = ["[Unit]", "Description=edge inference service socket (holds connections across restarts)",
+             # systemd stops a socket whose service hits its start limit (result
+             # service-start-limit-hit), and each later connection would do it again: the socket
+             # is started again at once, never rate-limited, so something always listens
+             f"OnFailure={REARM_UNIT}", "StartLimitIntervalSec=0", "", "[Socket]"]
+    lines += [f"ListenStream={a}" for a in o.listen]
+    if o.unix_socket:
+        lines += [f"ListenStream={o.unix_socket}", "SocketMode=0660"]
+        if o.socket_group:
+            lines.append(f"SocketGroup={o.socket_group}")
+    lines += [f"Backlog={o.backlog}", "NoDelay=true", "", "[Install]", "WantedBy=sockets.target", ""]
+    return "\n".join(lines)
+
+
+SERVICE = string.Template("""\
+# Rendered by `edge units print`; see README "systemd" for every choice made here.
+# Left out on purpose, each because it breaks the GPU path or mlock:
+#   MemoryDenyWriteExecute=  CUDA's PTX JIT and libffi (ctypes callbacks) map W+X pages
+#   PrivateDevices=          hides /dev/nvmap, /dev/nvhost-* and /dev/nvidia*; DevicePolicy=
+#                            closed + DeviceAllow= below limit devices instead
+#   PrivateUsers=            GPU device access through the video/render groups is untested
+#                            inside a user namespace on L4T
+#   ProcSubset=pid           device identity reads /proc/device-tree and the CUDA driver /proc
+#   SystemCallFilter=~@resources  ggml thread pools may set affinity and priority
+[Unit]
+Description=edge inference service (paged-in, locked and warmed up before READY)
+Requires=edge.socket
+After=edge.socket network.target nvidia-persistenced.service
+StartLimitIntervalSec=$limit_interval
+StartLimitBurst=$limit_burst
+
+[Service]
+Type=notify
+NotifyAccess=main
+${modprobe}ExecStart=$edge serve --config $config
+ExecReload=$edge reload --config $config --timeout $reload_timeout
+Restart=on-failure
+RestartSec=2
+RestartPreventExitStatus=$no_restart
+TimeoutStartSec=$start_timeout
+TimeoutStopSec=$stop_timeout
+WatchdogSec=$watchdog
+KillMode=mixed
+LimitMEMLOCK=infinity
+Environment=CUDA_CACHE_PATH=%C/edge/cuda
+LimitNOFILE=$nofile
+StateDirectory=edge
+CacheDirectory=edge
+UMask=0077
+NoNewPrivileges=yes
+ProtectSystem=strict
+ProtectHome=$protect_home
+PrivateTmp=yes
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectKernelLogs=yes
+ProtectControlGroups=yes
+ProtectClock=yes
+ProtectHostname=yes
+ProtectProc=invisible
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6
+RestrictNamespaces=yes
+RestrictRealtime=yes
+RestrictSUIDSGID=yes
+LockPersonality=yes
+SystemCallArchitectures=native
+SystemCallFilter=@system-service
+SystemCallFilter=mincore
+SystemCallFilter=~@privileged
+SystemCallErrorNumber=EPERM
+${system}
+[Install]
+WantedBy=$target
+Also=edge.socket
+""")
+# Why some lines are as they are (comments in the rendered unit would be read by every device):
+# - ExecReload=: below TimeoutStartSec=, which systemd also applies to reloads.
+# - RestartPreventExitStatus=: config error, bad model or engine file, mlock refused, no GPU for
+#   offloaded layers: a restart cannot fix these.
+# - CUDA_CACHE_PATH: CUDA's PTX JIT cache (default ~/.nv, absent for a DynamicUser) kept across
+#   restarts, so kernels are compiled once per driver, not once per start.
+# - LimitNOFILE=: server.max_connections plus the files (edge.serve.limits.nofile_for).
+# - No ConfigurationDirectory=: with DynamicUser= it chowns /etc/edge to the service's uid, which
+#   could then rewrite its own config and the OTA key; ProtectSystem=strict keeps /etc read-only.
+# - SystemCallFilter=mincore: page-in's resident_before; in no syscall group of systemd 252.
+
+
+def _system_lines(o: UnitOptions) -> str:
+    """What only a system unit has: loopback-only IP policy, the dynamic user, no capabilities,
+    and the device policy with every GPU node of the platforms `o.devices` names."""
+    if o.user:
+        return ""
+    lines = ["IPAddressDeny=any", "IPAddressAllow=localhost"] if o.loopback_only else []
+    lines += ["DynamicUser=yes", *([f"SupplementaryGroups={' '.join(o.groups)}"] if o.groups else []),
+              "CapabilityBoundingSet=", "AmbientCapabilities=", "KeyringMode=private", "DevicePolicy=closed"]
+    lines += [f"DeviceAllow={d} rw" for d in (o.devices if o.devices is not None else GPU_DEVICES + GPU_DEVICE_CLASSES)]
+    return "\n".join(lines) + "\n"
+
+
+def render_service(o: UnitOptions) -> str:
+    home = o.edge.startswith(("/home/", "/root/")) or o.config.startswith(("/home/", "/root/"))
+    modprobe = f"ExecStartPre=+-{o.modprobe} -u -c=0\n" if o.modprobe and not o.user else ""
+    return SERVICE.substitute(
+        limit_interval=START_LIMIT_INTERVAL_S, limit_burst=START_LIMIT_BURST, modprobe=modprobe,
+        edge=o.edge, config=o.config, reload_timeout=max(1, o.start_timeout_s - 15),
+        no_restart=f"{EX_DATAERR} {EX_NOPERM} {EX_CONFIG}", start_timeout=o.start_timeout_s,
+        stop_timeout=o.stop_timeout_s, watchdog=o.watchdog_s, nofile=nofile_for(o.max_connections),
+        protect_home="read-only" if home else "yes", system=_system_lines(o),
+        target="default.target" if o.user else "multi-user.target")
+
+
+def platform_devices(root: str | Path = "/") -> tuple[tuple[str, ...], str | None]:
+    """The DeviceAllow= entries and the nvidia-modprobe for the GPU platform of the tree at `root`
+    (`units install --root`, `units print --root`): JetPack 6 (L4T r36+: /dev/nvgpu/igpu0/*, the
+    render node), JetPack 5, or a dGPU host; every platform's where the tree says none."""
+    root = Path(root)
+    modprobe = NVIDIA_MODPROBE if (root / NVIDIA_MODPROBE.lstrip("/")).is_file() else None
+    try:
+        release = (root / "etc" / "nv_tegra_release").read_text(errors="replace")
+    except OSError:
+        release = None
+    if release is not None:
+        m = re.search(r"R(\d+)\s*\(release\)", release)
+        jp6 = not m or int(m.group(1)) >= 36  # an unreadable release: the current JetPack
+        nodes = JETSON_JP6_DEVICES if jp6 else JETSON_JP5_DEVICES
+        classes = ["char-nvgpu", "char-nvhost", "char-drm"] if jp6 else ["char-nvgpu", "char-nvhost"]
+        renders = sorted(f"/dev/dri/{p.name}" for p in (root / "dev" / "dri").glob("renderD*"))
+        return tuple(nodes + renders + classes), None
+    if modprobe or (root / "proc" / "driver" / "nvidia").exists():
+        return tuple(DGPU_DEVICES + [c for c in GPU_DEVICE_CLASSES if c.startswith("char-nvidia")]), modprobe
+    return tuple(GPU_DEVICES + GPU_DEVICE_CLASSES), modprobe
+
+
+def render_rearm(o: UnitOptions) -> str:
+    return "\n".join([
+        "[Unit]", "Description=listen again on edge.socket after edge.service hit its start limit",
+        "StartLimitIntervalSec=0", "", "[Service]", "Type=oneshot",
+        "ExecStart=systemctl " + ("--user " if o.user else "") + "start --no-block edge.socket", ""])
+
+
+def unit_dir(prefix: str, user: bool) -> Path:
+    if user:
+        base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+        return Path(prefix + base) / "systemd" / "user" if prefix != "/" else Path(base) / "systemd" / "user"
+    return Path(prefix) / "etc" / "systemd" / "system"
+
+
+def install_starter_config(path: Path) -> bool:
+    """Write STARTER_CONFIG to `path` unless a file is there; True if written.
+
+    Written to a temp file, fsynced, then hard-linked into place: the link fails if a config
+    appeared meanwhile, so an existing one is never replaced and no half-written file is seen.
+    """
+    if path.exists():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        atomic_write(tmp, STARTER_CONFIG, mode=0o644)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        fsync_dir(path.parent)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def existing_groups(prefix: str, groups: tuple[str, ...]) -> tuple[str, ...]:
+    """The groups of `groups` that <prefix>/etc/group has: a missing one fails the start (216/GROUP)."""
+    try:
+        text = (Path(prefix) / "etc" / "group").read_text()
+    except OSError:
+        return groups
+    have = {line.split(":", 1)[0] for line in text.splitlines()}
+    return tuple(g for g in groups if g in have)
+
+
+def reclaim_config_dir(folder: Path) -> bool:
+    """Give `folder` (and what is in it) back to root if a dynamic uid owns it; True if it did.
+
+    Units before this one had ConfigurationDirectory=edge with DynamicUser=yes, which chowns
+    /etc/edge to the service's uid on every start; that uid may later be handed to another service.
+    """
+    if os.geteuid() != 0 or not folder.is_dir() or folder.stat().st_uid == 0:
+        return False
+    for here, dirs, files in os.walk(folder):
+        for name in [here, *(os.path.join(here, n) for n in dirs + files)]:
+            os.chown(name, 0, 0, follow_symlinks=False)
+    return True
+
+
+def install_units(o: UnitOptions, prefix: str = "/") -> list[Path]:
+    """Write edge.socket and edge.service atomically into the unit directory; return their paths.
+
+    SupplementaryGroups= keeps only groups this system has (a headless Debian without udev has
+    no `render`)."""
+    o = replace(o, groups=existing_groups(prefix, o.groups))
+    folder = unit_dir(prefix, o.user)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in (("edge.socket", render_socket(o)), ("edge.service", render_service(o)),
+                       (REARM_UNIT, render_rearm(o))):
+        atomic_write(folder / name, text, mode=0o644)
+        written.append(folder / name)
+    return written

@@ -1,0 +1,347 @@
+"""The load-and-warm step a start, a rehearsal (`edge warmup`) and a reload share: from a config
+to a loaded, warmed set, each step a phase of the report (named in `edge.timing.Phases`):
+
+    prepare: resolve_models → page_in threads ‖ validate (GGUF headers, from the warming pages)
+    load:    imports (backends) → page_in and validate joined (sha256 checked)
+             → model_load + mlock_verify ‖ imports_http → engines (device, lookup, read, deserialize)
+             → prefix_states (declared and learned prefixes into each new model's prompt cache)
+    warm:    warmup_setup → warmup (per model and engine: the floor request, then the stored plan
+             or a calibration that makes one)
+
+A `Loader` is made from a config, a timer and a notifier and touches no socket: `edge.lifecycle.start`
+serves the set it makes, `edge.lifecycle.reload` makes each new set with it beside the serving one
+(`prepare(previous)` takes over the workers whose model is unchanged). It makes the types of
+`edge.lifecycle.loadset` and imports none of start, reload or serving.
+
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import importlib
+import json
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from edge.config import Config, EngineConfig, cache_dir, check_writable, find_config, load_config
+from edge.errors import require
+from edge.lifecycle.loadset import Loaded, LoadPlan, close_worker, model_key
+from edge.model.mlock import enforce
+from edge.lifecycle.systemd import Notifier, setup_logging
+from edge.timing import Phases, StartTimer
+
+if TYPE_CHECKING:
+    from edge.model.gguf import GGUFInfo
+    from edge.lifecycle.loadset import Validation
+    from edge.serve.metrics import Metrics
+    from edge.model.file import ModelFile
+    from edge.lifecycle.warmplan import WarmTarget
+    from edge.serve.worker import ModelWorker
+
+__all__ = ["Loader", "read_config", "save_learned"]
+
+
+def read_config(path: str | None, timer: StartTimer) -> Config:
+    """The config phase: the file at `path` (else the one the lookup order finds), validated, its
+    folders proven writable before the load rather than at READY; logging set to its level."""
+    with timer.phase(Phases.CONFIG):
+        cfg = load_config(find_config(path))
+        check_writable(cfg)
+    setup_logging(cfg.server.log_level)
+    return cfg
+
+
+class Loader:
+    """Loaded, warmed sets made from one config: `prepare()` → `load(plan)` → `warm(loaded)`."""
+
+    def __init__(self, cfg: Config, timer: StartTimer, notifier: Notifier, *, recalibrate: bool = False) -> None:
+        self.config = cfg
+        self.timer = timer
+        self.notifier = notifier
+        self.recalibrate = recalibrate  # `edge warmup --calibrate`: measure anew whatever is stored
+
+    # -- prepare ------------------------------------------------------------------------------------
+    def prepare(self, previous: Loaded | None = None) -> LoadPlan:
+        """Resolve every model file; take over what `previous` already has loaded the same way;
+        start the page-in of the others and validate them from the warming pages: on a thread
+        beside the backend imports at a start (`finish_model_files` joins it), at once for a
+        reload (its memory guard reads every header)."""
+        from edge.model.file import ModelFile, VerifiedCache, resolve_model
+
+        cfg = self.config
+        verified = VerifiedCache(cache_dir(cfg) / "verified.json")
+        with self.timer.phase(Phases.RESOLVE_MODELS):
+            models = [resolve_model(m, cache_dir(cfg), verified) for m in cfg.models]
+        plan = LoadPlan([], [], {})
+        before = previous.keys if previous else {}
+        old = previous.workers() if previous else {}
+        for m in models:
+            plan.keys[m.name] = model_key(m)
+            if before.get(m.name) == plan.keys[m.name] and plan.keys[m.name][2]:
+                plan.kept[m.name] = old[m.name]
+                continue
+            plan.files.append(ModelFile(m, verified).start())
+        plan.validations = self._validations(plan.files, now=previous is not None)
+        for e in cfg.engines:
+            plan.keys[e.name] = ("engine", e)
+            if before.get(e.name) == plan.keys[e.name]:
+                plan.kept[e.name] = old[e.name]
+            else:
+                plan.engines.append(e)
+        if previous:
+            plan.kept_infos = {n: i for n, i in zip(previous.names, previous.infos) if n in plan.kept}
+        return plan
+
+    def _validations(self, files: list[ModelFile], now: bool) -> list[Validation]:
+        if now:
+            return [_done(self._validate(f)) for f in files]
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-validate")
+        running = [pool.submit(self._validate, f) for f in files]
+        pool.shutdown(wait=False)  # the queued validations still run; joined by finish_model_files
+        return running
+
+    def _validate(self, f: ModelFile) -> tuple[float, float, GGUFInfo]:
+        start = self.timer.now()
+        info = f.validate()
+        return start, self.timer.now(), info
+
+    # -- load ---------------------------------------------------------------------------------------
+    def load(self, plan: LoadPlan | None = None, metrics: Metrics | None = None) -> Loaded:
+        """Model files, backends, models and engines: the load half of load-and-warm. A reload
+        passes the plan it made (`prepare(previous)`) and the metrics that carry over."""
+        plan = plan or self.prepare()
+        self.import_backends(plan)
+        self.finish_model_files(plan)
+        made: dict[str, Any] = {}  # closed again if a later step fails: nothing loaded is left behind
+        try:
+            workers, infos = self.load_models_beside_http(plan.files, made)
+            engines, engine_infos = self.load_engines(plan.engines)
+            made.update(engines)
+            self.restore_prefixes(workers)
+            return self.assemble(plan, made, {**infos, **engine_infos}, metrics)
+        except BaseException:
+            for worker in made.values():
+                close_worker(worker)
+            raise
+
+    def import_backends(self, plan: LoadPlan) -> None:
+        """llama_cpp (and onnxruntime) imported beside the page-in threads."""
+        with self.timer.phase(Phases.IMPORTS) as ph:
+            self.notifier.status("importing the inference backends")
+            ph.detail["modules"] = _import((["llama_cpp"] if plan.files else []) + (
+                ["onnxruntime"] if any(e.backend == "onnxruntime" for e in plan.engines) else []))
+
+    def finish_model_files(self, plan: LoadPlan) -> None:
+        """Join the validations and page-ins (their real start and end in the report); check the
+        sha256. A file that fails validation raises here, before llama.cpp sees it."""
+        for f, done in zip(plan.files, plan.validations):
+            start, end, info = done.result()
+            ph = self.timer.add(Phases.VALIDATE, start, end, nbytes=info.size, model=f.cfg.name)
+            ph.detail.update(info.summary())
+        mono0 = time.monotonic() - self.timer.now()
+        for f in plan.files:
+            res = f.finish()
+            if res is not None:
+                self.timer.add(Phases.PAGE_IN, res.start_s - mono0, res.end_s - mono0, nbytes=res.bytes,
+                               model=f.cfg.name, threads=f.pagein.threads if f.pagein else 0,
+                               **res.as_detail())
+
+    def load_models_beside_http(self, files: list[ModelFile], made: dict[str, Any]
+                                ) -> tuple[dict[str, ModelWorker], dict[str, Any]]:
+        """llama.cpp loads with the GIL released: the HTTP stack is imported meanwhile."""
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-load") as pool:
+            loading = pool.submit(self.load_models, files, made)
+            self.import_http()
+            return loading.result()
+
+    def import_http(self) -> None:
+        with self.timer.phase(Phases.IMPORTS_HTTP) as ph:
+            ph.detail["modules"] = _import(["uvicorn", "starlette.applications", "edge.serve.app", "edge.lifecycle.serving"])
+
+    def load_models(self, files: list[ModelFile], made: dict[str, Any]
+                    ) -> tuple[dict[str, ModelWorker], dict[str, Any]]:
+        """Each model through llama.cpp (mmap, mlock), then the lock measured and the policy
+        applied; each worker in `made` as soon as it exists."""
+        from edge.model.llm import load_gguf_model
+        from edge.serve.worker import ModelWorker
+
+        workers, infos = {}, {}
+        for f in files:
+            m = f.cfg
+            self.notifier.status(f"loading {m.name} ({m.path})")
+            with self.timer.phase(Phases.MODEL_LOAD, model=m.name, use_mmap=m.use_mmap,
+                                  use_mlock=m.use_mlock) as ph:
+                model = load_gguf_model(m, f.validate() if f.info is None else f.info)
+                ph.bytes = model.info.size
+            made[m.name] = workers[m.name] = ModelWorker(model, self.config.server.max_queue,
+                                                         self.config.server.stream_interval_ms / 1000)
+            with self.timer.phase(Phases.MLOCK_VERIFY, model=m.name) as ph:
+                ph.detail.update(model.mlock.as_dict())
+                enforce(m, model.mlock)
+            infos[m.name] = {**model.info.summary(), "name": m.name, "path": m.path, "n_ctx": model.n_ctx,
+                             "context": model.context_info(), "mlock": model.mlock.as_dict()}
+        return workers, infos
+
+    def load_engines(self, engines: list[EngineConfig]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Each engine from the store (edge.lifecycle.engines times its own phases)."""
+        if not engines:  # the engine modules (numpy, the store) are imported only for engines
+            return {}, {}
+        from edge.lifecycle.engines import load_engines
+
+        workers, infos = load_engines(dataclasses.replace(self.config, engines=engines), self.timer)
+        return workers, dict(zip(workers, infos))
+
+    def restore_prefixes(self, workers: dict[str, ModelWorker]) -> None:
+        """Each new model's declared (and learned) prefixes into its prompt cache, on its worker
+        thread: read from disk, or prefilled and saved when their key is new (or recalibrate)."""
+        from edge.model.prefixstore import folder_for, restore_prefixes
+
+        cfg = self.config
+        for i, m in enumerate(cfg.models):
+            w = workers.get(m.name)
+            if w is None or not (m.prefixes or m.learn_prefixes):
+                continue
+            self.notifier.status(f"restoring the prefix states of {m.name}")
+            with self.timer.phase(Phases.PREFIX_STATES, model=m.name) as ph:
+                rows = w.run(restore_prefixes, w.model, folder_for(cache_dir(cfg), m.name), cfg.source,
+                             f"models[{i}]", self.recalibrate)
+                ph.bytes = sum(r["bytes"] for r in rows if r["outcome"] != "ignored")
+                ph.detail["prefixes"] = rows
+
+    def assemble(self, plan: LoadPlan, made: dict[str, Any], infos: dict[str, Any],
+                 metrics: Metrics | None) -> Loaded:
+        """The set in the config's order, what was made now beside what was taken over, and the
+        app over it."""
+        from edge.serve.app import ServiceState, build_app
+
+        pick = {**plan.kept, **made}
+        by_name = {**infos, **{n: {**i, "kept": True} for n, i in plan.kept_infos.items()}}
+        state = ServiceState(workers={m.name: pick[m.name] for m in self.config.models},
+                             engines={e.name: pick[e.name] for e in self.config.engines})
+        if metrics is not None:
+            state.metrics = metrics
+        return Loaded(build_app(state), state, [by_name[n] for n in [*state.workers, *state.engines]],
+                      keys=plan.keys, kept=list(plan.kept))
+
+    # -- warm ---------------------------------------------------------------------------------------
+    async def warm(self, loaded: Loaded) -> list[dict[str, Any]]:
+        """The warm half of load-and-warm: for each model and engine the floor request, then its
+        stored plan (known key) or a calibration that makes one (new key), over loopback HTTP."""
+        from edge.lifecycle.warmplan import PlanStore, warm_one
+        from edge.lifecycle.warmup import LoopbackHTTP
+
+        cfg = self.config
+        store = PlanStore(cache_dir(cfg) / "warmup")
+        with self.timer.phase(Phases.WARMUP_SETUP):  # what to warm; the loopback server started
+            targets = await self._warm_targets(loaded)
+            http = await LoopbackHTTP(loaded.app).__aenter__()
+        async with http:
+            for target in targets:
+                self.notifier.status(f"warming up {target.name}")
+                with self.timer.phase(Phases.WARMUP, **{target.kind: target.name}) as ph:
+                    result = await warm_one(http, target, cfg.warmup, store, recalibrate=self.recalibrate,
+                                            status=self.notifier.status)
+                    ph.detail.update(plan=result.plan, steps=result.steps)
+                loaded.warmup += result.steps
+                loaded.plans.append(result.as_dict())
+        return loaded.warmup
+
+    async def _warm_targets(self, loaded: Loaded) -> list[WarmTarget]:
+        """What to warm: models, then engines that ask for a warm-up. Each plan key needs the
+        device identity, found on a thread while the first floor request runs."""
+        from edge.lifecycle.warmplan import WarmTarget, engine_plan_key, model_plan_key
+        from edge.lifecycle.warmup import check_prompts, engine_candidates, model_candidates, model_floor
+
+        cfg, state = self.config, loaded.state
+        identity = asyncio.ensure_future(asyncio.to_thread(_device_and_build, bool(state.workers)))
+
+        async def key_of_model(w: Any) -> dict[str, Any]:
+            lengths = await w.call(check_prompts, w.model, cfg.warmup, cfg.source)  # a prompt that cannot fit fails
+            device, build = await identity
+            return {**model_plan_key(w.model, device, build), "prompts": _digest(cfg.warmup.prompts),
+                    "prompt_tokens": lengths}
+
+        async def key_of_engine(stored: Any) -> dict[str, Any]:
+            device, _ = await identity
+            return engine_plan_key({**stored.key.as_dict(), "sha256": stored.sha256}, device)
+
+        targets = []
+        for name, w in state.workers.items():
+            if name in loaded.kept:  # serving already, and warm: its thread belongs to clients,
+                await w.call(check_prompts, w.model, cfg.warmup, cfg.source)  # but the prompts must fit
+                continue
+            make = functools.partial(w.call, model_candidates, w.model, cfg.warmup)
+            targets.append(WarmTarget("model", name, functools.partial(key_of_model, w),
+                                      model_floor(w.model, cfg.warmup), make, w.call))
+        for name, eng in state.engines.items():
+            if name not in loaded.kept and next(e for e in cfg.engines if e.name == name).warmup:
+                cands = engine_candidates(name, eng.session)
+                targets.append(WarmTarget("engine", name, functools.partial(key_of_engine, eng.stored),
+                                          cands[0].build(), functools.partial(_ready, cands[1:]), _call))
+        return targets
+
+
+def save_learned(loaded: Loaded, cfg: Config) -> None:
+    """At SIGTERM, after the drain: each model's prefixes that traffic reused most, for the next
+    start (models with `learn_prefixes`)."""
+    import logging
+
+    from edge.model.prefixstore import folder_for, save_learned as save
+
+    log = logging.getLogger("edge")
+    for name, w in loaded.state.workers.items():
+        if w.model.cfg.learn_prefixes and name not in loaded.closed:
+            try:
+                rows = w.run(save, w.model, folder_for(cache_dir(cfg), name))
+            except OSError as exc:  # a full or read-only disk: the next start has none, no more
+                log.warning("%s: learned prefixes not saved: %s", name, exc)
+                continue
+            log.info("%s: learned prefixes saved for the next start: %d (%s)", name, len(rows),
+                     ", ".join(f"{r['tokens']} tokens, {r['hits']} hits" for r in rows) or "none")
+
+
+def _device_and_build(llama: bool) -> tuple[Any, str | None]:
+    from edge.device.identity import detect
+    from edge.model.gpu import llama_build
+
+    return detect(), (llama_build() if llama else None)
+
+
+def _digest(prompts: list[str]) -> str:
+    """The workload prompts in a plan key: new prompts are new candidates."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+
+
+async def _ready(value: Any) -> Any:
+    return value
+
+
+async def _call(fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
+# module -> (extra of edge that brings it, pip package, what needs it); the rest: plain imports
+_BACKENDS = {"llama_cpp": (None, "llama-cpp-python", "loading GGUF models"),
+             "onnxruntime": ("ort", "onnxruntime", "serving ONNX Runtime engines")}
+
+
+def _import(names: list[str]) -> list[str]:
+    for name in names:
+        if name in _BACKENDS:
+            extra, package, purpose = _BACKENDS[name]
+            require(name, extra, purpose, package=package)
+        else:
+            importlib.import_module(name)
+    return names
+
+
+def _done(value: Any) -> concurrent.futures.Future[Any]:
+    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    fut.set_result(value)
+    return fut

@@ -1,0 +1,101 @@
+"""What the lifecycle shares, below start, reload and serving: the loaded set (`Loaded`: the app,
+its workers and engines, what was loaded and warmed), the plan of a load (`LoadPlan`: files to
+load, engines to load, workers to take over) and what makes a model the same one (`model_key`).
+
+The data of a start flows one way (DESIGN.md): config → `LoadPlan` → `Loaded` → serving. The
+plan and the set are made by `edge.lifecycle.loader.Loader`; `edge.lifecycle.serving` routes requests to a `Loaded`,
+`edge.lifecycle.reload` switches from one to the next. This module imports none of them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from edge.config import EngineConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from edge.serve.app import ServiceState
+    from edge.model.gguf import GGUFInfo
+    from edge.model.file import ModelFile
+
+    Validation = concurrent.futures.Future[tuple[float, float, GGUFInfo]]
+
+__all__ = ["Loaded", "LoadPlan", "close_worker", "model_key"]
+
+
+@dataclass
+class Loaded:
+    """One loaded and (after `Loader.warm`) warmed set: what serves, and what it is."""
+
+    app: Any  # the Starlette app built over `state`
+    state: ServiceState
+    infos: list[dict[str, Any]]
+    warmup: list[dict[str, Any]] = field(default_factory=list)
+    plans: list[dict[str, Any]] = field(default_factory=list)  # per model/engine: plan, candidates
+    keys: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # name -> what makes it the same
+    kept: list[str] = field(default_factory=list)  # workers taken over from the previous set
+    closed: set[str] = field(default_factory=set)
+
+    @property
+    def names(self) -> list[str]:
+        return [*self.state.workers, *self.state.engines]
+
+    def workers(self) -> dict[str, Any]:
+        return {**self.state.workers, **self.state.engines}
+
+    def close(self, keep: Loaded | None = None) -> list[str]:
+        """Close every worker that `keep` (the set taking over) does not share; their names."""
+        shared = {id(w) for w in keep.workers().values()} if keep else set()
+        freed = []
+        for name, worker in self.workers().items():
+            if id(worker) not in shared and name not in self.closed:
+                close_worker(worker)
+                self.closed.add(name)
+                freed.append(name)
+        return freed
+
+    def only(self, names: list[str]) -> Loaded:
+        """This set cut down to `names` (what is left of it while a sequential reload loads)."""
+        state = dataclasses.replace(
+            self.state, workers={n: w for n, w in self.state.workers.items() if n in names},
+            engines={n: e for n, e in self.state.engines.items() if n in names})
+        return Loaded(None, state, [i for n, i in zip(self.names, self.infos) if n in names],
+                      keys={n: k for n, k in self.keys.items() if n in names}, closed=self.closed)
+
+
+@dataclass
+class LoadPlan:
+    """What a load will do: model files to load, engines to load, workers to take over."""
+
+    files: list[ModelFile]
+    engines: list[EngineConfig]
+    keys: dict[str, tuple[Any, ...]]
+    kept: dict[str, Any] = field(default_factory=dict)  # name -> worker of the previous set
+    kept_infos: dict[str, dict[str, Any]] = field(default_factory=dict)
+    validations: list[Validation] = field(default_factory=list)  # one per file, joined by the load
+
+
+def close_worker(worker: Any) -> None:
+    """A model's or engine's worker, and what it holds, closed now (not whenever GC gets to it)."""
+    worker.close()  # waits for the job on its thread, if any
+    model = getattr(worker, "model", None)
+    if hasattr(model, "close"):
+        model.close()  # the llama.cpp context, the prompt cache and the mapping
+
+
+def model_key(m: ModelConfig) -> tuple[Any, ...]:
+    """A model is the same one when its resolved file (same inode, size and mtime) and every
+    setting that shapes the loaded model are; page-in settings do not, and neither does the path
+    when the file is known by its identity: OTA versions hard-link one file from their content
+    store under each version's own path, and a config-only update keeps the loaded model."""
+    try:
+        st = os.stat(m.path)
+        ident: tuple[int, ...] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        ident = ()
+    same = dataclasses.replace(m, path="" if ident else m.path, prefetch=True, prefetch_threads=1)
+    return ("model", same, ident)

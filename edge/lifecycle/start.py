@@ -1,0 +1,195 @@
+"""The cold start: what `edge serve` does from exec to READY=1, in the order it happens.
+
+Read `ColdStart.run()` top to bottom to learn what a start is (DESIGN.md, "The path of a
+start"); every step is a timed phase of the start report, named once in `edge.timing.Phases`:
+
+    config → sockets → resolve_models → page_in ‖ validate ‖ imports → model_load ‖ imports_http
+    → mlock_verify → engines → prefix_states → warmup (floor, then the stored plan or a calibration) → http_setup
+    → ready → serve (until SIGTERM, then drain)
+
+The sockets are listening before anything slow happens, so a connection made at any point of
+the start waits in the kernel's backlog and is accepted only once warm-up is done.
+
+The load-and-warm step (model files, backends, models, engines, warm-up) is `edge.lifecycle.loader.Loader`,
+made from the config this start reads; `rehearse()` (`edge warmup`) runs it without sockets, and
+the reloader (edge.lifecycle.reload) uses it for every new set. This module is the top of the lifecycle: it
+takes the reloader and the dispatcher (edge.lifecycle.serving); nothing below imports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from edge.config import Config, state_dir
+from edge.errors import StoppedDuringStart
+from edge.lifecycle.loader import Loader, read_config, save_learned
+from edge.lifecycle.loadset import Loaded
+from edge.lifecycle.systemd import Notifier, listen_sockets
+from edge.timing import Phases, StartTimer, write_report
+
+__all__ = ["ColdStart"]
+
+log = logging.getLogger("edge")
+
+
+class ColdStart:
+    """One start of the service: the config, the timer, the notifier, the sockets, what was loaded."""
+
+    def __init__(self, config_path: str | None = None, *, timer: StartTimer | None = None,
+                 notifier: Notifier | None = None) -> None:
+        self.timer = timer or StartTimer()  # offsets from exec, whenever it is made
+        self.config_path = config_path
+        self.notifier = notifier or Notifier()
+        self._loader: Loader | None = None  # made from the config, once it is read
+        self.sockets: list[socket.socket] = []
+        self.loaded: Loaded | None = None
+        # Test hook: called with the loaded set just before the warm-up, so that a test can put a
+        # double at the backend boundary (a wrapper around a model's native object); None in service.
+        self.before_warm: Callable[[Loaded], None] | None = None
+        self.hup_pending = False  # SIGHUP before READY: reload once serving
+
+    # -- the start, top to bottom ----------------------------------------------------------------
+    def run(self) -> int:
+        """Start, warm up, serve until SIGTERM/SIGINT, drain; the exit code."""
+        self.read_config()
+        self.open_sockets()
+        signal.signal(signal.SIGTERM, _stop_during_start)
+        signal.signal(signal.SIGHUP, self._hup_during_start)
+        self.notifier.extend_while()
+        try:
+            self.loaded = self.loader.load()
+            return asyncio.run(self._warm_and_serve(self.loaded))
+        except StoppedDuringStart:
+            if self.loaded is not None:
+                self.loaded.close()  # lets a cancelled warm-up generation end first
+            log.info("stopped by SIGTERM before ready")
+            return 0
+
+    async def _warm_and_serve(self, loaded: Loaded) -> int:
+        from edge.lifecycle.reload import Reloader
+        from edge.lifecycle.serving import Dispatcher, build_server, serve_http
+
+        stop = await self._warm_unless_stopped(loaded)
+        with self.timer.phase(Phases.HTTP_SETUP):
+            dispatcher = Dispatcher(loaded)  # a reload swaps the set behind it
+            server = build_server(dispatcher, self.config.server, self.notifier)
+            reloader = Reloader(dispatcher, self.config, self.notifier, started_from=self.config_path,
+                                stop_server=lambda: server.handle_exit(signal.SIGTERM, None))
+            gc.collect()
+            gc.freeze()  # warm-up garbage is gone; what lives now is never scanned again
+        if stop.is_set():
+            raise StoppedDuringStart("SIGTERM before ready")
+        ready_text = self.mark_ready(loaded)
+        async with reloader:
+            if self.hup_pending:  # SIGHUP during the start: the config may have changed since
+                reloader.spawn(None, None)
+            await serve_http(server, self.sockets, self.notifier, ready_text, stop)
+        save_learned(dispatcher.loaded, reloader.current)
+        dispatcher.loaded.close()
+        return reloader.fatal.exit_code if reloader.fatal else 0
+
+    def _hup_during_start(self, sig: int, frame: Any) -> None:
+        log.info("SIGHUP during the start: reloading once ready")
+        self.hup_pending = True
+
+    async def _warm_unless_stopped(self, loaded: Loaded) -> asyncio.Event:
+        """The warm-up, given up at SIGTERM/SIGINT. From here on a signal only sets the returned
+        event (the loop delivers it): raised inside whatever the loop runs, it would fail a
+        warm-up request (exit 70) or break a lock (hang). uvicorn takes the signals over later."""
+        loop, stop = asyncio.get_running_loop(), asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        warming = asyncio.ensure_future(self.loader.warm(loaded))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({warming, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not stop.is_set():
+            stopped.cancel()
+            warming.result()  # the warm-up's own error, if any
+            return stop
+        warming.cancel()
+        await asyncio.wait({warming})
+        raise StoppedDuringStart("SIGTERM during warm-up")
+
+    def rehearse(self, recalibrate: bool = False) -> dict[str, Any]:
+        """Everything a start does up to READY, with no socket and no report written: what a
+        start would take (`edge warmup`; with `recalibrate`, the warm-up plan is measured and
+        stored anew)."""
+        self.notifier.enabled = False
+        self.read_config()
+        self.loader.recalibrate = recalibrate
+        loaded = self.loader.load()
+
+        async def go() -> dict[str, Any]:
+            if self.before_warm is not None:
+                self.before_warm(loaded)
+            await self.loader.warm(loaded)
+            return self.timer.report(config=self.config.source, sockets=[], models=loaded.infos,
+                                     warmup=loaded.warmup, calibration=loaded.plans, rehearsal=True)
+
+        try:
+            return asyncio.run(go())
+        finally:
+            loaded.close()
+
+    # -- the phases --------------------------------------------------------------------------------
+    @property
+    def loader(self) -> Loader:
+        if self._loader is None:
+            raise RuntimeError("read_config() first")
+        return self._loader
+
+    @property
+    def config(self) -> Config:
+        return self.loader.config
+
+    @property
+    def config_read(self) -> Config | None:
+        """The config once the config phase has read it; None before (or when it failed)."""
+        return self._loader.config if self._loader is not None else None
+
+    def read_config(self) -> Config:
+        """The config phase; this start's loader is made from what it reads."""
+        self._loader = Loader(read_config(self.config_path, self.timer), self.timer, self.notifier)
+        return self._loader.config
+
+    def open_sockets(self) -> list[socket.socket]:
+        """Inherited from systemd (LISTEN_FDS), else bound now from the [server] table."""
+        from edge.lifecycle.serving import bind_sockets
+
+        with self.timer.phase(Phases.SOCKETS) as ph:
+            self.sockets = listen_sockets()
+            ph.detail["inherited"] = bool(self.sockets)
+            if not self.sockets:
+                self.sockets = bind_sockets(self.config.server, self.config.source)
+        return self.sockets
+
+    def mark_ready(self, loaded: Loaded) -> str:
+        """The moment traffic is handed over: the report is written, then READY=1 and the first
+        accept() follow at once. Returns the READY status text."""
+        from edge.lifecycle.serving import describe_socket
+
+        loaded.state.ready = True
+        addresses = [describe_socket(s) for s in self.sockets]
+        now = self.timer.now()
+        self.timer.add(Phases.READY, now, now, sockets=len(addresses))
+        report = self.timer.report(config=self.config.source, sockets=addresses, models=loaded.infos,
+                                   warmup=loaded.warmup, calibration=loaded.plans)
+        path: Path = write_report(report, state_dir(self.config))
+        loaded.state.metrics.set_phases(report["phases"])
+        loaded.state.metrics.track_fleet(state_dir(self.config))
+        log.info("start report %s: ready in %.2f s", path, report["ready_s"],
+                 extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
+        return (f"ready: serving {', '.join(loaded.names)} on {', '.join(addresses)} "
+                f"(start {report['ready_s']:.2f} s)")
+
+
+def _stop_during_start(sig: int, frame: Any) -> None:
+    raise StoppedDuringStart("SIGTERM before ready")

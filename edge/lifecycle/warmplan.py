@@ -1,0 +1,217 @@
+"""The stored warm-up plan: which steps calibration kept, keyed by what decides what is lazy.
+
+A plan is measured once per key and replayed by every later start with the same key. The key
+holds everything that changes which first-time costs exist: the model's content (its sha256, or
+path + size + mtime when no sha256 is configured; `model_id` says which), the device identity
+(as for engines: edge.device.identity.detect), the llama.cpp / llama-cpp-python version and its CPU
+features, the backend build (cpu / cuda), n_ctx, n_batch, n_ubatch, n_gpu_layers; for an engine,
+the stored engine's key. One file per model or engine under <cache_dir>/warmup/, written
+atomically. A file that cannot be read, is not a plan, or was made for another key is ignored
+(with the reason) and the start calibrates anew: never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edge.config import WarmupConfig
+from edge.fsutil import atomic_write
+from edge.lifecycle.warmup import Candidate, KeepRule, LoopbackHTTP, WarmupStep, calibrate, run_step, run_steps
+
+if TYPE_CHECKING:
+    from edge.device.identity import DeviceInfo
+    from edge.model.llm import GGUFModel
+
+__all__ = ["PLAN_FORMAT", "Plan", "PlanStore", "WarmResult", "context_identity", "device_identity",
+           "engine_plan_key", "model_identity", "model_plan_key", "warm_one"]
+
+log = logging.getLogger("edge")
+
+PLAN_FORMAT = 1
+# Device fields that identify hardware and software; the *_source fields say how they were found.
+_DEVICE_FIELDS = ("cpu_arch", "jetson_model", "soc", "l4t_release", "sm", "cuda", "tensorrt",
+                  "onnxruntime", "gpu_name", "cuda_driver", "platform")
+
+
+def device_identity(device: DeviceInfo) -> dict[str, Any]:
+    d = device.as_dict()
+    return {k: d.get(k) for k in _DEVICE_FIELDS}
+
+
+def model_identity(model: GGUFModel) -> dict[str, Any]:
+    """The model file in a key: its configured sha256, else its path, size and mtime."""
+    if model.cfg.sha256:
+        return {"model_id": "sha256", "model_sha256": model.cfg.sha256.lower()}
+    st = os.stat(model.info.path)
+    return {"model_id": "path+size+mtime", "model_path": os.path.realpath(model.info.path),
+            "model_size": st.st_size, "model_mtime_ns": st.st_mtime_ns}
+
+
+def context_identity(model: GGUFModel, build: str | None) -> dict[str, Any]:
+    """The model file, the llama.cpp that loaded it (version, CPU features, CPU/CUDA `build`) and
+    every context setting that changes what it computes: what the warm-up plan's key and a saved
+    KV state's key share. Reads the loaded context's settings (plain fields: any thread)."""
+    import llama_cpp
+
+    p = model.native.params
+    return {**model_identity(model), "llama_cpp_python": getattr(llama_cpp, "__version__", None),
+            "llama_system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),
+            "backend": build, "n_ctx": model.n_ctx, "n_batch": int(p.n_batch), "n_ubatch": int(p.n_ubatch),
+            "n_gpu_layers": model.cfg.n_gpu_layers, "flash_attn": model.cfg.flash_attn_mode,
+            "swa_full": bool(p.swa_full)}
+
+
+def model_plan_key(model: GGUFModel, device: DeviceInfo, build: str | None) -> dict[str, Any]:
+    return {"kind": "model", **context_identity(model, build), "device": device_identity(device)}
+
+
+def engine_plan_key(engine_key: dict[str, Any], device: DeviceInfo) -> dict[str, Any]:
+    return {"kind": "engine", "engine_key": engine_key, "device": device_identity(device)}
+
+
+@dataclass
+class Plan:
+    """Kept steps (name, path, body, first_s, repeat_s) and every candidate's calibration row."""
+
+    key: dict[str, Any]
+    steps: list[dict[str, Any]]
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    calibrated_at: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"format": PLAN_FORMAT, "key": self.key, "calibrated_at": self.calibrated_at,
+                "steps": self.steps, "candidates": self.candidates}
+
+
+def key_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """`n_ctx 256 → 512`, one per field that differs (nested device fields by their own name)."""
+    out = []
+    for k in sorted(set(stored) | set(wanted)):
+        a, b = stored.get(k), wanted.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{k}.{d}" for d in key_differences(a, b)]
+        elif a != b:
+            out.append(f"{k} {a} → {b}")
+    return out
+
+
+class PlanStore:
+    """<cache_dir>/warmup/<kind>-<name>.json, one plan per model or engine."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def path(self, kind: str, name: str) -> Path:
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+        return self.folder / f"{kind}-{safe}.json"
+
+    def load(self, kind: str, name: str, key: dict[str, Any]) -> tuple[Plan | None, str, bool]:
+        """(the plan, or None and why a calibration runs, whether that reason is a warning)."""
+        path = self.path(kind, name)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None, "no stored plan for this model", False
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            return None, f"plan file {path} is unreadable or not JSON ({exc}); ignored", True
+        problem = _schema_problem(raw)
+        if problem:
+            return None, f"plan file {path} is not a warm-up plan ({problem}); ignored", True
+        if raw["key"] != key:
+            diff = "; ".join(key_differences(raw["key"], key)) or "key differs"
+            return None, f"new key ({diff})", False
+        return Plan(raw["key"], raw["steps"], raw.get("candidates", []), raw.get("calibrated_at", "")), "", False
+
+    def save(self, kind: str, name: str, plan: Plan) -> Path:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        plan.calibrated_at = plan.calibrated_at or time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        path = self.path(kind, name)
+        atomic_write(path, json.dumps(plan.as_dict(), indent=1) + "\n")
+        return path
+
+
+def _schema_problem(raw: Any) -> str | None:
+    if not isinstance(raw, dict):
+        return "expected a JSON object"
+    if raw.get("format") != PLAN_FORMAT:
+        return f"format {raw.get('format')!r}, expected {PLAN_FORMAT}"
+    if not isinstance(raw.get("key"), dict) or not isinstance(raw.get("steps"), list):
+        return "expected 'key' (object) and 'steps' (array)"
+    for i, s in enumerate(raw["steps"]):
+        if not (isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("path"), str)
+                and s["path"].startswith("/") and isinstance(s.get("body"), dict)):
+            return f"steps[{i}]: expected name, path and body"
+    return None
+
+
+@dataclass
+class WarmResult:
+    """What one model's or engine's warm-up did: the start report's account of it."""
+
+    kind: str  # model | engine
+    name: str
+    plan: str  # calibrated | stored | floor only
+    why: str
+    steps: list[dict[str, Any]]  # every warm-up request that ran, floor first (calibration: both runs)
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    left_out: list[dict[str, Any]] = field(default_factory=list)  # plan steps over the budget
+    plan_file: str | None = None
+    warning: str | None = None
+    calibrated_at: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {self.kind: self.name, "plan": self.plan, "why": self.why, "plan_file": self.plan_file,
+               "calibrated_at": self.calibrated_at, "candidates": self.candidates,
+               "left_out": self.left_out, "kept": [c["name"] for c in self.candidates if c.get("kept")]}
+        return {**out, **({"warning": self.warning} if self.warning else {})}
+
+
+@dataclass(frozen=True)
+class WarmTarget:
+    """One model or engine to warm: its floor, its candidates (made only when calibrating)."""
+
+    kind: str
+    name: str
+    key: Callable[[], Awaitable[dict[str, Any]]]  # the plan key, found while the floor runs
+    floor: WarmupStep
+    candidates: Callable[[], Awaitable[list[Candidate]]]
+    build: Callable[[Callable[[], WarmupStep]], Awaitable[WarmupStep]]  # where a candidate is made
+
+
+async def warm_one(http: LoopbackHTTP, target: WarmTarget, cfg: WarmupConfig, store: PlanStore, *,
+                   recalibrate: bool = False, status: Callable[[str], None] = lambda s: None) -> WarmResult:
+    """The floor, then the stored plan for this key, or a calibration that makes and stores one."""
+    floor = await run_step(http, "floor", target.floor.path, target.floor.body)
+    floor["floor"] = True
+    key = await target.key()
+    if not cfg.enabled:
+        return WarmResult(target.kind, target.name, "floor only", "[warmup] enabled = false", [floor])
+    if recalibrate:
+        plan, why, warn = None, "recalibration asked for (edge warmup --calibrate)", False
+    else:
+        plan, why, warn = store.load(target.kind, target.name, key)
+    if warn:
+        log.warning("warm-up plan of %s: %s", target.name, why)
+    path = str(store.path(target.kind, target.name))
+    if plan is not None:
+        ran, left_out = await run_steps(http, plan.steps, cfg.budget_s)
+        return WarmResult(target.kind, target.name, "stored", "known key", [floor, *ran], plan.candidates,
+                          left_out, path, calibrated_at=plan.calibrated_at)
+    status(f"calibrating the warm-up of {target.name}: {why}")
+    rule = KeepRule(cfg.min_gain_s, cfg.min_gain_ratio)
+    rows, kept, ran = await calibrate(http, await target.candidates(), rule, cfg.budget_s, target.build)
+    new = Plan(key, kept, rows)
+    try:
+        store.save(target.kind, target.name, new)
+    except OSError as exc:  # a read-only cache dir costs a calibration per start, not the start
+        log.warning("warm-up plan of %s not stored in %s: %s", target.name, path, exc)
+        path = f"not stored: {exc}"
+    return WarmResult(target.kind, target.name, "calibrated", why, [floor, *ran], rows, [], path,
+                      why if warn else None, new.calibrated_at)

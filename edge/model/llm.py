@@ -1,0 +1,180 @@
+"""The llama.cpp model: load (mmap + mlock, measured), tokenize, chat template, generate.
+
+Every method of a loaded model runs on its worker thread (edge.serve.worker.ModelWorker). The native
+calls are edge.model.native's, the generation loop edge.model.generate's, the KV cache edge.model.promptcache's.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from edge.config import ModelConfig
+from edge.errors import BackendError, ModelError, RequestError, require
+from edge.model.generate import GenParams, Job, Piece, generate
+from edge.model.gguf import GGUFInfo
+from edge.model.native import ContextSettings, DecodeError, Native
+from edge.model.mlock import MlockStatus, mlock_status, vm_locked_bytes
+from edge.lifecycle.memguard import kv_bytes, prompt_cache_bytes
+from edge.model.promptcache import PromptCache
+
+__all__ = ["GenParams", "GGUFModel", "Job", "Piece", "diagnose_load_failure", "load_gguf_model",
+           "settings_for"]
+
+log = logging.getLogger("edge")
+
+
+class GGUFModel:
+    """A llama.cpp model, its context and its prompt cache. Every method runs on the model's
+    worker thread, but `close()`, which runs on any thread once no job is left on it."""
+
+    def __init__(self, cfg: ModelConfig, info: GGUFInfo, native: Native, mlock: MlockStatus) -> None:
+        self.cfg = cfg
+        self.info = info
+        self.native = native
+        self.mlock = mlock
+        self.n_ctx = min(int(cfg.n_ctx), native.n_ctx)  # llama.cpp may round the context up
+        self.cache = PromptCache(native, prompt_cache_bytes(cfg, kv_bytes(cfg, info)))
+        self._formatter = self._make_formatter()
+
+    def _make_formatter(self) -> Any:
+        template = self.cfg.chat_template or self.info.chat_template
+        if not template:
+            return None
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        n = self.native
+        eos = n.piece(n.eos, special=True).decode("utf-8", "replace")
+        bos = n.piece(n.bos, special=True).decode("utf-8", "replace")
+        try:
+            return Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+        except Exception as exc:  # jinja2.TemplateSyntaxError and friends
+            where = "models[].chat_template" if self.cfg.chat_template else "the GGUF's tokenizer.chat_template"
+            raise ModelError(self.info.path, f"chat template ({where}) does not compile: {exc}") from None
+
+    def tokenize_prompt(self, prompt: str) -> list[int]:
+        return self.native.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+
+    def tokenize_text(self, text: str) -> list[int]:
+        """Plain text, no BOS, special-token names taken literally (warm-up candidates)."""
+        return self.native.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (it names the variable)."""
+        template = self.cfg.chat_template or self.info.chat_template or ""
+        return "tools" in template
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    tool_choice: Any = None) -> tuple[str, bool, tuple[str, ...]]:
+        """(prompt text, whether the template added BOS itself, the template's stop strings)."""
+        if self._formatter is None:
+            raise RequestError(f"model {self.cfg.name!r} has no chat template: set "
+                               "models[].chat_template in the config, or use /v1/completions",
+                               param="messages")
+        try:
+            out = self._formatter(messages=messages, tools=tools, tool_choice=tool_choice)
+        except Exception as exc:  # jinja2 errors from the model's own template
+            raise RequestError(f"chat template rejected the messages: {exc}", param="messages") from None
+        stop = out.stop if isinstance(out.stop, list) else [out.stop] if out.stop else []
+        return out.prompt, bool(out.added_special), tuple(s for s in stop if s)
+
+    def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                      tool_choice: Any = None) -> tuple[list[int], tuple[str, ...]]:
+        prompt, added_bos, stops = self.render_chat(messages, tools, tool_choice)
+        return self.native.tokenize(prompt.encode("utf-8"), add_bos=not added_bos, special=True), stops
+
+    @property
+    def n_vocab(self) -> int:
+        return self.native.n_vocab
+
+    def token_bytes(self, tok: int) -> bytes:
+        return self.native.piece(tok)
+
+    def check_grammar(self, gbnf: str, param: str) -> None:
+        """Compile a grammar the way generation will: llama.cpp answers NULL for one it cannot
+        parse, and a NULL sampler in the chain would crash the worker."""
+        lib = self.native.lib
+        sampler = lib.llama_sampler_init_grammar(self.native.vocab, gbnf.encode("utf-8"), b"root")
+        if not sampler:
+            raise RequestError(f"{param}: llama.cpp cannot compile the grammar made from it", param=param)
+        lib.llama_sampler_free(sampler)
+
+    def check_fits(self, n_prompt: int, max_tokens: int) -> None:
+        if n_prompt + max_tokens > self.n_ctx:
+            raise RequestError(f"prompt is {n_prompt} tokens and max_tokens is {max_tokens}: "
+                               f"together more than the context of {self.n_ctx} tokens",
+                               param="max_tokens" if n_prompt < self.n_ctx else "prompt",
+                               code="context_length_exceeded")
+
+    def generate(self, job: Job) -> Iterator[Piece]:
+        try:
+            yield from generate(self.native, self.cache, job)
+        except DecodeError as exc:
+            raise BackendError(f"llama.cpp failed while generating: {exc}") from exc
+
+    def context_info(self) -> dict[str, Any]:
+        """The llama.cpp context settings in the start report and `edge status`."""
+        s = self.native.settings
+        return {"n_batch": self.native.n_batch, "n_ubatch": s.n_ubatch, "n_threads": s.n_threads,
+                "n_threads_batch": s.n_threads_batch, "flash_attn": s.flash_attn, "swa_full": s.swa_full,
+                "prompt_cache_limit_bytes": self.cache.limit_bytes}
+
+    def close(self) -> None:
+        """The context, the KV cache and the mapping now, not whenever GC gets to them."""
+        self.cache.clear()
+        self.native.close()
+
+
+def settings_for(cfg: ModelConfig) -> ContextSettings:
+    threads = cfg.n_threads or os.cpu_count() or 1
+    return ContextSettings(n_ctx=cfg.n_ctx, n_batch=min(cfg.n_batch, cfg.n_ctx),
+                           n_ubatch=min(cfg.n_ubatch or 512, cfg.n_batch, cfg.n_ctx), n_threads=threads,
+                           n_threads_batch=cfg.n_threads_batch or threads, flash_attn=cfg.flash_attn_mode,
+                           swa_full=cfg.swa_full,
+                           n_gpu_layers=cfg.n_gpu_layers, use_mmap=cfg.use_mmap, use_mlock=cfg.use_mlock)
+
+
+def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
+    """Load through llama.cpp with mmap/mlock and measure whether the lock really took."""
+    llama_cpp = require("llama_cpp", None, "loading GGUF models", package="llama-cpp-python")
+    from edge.model.gpu import require_gpu_offload
+
+    require_gpu_offload(llama_cpp, cfg.name, cfg.n_gpu_layers)  # a CPU-only build would ignore it
+    trained = info.context_length
+    if trained and cfg.n_ctx > trained:
+        log.warning("%s: n_ctx = %d is more than the %d tokens %s was trained for (%s.context_length): "
+                    "output past %d tokens is unreliable", cfg.name, cfg.n_ctx, trained, info.path,
+                    info.architecture, trained)
+    before = vm_locked_bytes()
+    try:
+        native = Native(info.path, settings_for(cfg))
+    except (ValueError, RuntimeError) as exc:
+        why = diagnose_load_failure(info, llama_cpp)
+        raise ModelError(info.path, f"llama.cpp could not load the model: {exc}"
+                         + (f"; {why}" if why else "")) from None
+    status = mlock_status(cfg.use_mlock, vm_locked_bytes() - before, info, use_mmap=cfg.use_mmap,
+                          n_gpu_layers=cfg.n_gpu_layers)
+    return GGUFModel(cfg, info, native, status)
+
+
+def diagnose_load_failure(info: GGUFInfo, llama_cpp: Any) -> str:
+    """edge's own reading of why llama.cpp refused a file the GGUF validator passed (llama.cpp
+    only says "Failed to load model"): an architecture this llama.cpp was not built with (its
+    names are NUL-terminated strings in libllama), or hyperparameters the architecture needs."""
+    arch = info.architecture
+    lib = getattr(getattr(llama_cpp, "llama_cpp", None), "_lib", None)
+    try:
+        with open(str(getattr(lib, "_name", "")), "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+            known = m.find(b"\0" + arch.encode() + b"\0") >= 0
+    except (OSError, ValueError):
+        return ""
+    if not known:
+        return (f"its architecture {arch!r} (general.architecture) is not one this llama.cpp knows "
+                "(llama-cpp-python too old, or not a llama.cpp model)")
+    missing = [f"{arch}.{k}" for k in ("context_length", "embedding_length", "block_count")
+               if f"{arch}.{k}" not in info.metadata]
+    return f"the GGUF lacks {', '.join(missing)}, which {arch!r} models need" if missing else ""

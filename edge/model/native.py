@@ -1,0 +1,251 @@
+"""llama.cpp itself, through llama-cpp-python's C bindings: one model, its context and its batch,
+and every native call edge makes on them.
+
+edge does not use llama-cpp-python's high-level `Llama` class: it owns the generation loop
+(edge.model.generate) and the KV cache (edge.model.promptcache), so the class's per-token Python (logit
+copies, a Python sampler for logit bias, a single-prefix cache) is gone, and so are its settings
+that differ from llama.cpp's and llama-server's own defaults (flash attention forced off,
+sliding-window layers kept at full size). What is left is a thin layer over `llama.h` whose every
+call runs on the model's worker thread; ctypes releases the GIL during each call, so the event
+loop runs meanwhile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ContextSettings", "DecodeError", "Native", "FLASH_ATTN"]
+
+log = logging.getLogger("edge")
+
+# config value -> llama_flash_attn_type (llama.h): "auto" lets llama.cpp decide per device and
+# model, as llama-server does by default.
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+SEQ = 0  # the one sequence edge decodes into (requests on a model are sequential)
+
+
+class DecodeError(RuntimeError):
+    """llama_decode failed (its return code in the message)."""
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    """Everything that shapes the loaded model and its context (from a ModelConfig)."""
+
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    n_threads: int
+    n_threads_batch: int
+    flash_attn: str  # a key of FLASH_ATTN
+    swa_full: bool  # sliding-window layers keep every position (True) or only their window
+    n_gpu_layers: int
+    use_mmap: bool
+    use_mlock: bool
+
+
+@functools.cache
+def _lib() -> Any:
+    """llama_cpp's bindings, the backend initialised once per process, llama.cpp's own log
+    quiet below errors (edge logs what matters itself)."""
+    import llama_cpp
+
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    llama_cpp.llama_backend_init()
+    return llama_cpp
+
+
+class Native:
+    """One loaded model and its context. Not thread-safe: use from the model's worker thread."""
+
+    def __init__(self, path: str, s: ContextSettings) -> None:
+        self.lib = lib = _lib()
+        self.settings = s
+        self.model = self.ctx = None
+        self._batch: Any = None
+        mp = lib.llama_model_default_params()
+        mp.n_gpu_layers = s.n_gpu_layers
+        mp.load_mode = {(True, True): lib.LLAMA_LOAD_MODE_MMAP_MLOCK, (True, False): lib.LLAMA_LOAD_MODE_MMAP,
+                        (False, True): lib.LLAMA_LOAD_MODE_MLOCK,
+                        (False, False): lib.LLAMA_LOAD_MODE_NONE}[(s.use_mmap, s.use_mlock)]
+        self.model = lib.llama_model_load_from_file(path.encode(), mp)  # the GIL is released
+        if not self.model:
+            raise ValueError(f"Failed to load model from file: {path}")
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        cp = lib.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = s.n_ctx, s.n_batch, min(s.n_ubatch, s.n_batch)
+        cp.n_threads, cp.n_threads_batch = s.n_threads, s.n_threads_batch
+        cp.flash_attn_type = FLASH_ATTN[s.flash_attn]
+        cp.swa_full = s.swa_full
+        cp.no_perf = False
+        self.ctx = lib.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            self.close()
+            raise ValueError(f"llama.cpp could not create a context of {s.n_ctx} tokens for {path}")
+        self.params = cp
+        self.mem = lib.llama_get_memory(self.ctx)
+        self.n_ctx = int(lib.llama_n_ctx(self.ctx))
+        self.n_batch = int(lib.llama_n_batch(self.ctx))
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
+        # sliding-window attention with only the window kept: how far back a token attends
+        self.n_swa = 0 if s.swa_full else int(lib.llama_model_n_swa(self.model))
+        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        for i in range(self.n_batch):  # one sequence, always: set once
+            self._batch.n_seq_id[i] = 1
+            self._batch.seq_id[i][0] = SEQ
+        self._tok, self._pos, self._out = self._batch.token, self._batch.pos, self._batch.logits
+        self._piece = ctypes.create_string_buffer(256)
+        # a Native dropped without close() (a load failing half-way) still frees what it holds
+        self._free = weakref.finalize(self, _free, lib, self.model, self.ctx, self._batch)
+
+    def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
+        """Fewer (or again all) threads, e.g. while a reload's new set warms up beside this one."""
+        s = self.settings
+        self.lib.llama_set_n_threads(self.ctx, min(n_threads, s.n_threads), min(n_threads_batch, s.n_threads_batch))
+
+    # -- vocabulary ------------------------------------------------------------------------------
+    def tokenize(self, text: bytes, add_bos: bool, special: bool) -> list[int]:
+        n_max = len(text) + 8
+        buf = (ctypes.c_int32 * n_max)()
+        n = self.lib.llama_tokenize(self.vocab, text, len(text), buf, n_max, add_bos, special)
+        if n < 0:  # never more tokens than bytes plus specials, but llama.h says how many
+            buf = (ctypes.c_int32 * -n)()
+            n = self.lib.llama_tokenize(self.vocab, text, len(text), buf, -n, add_bos, special)
+        if n < 0:
+            raise ValueError(f"llama.cpp could not tokenize a text of {len(text)} bytes")
+        return buf[:n]
+
+    def piece(self, tok: int, special: bool = False) -> bytes:
+        """One token's bytes (pieces of a multi-byte character are partial UTF-8)."""
+        n = self.lib.llama_token_to_piece(self.vocab, tok, self._piece, 256, 0, special)
+        if n < 0:
+            big = ctypes.create_string_buffer(-n)
+            n = self.lib.llama_token_to_piece(self.vocab, tok, big, -n, 0, special)
+            return big.raw[:n]
+        return ctypes.string_at(self._piece, n)
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        return b"".join(self.piece(t, special) for t in tokens)
+
+    @property
+    def bos(self) -> int:
+        return int(self.lib.llama_vocab_bos(self.vocab))
+
+    @property
+    def eos(self) -> int:
+        return int(self.lib.llama_vocab_eos(self.vocab))
+
+    def is_eog(self, tok: int) -> bool:
+        return bool(self.lib.llama_vocab_is_eog(self.vocab, tok))
+
+    # -- decoding ----------------------------------------------------------------------------------
+    def decode(self, tokens: Sequence[int], pos: int) -> None:
+        """`tokens` at positions pos, pos+1, ... into the sequence, n_batch at a time; logits
+        only for the last token (what sampling needs)."""
+        b, n_batch, i32 = self._batch, self.n_batch, ctypes.c_int32
+        for i in range(0, len(tokens), n_batch):
+            chunk = tokens[i:i + n_batch]
+            n = len(chunk)
+            ctypes.memmove(self._tok, (i32 * n)(*chunk), 4 * n)
+            ctypes.memmove(self._pos, (i32 * n)(*range(pos + i, pos + i + n)), 4 * n)
+            ctypes.memset(self._out, 0, n)
+            self._out[n - 1] = 1 if i + n == len(tokens) else 0
+            b.n_tokens = n
+            self._check(self.lib.llama_decode(self.ctx, b), pos + i, n)
+
+    def decode_one(self, tok: int, pos: int) -> None:
+        self._tok[0], self._pos[0], self._out[0] = tok, pos, 1
+        self._batch.n_tokens = 1
+        rc = self.lib.llama_decode(self.ctx, self._batch)
+        if rc:
+            self._check(rc, pos, 1)
+
+    @staticmethod
+    def _check(rc: int, pos: int, n: int) -> None:
+        if rc == 0:
+            return
+        why = {1: "no room in the KV cache", 2: "aborted", -1: "invalid batch"}.get(rc, "error")
+        raise DecodeError(f"llama_decode of {n} tokens at position {pos} returned {rc} ({why})")
+
+    def logits(self) -> Any:
+        """The last decoded token's logits as a numpy view (valid until the next decode)."""
+        import numpy as np
+
+        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,))
+
+    # -- the sequence's KV cache --------------------------------------------------------------------
+    def keep(self, n: int) -> bool:
+        """Drop every position from n on; False where the memory cannot (recurrent models)."""
+        return bool(self.lib.llama_memory_seq_rm(self.mem, SEQ, n, -1))
+
+    def pos_min(self) -> int:
+        """The oldest position the sequence still holds (-1: empty)."""
+        return int(self.lib.llama_memory_seq_pos_min(self.mem, SEQ))
+
+    def reaches(self, pos_min: int, n: int) -> bool:
+        """Whether a sequence holding positions from `pos_min` on, cut to n tokens, still holds
+        what the token at position n attends to. Always, unless sliding-window layers keep only
+        their window (swa_full = false): then the window before n must still be there."""
+        return not self.n_swa or n <= 0 or 0 <= pos_min <= max(0, n - self.n_swa)
+
+    def can_continue_at(self, n: int) -> bool:
+        """`reaches` for the sequence as it is now."""
+        return self.reaches(self.pos_min(), n)
+
+    def state_size(self) -> int:
+        return int(self.lib.llama_state_seq_get_size(self.ctx, SEQ))
+
+    def clear(self) -> None:
+        self.lib.llama_memory_seq_rm(self.mem, SEQ, -1, -1)
+
+    def state_bytes(self) -> bytearray:
+        """The sequence's KV state as llama.cpp serialises it (llama_state_seq_get_data), written
+        straight into the buffer that keeps it (one copy: the buffer's pages are the kernel's
+        zero pages until llama.cpp writes them)."""
+        size = self.state_size()
+        buf = bytearray(size)
+        view = (ctypes.c_uint8 * size).from_buffer(buf)
+        got = int(self.lib.llama_state_seq_get_data(self.ctx, view, size, SEQ))
+        del view  # the buffer is exported while a view lives: released before any resize
+        if got == 0 and size:
+            raise DecodeError("llama_state_seq_get_data returned nothing")
+        if got != size:
+            del buf[got:]
+        return buf
+
+    def set_state(self, data: bytes | bytearray) -> bool:
+        """Replace the sequence's KV with a saved state; False (and an empty sequence) where
+        llama.cpp refuses it (other model, context or cache layout). A bytearray is read in
+        place; bytes are copied once (ctypes needs a writable buffer)."""
+        self.clear()
+        if isinstance(data, bytearray):
+            buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
+        else:
+            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if int(self.lib.llama_state_seq_set_data(self.ctx, buf, len(data), SEQ)) == 0:
+            self.clear()
+            return False
+        return True
+
+    def close(self) -> None:
+        """The batch, the context and the model freed now (once)."""
+        if hasattr(self, "_free"):
+            self._free()
+        else:  # the context could not be made: only the model is there
+            _free(self.lib, self.model, self.ctx, None)
+        self._batch = self.ctx = self.model = None
+
+
+def _free(lib: Any, model: Any, ctx: Any, batch: Any) -> None:
+    if batch is not None:
+        lib.llama_batch_free(batch)
+    if ctx:
+        lib.llama_free(ctx)
+    if model:
+        lib.llama_model_free(model)

@@ -1,0 +1,326 @@
+"""The HTTP API: OpenAI-compatible completions and chat (with SSE streaming), health, metrics.
+
+Built from a finished ServiceState, so tests and warm-up build their own app; no module state.
+Every client error is a JSON body {"error": {...}} with a 4xx status, and the service keeps
+serving after any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edge.errors import BackendError, EdgeError, RequestError
+from edge.serve.jsoncheck import check_json_depth
+from edge.serve.limits import check_prompt_text
+from edge.model.generate import GenParams, Job
+from edge.model.llm import GGUFModel
+from edge.serve.metrics import Metrics, MetricsMiddleware, in_warmup
+from edge.serve.openai import Ask, Limits, grammar, parse
+from edge.serve.openai_shapes import Choice, Shape, parse_tool_calls
+from edge.serve.worker import ModelWorker
+
+__all__ = ["ServiceState", "build_app"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServiceState:
+    workers: dict[str, ModelWorker]
+    engines: dict[str, Any] = field(default_factory=dict)  # name -> EngineWorker
+    metrics: Metrics = field(default_factory=Metrics)
+    ready: bool = False
+    stopping: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def worker(self, name: Any) -> ModelWorker:
+        if not self.workers:
+            raise RequestError("no language model is served here (only engines: use /v2/models)",
+                               status=404, param="model", code="model_not_found")
+        if name is None:
+            return next(iter(self.workers.values()))
+        if not isinstance(name, str) or name not in self.workers:
+            raise RequestError(f"model {name!r} is not served here; models: {sorted(self.workers)}",
+                               status=404, param="model", code="model_not_found")
+        return self.workers[name]
+
+
+def _error(exc: EdgeError) -> JSONResponse:
+    status = exc.status if isinstance(exc, RequestError) else 500
+    body = {"message": str(exc), "type": "invalid_request_error" if status < 500 else "server_error",
+            "param": getattr(exc, "param", None), "code": getattr(exc, "code", None)}
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse({"error": body}, status_code=status, headers=headers)
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    check_json_depth(raw)  # before the parser, which recurses once per level
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"request body must be a JSON object, found {type(body).__name__}")
+    return body
+
+
+@dataclass
+class _Run:
+    """One request's generations: its jobs in choice order and how to answer."""
+    worker: ModelWorker
+    ask: Ask
+    jobs: list[Job]
+    echoes: list[str]  # per choice: the prompt text `echo` puts before the completion
+    n_prompt: int
+    shape: Shape
+
+    def prefilled_prompt_tokens(self) -> int:
+        """Prompt tokens of the prompts that were prefilled: one a client left while it was
+        queued never reached the model, and counts nothing."""
+        per_prompt = [self.jobs[i:i + self.ask.n] for i in range(0, len(self.jobs), self.ask.n)]
+        return sum(len(jobs[0].tokens) for jobs in per_prompt if any(j.prefilled for j in jobs))
+
+    def usage(self) -> dict[str, Any]:
+        done = sum(j.completion_tokens for j in self.jobs)
+        cached = sum(j.cached_tokens for j in self.jobs[::self.ask.n])  # each prompt's first choice
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": done,
+                "total_tokens": self.n_prompt + done, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def tool_names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.ask.tools or []]
+
+    def buffered(self) -> bool:
+        """Tool calls are known only once the text is whole: such choices stream in one chunk."""
+        return bool(self.ask.tools) and self.ask.tool_choice != "none"
+
+
+def _tokenize(m: GGUFModel, ask: Ask) -> list[tuple[list[int], tuple[str, ...], str]]:
+    """(tokens, template stop strings, echo text) per prompt; runs on the model's thread."""
+    if ask.chat:
+        tokens, stops = m.tokenize_chat(ask.messages, ask.tools, ask.tool_choice)
+        return [(tokens, stops, "")]
+    return [(m.tokenize_prompt(p), (), p) if isinstance(p, str) else
+            (list(p), (), b"".join(m.token_bytes(t) for t in p).decode("utf-8", "replace"))
+            for p in ask.prompts]
+
+
+def _check_bytes(m: GGUFModel, ask: Ask) -> None:
+    if ask.chat:
+        texts = [c if isinstance(c, str) else " ".join(p.get("text", "") for p in c if isinstance(p, dict))
+                 for c in (msg.get("content") for msg in ask.messages) if isinstance(c, (str, list))]
+        check_prompt_text(m, texts, "messages")
+    else:
+        check_prompt_text(m, [p for p in ask.prompts if isinstance(p, str)], "prompt")
+
+
+async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Run:
+    worker = state.worker(body.get("model"))
+    m = worker.model
+    ask = parse(body, chat, Limits(m.n_ctx, m.n_vocab, m.cfg.max_choices, m.supports_tools))
+    if ask.who:
+        log.info("request from %s", ", ".join(f"{k} {v!r}" for k, v in ask.who.items()))
+    gbnf = grammar(*ask.schema) if ask.schema else None
+    if gbnf is not None and ask.schema is not None:
+        await worker.call(m.check_grammar, gbnf, ask.schema[1])
+    _check_bytes(m, ask)  # before tokenizing: a prompt that cannot fit never holds the worker
+    prompts = await worker.call(_tokenize, m, ask)
+    if len(prompts) * ask.n > m.cfg.max_choices:
+        raise RequestError(f"{len(prompts)} prompts x n={ask.n} is more than the "
+                           f"{m.cfg.max_choices} choices this model allows per request "
+                           "(models[].max_choices)", param="n")
+    jobs, echoes, starts = [], [], []
+    for tokens, stops, echo in prompts:
+        if not tokens:  # a model that adds no BOS: nothing to compute the first token from
+            raise RequestError("the prompt is empty: it has no token to generate from (this model "
+                               "adds no beginning-of-sequence token)", param="messages" if chat else "prompt")
+        max_tokens = ask.max_tokens
+        if max_tokens is None:  # the configured default, but never more than the context has left
+            max_tokens = min(m.cfg.max_tokens_default, max(1, m.n_ctx - len(tokens)))
+        m.check_fits(len(tokens), max_tokens)
+        params = GenParams(max_tokens=max_tokens, grammar=gbnf,
+                           **{**ask.sampling, "stop": ask.sampling["stop"] + stops})
+        # n choices from one seed: seed, seed+1, ... (the same seed would give n equal choices)
+        jobs += [Job(tokens=tokens, params=params if params.seed is None else
+                     replace(params, seed=(params.seed + j) % (2**32 - 1)),
+                     cache_prompt=ask.cache_prompt, remember=not in_warmup()) for j in range(ask.n)]
+        echoes += [echo if ask.echo else ""] * ask.n
+        starts += [0 if ask.echo else len(echo)] * ask.n  # echo: the prompt is in the choice's text
+    shape = Shape(chat, m.cfg.name, ask.sampling["logprobs"] is not None, starts)
+    return _Run(worker, ask, jobs, echoes, sum(len(t) for t, _, _ in prompts), shape)
+
+
+def _finish_tools(run: _Run, c: Choice) -> None:
+    if not run.buffered():
+        return
+    calls = parse_tool_calls(c.text, run.tool_names())
+    if calls:
+        c.tool_calls = calls if run.ask.parallel_tool_calls else calls[:1]
+        c.text, c.finish = "", "tool_calls"
+
+
+async def _choices(run: _Run, metrics: Metrics) -> list[Choice]:
+    out = []
+    for i, job in enumerate(run.jobs):
+        c = Choice(i, text=run.echoes[i])
+        pieces = run.worker.stream(job, admitted=True, eager=False)  # one answer: no per-token wake-ups
+        async for piece in metrics.generation(run.shape.model, pieces):
+            c.text += piece.text
+            c.logprobs += piece.logprobs
+            c.finish = piece.finish_reason or c.finish
+        _finish_tools(run, c)
+        out.append(c)
+    return out
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work` unless the client goes away first; then cancel it (generation stops at the
+    next token, a queued job never starts) and raise _ClientGone."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    if await request.is_disconnected():  # left while queued (tokenizing waits behind generations)
+        if asyncio.iscoroutine(work):
+            work.close()
+        raise _ClientGone
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise _ClientGone
+
+
+async def _complete(request: Request, state: ServiceState, chat: bool) -> Response:
+    run = await _prepare(await _json_body(request), state, chat)
+    run.worker.admit()  # a full queue is a 503 here, before any byte, streamed or not
+    if run.ask.stream:
+        return StreamingResponse(_sse(run, state.metrics), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        choices = await _unless_disconnected(request, _choices(run, state.metrics))
+    except _ClientGone:
+        _client_gone(run, state.metrics, streamed=False)
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    finally:
+        run.worker.release()
+        state.metrics.tokens(run.prefilled_prompt_tokens(), run.usage()["completion_tokens"],
+                             model=run.shape.model)
+    return JSONResponse(run.shape.whole(choices, run.usage()))
+
+
+def _client_gone(run: _Run, metrics: Metrics, streamed: bool) -> None:
+    metrics.client_abort(run.shape.model)
+    log.info("status 499 (client closed request): %s for model %r, the client left %s; %d completion "
+             "tokens generated", "chat completion" if run.shape.chat else "completion", run.shape.model,
+             "mid-stream" if streamed else "before its answer", run.usage()["completion_tokens"])
+
+
+async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
+    shape, finished = run.shape, False
+    try:
+        for i, job in enumerate(run.jobs):
+            if shape.chat:
+                yield shape.role_chunk(i)
+            c = Choice(i, text=run.echoes[i])
+            if c.text and not run.buffered():
+                yield shape.chunk(c)
+            pieces = run.worker.stream(job, admitted=True, eager=not run.buffered())
+            async for piece in metrics.generation(shape.model, pieces):
+                if run.buffered():
+                    c.text, c.finish = c.text + piece.text, piece.finish_reason or c.finish
+                elif piece.text or piece.finish_reason or piece.logprobs:
+                    yield shape.chunk(Choice(i, piece.text, piece.logprobs, piece.finish_reason))
+            if run.buffered():
+                _finish_tools(run, c)
+                yield shape.chunk(c)
+        if run.ask.include_usage:
+            yield shape.usage_chunk(run.usage())
+        finished = True
+    except EdgeError as exc:  # headers are gone: report in-band, as OpenAI does
+        finished = True
+        yield b"data: " + json.dumps({"error": {"message": str(exc)}}).encode() + b"\n\n"
+    except Exception as exc:  # never a cut chunked body: the error in-band too, logged once
+        log.exception("internal error in a stream of model %r", shape.model)
+        finished = True
+        yield b"data: " + json.dumps({"error": {"message": f"internal error: {type(exc).__name__}"}}).encode() + b"\n\n"
+    finally:  # counted also when the client went away mid-stream
+        run.worker.release()
+        metrics.tokens(run.prefilled_prompt_tokens(), run.usage()["completion_tokens"], model=shape.model)
+        if not finished:
+            _client_gone(run, metrics, streamed=True)
+    yield b"data: [DONE]\n\n"
+
+
+def build_app(state: ServiceState) -> MetricsMiddleware:
+    async def guarded(request: Request, handler: Any) -> Response:
+        try:
+            resp = await handler(request)
+        except EdgeError as exc:
+            resp = _error(exc)
+        except Exception as exc:  # never let one request take the service down
+            log.exception("internal error answering %s", request.url.path)
+            resp = _error(BackendError(f"internal error: {type(exc).__name__}: {exc}"))
+        return resp
+
+    async def completions(request: Request) -> Response:
+        return await guarded(request, lambda r: _complete(r, state, chat=False))
+
+    async def chat(request: Request) -> Response:
+        return await guarded(request, lambda r: _complete(r, state, chat=True))
+
+    async def models(request: Request) -> Response:
+        data = [{"id": n, "object": "model", "created": state.created, "owned_by": "edge",
+                 "context_length": w.model.n_ctx, "meta": {"n_ctx": w.model.n_ctx, "tools": w.model.supports_tools,
+                          **w.model.info.summary()}}
+                for n, w in state.workers.items()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "alive"})
+
+    async def readyz(request: Request) -> Response:
+        if state.ready and not state.stopping:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "stopping" if state.stopping else "starting"}, status_code=503)
+
+    async def metrics(request: Request) -> Response:
+        # in a thread: a scrape reads the state dir (edge.fleet.metrics), never on the event loop
+        text = await asyncio.to_thread(state.metrics.render, state)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    if state.engines:
+        from edge.serve.kserve import kserve_routes
+
+        routes += kserve_routes(state, guarded)
+    return state.metrics.instrument(Starlette(routes=routes), state)

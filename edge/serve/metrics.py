@@ -1,0 +1,305 @@
+"""Prometheus metrics through prometheus_client: one registry per app, an ASGI middleware that
+times every request to the end of its body, and the start report's phases.
+
+Labels are bounded: requests are labelled by the route TEMPLATE that matched
+(`/v2/models/{name}/infer`), never the raw path, with `<unmatched>` for anything else, and by a
+known method or `OTHER`. The exposition is written by `generate_latest`, which escapes label
+values, so no request can make it unparseable.
+
+Warm-up traffic is recognised by a key in the ASGI scope that only the warm-up's private
+loopback transport (`warmup_transport`) sets. A scope key is not something an HTTP client can
+send: no header, path or body reaches it, so an external client cannot pass its traffic off as
+warm-up to hide it. Warm-up requests are counted apart (`edge_warmup_requests_total`) and kept
+out of every production family; the per-model families (tokens, time to first token, aborts) are
+recorded in the handler, so the middleware tells them through a context variable, which each
+request's task (and the tasks it spawns) sees on its own.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+__all__ = ["Metrics", "MetricsMiddleware", "UNMATCHED", "WARMUP_SCOPE_KEY", "in_warmup",
+           "warmup_transport"]
+
+UNMATCHED = "<unmatched>"
+WARMUP_SCOPE_KEY = "edge.lifecycle.warmup"
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# Not state: a declaration whose value lives in each request's context (set by the middleware).
+_IN_WARMUP: contextvars.ContextVar[bool] = contextvars.ContextVar("edge_metrics_in_warmup", default=False)
+
+T = TypeVar("T")
+
+
+def in_warmup() -> bool:
+    """Whether the request being handled came over the warm-up's private loopback transport."""
+    return _IN_WARMUP.get()
+ASGIApp = Any  # (scope, receive, send) -> awaitable
+
+
+class Metrics:
+    """The service's metric families, in a registry of their own (tests build their own)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter("edge_requests", "HTTP requests answered, by route template, "
+                                "method and status (warm-up excluded).",
+                                ["route", "method", "status"], registry=reg)
+        self.duration = Histogram("edge_request_duration_seconds", "Time from the request's arrival "
+                                  "to the last byte of its response body handed to the server "
+                                  "(streams included) or the client's disconnect.",
+                                  ["route", "method"], buckets=_DURATION_BUCKETS, registry=reg)
+        self.warmup_requests = Counter("edge_warmup_requests", "Warm-up requests sent over the "
+                                       "private loopback socket before READY, by route and status.",
+                                       ["route", "status"], registry=reg)
+        self.ttft = Histogram("edge_time_to_first_token_seconds", "Time from a generation's "
+                              "submission (queue wait and prefill included) to its first token.",
+                              ["model"], buckets=_TTFT_BUCKETS, registry=reg)
+        self.prompt_tokens = Counter("edge_prompt_tokens", "Prompt tokens processed, by model.",
+                                     ["model"], registry=reg)
+        self.completion_tokens = Counter("edge_completion_tokens", "Completion tokens generated, "
+                                         "by model.", ["model"], registry=reg)
+        self.aborts = Counter("edge_client_aborts", "Generations stopped early because the client "
+                              "went away, by model.", ["model"], registry=reg)
+        self.shed = Counter("edge_connections_shed", "Connections closed at server.max_connections "
+                            "to admit new ones: those that had waited longest for a request head "
+                            "(idle keep-alive ones included).", registry=reg)
+        self._state = _StateCollector()
+        reg.register(self._state)
+        self._fleet: Any = None  # edge.fleet.metrics.FleetCollector, once the state dir is known
+
+    # -- what the app records ------------------------------------------------------------------
+    def tokens(self, prompt: int, completion: int, model: str = "") -> None:
+        if _IN_WARMUP.get():
+            return
+        self.prompt_tokens.labels(model).inc(prompt)
+        self.completion_tokens.labels(model).inc(completion)
+
+    async def generation(self, model: str, pieces: AsyncIterator[T]) -> AsyncIterator[T]:
+        """`pieces` passed through, timing the first one: from when it was made (`piece.at`,
+        stamped on the generating thread) where it says, else from its arrival (client aborts
+        are counted by the route, which knows whether the client left: `client_abort`)."""
+        t0, first, warm = time.perf_counter(), True, _IN_WARMUP.get()
+        try:
+            async for piece in pieces:
+                if first and not warm:
+                    made = getattr(piece, "at", 0.0) or time.perf_counter()
+                    self.ttft.labels(model).observe(max(0.0, made - t0))
+                first = False
+                yield piece
+        finally:
+            # `async for` does not close what it iterates: stop the generation behind it now,
+            # not when the garbage collector gets to it.
+            aclose = getattr(pieces, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def client_abort(self, model: str) -> None:
+        """The client went away before its answer was whole (queued, generating or streaming)."""
+        if not _IN_WARMUP.get():
+            self.aborts.labels(model).inc()
+
+    def connections_shed(self, n: int) -> None:
+        self.shed.inc(n)
+
+    def set_phases(self, phases: Iterable[dict[str, Any]], event: str = "start") -> None:
+        """The phases of a start report (`report["phases"]`); a later call for the same event
+        (a reload) replaces that event's phases."""
+        self._state.phases[event] = _phase_samples(phases)
+
+    def track_fleet(self, state_dir: Path) -> None:
+        """Add the identity and history families (edge.fleet.metrics) read from `state_dir` and
+        from the serving set; once, at the first READY (a reload's set shares these metrics)."""
+        if self._fleet is None:
+            from edge.fleet.metrics import FleetCollector
+
+            self._fleet = FleetCollector(state_dir, lambda: self._state.state)
+            self.registry.register(self._fleet)
+
+    # -- what the app serves -------------------------------------------------------------------
+    def instrument(self, app: ASGIApp, state: Any) -> "MetricsMiddleware":
+        """`app` wrapped in the timing middleware; readiness and queue depths read from `state`
+        at each scrape."""
+        self._state.bind(state)
+        return MetricsMiddleware(app, self)
+
+    def render(self, state: Any = None) -> str:
+        """The text exposition (the state was bound by `instrument`)."""
+        return generate_latest(self.registry).decode("utf-8")
+
+    def _observe(self, route: str, method: str, status: int, seconds: float, warm: bool) -> None:
+        if warm:
+            self.warmup_requests.labels(route, str(status)).inc()
+            return
+        self.requests.labels(route, method, str(status)).inc()
+        self.duration.labels(route, method).observe(seconds)
+
+
+def _phase_samples(phases: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], float]:
+    out: dict[tuple[str, str, str], float] = {}
+    for p in phases:
+        detail = p.get("detail") or {}
+        kind = "model" if "model" in detail else "engine" if "engine" in detail else ""
+        key = (str(p["name"]), str(detail.get(kind, "")) if kind else "", kind)
+        out[key] = out.get(key, 0.0) + float(p["seconds"])  # a phase run twice for one target: summed
+    return out
+
+
+class _StateCollector:
+    """Families read from the live service at scrape time: readiness, queue depths, phases."""
+
+    def __init__(self) -> None:
+        self._serving: Any = None  # the last bound state that became ready
+        self._newest: Any = None  # the last bound state: a reload's new set, before its switch
+        self.phases: dict[str, dict[tuple[str, str, str], float]] = {}
+
+    def bind(self, state: Any) -> None:
+        if self._newest is not None and self._newest.ready:
+            self._serving = self._newest
+        self._newest = state
+
+    @property
+    def state(self) -> Any:
+        """The set that serves. A reload builds its new set's app (and binds it) before the
+        switch, and a failed reload's set never serves: until it is ready, the one before is."""
+        new = self._newest
+        return new if new is None or new.ready or self._serving is None else self._serving
+
+    def describe(self) -> list[Metric]:
+        return []  # families depend on the state; nothing to check for clashes up front
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.state
+        ready = GaugeMetricFamily("edge_ready", "1 once warm-up finished and the service accepts "
+                                  "traffic; 0 while starting or draining.")
+        ready.add_metric([], float(bool(st is not None and st.ready and not st.stopping)))
+        yield ready
+        depth = GaugeMetricFamily("edge_queue_depth", "Requests queued or running on a model's or "
+                                  "engine's worker.", labels=["model", "kind"])
+        for kind, workers in (("model", getattr(st, "workers", {})), ("engine", getattr(st, "engines", {}))):
+            for name, worker in workers.items():
+                depth.add_metric([name, kind], float(getattr(worker, "pending", 0)))
+        yield depth
+        yield from _prompt_cache_families(getattr(st, "workers", {}))
+        phases = GaugeMetricFamily("edge_start_phase_seconds", "Duration of each phase of the last "
+                                   "start (event=start) or reload, per model or engine (empty for "
+                                   "process-wide phases).", labels=["event", "phase", "model", "kind"])
+        for event, samples in self.phases.items():
+            for (phase, target, kind), seconds in samples.items():
+                phases.add_metric([event, phase, target, kind], seconds)
+        yield phases
+
+
+def _prompt_cache_families(workers: dict[str, Any]) -> Iterator[Metric]:
+    """Each model's prompt cache (edge.model.promptcache), read at the scrape: bytes held and allowed,
+    requests that reused a cached prefix or not, prompt tokens reused."""
+    caches = {n: w.model.cache for n, w in workers.items() if hasattr(getattr(w, "model", None), "cache")}
+    held = GaugeMetricFamily("edge_prompt_cache_bytes", "KV state bytes the prompt cache holds in host "
+                             "memory (saved prefixes, pinned ones included).", labels=["model"])
+    limit = GaugeMetricFamily("edge_prompt_cache_limit_bytes", "The prompt cache's bound "
+                              "(models[].prompt_cache_mb).", labels=["model"])
+    hits = CounterMetricFamily("edge_prompt_cache_hits", "Requests whose prompt reused a cached "
+                               "prefix of at least 16 tokens (live or saved).", labels=["model"])
+    misses = CounterMetricFamily("edge_prompt_cache_misses", "Requests whose prompt reused no "
+                                 "cached prefix (fewer than 16 tokens).", labels=["model"])
+    reused = CounterMetricFamily("edge_prompt_cache_reused_tokens", "Prompt tokens whose KV was "
+                                 "reused instead of computed.", labels=["model"])
+    for name, cache in caches.items():
+        held.add_metric([name], float(cache.nbytes))
+        limit.add_metric([name], float(cache.limit_bytes))
+        hits.add_metric([name], float(cache.stats.hits))
+        misses.add_metric([name], float(cache.stats.misses))
+        reused.add_metric([name], float(cache.stats.reused_tokens))
+    yield from (held, limit, hits, misses, reused)
+
+
+class MetricsMiddleware:
+    """Times each HTTP request from arrival to the last body chunk sent (or the disconnect)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+        self.routes = getattr(app, "routes", [])
+
+    def route_of(self, scope: dict[str, Any]) -> str:
+        """The template of the route that matches the path, also when only the method does not
+        (a 405); `<unmatched>` for a 404."""
+        from starlette.routing import Match
+
+        partial = None
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return getattr(route, "path", UNMATCHED)
+            if match == Match.PARTIAL and partial is None:
+                partial = getattr(route, "path", UNMATCHED)
+        return partial or UNMATCHED
+
+    def observe(self, scope: dict[str, Any], status: int, seconds: float) -> None:
+        """One request answered outside this middleware (the limits layer), counted as if here."""
+        method = scope["method"] if scope["method"] in _METHODS else "OTHER"
+        self.metrics._observe(self.route_of(scope), method, status, seconds,
+                              scope.get(WARMUP_SCOPE_KEY) is True)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status, done, gone, failed = 500, False, False, False
+
+        def record() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.observe(scope, status, time.perf_counter() - t0)
+
+        async def watched_receive() -> dict[str, Any]:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
+
+        async def timed_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            last = message["type"] == "http.response.body" and not message.get("more_body", False)
+            if last and gone:
+                status = 499  # the server drops what is sent after a disconnect: nobody read it
+            await send(message)
+            if last:
+                record()
+
+        token = _IN_WARMUP.set(scope.get(WARMUP_SCOPE_KEY) is True)
+        try:
+            await self.app(scope, watched_receive, timed_send)
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            _IN_WARMUP.reset(token)
+            # Ended before its last chunk: the client went away (a stream cut short is 499, like
+            # an abandoned non-streamed request), or the app failed.
+            status = 499 if gone else 500 if failed else status
+            record()
+
+
+def warmup_transport(app: ASGIApp) -> ASGIApp:
+    """`app` as served on the warm-up's private loopback socket: every request's scope carries
+    the warm-up key (set here, by the transport, never from anything the client sends)."""
+
+    async def marked(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await app({**scope, WARMUP_SCOPE_KEY: True}, receive, send)
+
+    return marked

@@ -1,0 +1,219 @@
+"""The one-request-at-a-time workers: one thread per loaded model or engine.
+
+Native contexts (llama.cpp, TensorRT, ONNX Runtime) are not thread-safe, so every call into one
+runs on its own worker thread, in order, while the event loop stays free. A bounded queue turns
+overload into a clear 503 instead of unbounded latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from edge.errors import RequestError
+
+if TYPE_CHECKING:  # types only: importing the worker module stays free of the backends
+    from edge.engines.runtime import EngineSession
+    from edge.engines.store import StoredEngine
+    from edge.model.generate import Job, Piece
+    from edge.model.llm import GGUFModel
+
+__all__ = ["Worker", "ModelWorker", "EngineWorker"]
+
+
+class Worker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pending = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"edge-{name}")
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the worker's thread, from a thread that may block (a load, a drain)."""
+        return self._pool.submit(fn, *args).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class ModelWorker(Worker):
+    """Runs one model's jobs on its own thread, in order, with a bounded queue."""
+
+    def __init__(self, model: GGUFModel, max_queue: int, stream_interval_s: float = 0.0) -> None:
+        super().__init__(model.cfg.name)
+        self.model = model
+        self.max_queue = max_queue
+        self.stream_interval_s = stream_interval_s  # a stream's events: at most one per interval
+
+    def admit(self) -> None:
+        """Take a place in the queue, or refuse with 503 -- before any response byte is sent."""
+        if self.pending >= self.max_queue:
+            raise RequestError(f"model {self.model.cfg.name!r} has {self.pending} requests queued "
+                               f"(max_queue = {self.max_queue}); retry later", status=503,
+                               code="server_busy")
+        self.pending += 1
+
+    def release(self) -> None:
+        self.pending -= 1
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A call on the model's thread (tokenizing a request) waits in the same bounded queue
+        as generations: a flood of long prompts is a 503, not a wait for everyone."""
+        self.admit()
+        try:
+            return await super().call(fn, *args)
+        finally:
+            self.release()
+
+    async def control(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A call on the model's thread that is no request (thread counts during a reload): it
+        neither waits for nor counts in the request queue's bound, so a full queue cannot
+        refuse it."""
+        return await Worker.call(self, fn, *args)
+
+    async def stream(self, job: Job, admitted: bool = False, eager: bool = True) -> AsyncIterator[Piece]:
+        """Pieces of one generation; cancelling the consumer stops generation at the next token.
+        `admitted`: the caller holds a place taken with admit() and releases it itself.
+        `eager`: wake the event loop for the pieces it waits for (a stream: the first at once,
+        then at most once per `stream_interval_s`, and the end); else only at the end (the
+        first piece carries the time it was made, for the time-to-first-token metric).
+        Pieces that came while the loop was busy arrive merged into one, so a slow consumer costs
+        the generating thread nothing; the end of the channel is the end of the job (no executor
+        future to resolve on the loop as well)."""
+        if not admitted:
+            self.admit()
+        loop = asyncio.get_running_loop()
+        channel = _Channel(loop, eager, self.stream_interval_s)
+
+        def run() -> None:
+            end: BaseException | None = None
+            pieces = None
+            try:
+                # a job whose client left while it was queued is not even prefilled
+                if not job.cancel.is_set():
+                    pieces = self.model.generate(job)
+                    for piece in pieces:
+                        channel.put(piece)
+                        if job.cancel.is_set():
+                            break
+            except BaseException as exc:
+                end = exc
+            finally:
+                if pieces is not None:
+                    pieces.close()  # the sampler chain goes now, on this thread
+            channel.close(end)
+
+        try:
+            self._pool.submit(run)
+            while True:
+                pieces, end = await channel.get()
+                if pieces:
+                    yield _merged(pieces)
+                if end is not None:
+                    if isinstance(end, BaseException):
+                        raise end
+                    break
+        finally:
+            job.cancel.set()
+            if not admitted:
+                self.release()
+
+
+_DONE = True  # what _Channel.get returns as `end` once the generation finished without error
+
+
+class _Channel:
+    """Pieces from the worker thread to the event loop. The thread never blocks; it schedules a
+    wake-up of the loop only when the loop waits for one (eager: the first piece, then at most one
+    per interval; else the end), so at most one wake-up is in flight whatever the token rate. On
+    2 cores every wake-up of the loop takes a core from llama.cpp's threads mid-decode."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, eager: bool, interval_s: float = 0.0) -> None:
+        self._loop, self._eager, self._interval = loop, eager, interval_s
+        self._next_wake = 0.0  # monotonic: an eager channel wakes the loop at most this often
+        self._lock = threading.Lock()
+        self._items: list[Piece] = []
+        self._end: BaseException | bool | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._first = True
+
+    def put(self, piece: Piece) -> None:  # the worker thread
+        if self._first:
+            piece.at, self._first = time.perf_counter(), False
+        now = time.monotonic() if self._eager else 0.0
+        with self._lock:
+            self._items.append(piece)
+            wake = self._waiter if self._eager and now >= self._next_wake else None
+            if wake is not None:
+                self._waiter, self._next_wake = None, now + self._interval
+        if wake is not None:
+            self._loop.call_soon_threadsafe(_wake, wake)
+
+    def close(self, error: BaseException | None) -> None:  # the worker thread
+        with self._lock:
+            self._end = error if error is not None else _DONE
+            wake, self._waiter = self._waiter, None
+        if wake is not None:
+            self._loop.call_soon_threadsafe(_wake, wake)
+
+    async def get(self) -> tuple[list[Piece], BaseException | bool | None]:
+        """What came since the last call (and the end, once there): waits while there is none."""
+        while True:
+            with self._lock:
+                if self._items or self._end is not None:
+                    items, self._items = self._items, []
+                    return items, self._end
+                waiter = self._waiter = self._loop.create_future()
+            await waiter
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _merged(pieces: list[Piece]) -> Piece:
+    if len(pieces) == 1:
+        return pieces[0]
+    from edge.model.generate import Piece
+
+    return Piece("".join(p.text for p in pieces), pieces[-1].finish_reason,
+                 [lp for p in pieces for lp in p.logprobs], at=pieces[0].at)
+
+
+class EngineWorker(Worker):
+    """One engine's thread: its session is created, called and closed there (a CUDA context is
+    current per thread)."""
+
+    session: EngineSession
+
+    def __init__(self, name: str, stored: StoredEngine) -> None:
+        super().__init__(name)
+        self.stored = stored
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self.pending += 1  # queued or running: the queue depth that /metrics shows
+        try:
+            return await super().call(fn, *args)
+        finally:
+            self.pending -= 1
+
+    def open(self, data: bytes,
+             make: Callable[[StoredEngine, bytes], EngineSession] | None = None) -> EngineSession:
+        if make is None:
+            from edge.engines.runtime import session_from_engine as make
+
+        self.session = self._pool.submit(make, self.stored, data).result()
+        return self.session
+
+    def close(self) -> None:
+        session = getattr(self, "session", None)
+        if session is not None:
+            self._pool.submit(session.close).result()  # GPU objects go on the thread that made them
+        super().close()

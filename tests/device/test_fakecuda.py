@@ -1,0 +1,175 @@
+"""The CUDA test double against the real cuda-python (installed by the dev extra), and edge
+against the real cuda-python as it behaves on a machine without an NVIDIA driver."""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+from cuda.bindings import driver as real
+
+from edge.device.cuda import CudaApi, CudaError, DriverMissing, PrimaryContext, cuda_api, driver_module
+from edge.engines.key import EngineKey
+from edge.engines.store import StoredEngine
+from edge.engines.trt_session import TrtSession
+from fakecuda import VALUES, FakeDriver, FakeGpu, FakeTensorRT
+
+FAKE_CALLS = sorted(n for n in vars(FakeDriver) if n.startswith("cu"))
+
+
+def _params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _has_driver() -> bool:
+    try:
+        return real.cuDriverGetVersion()[0] == real.CUresult.CUDA_SUCCESS
+    except RuntimeError:
+        return False
+
+
+def test_every_call_the_fake_offers_is_the_real_ones_with_the_same_parameters() -> None:
+    fake = FakeDriver(FakeGpu())
+    assert FAKE_CALLS == sorted(VALUES)  # each call knows how many values it returns
+    for name in FAKE_CALLS:
+        assert callable(getattr(real, name, None)), f"{name} is not in cuda.bindings.driver"
+        assert _params(getattr(fake, name)) == _params(getattr(real, name)), name
+
+
+def test_the_fakes_enums_and_handles_are_the_real_modules() -> None:
+    for name in ("CUresult", "CUdevice_attribute", "CUstream_flags", "CUdevice", "CUcontext", "CUstream",
+                 "CUdeviceptr"):
+        assert getattr(FakeDriver, name) is getattr(real, name)
+
+
+def test_edge_calls_only_what_the_real_driver_module_has() -> None:
+    """Every driver call named in edge/ exists in the real module; no runtime (cudart) call is made."""
+    import re
+
+    src = "\n".join(p.read_text() for p in (Path(__file__).parents[2] / "edge").rglob("*.py"))
+    called = set(re.findall(r'"(cu[A-Z][A-Za-z0-9_]+)"', src))
+    assert {"cuInit", "cuMemAlloc", "cuMemcpyHtoDAsync", "cuStreamSynchronize"} <= called
+    assert not [n for n in called if not hasattr(real, n)]
+    assert set(called) <= set(FAKE_CALLS)  # and the double offers each one
+    imports = re.findall(r"^\s*(?:from|import) (cuda\S*)(?: import (.+))?$", src, re.M)
+    assert imports and not [i for i in imports if "runtime" in i[0] + i[1] or "cudart" in i[1]], imports
+
+
+def test_failures_have_the_real_shape() -> None:
+    gpu = FakeGpu()
+    d = gpu.driver
+    assert d.cuDeviceGet(0) == (real.CUresult.CUDA_ERROR_NOT_INITIALIZED, None)  # before cuInit
+    assert d.cuDriverGetVersion()[0] == real.CUresult.CUDA_SUCCESS  # needs no cuInit
+    d.cuInit(0)
+    assert d.cuMemAlloc(16) == (real.CUresult.CUDA_ERROR_INVALID_CONTEXT, None)  # no current context
+    assert d.cuMemGetInfo() == (real.CUresult.CUDA_ERROR_INVALID_CONTEXT, None, None)
+    err, dev = d.cuDeviceGet(0)
+    _, ctx = d.cuDevicePrimaryCtxRetain(dev)
+    d.cuCtxSetCurrent(ctx)
+    err, ptr = d.cuMemAlloc(16)
+    assert err == real.CUresult.CUDA_SUCCESS and isinstance(ptr, real.CUdeviceptr)
+
+
+def test_copies_happen_at_synchronize_not_when_queued() -> None:
+    gpu = FakeGpu()
+    api = CudaApi(gpu.driver)
+    ctx = PrimaryContext(api)
+    ctx.retain()
+    ctx.make_current()
+    stream = api.call("cuStreamCreate", 0)
+    src, dst = api.malloc_host(4), api.malloc(4)
+    ctypes.memmove(src, b"abcd", 4)
+    api.copy_async(dst, src, 4, True, stream)
+    assert ctypes.string_at(dst, 4) == b"\0" * 4  # queued, not done
+    api.call("cuStreamSynchronize", stream)
+    assert ctypes.string_at(dst, 4) == b"abcd"
+
+
+def test_the_query_functions_answer_like_the_driver() -> None:
+    gpu = FakeGpu()
+    api = CudaApi(gpu.driver)
+    api.call("cuInit", 0)
+    dev = api.call("cuDeviceGet", 0)
+    name = api.call("cuDeviceGetName", 256, dev)
+    assert len(name) == 256 and name.split(b"\0")[0] == b"Orin"
+    attr = real.CUdevice_attribute
+    assert api.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_INTEGRATED, dev) == 1
+    assert api.call("cuDriverGetVersion") == 12060
+
+
+# -- the real cuda-python, here: no NVIDIA driver --------------------------------------------
+
+no_driver = pytest.mark.skipif(_has_driver(), reason="this machine has an NVIDIA driver")
+
+
+@no_driver
+def test_a_missing_driver_is_one_line_naming_it() -> None:
+    api = cuda_api()
+    assert api.driver is driver_module() and api.driver.__name__ in ("cuda.bindings.driver", "cuda.cuda")
+    with pytest.raises(DriverMissing) as info:
+        api.call("cuInit", 0)
+    msg = str(info.value)
+    assert "libcuda.so.1 cannot be loaded" in msg and "\n" not in msg
+    assert info.value.exit_code == 65  # the unit does not restart into the same missing library
+
+
+@no_driver
+def test_a_trt_session_without_a_driver_fails_before_holding_anything(tmp_path: Path) -> None:
+    key = EngineKey(model="m", model_sha256="ab" * 32, backend="tensorrt", target="sm_87", precision="fp16")
+    stored = StoredEngine(key, tmp_path / "m.engine", "00", 0, {})
+    gpu = FakeGpu()  # TensorRT's double: never reached
+    with pytest.raises(DriverMissing, match="libcuda.so.1"):
+        TrtSession(stored, b"{}", trt=FakeTensorRT(gpu))
+    assert not gpu.log
+
+
+def test_a_cuda_error_names_the_call_and_the_error() -> None:
+    exc = CudaError("cuInit", "CUDA_ERROR_NOT_SUPPORTED")
+    assert "renderD" in str(exc) and exc.exit_code == 65
+    assert str(CudaError("cuMemAlloc", "CUDA_ERROR_OUT_OF_MEMORY")) == \
+        "CUDA cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY"
+
+
+def test_the_driver_module_never_brings_the_bundled_runtime() -> None:
+    """cuda-python >= 12.9 links a CUDA runtime into cuda.bindings.runtime: importing the driver
+    module must not load it (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom edge.device.cuda import cuda_api\ncuda_api()\n"
+            "print(sorted(m for m in sys.modules if 'runtime' in m and m.startswith('cuda')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+@no_driver
+def test_edge_serve_with_a_tensorrt_engine_and_no_driver_exits_with_one_line(tmp_path: Path) -> None:
+    """The real CLI, the real cuda-python, no NVIDIA driver: one line naming the missing driver
+    library, exit 65 (the unit does not restart), no traceback; `edge device --json` and `edge
+    doctor` say why there is no GPU and where each CUDA number came from."""
+    import json
+    import subprocess
+
+    from kit import EDGE
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = tmp_path / "edge.toml"
+    cfg.write_text(f'[server]\nport = 0\n[paths]\nstate_dir = "{tmp_path / "state"}"\n'
+                   f'cache_dir = "{tmp_path / "cache"}"\n[[engines]]\nname = "mlp"\nbackend = "tensorrt"\n'
+                   f'recipe = "{root / "engines" / "mlp-demo.toml"}"\n')
+    r = subprocess.run([*EDGE, "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=120)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("edge: error:")]
+    assert r.returncode == 65 and "Traceback" not in r.stderr, r.stderr
+    assert len(errors) == 1 and "libcuda.so.1 cannot be loaded" in errors[0] and "install the NVIDIA driver" in errors[0]
+    device = json.loads(subprocess.run([*EDGE, "device", "--json"], capture_output=True, text=True,
+                                       timeout=60).stdout)
+    assert "libcuda.so.1 cannot be loaded" in device["gpu_error"] and device["cuda_driver"] is None
+    assert {"cuda_source", "cuda_runtimes", "unified_memory"} <= set(device)
+    doc = subprocess.run([*EDGE, "doctor", "--config", str(cfg)], capture_output=True, text=True, timeout=120)
+    assert doc.returncode == 1 and "CUDA driver - (cuDriverGetVersion)" in doc.stdout
+    assert "[FAIL] engine mlp" in doc.stdout and "make the GPU usable first" in doc.stdout

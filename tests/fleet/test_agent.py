@@ -1,0 +1,112 @@
+"""Push without inbound connections: the real Prometheus (Debian's package) in agent mode scrapes a
+real `edge serve` over loopback and remote-writes to a second, real Prometheus with its
+remote-write receiver on; the receiver then answers PromQL about the device. The printed config
+passes `promtool check config --agent`, the unit `systemd-analyze verify`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import urllib.error
+from pathlib import Path
+
+import pytest
+
+from kit import EDGE
+from edge.fleet.agent import AgentSetup, agent_flag, prometheus_major
+from kit.prom import Prometheus, need, until
+
+
+def _edge(*args: str) -> str:
+    r = subprocess.run([*EDGE, *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_printed_agent_config_passes_promtool(tmp_path: Path) -> None:
+    promtool = need("promtool")
+    text = _edge("fleet", "agent", "--remote-write", "https://fleet.example/api/v1/write",
+                 "--instance", 'dev "7"', "--target", "127.0.0.1:9999")
+    (tmp_path / "agent.yml").write_text(text)
+    r = subprocess.run([promtool, "check", "config", "--agent", str(tmp_path / "agent.yml")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert 'replacement: "dev \\"7\\""' in text  # escaped, not broken, by a name with quotes
+
+
+def test_the_target_comes_from_the_config_as_prometheus_takes_it(tmp_path: Path, tiny_gguf: Path) -> None:
+    from kit import write_config
+
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
+    text = cfg.read_text()
+    v6 = tmp_path / "v6.toml"
+    v6.write_text(text.replace('host = "127.0.0.1"', 'host = "::1"', 1))
+    assert "targets: [\"[::1]:" in _edge("fleet", "agent", "--remote-write", "https://f/api/v1/write",
+                                          "--config", str(v6))
+    unix = tmp_path / "unix.toml"  # edge then listens on the socket only: nothing to scrape
+    unix.write_text(text.replace("[server]\n", f'[server]\nunix_socket = "{tmp_path}/e.sock"\n', 1))
+    for args in (["--config", str(unix)], ["--target", "http://x/metrics"], ["--target", "x:99999"]):
+        r = subprocess.run([*EDGE, "fleet", "agent", "--remote-write", "https://f/api/v1/write", *args],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "Invalid value for --target" in r.stderr.replace("'", ""), r.stderr
+    assert "targets: [\"[fe80::1]:8088\"]" in _edge("fleet", "agent", "--remote-write", "https://f/api/v1/write",
+                                                    "--target", "[fe80::1]:8088")
+
+
+def test_agent_flag_follows_the_prometheus_major() -> None:
+    assert agent_flag(2) == "--enable-feature=agent" and agent_flag(None) == "--enable-feature=agent"
+    assert agent_flag(3) == "--agent"
+    if shutil.which("prometheus"):
+        major = prometheus_major("prometheus")
+        assert major is not None and major >= 2
+        unit = _edge("fleet", "agent", "--remote-write", "http://x/api/v1/write", "--unit",
+                     "--prometheus", shutil.which("prometheus"))
+        assert f" {agent_flag(major)} " in unit
+    assert prometheus_major("/nonexistent/prometheus") is None
+
+
+def test_agent_unit_orders_after_edge_socket_and_verifies(tmp_path: Path) -> None:
+    unit = AgentSetup("http://x/api/v1/write", "dev1", binary="/bin/true").unit(2)
+    lines = unit.splitlines()
+    assert "After=network-online.target edge.socket" in lines and "Wants=network-online.target" in lines
+    assert not any(k in unit for k in ("Requires=edge", "BindsTo=edge", "PartOf=edge"))  # reports while edge is down
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze not found")
+    path = tmp_path / "edge-prometheus-agent.service"
+    path.write_text(unit)
+    r = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _answer(prom: Prometheus, expr: str) -> list | None:
+    try:
+        return prom.query(expr) or None
+    except (urllib.error.URLError, OSError):  # 503 until its TSDB is open
+        return None
+
+
+def test_agent_scrapes_edge_and_remote_writes_to_a_receiver(tmp_path: Path, tiny_config: Path, service) -> None:
+    need("prometheus")
+    edge = service(tiny_config)
+    receiver = Prometheus(tmp_path / "receiver", "global: {}\n", "--web.enable-remote-write-receiver")
+    agent = None
+    try:
+        config = _edge("fleet", "agent", "--remote-write", f"http://127.0.0.1:{receiver.port}/api/v1/write",
+                       "--instance", "dev1", "--target", f"127.0.0.1:{edge.address[1]}", "--interval", "1s")
+        major = prometheus_major("prometheus")
+        agent = Prometheus(tmp_path / "agent", config, agent_flag(major))
+        build = until("edge_build_info at the receiver",
+                      lambda: _answer(receiver, 'edge_build_info{job="edge",instance="dev1"}'), 90,
+                      agent.proc, agent.log)
+        from edge import __version__
+
+        assert build[0]["metric"]["version"] == __version__
+        ready = until("edge_ready at the receiver", lambda: _answer(receiver, 'edge_ready{instance="dev1"}'), 30)
+        assert ready[0]["value"][1] == "1"
+        # an agent answers no queries (it keeps only a WAL): what the receiver has came by remote write
+        with pytest.raises(urllib.error.HTTPError):
+            agent.query("edge_ready")
+    finally:
+        if agent is not None:
+            agent.close()
+        receiver.close()

@@ -1,0 +1,233 @@
+"""The Prometheus rules shipped with edge (edge/fleet/rules/edge-rules.yml, `edge fleet rules`): in the
+wheel, valid for `promtool check rules`, and unit-tested with `promtool test rules`: input series
+for every alert, which must fire where it should and stay silent where it should not, and the
+fleet's p50/p95 ready time by module and model computed from known values."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kit import EDGE
+from kit.prom import need
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "edge" / "fleet" / "rules" / "edge-rules.yml"
+
+
+def _printed_rules(tmp_path: Path) -> Path:
+    r = subprocess.run([*EDGE, "fleet", "rules"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == RULES.read_text()
+    path = tmp_path / "edge-rules.yml"
+    path.write_text(r.stdout)
+    return path
+
+
+def test_printed_rules_pass_promtool_check(tmp_path: Path) -> None:
+    promtool = need("promtool")
+    r = subprocess.run([promtool, "check", "rules", str(_printed_rules(tmp_path))], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS: 13 rules found" in r.stdout
+
+
+def test_rules_file_is_in_the_wheel(tmp_path: Path) -> None:
+    src = tmp_path / "src"  # a copy: the build leaves build/ and *.egg-info where it runs
+    shutil.copytree(ROOT / "edge", src / "edge", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir",
+                        str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 and "No matching distribution" in r.stderr:
+        pytest.skip(f"cannot build a wheel here (no index for the build backend): {r.stderr[-300:]}")
+    assert r.returncode == 0, r.stderr
+    wheel = next((tmp_path / "dist").glob("edge-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("edge/fleet/rules/edge-rules.yml").decode() == RULES.read_text()
+
+
+# -- promtool test rules ------------------------------------------------------------------------------
+def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
+    return {"series": name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}", "values": values}
+
+
+def _device(instance: str, module: str, model: str, ready: float) -> list[dict[str, str]]:
+    dev = {"job": "edge", "instance": instance}
+    info = {**dev, "module": module, "platform": module.lower().replace(" ", "-"), "jetpack": "",
+            "l4t": "36.4.0", "sm": "sm_87", "cpu_arch": "aarch64"}
+    return [_series("edge_last_start_seconds", {**dev, "phase": "ready"}, f"{ready}x30"),
+            _series("edge_device_info", info, "1x30"),
+            _series("edge_model_info", {**dev, "model": model, "quant": "Q4_K_M", "sha256": "ab",
+                                        "n_ctx": "2048", "n_gpu_layers": "-1"}, "1x30")]
+
+
+def _start_test() -> dict:
+    """21 Orin NX devices serving gemma: 20 ready in 4..5.9 s, one in 20 s (the only outlier:
+    p95 x 1.5 is 8.4 s); 3 AGX devices all alike (silent); a fleet of one (silent)."""
+    series = [s for i in range(20) for s in _device(f"nx{i}", "Orin NX", "gemma", 4 + i * 0.1)]
+    series += _device("nx-slow", "Orin NX", "gemma", 20)
+    series += [s for i in range(3) for s in _device(f"agx{i}", "AGX Orin", "gemma", 3)]
+    series += _device("nano0", "Orin Nano", "qwen", 9)
+    slow = {"job": "edge", "instance": "nx-slow", "module": "Orin NX", "platform": "orin-nx",  # jetpack "": no label
+            "l4t": "36.4.0", "model": "gemma", "quant": "Q4_K_M", "sha256": "ab", "n_ctx": "2048",
+            "n_gpu_layers": "-1"}
+    p = "module_model:edge_last_start_ready_seconds"
+    return {"interval": "1m", "input_series": series,
+            "promql_expr_test": [
+                {"expr": f'{p}:p50{{module="Orin NX"}}', "eval_time": "10m",
+                 "exp_samples": [{"labels": f'{p}:p50{{module="Orin NX",model="gemma"}}', "value": 5.0}]},
+                {"expr": f"{p}:p95", "eval_time": "10m", "exp_samples": [
+                    {"labels": f'{p}:p95{{module="Orin NX",model="gemma"}}', "value": 5.9},
+                    {"labels": f'{p}:p95{{module="AGX Orin",model="gemma"}}', "value": 3},
+                    {"labels": f'{p}:p95{{module="Orin Nano",model="qwen"}}', "value": 9}]}],
+            "alert_rule_test": [
+                {"eval_time": "4m", "alertname": "EdgeStartSlowerThanFleet", "exp_alerts": []},  # for: 5m
+                {"eval_time": "10m", "alertname": "EdgeStartSlowerThanFleet", "exp_alerts": [
+                    {"exp_labels": {**slow, "severity": "warning"},
+                     "exp_annotations": {
+                         "summary": "edge on nx-slow took 20s to READY: more than 1.5 x the fleet's p95 "
+                                    "for Orin NX / gemma",
+                         "description": "`edge status --svg start.svg` on the device draws where the time went."}}]}]}
+
+
+def _alerts_test() -> dict:
+    dev = {"job": "edge"}
+    series = [
+        # not ready: a stuck 15 minutes (fires after 10), b for 5 then ready (silent), c not answering
+        _series("edge_ready", {**dev, "instance": "a"}, "0x20"),
+        _series("edge_ready", {**dev, "instance": "b"}, "0x5 1x15"),
+        _series("up", {**dev, "instance": "b"}, "1x20"),
+        _series("up", {**dev, "instance": "c"}, "0x20"),
+        # OTA: a rolled back, b committed
+        _series("edge_ota_last_result", {**dev, "instance": "a", "version": "2.0.0", "result": "rolled_back"}, "1x20"),
+        _series("edge_ota_last_result", {**dev, "instance": "b", "version": "2.0.0", "result": "committed"}, "1x20"),
+        # mlock: a not taken, b taken
+        _series("edge_mlock_ok", {**dev, "instance": "a", "model": "m"}, "0x20"),
+        _series("edge_mlock_ok", {**dev, "instance": "b", "model": "m"}, "1x20"),
+        # GPU: a asked 25 layers and got none, b got all 25, c runs on the CPU by config
+        _series("edge_model_gpu_layers_requested", {**dev, "instance": "a", "model": "m"}, "25x20"),
+        _series("edge_model_gpu_layers_offloaded", {**dev, "instance": "a", "model": "m"}, "0x20"),
+        _series("edge_model_gpu_layers_requested", {**dev, "instance": "b", "model": "m"}, "25x20"),
+        _series("edge_model_gpu_layers_offloaded", {**dev, "instance": "b", "model": "m"}, "25x20"),
+        _series("edge_model_gpu_layers_requested", {**dev, "instance": "c", "model": "m"}, "0x20"),
+        _series("edge_model_gpu_layers_offloaded", {**dev, "instance": "c", "model": "m"}, "0x20"),
+    ]
+
+    def fired(name: str, labels: dict[str, str], severity: str, summary: str, description: str) -> dict:
+        return {"exp_labels": {**dev, **labels, "severity": severity},
+                "exp_annotations": {"summary": summary, "description": description}}
+
+    not_ready = ("Check `edge status` and `journalctl -u edge` on the device (a failed start leaves its "
+                 'report: edge_starts_total{result="failed"}).')
+    return {"interval": "1m", "input_series": series, "alert_rule_test": [
+        {"eval_time": "9m", "alertname": "EdgeNotReady", "exp_alerts": []},
+        {"eval_time": "15m", "alertname": "EdgeNotReady", "exp_alerts": [
+            fired("EdgeNotReady", {"instance": "a"}, "critical",
+                  "edge on a has not been ready for 10 minutes", not_ready),
+            fired("EdgeNotReady", {"instance": "c"}, "critical",
+                  "edge on c has not been ready for 10 minutes", not_ready)]},
+        {"eval_time": "1m", "alertname": "EdgeOtaRolledBack", "exp_alerts": [
+            fired("EdgeOtaRolledBack", {"instance": "a", "version": "2.0.0", "result": "rolled_back"}, "warning",
+                  "OTA 2.0.0 was rolled back on a (rolled_back)",
+                  "`edge ota status` on the device has the reason in its history.")]},
+        {"eval_time": "5m", "alertname": "EdgeMlockNotTaken", "exp_alerts": [
+            fired("EdgeMlockNotTaken", {"instance": "a", "model": "m"}, "warning",
+                  "model m on a is not locked in memory",
+                  "mlock did not take (RLIMIT_MEMLOCK / LimitMEMLOCK): the model stays pageable and may be "
+                  "evicted. `edge doctor` says how to fix it.")]},
+        {"eval_time": "5m", "alertname": "EdgeModelOnCpu", "exp_alerts": [
+            fired("EdgeModelOnCpu", {"instance": "a", "model": "m"}, "critical",
+                  "model m on a runs 0 layers on the GPU, fewer than configured",
+                  "llama.cpp found no GPU device (device nodes, DeviceAllow=, driver): the model runs on the CPU.")]},
+    ]}
+
+
+def _prompt_cache_test() -> dict:
+    """a: 90 % hits for a day, then 10 % for 60 min (fires); b: 90 % throughout; c: 10 % all day
+    (low, but no collapse: silent)."""
+    day = 1440
+    dev = {"job": "edge", "model": "m"}
+
+    def counter(per_min: int, then_per_min: int) -> str:
+        return f"0+{per_min}x{day} {per_min * day + then_per_min}+{then_per_min}x59"
+
+    series = [_series("edge_prompt_cache_hits_total", {**dev, "instance": "a"}, counter(90, 10)),
+              _series("edge_prompt_cache_misses_total", {**dev, "instance": "a"}, counter(10, 90)),
+              _series("edge_prompt_cache_hits_total", {**dev, "instance": "b"}, counter(90, 90)),
+              _series("edge_prompt_cache_misses_total", {**dev, "instance": "b"}, counter(10, 10)),
+              _series("edge_prompt_cache_hits_total", {**dev, "instance": "c"}, counter(10, 10)),
+              _series("edge_prompt_cache_misses_total", {**dev, "instance": "c"}, counter(90, 90))]
+    description = ("The prefixes the traffic sends no longer match the cached ones (a changed system "
+                   "prompt or template, or a cache limit too small).")
+    return {"interval": "1m", "input_series": series, "alert_rule_test": [
+        {"eval_time": f"{day}m", "alertname": "EdgePromptCacheHitRateCollapse", "exp_alerts": []},
+        {"eval_time": f"{day + 59}m", "alertname": "EdgePromptCacheHitRateCollapse", "exp_alerts": [
+            {"exp_labels": {**dev, "instance": "a", "severity": "warning"},
+             "exp_annotations": {"summary": "prompt-cache hit ratio of m on a fell to 10%, under half its daily ratio",
+                                 "description": description}}]}]}
+
+
+def _silence_test() -> dict:
+    """a pushes for 10 minutes, then nothing (power or uplink gone); b pushes throughout, not ready
+    for a while (EdgeNotReady's case, not this one). a restarts failing every 5 minutes for half an
+    hour (a loop), b failed once a long time ago."""
+    dev = {"job": "edge"}
+    failed = {**dev, "result": "failed"}
+    series = [_series("edge_ready", {**dev, "instance": "a"}, "1x10"),
+              _series("edge_ready", {**dev, "instance": "b"}, "1x10 0x10 1x40"),
+              _series("edge_starts_total", {**failed, "instance": "a"}, "0 0 0 0 0 1 1 1 1 1 2 2 2 2 2 3x45"),
+              _series("edge_starts_total", {**failed, "instance": "b"}, "1x60")]
+    silent = ("The device or its agent is down, or its uplink is: nothing reaches the fleet (a pushing "
+              "device cannot report up == 0).")
+    return {"interval": "1m", "input_series": series, "alert_rule_test": [
+        {"eval_time": "14m", "alertname": "EdgeDeviceSilent", "exp_alerts": []},  # lookback, then for: 10m
+        {"eval_time": "30m", "alertname": "EdgeDeviceSilent", "exp_alerts": [
+            {"exp_labels": {**dev, "instance": "a", "severity": "critical"},
+             "exp_annotations": {"summary": "edge on a has sent no metrics for 15 minutes",
+                                 "description": silent}}]},
+        {"eval_time": "10m", "alertname": "EdgeStartsFailing", "exp_alerts": []},  # 2 so far
+        {"eval_time": "20m", "alertname": "EdgeStartsFailing", "exp_alerts": [
+            {"exp_labels": {**failed, "instance": "a", "severity": "critical"},
+             "exp_annotations": {"summary": "edge on a failed to start about 3 times in 30 minutes",
+                                 "description": "A restart loop: `edge status` on the device shows the "
+                                                "last failed start's report and exit code."}}]},
+        {"eval_time": "59m", "alertname": "EdgeStartsFailing", "exp_alerts": []},  # the loop ended
+    ]}
+
+
+def test_every_alert_fires_where_it_should_and_nowhere_else(tmp_path: Path) -> None:
+    promtool = need("promtool")
+    rules = _printed_rules(tmp_path)
+    tests = [_start_test(), _alerts_test(), _prompt_cache_test(), _silence_test()]
+    alerts = {t["alertname"] for case in tests for t in case.get("alert_rule_test", [])}
+    assert alerts == {"EdgeNotReady", "EdgeStartSlowerThanFleet", "EdgeOtaRolledBack", "EdgeMlockNotTaken",
+                      "EdgeModelOnCpu", "EdgePromptCacheHitRateCollapse", "EdgeDeviceSilent",
+                      "EdgeStartsFailing"}  # every alert of the file
+    assert alerts == set(_alert_names(rules.read_text()))
+    spec = tmp_path / "edge-rules.test.yml"  # JSON is YAML
+    spec.write_text(json.dumps({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": tests}, indent=1))
+    r = subprocess.run([promtool, "test", "rules", str(spec)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_promtool_test_catches_a_wrong_expectation(tmp_path: Path) -> None:
+    """The harness can fail: the slow-start case expecting a silent fleet is rejected."""
+    promtool = need("promtool")
+    rules = _printed_rules(tmp_path)
+    case = _start_test()
+    case["alert_rule_test"][1]["exp_alerts"] = []
+    spec = tmp_path / "wrong.test.yml"
+    spec.write_text(json.dumps({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": [case]}))
+    r = subprocess.run([promtool, "test", "rules", str(spec)], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "EdgeStartSlowerThanFleet" in r.stdout + r.stderr
+
+
+def _alert_names(text: str) -> list[str]:
+    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.strip().startswith("- alert:")]

@@ -1,0 +1,74 @@
+"""edge doctor's GPU checks over fixture devices and fake /dev trees: where each CUDA number came
+from, a runtime newer than the driver, llama.cpp's offload, and the unit's device policy."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from edge.config import parse_config
+from edge.device.identity import GpuInfo, GpuProbe, detect
+from edge.host.doctor_gpu import cuda_runtime_check, device_check, gpu_offload_checks, unit_device_checks
+from edge.host.units import UnitOptions, platform_devices, render_service
+
+FIX = Path(__file__).parents[1] / "fixtures" / "devices"
+ORIN = GpuProbe(GpuInfo("Orin", "sm_87", integrated=True), "12.6")
+
+
+def dists_of(versions: dict[str, str]):
+    return lambda names: next((versions[n] for n in names if n in versions), None)  # test double: pip
+
+
+def test_a_newer_pip_runtime_on_a_jetson_fails_naming_the_fix() -> None:
+    d = detect(FIX / "orin-nano-jp6", gpu=lambda: ORIN, trt=lambda: "10.3.0",
+               dists=dists_of({"nvidia-cuda-runtime-cu12": "12.9.79"}))
+    name, level, msg, fix = cuda_runtime_check(d)
+    assert level == "fail" and "12.9 (pip nvidia-cuda-runtime-cu12 12.9.79) is newer than the driver's CUDA 12.6" in msg
+    assert "no forward compatibility" in msg and "nvidia-cuda-runtime-cu12==12.6.*" in fix
+    _, _, text, _ = device_check(d, "cuda")
+    assert "CUDA driver 12.6 (cuDriverGetVersion)" in text and "engine key CUDA 12.9 (from pip" in text
+    same = detect(FIX / "orin-agx", gpu=lambda: ORIN, trt=lambda: "10.3.0", dists=dists_of({}))
+    assert cuda_runtime_check(same)[1] == "ok"  # JetPack's own 12.6 toolkit
+
+
+def test_a_dgpu_runs_a_newer_minor_but_not_a_newer_major() -> None:
+    h100 = GpuProbe(GpuInfo("NVIDIA H100 80GB HBM3", "sm_90"), "12.6")
+    minor = detect(FIX / "dgpu-pip-x86", gpu=lambda: h100, dists=dists_of({"nvidia-cuda-runtime-cu12": "12.9.79"}))
+    assert cuda_runtime_check(minor)[1] == "ok"
+    major = detect(FIX / "dgpu-x86", gpu=lambda: h100, dists=dists_of({}))  # toolkit 13.0, driver 12.6
+    assert cuda_runtime_check(major)[1] == "fail"
+    assert cuda_runtime_check(detect(FIX / "dgpu-x86", gpu=lambda: GpuProbe(None, None, "x"), dists=dists_of({}))) is None
+
+
+def test_offload_on_a_cuda_build_whose_gpu_does_not_start_names_the_drivers_error() -> None:
+    cfg = parse_config('[[models]]\nname = "m"\npath = "/m.gguf"\nn_gpu_layers = -1\n')
+    closed = detect(FIX / "orin-nano-jp6", gpu=lambda: GpuProbe(None, "12.6", "CUDA cuInit failed: "
+                                                                 "CUDA_ERROR_NOT_SUPPORTED (on JetPack 6 ...)"))
+    (name, level, msg, fix), = gpu_offload_checks(cfg, closed, "cuda")
+    assert level == "fail" and "CUDA build, but its CUDA device did not start" in msg and "NOT_SUPPORTED" in msg
+    (_, level, msg, fix), = gpu_offload_checks(cfg, closed, "cpu")
+    assert level == "fail" and "CPU-only build" in msg and "-DGGML_CUDA=on" in fix
+    assert gpu_offload_checks(cfg, detect(FIX / "orin-agx", gpu=lambda: ORIN), "cuda")[0][1] == "ok"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making device nodes (mknod) needs root")
+def test_a_unit_that_blocks_a_gpu_node_of_this_machine_fails_naming_it(tmp_path: Path) -> None:
+    dev = tmp_path / "dev"
+    for rel, major, minor in (("nvgpu/igpu0/ctrl", 508, 0), ("dri/renderD128", 226, 128), ("host1x-fence", 507, 0)):
+        (dev / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.mknod(dev / rel, stat.S_IFCHR | 0o600, os.makedev(major, minor))
+    proc = tmp_path / "devices"
+    proc.write_text("Character devices:\n226 drm\n507 host1x-fence\n508 nvgpu\n\nBlock devices:\n  8 sd\n")
+    devices, _ = platform_devices(FIX / "orin-nano-jp6")
+    jp6 = render_service(UnitOptions(devices=devices))
+    (_, level, msg, _), = unit_device_checks(jp6, dev, proc, probe=False)
+    assert level == "ok" and "3 found" in msg
+    old = render_service(UnitOptions(devices=tuple(d for d in devices if "drm" not in d and "dri" not in d)))
+    (_, level, msg, fix), = unit_device_checks(old, dev, proc, probe=False)
+    assert level == "fail" and msg.endswith("machine has: /dev/dri/renderD128; allowed but absent here (other "
+                                            "platforms): 12")
+    assert "edge units install" in fix
+    assert unit_device_checks(None, dev, proc) == []

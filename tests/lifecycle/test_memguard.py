@@ -1,0 +1,96 @@
+"""The reload's memory guard on unified memory (a Jetson): offloaded weights, KV cache, compute
+buffers and engines are DRAM, whether or not the model file is mapped already."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edge.config import ModelConfig
+from edge.model.gguf import GGUFInfo, TensorRecord, offload_split, read_gguf_info
+from edge.lifecycle.memguard import MIB, MemoryReading, decide, estimate, unified_memory
+
+FIX = Path(__file__).parents[1] / "fixtures" / "devices"
+GIB = 1 << 30
+
+
+def llama_7b_q4() -> GGUFInfo:
+    """The header and tensor table of a Llama-2-7B Q4_K_M (sizes as llama.cpp reports them:
+    3.80 GiB of tensors, 32 blocks, 4096-dim, 32 heads, 32000-token vocabulary). Only the header
+    is read by the guard, so the table stands for the file."""
+    embd, out, block = 70_312_500, 107_520_000, 121_110_528
+    tensors = [TensorRecord("token_embd.weight", 0, embd)]
+    for i in range(32):
+        tensors.append(TensorRecord(f"blk.{i}.attn_q.weight", embd + i * block, block))
+    tensors += [TensorRecord("output_norm.weight", embd + 32 * block, 16_384),
+                TensorRecord("output.weight", embd + 32 * block + 16_384, out)]
+    meta = {"general.architecture": "llama", "llama.block_count": 32, "llama.embedding_length": 4096,
+            "llama.attention.head_count": 32, "llama.attention.head_count_kv": 32, "n_vocab": 32000}
+    end = tensors[-1].offset + tensors[-1].nbytes
+    return GGUFInfo(path="/models/llama-2-7b.Q4_K_M.gguf", size=end + 700_000, version=3,
+                    tensor_count=len(tensors), data_offset=700_000, data_bytes=end, metadata=meta,
+                    tensors=tuple(tensors))
+
+
+# test double of the memory reading: an 8 GB Orin with the old set (the same model) loaded
+ORIN_8GB = MemoryReading(available=int(2.6 * GIB), total=int(7.4 * GIB), source="test double")
+
+
+def test_a_fully_offloaded_7b_reload_on_an_8gb_orin_is_sequential_and_says_why() -> None:
+    info = llama_7b_q4()
+    m = ModelConfig(name="llama", path=info.path, n_ctx=2048, n_batch=512, n_gpu_layers=-1)
+    jetson = estimate([(m, info, True)], unified=True)  # same file, mapped by the old set
+    row = jetson.models["llama"]
+    split = offload_split(info, -1)
+    assert row["model"] == split.gpu  # the GPU copies are new DRAM even though the file is mapped
+    assert split.gpu == info.data_bytes - 70_312_500  # all but the token embeddings
+    assert row["kv_cache"] == 32 * 2048 * 32 * 256 * 2 == GIB
+    assert jetson.total > 4.5 * GIB
+    d = decide("auto", jetson, ORIN_8GB)
+    assert d.mode == "sequential" and "unified memory" in d.reason
+    assert d.as_dict()["need"]["unified_memory"] is True
+    # what the guard estimated before it counted unified memory: about a GiB, and "overlap"
+    dgpu = estimate([(m, info, True)], unified=False)
+    assert dgpu.total < 1.5 * GIB and decide("auto", dgpu, ORIN_8GB).mode == "overlap"
+    assert dgpu.gpu >= split.gpu + GIB  # a discrete GPU's memory is asked for them instead
+
+
+def test_engines_count_as_dram_on_unified_memory_and_as_gpu_memory_on_a_dgpu() -> None:
+    plan = 300 * MIB
+    jetson = estimate([], engines=[("detector", plan)], unified=True)
+    assert (jetson.total, jetson.gpu) == (plan, 0)
+    dgpu = estimate([], engines=[("detector", plan)], unified=False)
+    assert (dgpu.total, dgpu.gpu) == (0, plan)
+    tight = MemoryReading(available=plan, total=8 * GIB, source="test double")
+    assert decide("auto", jetson, tight).mode == "sequential"
+
+
+def test_a_cpu_only_model_on_a_jetson_shares_the_mapped_file() -> None:
+    info = llama_7b_q4()
+    m = ModelConfig(name="llama", path=info.path, n_ctx=2048, n_batch=512, n_gpu_layers=0)
+    assert estimate([(m, info, True)], unified=True).models["llama"]["model"] == 0
+    assert estimate([(m, info, False)], unified=True).models["llama"]["model"] == info.data_bytes
+
+
+def test_unified_memory_is_read_from_the_device_tree() -> None:
+    assert unified_memory(FIX / "orin-nano-jp6") and unified_memory(FIX / "orin-agx")
+    assert not unified_memory(FIX / "dgpu-x86")
+
+
+def test_restored_prefix_states_count_in_a_reloads_need(tiny_gguf: Path) -> None:
+    """Declared and learned prefixes are restored into the new set's prompt cache before the
+    switch: its bound counts as DRAM beside the old set (an empty cache counts nothing)."""
+    import dataclasses
+
+    from edge.config import ModelConfig, PrefixConfig
+    from edge.lifecycle.memguard import model_need, prompt_cache_bytes
+
+    info = read_gguf_info(tiny_gguf)
+    plain = ModelConfig(name="t", path=str(tiny_gguf), n_ctx=256)
+    declared = dataclasses.replace(plain, prefixes=[PrefixConfig(name="s", text="x")], prompt_cache_mb=64)
+    base, more = model_need(plain, info, False), model_need(declared, info, False)
+    assert base["prompt_cache"] == 0 and more["prompt_cache"] == 64 << 20
+    assert more["dram"] - base["dram"] == 64 << 20
+    # unset: two contexts' KV, at most 1/16 of RAM
+    auto = dataclasses.replace(plain, learn_prefixes=2)
+    assert prompt_cache_bytes(auto, base["kv_cache"], total_ram=1 << 40) == 2 * base["kv_cache"]
+    assert prompt_cache_bytes(auto, base["kv_cache"], total_ram=16 << 10) == 1 << 10

@@ -1,0 +1,100 @@
+"""The model worker's hand-off to the event loop (edge.serve.worker): pieces of a real (tiny) llama.cpp
+generation, the wake-ups they cost and what a cancelled consumer leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from edge.config import ModelConfig
+from edge.model.generate import GenParams, Job
+from edge.model.gguf import read_gguf_info
+from edge.model.llm import GGUFModel, load_gguf_model
+from edge.serve.worker import ModelWorker
+
+
+@pytest.fixture(scope="module")
+def model(tiny_gguf: Path) -> GGUFModel:
+    m = load_gguf_model(ModelConfig(name="tiny", path=str(tiny_gguf), n_ctx=256, n_threads=1),
+                        read_gguf_info(tiny_gguf))
+    yield m
+    m.close()
+
+
+def job(m: GGUFModel, n: int = 40) -> Job:
+    return Job(tokens=m.tokenize_prompt("Hello world"), params=GenParams(max_tokens=n, temperature=0))
+
+
+async def pieces(worker: ModelWorker, j: Job, eager: bool) -> list[str]:
+    return [p.text async for p in worker.stream(j, eager=eager)]
+
+
+async def pieces_and_wakes(worker: ModelWorker, j: Job) -> tuple[list[str], int]:
+    """A stream's pieces, and how often the worker's thread woke the event loop for them."""
+    loop = asyncio.get_running_loop()
+    wakes, real = 0, loop.call_soon_threadsafe
+
+    def counting(*args, **kw):
+        nonlocal wakes
+        wakes += 1
+        return real(*args, **kw)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    return [p.text async for p in worker.stream(j, eager=True)], wakes
+
+
+def test_a_stream_gets_the_first_piece_at_once_and_the_rest_per_interval(model: GGUFModel) -> None:
+    whole = "".join(asyncio.run(pieces(ModelWorker(model, 4), job(model), eager=False)))
+    slow = ModelWorker(model, 4, stream_interval_s=3600.0)  # an interval no generation outlasts
+    got, wakes = asyncio.run(pieces_and_wakes(slow, job(model)))
+    # the loop is woken for the first piece and the end, never per token; what came while it was
+    # busy with the first piece goes out merged when it asks again (on a loaded machine: an event)
+    assert "".join(got) == whole and wakes <= 2 and 1 <= len(got) <= 3
+
+
+def test_the_first_piece_carries_when_it_was_made(model: GGUFModel) -> None:
+    async def first_at() -> tuple[float, float, float]:
+        w = ModelWorker(model, 4)
+        t0 = time.perf_counter()
+        stream = w.stream(job(model, 8), eager=False)
+        p = await stream.__anext__()
+        t1 = time.perf_counter()
+        async for _ in stream:
+            pass
+        return t0, p.at, t1
+
+    t0, at, t1 = asyncio.run(first_at())
+    assert t0 < at <= t1  # stamped on the generating thread, before the loop saw it
+
+
+def test_a_consumer_that_goes_away_stops_the_generation(model: GGUFModel) -> None:
+    async def leave_after_one() -> Job:
+        w = ModelWorker(model, 4)
+        j = job(model, 200)
+        stream = w.stream(j, eager=True)
+        await stream.__anext__()
+        await stream.aclose()  # what a client's disconnect does (edge.serve.metrics closes the stream)
+        assert j.cancel.is_set()
+        await w.call(lambda: None)  # queued behind the generation: runs once it has stopped
+        return j
+
+    j = asyncio.run(leave_after_one())
+    assert j.completion_tokens < 200
+
+
+def test_a_control_call_runs_when_the_request_queue_is_full(model: GGUFModel) -> None:
+    """A reload sets thread counts through control calls: a full queue must not refuse them
+    (a kept model would serve on with fewer threads)."""
+    from edge.errors import RequestError
+
+    async def go() -> int:
+        w = ModelWorker(model, max_queue=1)
+        w.admit()  # the queue is full
+        with pytest.raises(RequestError):
+            await w.call(lambda: 1)
+        return await w.control(lambda: 2)
+
+    assert asyncio.run(go()) == 2
