@@ -9,6 +9,8 @@
     ├── GpuOffloadUnavailable     78  n_gpu_layers set, and llama.cpp has no GPU (a CPU-only build,
     │                                 or a CUDA build whose device did not start: the driver's reason)
     ├── MissingDependency         69  a needed package is not installed (names a real extra)
+    ├── ServiceUnreachable        69  no edge service answers on the control socket (edge reload,
+    │                                 an OTA activation by reload): nothing was switched
     ├── BackendError              70  a native backend (llama.cpp, TensorRT) failed
     ├── WarmupError               70  a warm-up request failed: not fit to serve
     ├── StoppedDuringStart         0  SIGTERM before READY: nothing was accepted, exit cleanly
@@ -41,6 +43,7 @@ __all__ = [
     "MlockError",
     "GpuOffloadUnavailable",
     "MissingDependency",
+    "ServiceUnreachable",
     "BackendError",
     "WarmupError",
     "StoppedDuringStart",
@@ -113,6 +116,11 @@ class MissingDependency(EdgeError):
         super().__init__(f"{purpose} needs the Python package {package!r}, which is not installed: {fix}")
 
 
+class ServiceUnreachable(EdgeError):
+    """No running service answers on the control socket: a reload (or an OTA activation by
+    reload) is refused before anything is switched."""
+
+
 class BackendError(EdgeError):
     """A native backend (llama.cpp, TensorRT) failed; translated from its own exception."""
 
@@ -144,6 +152,7 @@ EXIT_CODES: dict[type[EdgeError], int] = {
     MlockError: EX_NOPERM,
     GpuOffloadUnavailable: EX_CONFIG,
     MissingDependency: EX_UNAVAILABLE,
+    ServiceUnreachable: EX_UNAVAILABLE,
     StoppedDuringStart: EX_OK,
     EdgeError: EX_SOFTWARE,
 }

@@ -1,7 +1,10 @@
-"""The house: no import circle in edge/ (lazy and TYPE_CHECKING imports included), the lifecycle's
-data flowing one way (start → reload → serving → loader → loadset → timing), modules of at most
-400 lines and functions of at most 50 (DESIGN.md, "Data flows one way"; STYLE.md), and tests
-that take their helpers from tests/kit/, not from conftest.py."""
+"""The house: no import circle in edge/ (lazy and TYPE_CHECKING imports included), neither between
+modules nor between packages; every package importing only what its row of the README's package
+table names, from floors beneath it; a ground floor of at most 8 top-level modules that import
+no package; the lifecycle's data flowing one way (start → reload → serving → loader → loadset →
+timing); modules of at most 400 lines and functions of at most 50 (DESIGN.md, "Data flows one
+way"; STYLE.md); tests that mirror the packages and take their helpers from tests/kit/, not from
+conftest.py."""
 
 from __future__ import annotations
 
@@ -10,12 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from kit.layout import function_sizes, import_graph, module_lines
+from kit.layout import function_sizes, import_graph, module_lines, readme_floors
 
 PACKAGE = Path(__file__).resolve().parent.parent / "edge"
 GRAPH = import_graph(PACKAGE)
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 50
+MAX_GROUND_MODULES = 8
+FLOORS = readme_floors((PACKAGE.parent / "README.md").read_text())
+GROUND = next(f for f in FLOORS if not f.imports)  # the ground floor imports only itself ("one another")
 
 # Modules another helper is changing in its own branch: the lead removes these marks once that
 # branch is merged (strict=False: they pass as soon as the fix is here).
@@ -24,6 +30,48 @@ def test_module_is_in_no_import_circle(module: str) -> None:
     circle = next((c for c in GRAPH.circles() if module in c), None)
     assert circle is None, (f"{module} is in the import circle {{{', '.join(circle)}}}; the shortest "
                             "loop through it: " + "; ".join(map(str, GRAPH.cycle_through(module, circle))))
+
+
+def test_no_circle_between_packages() -> None:
+    found = []
+    for circle in GRAPH.package_circles():
+        arrows = [str(a) for s in circle for d in circle for a in GRAPH.package_arrows(s, d)[:2]]
+        found.append(f"{{{', '.join(circle)}}}: " + "; ".join(arrows))
+    assert not found, "circles between packages (a floor imports one above or beside it): " + " | ".join(found)
+
+
+def test_the_ground_floor_is_small_and_imports_no_package() -> None:
+    top = sorted(m for m in GRAPH.files if m.count(".") == 1 and GRAPH.files[m].parent == PACKAGE)
+    assert len(top) <= MAX_GROUND_MODULES, f"{len(top)} top-level modules (at most {MAX_GROUND_MODULES}): {top}"
+    assert set(top) == set(GROUND.units), "the README's ground floor row is not the top level"
+    up = [str(a) for a in GRAPH.arrows if a.source in top and a.target not in top and a.target != "edge"]
+    assert not up, "the ground floor imports a package: " + "; ".join(up)
+
+
+@pytest.mark.parametrize("floor", [f.units[0] for f in FLOORS if f is not GROUND])
+def test_a_package_imports_only_what_its_row_names_from_floors_beneath(floor: str) -> None:
+    row = next(i for i, f in enumerate(FLOORS) if floor in f.units)
+    named = {u for a in FLOORS[row].imports for u in (GROUND.units if a == "ground" else (f"edge.{a}",))}
+    above = [u for a in FLOORS[row].imports if a != "ground"
+             for u in (f"edge.{a}",) if next(i for i, f in enumerate(FLOORS) if u in f.units) <= row]
+    assert not above, f"{floor}'s row names {above}, which stand on its floor or above it"
+    unnamed = [str(a) for t in sorted(GRAPH.packages()[floor] - named) for a in GRAPH.package_arrows(floor, t)]
+    assert not unnamed, f"{floor} imports what its row of the README does not name: " + "; ".join(unnamed)
+
+
+def test_every_package_is_a_row() -> None:
+    rows = {u for f in FLOORS for u in f.units}
+    assert set(GRAPH.packages()) == rows
+
+
+def test_tests_mirror_the_packages() -> None:
+    tests = Path(__file__).resolve().parent
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert folders - {"system"} <= packages, f"test folders that are no package: {sorted(folders - packages)}"
+    loose = sorted(p.name for p in tests.glob("test_*.py")
+                   if p.stem.removeprefix("test_") not in {m.split(".")[1] for m in GROUND.units} | {"layout", "readme", "py310"})
+    assert not loose, f"tests at tests/ that belong in a package's folder: {loose}"
 
 
 def test_the_lifecycle_flows_one_way() -> None:
@@ -98,6 +146,18 @@ def test_a_package_is_ordered_top_to_bottom_with_a_circle_on_one_layer(tmp_path:
     (pkg / "mid.py").write_text("from pkg.low import x\nfrom pkg import side\n")
     (pkg / "side.py").write_text("def f():\n    from pkg import mid\n")
     assert import_graph(pkg).order() == [["pkg.top"], ["pkg.mid", "pkg.side"], ["pkg", "pkg.low"]]
+
+
+def test_circles_between_packages_are_found_through_any_module(tmp_path: Path) -> None:
+    pkg = _package(tmp_path, {"pkg/__init__.py": "", "pkg/ground.py": "x = 1\n",
+                              "pkg/low/__init__.py": "", "pkg/low/a.py": "from pkg.ground import x\n",
+                              "pkg/low/b.py": "def f():\n    from pkg.high.c import y\n",  # lazy, but an arrow
+                              "pkg/high/__init__.py": "", "pkg/high/c.py": "from pkg.low.a import x\ny = 2\n"})
+    g = import_graph(pkg)
+    assert g.circles() == []  # no circle between modules ...
+    assert g.package_circles() == [["pkg.high", "pkg.low"]]  # ... but one between their packages
+    assert g.packages()["pkg.low"] == {"pkg.ground", "pkg.high"}
+    assert [a.target for a in g.package_arrows("pkg.low", "pkg.high")] == ["pkg.high.c"]
 
 
 def test_function_sizes_count_methods_and_nested_functions(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import typer
 
 from edge.cli import app
+from kit.layout import readme_floors
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -166,27 +167,25 @@ def test_every_dotted_module_reference_resolves() -> None:
     assert unresolved == []
 
 
-def _module_map() -> list[tuple[list[str], list[str]]]:
-    section = README.split("| module | owns |", 1)[1].split("\n\n", 1)[0]
-    rows = []
-    for line in section.splitlines()[2:]:
-        cells = line.strip("|").split(" | ", 1)
-        rows.append(tuple(re.findall(r"`([^`]+)`", c) for c in cells))
-    return rows
-
-
-def test_module_map_names_real_modules() -> None:
+def test_module_map_names_real_modules_and_every_module() -> None:
+    """Each row of the package table names its package and what it holds: every name in a
+    package's `holds` cell is one of its modules (or a command group of cli/), every module of
+    the package is named, and the ground floor's row names the top level's modules."""
     root = typer.main.get_command(app)
-    rows = _module_map()
-    assert len(rows) > 10
-    for modules, owns in rows:
-        for m in modules:
-            assert (ROOT / "edge" / m).exists(), f"module map: edge/{m} does not exist"
-        for name in owns:
-            if name.endswith(".py"):
-                assert (ROOT / "edge" / name).exists(), f"module map: edge/{name} does not exist"
-        folder = next((m for m in modules if m.endswith("/")), None)
-        for name in (n for n in owns if folder and re.fullmatch(r"[a-z_]+", n)):
-            module = (ROOT / "edge" / folder / f"{name}.py").exists()
-            command = folder == "cli/" and name in root.commands
-            assert module or command, f"module map: {folder} has no module {name!r}"
+    floors = readme_floors(README)
+    assert len(floors) >= 8
+    for floor in floors:
+        for unit in floor.units:
+            rel = unit.removeprefix("edge.").replace(".", "/")
+            folder = ROOT / "edge" / rel
+            if not folder.is_dir():
+                assert (ROOT / "edge" / f"{rel}.py").exists(), f"module map: edge/{rel}.py does not exist"
+                continue
+            modules = {p.stem for p in folder.glob("*.py")} - {"__init__", "__main__"}
+            subfolders = {f"{p.name}/" for p in folder.iterdir() if p.is_dir() and p.name != "__pycache__"}
+            named = set(floor.holds)
+            strangers = [n for n in named if re.fullmatch(r"[a-z_]+", n) and n not in modules
+                         and not (rel == "cli" and n in root.commands)]
+            assert not strangers, f"module map: edge/{rel}/ has no module {strangers}"
+            missing = sorted((modules | subfolders) - named)
+            assert not missing, f"module map: the row of edge/{rel}/ does not name {missing}"

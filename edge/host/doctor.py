@@ -169,7 +169,7 @@ def _memlock(cfg: Config, unit_text: str | None) -> Check:
 
 
 def _memory(cfg: Config) -> Check:
-    from edge.lifecycle.memguard import read_memory
+    from edge.device.memory import read_memory
     from edge.model.mlock import models_bytes
 
     need = models_bytes(cfg)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.config import Config, state_dir
-from edge.errors import EdgeError
+from edge.errors import EdgeError, ServiceUnreachable
 
 __all__ = ["CONTROL_NAME", "ControlServer", "control_path", "request_reload"]
 
@@ -94,8 +94,6 @@ def request_reload(path: Path, config: str | None, timeout: float | None) -> dic
     try:
         sock.connect(str(path))
     except (FileNotFoundError, ConnectionRefusedError):
-        from edge.ota.errors import ServiceUnreachable  # light: the error classes only
-
         raise ServiceUnreachable(f"no edge service answers on {path}: is `edge serve` running with this "
                                  "state directory?") from None
     except PermissionError:

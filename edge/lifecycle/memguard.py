@@ -12,77 +12,21 @@ weights into GPU buffers, which are DRAM too, so they count in full whether or n
 mapped already (only the CPU-resident tensors share the mapped pages); KV cache, compute buffers
 and deserialized engines are DRAM whichever processor uses them.
 
-The memory reading is one function, `read_memory()`. Its test double is a file in /proc/meminfo
-format named by $EDGE_TEST_MEMINFO (`TEST_MEMINFO_ENV`): the same parsing, another file.
+What the device has is edge.device.memory's reading; what one model needs is edge.model.memory's.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from edge.config import Config, EngineConfig, ModelConfig
-from edge.model.gguf import GGUFInfo, offload_split
+from edge.device.memory import MIB, MemoryReading, unified_memory
+from edge.model.gguf import GGUFInfo
+from edge.model.memory import model_need
 
-__all__ = ["Decision", "MemoryReading", "Need", "TEST_MEMINFO_ENV", "decide", "engine_sizes",
-           "estimate", "kv_bytes", "prompt_cache_bytes", "read_memory", "unified_memory"]
-
-MEMINFO = Path("/proc/meminfo")
-TEGRA_RELEASE = "etc/nv_tegra_release"
-TEST_MEMINFO_ENV = "EDGE_TEST_MEMINFO"  # test double of the memory reading: a meminfo-format file
-MIB = 1 << 20
-CONTEXT_OVERHEAD = 16 * MIB  # per llama.cpp context: graph metadata, scratch, tokenizer tables
-
-
-@dataclass(frozen=True)
-class MemoryReading:
-    available: int  # MemAvailable, bytes
-    total: int  # MemTotal, bytes
-    gpu_free: int | None = None  # a discrete GPU's free bytes; None: unified memory or unknown
-    source: str = str(MEMINFO)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"available_mib": self.available // MIB, "total_mib": self.total // MIB,
-                "gpu_free_mib": None if self.gpu_free is None else self.gpu_free // MIB,
-                "source": self.source}
-
-
-def read_memory(gpu: bool = False) -> MemoryReading:
-    """MemAvailable/MemTotal from /proc/meminfo (or the test double); a discrete GPU's free
-    memory through nvidia-smi when `gpu` (layers offloaded) and this is not a Jetson."""
-    path = Path(os.environ.get(TEST_MEMINFO_ENV) or MEMINFO)
-    fields: dict[str, int] = {}
-    for line in path.read_text().splitlines():
-        name, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            fields[name] = int(parts[0]) * 1024  # kB
-    total = fields.get("MemTotal", 0)
-    available = fields.get("MemAvailable", fields.get("MemFree", 0))
-    gpu_free = _gpu_free() if gpu and not unified_memory() else None
-    return MemoryReading(available, total, gpu_free, str(path))
-
-
-def unified_memory(root: str | Path = "/") -> bool:
-    """A Jetson: its integrated GPU's buffers are the CPU's DRAM."""
-    return (Path(root) / TEGRA_RELEASE).exists()
-
-
-def _gpu_free() -> int | None:
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return None
-    try:
-        out = subprocess.run([smi, "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-        return min(int(x) for x in out.split()) * MIB
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
+__all__ = ["Decision", "Need", "decide", "engine_sizes", "estimate"]
 
 
 @dataclass
@@ -105,58 +49,6 @@ class Need:
         return {"total_mib": round(self.total / MIB, 1), "gpu_mib": round(self.gpu / MIB, 1),
                 "unified_memory": self.unified,
                 "models": {n: {k: round(v / MIB, 2) for k, v in m.items()} for n, m in self.models.items()}}
-
-
-def _int(meta: dict[str, Any], key: str, default: int) -> int:
-    v = meta.get(key)
-    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else default
-
-
-def kv_bytes(m: ModelConfig, info: GGUFInfo) -> int:
-    """The f16 KV cache of n_ctx tokens: every layer's K and V, from the GGUF header."""
-    meta, arch = info.metadata, info.architecture
-    n_head = _int(meta, f"{arch}.attention.head_count", 1)
-    k_len = _int(meta, f"{arch}.attention.key_length", _int(meta, f"{arch}.embedding_length", 1) // n_head or 1)
-    v_len = _int(meta, f"{arch}.attention.value_length", k_len)
-    return (_int(meta, f"{arch}.block_count", 1) * m.n_ctx
-            * _int(meta, f"{arch}.attention.head_count_kv", n_head) * (k_len + v_len) * 2)
-
-
-def model_need(m: ModelConfig, info: GGUFInfo, shared_file: bool, unified: bool = False) -> dict[str, int]:
-    """One model: its weights (CPU-resident ones 0 when the same file is mapped already), the f16
-    KV cache of n_ctx tokens, and the compute buffers llama.cpp sizes by n_batch (an upper
-    estimate). Offloaded weights are copies (llama.cpp's GPU buffers): on unified memory they are
-    DRAM whether or not the file is mapped."""
-    meta, arch = info.metadata, info.architecture
-    n_layer = _int(meta, f"{arch}.block_count", 1)
-    n_embd = _int(meta, f"{arch}.embedding_length", 1)
-    n_head = _int(meta, f"{arch}.attention.head_count", 1)
-    n_vocab = _int(meta, "n_vocab", 32000)
-    n_ctx, n_batch = m.n_ctx, min(m.n_batch, m.n_ctx)
-    kv = kv_bytes(m, info)
-    # logits of one batch, the attention scores of one batch against the context, activations
-    compute = 4 * n_batch * (n_vocab + n_head * n_ctx + 4 * n_embd) + CONTEXT_OVERHEAD
-    if m.n_gpu_layers != 0 and info.tensors:
-        split = offload_split(info, m.n_gpu_layers, None)
-        cpu_weights, gpu_weights = split.cpu, split.gpu
-    else:
-        cpu_weights, gpu_weights = info.data_bytes, 0
-    weights = (0 if shared_file and m.use_mmap else cpu_weights) + (gpu_weights if unified else 0)
-    offloaded = 1.0 if m.n_gpu_layers < 0 else min(1.0, m.n_gpu_layers / n_layer)
-    gpu = gpu_weights + int(offloaded * kv) + (compute if offloaded else 0)
-    # declared and learned prefix states are restored into the prompt cache before the switch
-    cache = prompt_cache_bytes(m, kv) if m.prefixes or m.learn_prefixes else 0
-    return {"model": weights, "kv_cache": kv, "compute": compute, "prompt_cache": cache, "gpu": gpu,
-            "dram": weights + kv + compute + cache}
-
-
-def prompt_cache_bytes(m: ModelConfig, kv_bytes: int, total_ram: int | None = None) -> int:
-    """The prompt cache's bound (edge.model.promptcache): `prompt_cache_mb`, or when unset the KV of
-    two full contexts (`kv_bytes`: one context's), at most 1/16 of RAM."""
-    if m.prompt_cache_mb is not None:
-        return m.prompt_cache_mb << 20
-    total = read_memory().total if total_ram is None else total_ram
-    return min(2 * kv_bytes, total // 16) if total else 2 * kv_bytes
 
 
 def engine_need(nbytes: int, unified: bool) -> dict[str, int]:

@@ -325,7 +325,8 @@ class _Run:
 
 def _guard(cfg: Config, plan: LoadPlan, old: Loaded) -> Decision:
     """The memory guard's decision for this plan (README "Reload", edge.lifecycle.memguard)."""
-    from edge.lifecycle.memguard import decide, engine_sizes, estimate, read_memory
+    from edge.device.memory import read_memory
+    from edge.lifecycle.memguard import decide, engine_sizes, estimate
 
     mapped = {k[2] for k in old.keys.values() if k[0] == "model" and k[2]}
     need = estimate([(f.cfg, f.info, plan.keys[f.cfg.name][2] in mapped) for f in plan.files if f.info],

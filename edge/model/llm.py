@@ -18,7 +18,7 @@ from edge.model.generate import GenParams, Job, Piece, generate
 from edge.model.gguf import GGUFInfo
 from edge.model.native import ContextSettings, DecodeError, Native
 from edge.model.mlock import MlockStatus, mlock_status, vm_locked_bytes
-from edge.lifecycle.memguard import kv_bytes, prompt_cache_bytes
+from edge.model.memory import kv_bytes, prompt_cache_bytes
 from edge.model.promptcache import PromptCache
 
 __all__ = ["GenParams", "GGUFModel", "Job", "Piece", "diagnose_load_failure", "load_gguf_model",

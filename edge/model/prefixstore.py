@@ -68,7 +68,7 @@ def folder_for(cache_dir: Path, model: str) -> Path:
 def prefix_key(model: GGUFModel) -> dict[str, Any]:
     """What makes a saved KV state valid for this loaded model and context."""
     from edge.model.gpu import llama_build
-    from edge.lifecycle.warmplan import context_identity
+    from edge.model.identity import context_identity
 
     p = model.native.params
     return {"format": FORMAT, **context_identity(model, llama_build()), "type_k": int(p.type_k),
@@ -127,7 +127,7 @@ def read_state(path: Path, key: dict[str, Any], tokens: list[int] | None = None)
     """(header, state) of a file that passes every check, else StateRejected naming the first
     that fails. `tokens`: the token ids the state must be of (a declared prefix). The state is
     read into the buffer that keeps it (once)."""
-    from edge.lifecycle.warmplan import key_differences
+    from edge.model.identity import key_differences
 
     try:
         with open(path, "rb") as f:
@@ -231,7 +231,7 @@ def _others(folder: Path, name: str) -> list[Path]:
 def _key_changes(paths: list[Path], key: dict[str, Any]) -> Iterator[list[str] | None]:
     """For each readable state file of `paths`, in order: None when it was saved under `key`,
     else the key's fields that differ (unreadable files are passed over)."""
-    from edge.lifecycle.warmplan import key_differences
+    from edge.model.identity import key_differences
 
     for path in paths:
         try:

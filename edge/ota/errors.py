@@ -1,8 +1,9 @@
-"""OTA error classes (kept here so the installer imports nothing heavy; edge.errors holds the base)."""
+"""OTA error classes (kept here so the installer imports nothing heavy; edge.errors holds the base,
+and ServiceUnreachable, which `edge reload` raises too)."""
 
 from __future__ import annotations
 
-from edge.errors import EdgeError
+from edge.errors import EdgeError, ServiceUnreachable
 
 __all__ = ["BundleError", "VersionError", "PolicyError", "OtaStateError", "OtaBusy", "ServiceUnreachable",
            "RolledBackUnhealthy"]
@@ -26,12 +27,6 @@ class OtaStateError(EdgeError):
     """The device's OTA state cannot be written: a full file system before its slots existed."""
 
     exit_code = 75  # EX_TEMPFAIL: it works again once space is freed
-
-
-class ServiceUnreachable(EdgeError):
-    """A reload activation has no running service to ask: refused before anything is switched."""
-
-    exit_code = 69  # EX_UNAVAILABLE
 
 
 class OtaBusy(EdgeError):

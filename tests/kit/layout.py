@@ -13,11 +13,13 @@ at run time (`importlib.import_module`, which edge.lifecycle.loader uses only to
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Arrow", "Graph", "import_graph", "module_name", "Size", "function_sizes", "module_lines"]
+__all__ = ["Arrow", "Graph", "import_graph", "module_name", "Size", "function_sizes", "module_lines",
+           "strongly_connected", "Floor", "readme_floors"]
 
 
 @dataclass(frozen=True)
@@ -81,34 +83,30 @@ class Graph:
 
     def circles(self) -> list[list[str]]:
         """Every strongly connected set of more than one module (Tarjan), each sorted."""
-        index: dict[str, int] = {}
-        low: dict[str, int] = {}
-        stack: list[str] = []
-        found: list[list[str]] = []
+        return strongly_connected({m: self.targets(m) for m in self.files})
 
-        def visit(v: str) -> None:  # recursion depth is bounded by the package's module count
-            index[v] = low[v] = len(index)
-            stack.append(v)
-            for w in self.targets(v):
-                if w not in index:
-                    visit(w)
-                    low[v] = min(low[v], low[w])
-                elif w in stack:
-                    low[v] = min(low[v], index[w])
-            if low[v] == index[v]:
-                group = []
-                while True:
-                    w = stack.pop()
-                    group.append(w)
-                    if w == v:
-                        break
-                if len(group) > 1:
-                    found.append(sorted(group))
+    def unit(self, name: str) -> str:
+        """The floor a module stands on: its subpackage (`edge.model.llm` → `edge.model`), or
+        the module itself at the top level (`edge.config`)."""
+        return ".".join(name.split(".")[:2])
 
-        for v in self.files:
-            if v not in index:
-                visit(v)
-        return sorted(found)
+    def packages(self) -> dict[str, set[str]]:
+        """The graph between floors: each subpackage or top-level module, and the others it
+        imports (the package's own `__init__` is nobody's floor: it only names the package)."""
+        root = self.root.name
+        units = {self.unit(m) for m in self.files if m != root}
+        out: dict[str, set[str]] = {u: set() for u in units}
+        for a in self.arrows:
+            if a.source != root and a.target != root and self.unit(a.source) != self.unit(a.target):
+                out[self.unit(a.source)].add(self.unit(a.target))
+        return out
+
+    def package_circles(self) -> list[list[str]]:
+        return strongly_connected(self.packages())
+
+    def package_arrows(self, source: str, target: str) -> list[Arrow]:
+        """The imports that make `source → target` between floors."""
+        return [a for a in self.arrows if self.unit(a.source) == source and self.unit(a.target) == target]
 
     def cycle_through(self, name: str, within: list[str]) -> list[Arrow]:
         """The shortest way from `name` back to itself inside `within` (breadth first)."""
@@ -150,6 +148,38 @@ class Graph:
         return [sorted(m for m in self.files if levels[m] == d) for d in range(max(levels.values()), -1, -1)]
 
 
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # recursion depth is bounded by the node count
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
 def import_graph(root: Path) -> Graph:
     return Graph(root)
 
@@ -184,3 +214,27 @@ def function_sizes(path: Path) -> list[Size]:
 
     visit(ast.parse(path.read_text(), str(path)), "")
     return sizes
+
+
+@dataclass(frozen=True)
+class Floor:
+    """One row of the README's package table: the packages (or ground-floor modules) it names,
+    the modules its `holds` cell names, and the packages it may import ("ground": the ground floor)."""
+
+    units: tuple[str, ...]
+    holds: tuple[str, ...]
+    imports: tuple[str, ...]
+
+
+def readme_floors(readme: str, package: str = "edge") -> list[Floor]:
+    """The rows of the table under `| package | holds | imports |`, top floor first; a unit is
+    `edge.model` for `model/` and `edge.config` for `config.py`."""
+    section = readme.split("| package | holds | imports |", 1)[1].split("\n\n", 1)[0]
+    floors = []
+    for line in section.splitlines()[2:]:
+        first, holds, imports = (c.strip() for c in line.strip().strip("|").split(" | "))
+        names = re.findall(r"`([^`]+)`", first)
+        units = tuple(f"{package}.{n.removesuffix('/').removesuffix('.py')}" for n in names)
+        allowed = tuple(a or b for a, b in re.findall(r"`([^`]+)`|\b(ground)\b", imports))
+        floors.append(Floor(units, tuple(re.findall(r"`([^`]+)`", holds)), allowed))
+    return floors

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from edge.config import ModelConfig
 from edge.model.gguf import GGUFInfo, TensorRecord, offload_split, read_gguf_info
-from edge.lifecycle.memguard import MIB, MemoryReading, decide, estimate, unified_memory
+from edge.device.memory import MIB, MemoryReading, unified_memory
+from edge.lifecycle.memguard import decide, estimate
 
 FIX = Path(__file__).parents[1] / "fixtures" / "devices"
 GIB = 1 << 30
@@ -82,7 +83,7 @@ def test_restored_prefix_states_count_in_a_reloads_need(tiny_gguf: Path) -> None
     import dataclasses
 
     from edge.config import ModelConfig, PrefixConfig
-    from edge.lifecycle.memguard import model_need, prompt_cache_bytes
+    from edge.model.memory import model_need, prompt_cache_bytes
 
     info = read_gguf_info(tiny_gguf)
     plain = ModelConfig(name="t", path=str(tiny_gguf), n_ctx=256)

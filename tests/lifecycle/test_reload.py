@@ -22,7 +22,8 @@ from kit import EDGE, post, write_config
 from edge.config import parse_config
 from edge.errors import ConfigError
 from edge.model.gguf import read_gguf_info
-from edge.lifecycle.memguard import MemoryReading, decide, estimate
+from edge.device.memory import MemoryReading
+from edge.lifecycle.memguard import decide, estimate
 from edge.host.units import UnitOptions, render_service
 
 REQ = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "seed": 0}
