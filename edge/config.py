@@ -124,6 +124,10 @@ class ModelConfig:
     # sliding-window layers (Gemma 3, ...): false keeps only their window, as llama-server does
     # (less KV memory, faster prefill); true keeps every position (any cached prefix reusable)
     swa_full: bool = False
+    # llama.cpp's extra buffer types: weights repacked for the CPU's fastest kernels (a large
+    # speed-up on ARM), and AMX where the build has it; false is llama.cpp's --no-repack. Safe mode
+    # (edge.lifecycle.safemode) turns it off for a model whose load or warm-up crashed twice.
+    use_extra_bufts: bool = True
     n_ubatch: int | None = field(default=None, metadata=_range(1, 1 << 16))
     n_threads_batch: int = field(default=0, metadata=_range(0, 1024))
     # The prompt cache (edge.model.promptcache): KV states of earlier prefixes in host memory, bounded

@@ -241,7 +241,8 @@ def _model_lines(report: dict[str, Any]) -> list[str]:
             lines.append(f"model {m['name']}: n_ctx {m.get('n_ctx')}, n_batch {c['n_batch']}, n_ubatch "
                          f"{c['n_ubatch']}, threads {c['n_threads']} (batch {c['n_threads_batch']}), flash_attn "
                          f"{c['flash_attn']}, swa_full {str(c.get('swa_full')).lower()}, prompt cache up to "
-                         f"{c['prompt_cache_limit_bytes'] / 2**20:.1f} MiB")
+                         f"{c['prompt_cache_limit_bytes'] / 2**20:.1f} MiB"
+                         + ("" if c.get("use_extra_bufts", True) else ", extra buffer types off"))
     rows = [(p["detail"].get("model"), r) for p in report["phases"] if p["name"] == Phases.PREFIX_STATES
             for r in p["detail"].get("prefixes", [])]
     if rows:

@@ -45,7 +45,9 @@ def context_identity(model: GGUFModel, build: str | None) -> dict[str, Any]:
             "llama_system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),
             "backend": build, "n_ctx": model.n_ctx, "n_batch": int(p.n_batch), "n_ubatch": int(p.n_ubatch),
             "n_gpu_layers": model.cfg.n_gpu_layers, "flash_attn": model.cfg.flash_attn_mode,
-            "swa_full": bool(p.swa_full)}
+            "swa_full": bool(p.swa_full),
+            # only when off: keys made before the field existed (extra buffer types on) still match
+            **({} if model.native.settings.use_extra_bufts else {"use_extra_bufts": False})}
 
 
 def key_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:

@@ -121,7 +121,7 @@ class GGUFModel:
         s = self.native.settings
         return {"n_batch": self.native.n_batch, "n_ubatch": s.n_ubatch, "n_threads": s.n_threads,
                 "n_threads_batch": s.n_threads_batch, "flash_attn": s.flash_attn, "swa_full": s.swa_full,
-                "prompt_cache_limit_bytes": self.cache.limit_bytes}
+                "use_extra_bufts": s.use_extra_bufts, "prompt_cache_limit_bytes": self.cache.limit_bytes}
 
     def close(self) -> None:
         """The context, the KV cache and the mapping now, not whenever GC gets to them."""
@@ -135,7 +135,8 @@ def settings_for(cfg: ModelConfig) -> ContextSettings:
                            n_ubatch=min(cfg.n_ubatch or 512, cfg.n_batch, cfg.n_ctx), n_threads=threads,
                            n_threads_batch=cfg.n_threads_batch or threads, flash_attn=cfg.flash_attn_mode,
                            swa_full=cfg.swa_full,
-                           n_gpu_layers=cfg.n_gpu_layers, use_mmap=cfg.use_mmap, use_mlock=cfg.use_mlock)
+                           n_gpu_layers=cfg.n_gpu_layers, use_mmap=cfg.use_mmap, use_mlock=cfg.use_mlock,
+                           use_extra_bufts=cfg.use_extra_bufts)
 
 
 def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:

@@ -48,6 +48,7 @@ class ContextSettings:
     n_gpu_layers: int
     use_mmap: bool
     use_mlock: bool
+    use_extra_bufts: bool = True  # llama.cpp's weight repacking / AMX buffers (false: --no-repack)
 
 
 @functools.cache
@@ -71,6 +72,7 @@ class Native:
         self._batch: Any = None
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = s.n_gpu_layers
+        mp.use_extra_bufts = s.use_extra_bufts
         mp.load_mode = {(True, True): lib.LLAMA_LOAD_MODE_MMAP_MLOCK, (True, False): lib.LLAMA_LOAD_MODE_MMAP,
                         (False, True): lib.LLAMA_LOAD_MODE_MLOCK,
                         (False, False): lib.LLAMA_LOAD_MODE_NONE}[(s.use_mmap, s.use_mlock)]
