@@ -25,33 +25,11 @@ from edge.toml import build_dataclass  # also the engine recipes' builder (edge.
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes, one of them the terminating NUL
 _HOST = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*")
 
-__all__ = [
-    "BUILTIN_PREFIX",
-    "DEFAULT_LISTEN",
-    "DEFAULT_MAX_CONNECTIONS",
-    "LOG_LEVELS",
-    "DEFAULT_URL",
-    "SYSTEM_CONFIG",
-    "load",
-    "Config",
-    "MessageConfig",
-    "ModelConfig",
-    "PrefixConfig",
-    "PathsConfig",
-    "ServerConfig",
-    "WarmupConfig",
-    "EngineConfig",
-    "default_config",
-    "find_config",
-    "load_config",
-    "read_config_text",
-    "parse_config",
-    "build_dataclass",
-    "state_dir",
-    "cache_dir",
-    "check_writable",
-    "write_probe",
-]
+__all__ = ["BUILTIN_PREFIX", "DEFAULT_LISTEN", "DEFAULT_MAX_CONNECTIONS", "LOG_LEVELS", "DEFAULT_URL",
+           "SYSTEM_CONFIG", "load", "Config", "MessageConfig", "ModelConfig", "PrefixConfig", "PathsConfig",
+           "ServerConfig", "WarmupConfig", "EngineConfig", "default_config", "find_config", "load_config",
+           "read_config_text", "parse_config", "build_dataclass", "state_dir", "cache_dir", "check_writable",
+           "write_probe"]
 
 BUILTIN_PREFIX = "builtin:"
 # Defaults written once: the CLI, the unit renderer and the [server] table take them from here.
@@ -91,6 +69,8 @@ class ServerConfig:
     # a stream's server-sent events: the first token at once, then at most one event per this
     # many ms carrying every token made meanwhile (0: an event per token)
     stream_interval_ms: float = field(default=40.0, metadata=_range(0.0, 1000.0))
+    # safe mode (edge.lifecycle.safemode): a start that serves this long clears the crash count
+    healthy_after_s: float = field(default=300.0, metadata=_range(1.0, 86400.0))
 
 
 @dataclass(frozen=True)

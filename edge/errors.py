@@ -13,6 +13,8 @@
     │                                 an OTA activation by reload): nothing was switched
     ├── BackendError              70  a native backend (llama.cpp, TensorRT) failed
     ├── WarmupError               70  a warm-up request failed: not fit to serve
+    ├── SafeModeExhausted         76  the same phase crashed twice in a row with its last safe
+    │                                 fallback too (edge.lifecycle.safemode): no restart helps
     ├── StoppedDuringStart         0  SIGTERM before READY: nothing was accepted, exit cleanly
     └── RequestError             (HTTP 4xx/5xx, never an exit) a client request is invalid
 
@@ -29,6 +31,7 @@ from types import ModuleType
 
 __all__ = [
     "EX_CONFIG",
+    "EX_SAFE_MODE_EXHAUSTED",
     "EX_DATAERR",
     "EX_NOPERM",
     "EX_OK",
@@ -46,6 +49,7 @@ __all__ = [
     "ServiceUnreachable",
     "BackendError",
     "WarmupError",
+    "SafeModeExhausted",
     "StoppedDuringStart",
     "RequestError",
     "require",
@@ -57,6 +61,7 @@ EX_UNAVAILABLE = 69  # a dependency (package, socket) is missing
 EX_DATAERR = 65  # a model file is missing, truncated or not what it claims
 EX_NOPERM = 77  # mlock required but refused by RLIMIT_MEMLOCK
 EX_CONFIG = 78  # the config file is missing or invalid
+EX_SAFE_MODE_EXHAUSTED = 76  # every safe fallback of a crashing phase crashed too (not a sysexits code's sense)
 
 
 class EdgeError(Exception):
@@ -129,6 +134,11 @@ class WarmupError(EdgeError):
     """A warm-up request failed: the model is not fit to serve."""
 
 
+class SafeModeExhausted(EdgeError):
+    """A phase crashed twice in a row under the same key after its last safe fallback (or it has
+    none): starting again would crash again. The unit does not restart on it."""
+
+
 class StoppedDuringStart(EdgeError):
     """SIGTERM arrived before the service was ready: nothing was accepted, so exit cleanly."""
 
@@ -152,6 +162,7 @@ EXIT_CODES: dict[type[EdgeError], int] = {
     MlockError: EX_NOPERM,
     GpuOffloadUnavailable: EX_CONFIG,
     MissingDependency: EX_UNAVAILABLE,
+    SafeModeExhausted: EX_SAFE_MODE_EXHAUSTED,
     ServiceUnreachable: EX_UNAVAILABLE,
     StoppedDuringStart: EX_OK,
     EdgeError: EX_SOFTWARE,

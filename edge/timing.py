@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +21,7 @@ from typing import Any
 
 from edge.fsutil import atomic_write
 
-__all__ = ["Phase", "Phases", "StartTimer", "ReloadTimer", "format_report", "write_report", "read_last_report",
+__all__ = ["Phase", "PhaseObserver", "Phases", "StartTimer", "ReloadTimer", "format_report", "write_report", "read_last_report",
            "process_age_s", "REPORT_NAME", "RELOAD_REPORT_NAME", "format_reload_report", "UnreadableReport"]
 
 REPORT_NAME = "last-start.json"
@@ -62,6 +62,8 @@ class Phases:
     WARMUP = "warmup"
     HTTP_SETUP = "http_setup"
     READY = "ready"
+    RECOVERY = "recovery"  # crash records settled, safe mode decided (edge.lifecycle.safemode)
+    SERVING = "serving"  # not a phase of the report: where a process that dies after READY was
     # a reload (edge.lifecycle.reload) adds these to the load-and-warm phases above
     MEMORY_GUARD = "memory_guard"
     DRAIN_OLD = "drain_old"  # sequential: the old set drains and is freed before the load
@@ -88,6 +90,11 @@ class Phase:
         return d
 
 
+# Told when a phase begins (before it runs) and ends: ("enter" | "done", phase name, detail). The
+# start journal (edge.fleet.journal) is one: it writes the phase down before the phase runs.
+PhaseObserver = Callable[[str, str, dict[str, Any]], None]
+
+
 class StartTimer:
     """Collects the phases of one start; offsets are from the exec of this process."""
 
@@ -95,6 +102,7 @@ class StartTimer:
         self._mono0 = time.monotonic() - process_age_s()
         self.started_at = time.time() - (time.monotonic() - self._mono0)
         self.phases: list[Phase] = []
+        self.observers: list[PhaseObserver] = []
 
     def now(self) -> float:
         return time.monotonic() - self._mono0
@@ -102,11 +110,15 @@ class StartTimer:
     @contextmanager
     def phase(self, name: str, **detail: Any) -> Iterator[Phase]:
         ph = Phase(name=name, start_s=self.now(), detail=dict(detail))
+        for observe in self.observers:
+            observe("enter", name, ph.detail)
         try:
             yield ph
         finally:
             ph.seconds = self.now() - ph.start_s
             self.phases.append(ph)
+            for observe in self.observers:
+                observe("done", name, ph.detail)
 
     def add(self, name: str, start_s: float, end_s: float, *, nbytes: int | None = None,
             **detail: Any) -> Phase:

@@ -84,6 +84,8 @@ class Record:
         for ph in report.get("phases", []):
             self.phases[cache].setdefault(ph["name"], []).append(ph["seconds"])
         self.phases[cache].setdefault("ready_s", []).append(report["ready_s"])
+        if isinstance(report.get("journal"), dict):  # what the start journal's synced lines cost
+            self.phases[cache].setdefault("journal_s", []).append(report["journal"]["seconds"])
 
 
 def edge_report(c: Contender, s: Started) -> dict[str, Any]:

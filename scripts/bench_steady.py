@@ -121,6 +121,8 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, help="llama-server binary (scripts/build-llama-server)")
     ap.add_argument("--llama-server-skipped", default="", help="why there is no llama-server")
     ap.add_argument("--only", nargs="*", help="servers to run (edge, llama-server, llama_cpp.server)")
+    ap.add_argument("--fallback", action="store_true", help="also edge with safe mode's first step "
+                    "(use_extra_bufts = false): what the fallback costs, as server edge-no-extra-bufts")
     args = ap.parse_args()
 
     model = gemma_path()
@@ -129,6 +131,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="edge-bench-steady-"))
     cfg = edge_config(tmp / "edge", model, args.n_ctx, n_threads=args.threads)
     launchers = {"edge": lambda: start_edge(cfg, env_for_bench())}
+    if args.fallback:
+        safe = edge_config(tmp / "edge-safe", model, args.n_ctx, n_threads=args.threads,
+                           extra_model="use_extra_bufts = false\n")
+        launchers["edge-no-extra-bufts"] = lambda: start_edge(safe, env_for_bench())
     peers = [llama_cpp_server(model, args.n_ctx, args.threads)]
     if args.llama_server:
         peers.append(llama_server(args.llama_server, model, args.n_ctx, args.threads))

@@ -63,14 +63,14 @@ def gemma_path() -> Path:
 
 
 def edge_config(folder: Path, model: Path, n_ctx: int, *, n_threads: int = 0, n_batch: int = 512,
-                warmup_prompts: Sequence[str] = ()) -> Path:
+                warmup_prompts: Sequence[str] = (), extra_model: str = "") -> Path:
     """edge's defaults but for the model, context, threads and batch. The warm-up gets no
     measured prompt: a benchmark must never measure what the warm-up has seen."""
     folder.mkdir(parents=True, exist_ok=True)
     cfg = folder / "edge.toml"
     cfg.write_text(f'[paths]\nstate_dir = "{folder / "state"}"\ncache_dir = "{folder / "cache"}"\n'
                    f'[[models]]\nname = "gemma"\npath = "{model}"\nn_ctx = {n_ctx}\n'
-                   f'n_threads = {n_threads}\nn_batch = {n_batch}\n'
+                   f'n_threads = {n_threads}\nn_batch = {n_batch}\n{extra_model}'
                    f'[warmup]\nprompts = {json.dumps(list(warmup_prompts))}\n')
     return cfg
 

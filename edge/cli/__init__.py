@@ -10,7 +10,7 @@ import traceback
 
 import typer
 
-from edge.cli import doctor, engines, fleet, serve, units
+from edge.cli import doctor, engines, fleet, recovery, serve, units
 from edge.errors import EX_SOFTWARE, EdgeError
 
 __all__ = ["app", "main"]
@@ -19,7 +19,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   rich_markup_mode=None,  # plain help: importing rich costs ~90 ms per call
                   help="edge: cold-start runtime for Jetson-class devices.")
 
-for group in (serve, units, doctor, engines, fleet):
+for group in (serve, recovery, units, doctor, engines, fleet):
     group.register(app)
 
 from edge.cli.ota import ota_app  # noqa: E402  (light: its commands import what they need)

@@ -12,42 +12,24 @@ import typer
 
 from edge.cli.options import ConfigOpt, JsonOpt, config_of, output_file, url_of
 from edge.config import DEFAULT_URL
-from edge.errors import EX_SOFTWARE, EdgeError
+from edge.errors import EdgeError
 
 __all__ = ["register"]
 
 
 def serve(config: Optional[str] = ConfigOpt) -> None:
     """Load, lock and warm up the models, then serve on the inherited or configured socket."""
+    import faulthandler
+
     from edge.timing import StartTimer
 
     timer = StartTimer()  # first: the report measures from exec, config parsing included
+    # a native fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) writes every thread's Python stack to
+    # stderr, which is the journal under systemd, and then dies by the signal as before
+    faulthandler.enable(all_threads=True)
     from edge.lifecycle.start import ColdStart
 
-    start = ColdStart(config, timer=timer)
-    try:
-        code = start.run()
-    except Exception as exc:
-        if start.loaded is None or not start.loaded.state.ready:  # not a failure while serving
-            _record_failed_start(start, config, exc)
-        raise
-    raise typer.Exit(code)
-
-
-def _record_failed_start(start: Any, config: Optional[str], exc: Exception) -> None:
-    """A start that never reached READY leaves its report too (phases so far, the error, the
-    exit code), so that the fleet sees failed starts (edge_starts_total{result="failed"})."""
-    from edge.config import state_dir
-    from edge.fleet.history import record_failed_start
-
-    code = exc.exit_code if isinstance(exc, EdgeError) else EX_SOFTWARE
-    report = start.timer.report(config=config, result="failed", error=str(exc) or type(exc).__name__,
-                                exit_code=code)
-    try:
-        folder = state_dir(start.config_read or _config_for_state(config))
-        record_failed_start(folder, report)
-    except Exception as why:  # never hide the start's own error behind this one
-        typer.echo(f"edge: could not record the failed start: {why}", err=True)
+    raise typer.Exit(ColdStart(config, timer=timer).run())
 
 
 SvgOpt = typer.Option(None, "--svg", callback=output_file,
@@ -114,23 +96,18 @@ def reload(config: Optional[str] = typer.Option(
 
 
 def _config_for_state(config: Optional[str]) -> Any:
-    """The config whose state_dir names the control socket (or keeps a failed start's report).
-    An invalid config is still sent to the service (which reports the error and keeps serving),
-    or failed the start: its paths.state_dir is read raw."""
-    from edge import toml
+    """The config whose state_dir names the control socket (or keeps the reports). An invalid
+    config is still sent to the service (which reports the error and keeps serving), or failed
+    the start: its state dir is the one the start used (edge.lifecycle.recovery.early_state_dir)."""
     from edge.config import PathsConfig, default_config
     from edge.errors import ConfigError
+    from edge.lifecycle.recovery import early_state_dir
 
     try:
         return config_of(config)
     except ConfigError:
-        try:
-            raw = toml.loads(open(config).read()) if config else {}
-        except (OSError, toml.TOMLDecodeError, UnicodeDecodeError):
-            raw = {}
-        paths = raw.get("paths") if isinstance(raw.get("paths"), dict) else {}
-        state = paths.get("state_dir") if isinstance(paths.get("state_dir"), str) else None
-        return dataclasses.replace(default_config(), paths=PathsConfig(state_dir=state))
+        paths = PathsConfig(state_dir=str(early_state_dir(config)))
+        return dataclasses.replace(default_config(), paths=paths)
 
 
 def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Optional[Path] = SvgOpt) -> None:
@@ -140,23 +117,28 @@ def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Opti
     from edge.fleet.history import FAILED_START
     from edge.timing import REPORT_NAME
 
-    folder = _state_folder(config_of(config))
+    from edge.fleet.crashes import recent_crashes
+    from edge.lifecycle.safemode import SafeMode
+
+    folder = _state_folder(_config_for_state(config))
     damaged: list[str] = []
     report = _read_report(folder, "start", damaged)
     failed = _read_report(folder, FAILED_START, damaged)
     if failed is not None and report is not None and _newer(report, failed):
         failed = None  # an earlier failure, followed by a good start
-    if report is None and failed is None and not damaged:
+    crashes, safe = recent_crashes(folder), SafeMode.load(folder).describe()
+    if report is None and failed is None and not damaged and not crashes:
         typer.echo(f"no start report yet in {folder / REPORT_NAME}: has `edge serve` run?", err=True)
         raise typer.Exit(1)
     reload_report = _read_report(folder, "reload", damaged) if report is not None else None
     if reload_report is not None and reload_report.get("pid") != report.get("pid"):
         reload_report = None  # a reload of an earlier run of the service, not of this one
     if as_json:  # the start report as before, the last reload (and a later failed start) beside it
-        typer.echo(json.dumps({**(report or {}), "last_reload": reload_report, "last_failed_start": failed},
-                              indent=2))
+        typer.echo(json.dumps({**(report or {}), "last_reload": reload_report, "last_failed_start": failed,
+                               "crashed_starts": crashes, "safe_mode": safe}, indent=2))
     else:
         _print_reports(folder, report, reload_report, failed, damaged)
+        typer.echo(_format_recovery(crashes, safe), nl=False)
     for why in damaged:
         typer.echo(f"edge: {why}", err=True)
     if svg is not None:
@@ -206,6 +188,22 @@ def _print_reports(folder: Path, report: Any, reload_report: Any, failed: Any, d
         shown = True
 
 
+def _format_recovery(crashes: list[dict[str, Any]], safe: list[dict[str, Any]]) -> str:
+    """Crashes (before READY and after it) and safe mode's steps, after the reports."""
+    lines = []
+    if crashes:
+        lines += ["", f"CRASHES (last {len(crashes)})", f"{'at':<26}{'pid':>8}  {'phase':<19}{'signal':<9}what"]
+        for c in crashes:
+            on = c.get("model") or c.get("engine") or ""
+            lines.append(f"{c.get('at') or '?':<26}{c.get('pid') or '?':>8}  {c.get('phase') or '?':<19}"
+                         f"{c.get('signal') or '?':<9}{c.get('result')}{' (' + on + ')' if on else ''}"
+                         f"{'' if c.get('settled', True) else ', not recorded yet'}")
+    for s in safe:
+        lines += ["", f"SAFE MODE {s['target']}: {s['fallback']} since {s['since']} ({s['reason']}); "
+                      "`edge safe-mode clear` ends it"]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
 def _newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
     from edge.fleet.history import timestamp
 
@@ -216,8 +214,9 @@ def _format_failed(r: dict[str, Any]) -> str:
     from edge.timing import format_report
 
     table = format_report({**r, "sockets": []}).split("\n", 2)[2]  # its phases, without the head
-    return (f"LAST START FAILED: {r.get('started_at')}  pid {r.get('pid')}  after {r.get('ready_s', 0):.3f} s, "
-            f"exit {r.get('exit_code')}: {r.get('error')}\n{table}")
+    how = f"exit {r['exit_code']}" if r.get("exit_code") is not None else f"signal {r.get('signal', 'unknown')}"
+    return (f"LAST START {str(r.get('result') or 'failed').upper()}: {r.get('started_at')}  pid {r.get('pid')}  "
+            f"after {r.get('ready_s', 0):.3f} s, {how}: {r.get('error')}\n{table}")
 
 
 def bench(url: str = typer.Option(DEFAULT_URL, "--url", callback=lambda v: url_of(v, ("http",)),

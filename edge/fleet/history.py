@@ -3,7 +3,8 @@
 The state dir already holds the reports (edge.timing: `reports/start-*.json`,
 `reports/reload-*.json`, `last-start.json`, `last-reload.json`); a start that fails leaves
 `reports/failed-start-*.json` (`record_failed_start`, on the failure path only, so a good start
-pays nothing). Reports are pruned (the newest 50 of each kind), so counts cannot be read from
+pays nothing), with its `result`: failed, stopped (SIGTERM before READY), crashed or timeout (from
+its journal: edge.fleet.crashes); a process that died after READY leaves `reports/crash-*.json`. Reports are pruned (the newest 50 of each kind), so counts cannot be read from
 them alone: `Ledger` adds every report once to counts that only grow, kept in `history.json`
 beside them, and remembers which reports it counted for as long as they are on disk.
 
@@ -27,7 +28,7 @@ from typing import Any
 from edge.fsutil import atomic_write
 from edge.timing import write_report
 
-__all__ = ["FAILED_START", "LEDGER", "Ledger", "OtaView", "read_json", "read_ota", "record_failed_start",
+__all__ = ["CRASH", "FAILED_START", "LEDGER", "START_RESULTS", "Ledger", "OtaView", "read_json", "read_ota", "record_failed_start",
            "reload_result", "timestamp"]
 
 log = logging.getLogger("edge")
@@ -35,8 +36,10 @@ log = logging.getLogger("edge")
 LEDGER = "history.json"
 LEDGER_FORMAT = 1
 FAILED_START = "failed-start"  # the report kind of a start that never reached READY
-# report kind (file prefix under reports/) -> the family it is counted in, and how it ended
-_KINDS = {"start": "start", FAILED_START: "start", "reload": "reload"}
+CRASH = "crash"  # the report kind of a process that died after READY (edge.fleet.crashes)
+# how a start ended: READY, or before it by an error, a SIGTERM, a signal, systemd's timeout
+START_RESULTS = ("ok", "failed", "stopped", "crashed", "timeout")
+_KINDS = ("start", FAILED_START, "reload", CRASH)  # report kinds (file prefixes under reports/)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -67,10 +70,18 @@ def reload_result(report: dict[str, Any]) -> str:
     return "rolled_back" if report.get("rolled_back") else "failed"
 
 
-def _result(kind: str, report: dict[str, Any]) -> str:
-    if kind == FAILED_START:
-        return "failed"
-    return reload_result(report) if kind == "reload" else "ok"
+def _counted(kind: str, report: dict[str, Any]) -> list[tuple[str, str]]:
+    """(family, key) counters one report adds to: a start's result; a reload's; and every crash,
+    before READY or after, under "crash" by "<phase>/<signal>"."""
+    if kind == "reload":
+        return [("reload", reload_result(report))]
+    if kind == "start":
+        return [("start", "ok")]
+    crash = [("crash", f"{report.get('phase') or 'unknown'}/{report.get('signal') or 'unknown'}")]
+    if kind == CRASH:
+        return crash
+    result = report.get("result") if report.get("result") in START_RESULTS[1:] else "failed"
+    return [("start", result)] + (crash if result == "crashed" else [])
 
 
 def _identity(kind: str, name: str, report: dict[str, Any]) -> str:
@@ -113,9 +124,9 @@ class Ledger:
                     continue  # half-gone (pruned meanwhile) or foreign: not counted, looked at again
                 ident = _identity(kind, name, report)
                 if ident not in known:
-                    family = self.counts.setdefault(_KINDS[kind], {})
-                    result = _result(kind, report)
-                    family[result] = family.get(result, 0) + 1
+                    for family, key in _counted(kind, report):
+                        counts = self.counts.setdefault(family, {})
+                        counts[key] = counts.get(key, 0) + 1
                     known.add(ident)
                 self.seen[name] = ident
             gone = [n for n in self.seen if n not in on_disk]
@@ -159,16 +170,18 @@ class Ledger:
                 self._warned = True
 
 
-def record_failed_start(state_dir: Path, report: dict[str, Any]) -> Path | None:
+def record_failed_start(state_dir: Path, report: dict[str, Any], count: bool = True) -> Path | None:
     """Keep the report of a start that failed (reports/failed-start-*.json and
-    last-failed-start.json; last-start.json stays the last good start) and count it at once:
-    a service that keeps failing is not scraped, and its reports are pruned meanwhile."""
+    last-failed-start.json; last-start.json stays the last good start) and count it at once
+    (`count`): a service that keeps failing is not scraped, and its reports are pruned meanwhile.
+    A start stopped by SIGTERM is counted later, once systemd said whether it was its timeout."""
     try:
         path = write_report(report, state_dir, kind=FAILED_START)
     except OSError as exc:  # e.g. the state dir itself is what failed the start
         log.warning("cannot record the failed start in %s: %s", state_dir, exc)
         return None
-    Ledger(state_dir).update()
+    if count:
+        Ledger(state_dir).update()
     return path
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
-from edge.fleet.history import Ledger, OtaView, read_json, read_ota, reload_result, timestamp
+from edge.fleet.history import START_RESULTS, Ledger, OtaView, read_json, read_ota, reload_result, timestamp
 
 __all__ = ["DEVICE_LABELS", "FleetCollector", "build_labels", "device_labels", "ggml_gpu_devices",
            "offloaded_layers", "quant_name"]
@@ -35,8 +35,9 @@ DEVICE_LABELS = {"platform": "platform", "module": "jetson_model", "l4t": "l4t_r
                  "onnxruntime": "onnxruntime", "cpu_arch": "cpu_arch"}
 # counter family, what the history ledger counts (edge.fleet.history), every result (0 until one
 # happens: a rate over a result that has not happened yet is 0, not absent)
-COUNTERS = (("edge_starts", "start", ("ok", "failed"), "Starts of the service on this device by "
-             "result (ok: READY; failed: exited before READY), across restarts."),
+COUNTERS = (("edge_starts", "start", START_RESULTS, "Starts of the service on this device by result "
+             "(ok: READY; before READY: failed, an error; stopped, SIGTERM; crashed, a signal; timeout, "
+             "systemd's TimeoutStartSec=), across restarts."),
             ("edge_reloads", "reload", ("ok", "failed", "rolled_back"), "Reloads on this device by "
              "result (ok; failed: the old set kept serving; rolled_back: the previous config was "
              "loaded again), across restarts."))
@@ -58,7 +59,7 @@ def _dist(name: str) -> str:
         return ""
 
 
-def _llama_lib_dir() -> Path | None:
+def llama_lib_dir() -> Path | None:
     """llama_cpp's bundled libraries, found without importing it (edge may serve engines only)."""
     loaded = sys.modules.get("llama_cpp")
     if loaded is not None and getattr(loaded, "__file__", None):
@@ -82,7 +83,7 @@ def build_labels() -> dict[str, str]:
     from edge import __version__
     from edge.model.gpu import llama_build
 
-    lib_dir = _llama_lib_dir()
+    lib_dir = llama_lib_dir()
     return {"version": __version__, "python": platform.python_version(),
             "llama_cpp_python": _dist("llama-cpp-python"),
             "llama_cpp": _soname_version(lib_dir, "libllama"), "ggml": _soname_version(lib_dir, "libggml"),
@@ -105,7 +106,7 @@ def ggml_gpu_devices() -> int | None:
     None when llama_cpp is not loaded or its ggml cannot be asked. Asked of libggml itself,
     through its public device registry (the same library instance llama_cpp loaded)."""
     mod = sys.modules.get("llama_cpp")
-    lib = next(iter(sorted((_llama_lib_dir() or Path("/nonexistent")).glob("libggml.so*"))), None)
+    lib = next(iter(sorted((llama_lib_dir() or Path("/nonexistent")).glob("libggml.so*"))), None)
     if mod is None or lib is None:
         return None
     try:
@@ -172,6 +173,7 @@ class FleetCollector:
         yield from self._models(getattr(state, "workers", None) or {})
         yield from self._engines(getattr(state, "engines", None) or {})
         yield from self._starts()
+        yield from self._safe_mode(getattr(state, "safe_mode", None) or [])
         yield from self._reloads()
         yield from _ota(read_ota(self.state_dir))
 
@@ -229,6 +231,14 @@ class FleetCollector:
             for result in results:
                 family.add_metric([result], float(counts.get(kind, {}).get(result, 0)))
             yield family
+        crashes = CounterMetricFamily("edge_crashes", "Processes of the service that died by a signal "
+                                      "(or found themselves unfit to go on: signal=\"none\"), by the phase "
+                                      "they were in (\"serving\": after READY) and the signal (\"unknown\": "
+                                      "no exit record), across restarts.", labels=["phase", "signal"])
+        for key, n in sorted(counts.get("crash", {}).items()):
+            phase, _, sig = key.partition("/")
+            crashes.add_metric([phase, sig], float(n))
+        yield crashes
         report = read_json(self.state_dir / "last-start.json") or {}
         phases: dict[str, float] = {}
         for p in report.get("phases") or []:
@@ -242,6 +252,12 @@ class FleetCollector:
         at = timestamp(report.get("started_at"))
         yield _gauge("edge_last_start_timestamp_seconds", "When the last successful start began "
                      "(unix time).", [], [([], at)] if at is not None else [])
+
+    def _safe_mode(self, steps: list[dict[str, Any]]) -> Iterator[Metric]:
+        yield _gauge("edge_safe_mode_info", "1 for each safe-mode step in force (edge safe-mode): the "
+                     "phase whose crashes made it, and the fallback taken for which model or engine.",
+                     ["phase", "target", "reason"],
+                     [([str(s["phase"]), str(s["target"]), str(s["fallback"])], 1.0) for s in steps])
 
     def _reloads(self) -> Iterator[Metric]:
         report = read_json(self.state_dir / "last-reload.json")

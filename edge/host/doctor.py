@@ -248,6 +248,25 @@ def _engines(cfg: Config) -> list[Check]:
     return checks
 
 
+def _safe_mode(cfg: Config) -> list[Check]:
+    """Safe mode's steps in force (a warning each: the device serves without a path that
+    faulted), else how many crashes are on record (edge.lifecycle.safemode, edge.fleet.crashes)."""
+    from edge.fleet.crashes import recent_crashes
+    from edge.lifecycle.safemode import SafeMode
+
+    folder = state_dir(cfg)
+    steps = SafeMode.load(folder).describe()
+    checks = [Check(f"safe mode {s['target']}", "warn", f"{s['fallback']} since {s['since']}: {s['reason']}",
+                    "find the cause (`edge status` lists the crashes, `journalctl -u edge` has their stacks), "
+                    "then `edge safe-mode clear`") for s in steps]
+    if not steps:
+        crashes = recent_crashes(folder)
+        last = crashes[-1] if crashes else None
+        checks.append(Check("safe mode", "ok", "off" + (f"; last crash {last['at']} in {last['phase']} "
+                                                      f"(signal {last['signal']})" if last else "; no crash on record")))
+    return checks
+
+
 def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
     """Check `config`, or — when none is given and edge.service is installed — the config the
     unit's ExecStart= runs, so that doctor tests what systemd will start."""
@@ -271,6 +290,7 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
         lambda: [_memory(cfg)],
         lambda: unit_checks,
         lambda: _dirs(cfg),
+        lambda: _safe_mode(cfg),
     ]
     for step in steps:
         checks += step()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from edge.config import DEFAULT_MAX_CONNECTIONS
-from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
+from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM, EX_SAFE_MODE_EXHAUSTED
 from edge.fsutil import atomic_write, fsync_dir
 from edge.serve.limits import nofile_for
 
@@ -57,11 +57,14 @@ GPU_DEVICES = JETSON_JP5_DEVICES + JETSON_JP6_DEVICES + DGPU_DEVICES
 # a privileged (+), failure-tolerant (-) ExecStartPre= makes them before the sandboxed start.
 NVIDIA_MODPROBE = "/usr/bin/nvidia-modprobe"
 
-# A start that fails with a restartable code is retried this often within this window, then the
-# service stays failed (RestartSec=2 alone would retry forever: the default limit of 5 starts in
-# 10 s is never reached by a start that takes more than 0 s to fail).
-START_LIMIT_BURST = 5
-START_LIMIT_INTERVAL_S = 600
+# The unit's start limit only catches what edge cannot bound itself: edge ends a crash loop on its
+# own (safe mode's steps, then exit 76, which the unit does not restart), so the limit is set
+# above what a person's restarts (10 in a minute), OTA activations and socket-triggered starts
+# add up to, and above the crashes safe mode needs to climb its ladders; a start that keeps
+# failing before edge's journal runs (a broken install) still stops after 20 tries in 2 minutes
+# (RestartSec=2 alone would retry forever).
+START_LIMIT_BURST = 20
+START_LIMIT_INTERVAL_S = 120
 
 STARTER_CONFIG = """\
 # Starter config written by `edge units install` (it never overwrites an existing file).
@@ -147,6 +150,7 @@ Type=notify
 NotifyAccess=main
 ${modprobe}ExecStart=$edge serve --config $config
 ExecReload=$edge reload --config $config --timeout $reload_timeout
+ExecStopPost=$edge record-stop --config $config
 Restart=on-failure
 RestartSec=2
 RestartPreventExitStatus=$no_restart
@@ -189,7 +193,9 @@ Also=edge.socket
 # Why some lines are as they are (comments in the rendered unit would be read by every device):
 # - ExecReload=: below TimeoutStartSec=, which systemd also applies to reloads.
 # - RestartPreventExitStatus=: config error, bad model or engine file, mlock refused, no GPU for
-#   offloaded layers: a restart cannot fix these.
+#   offloaded layers, safe mode exhausted: a restart cannot fix these.
+# - ExecStopPost=: `edge record-stop` records how the main process ended ($SERVICE_RESULT,
+#   $EXIT_CODE, $EXIT_STATUS), so a crash keeps its signal even when the process wrote nothing.
 # - CUDA_CACHE_PATH: CUDA's PTX JIT cache (default ~/.nv, absent for a DynamicUser) kept across
 #   restarts, so kernels are compiled once per driver, not once per start.
 # - LimitNOFILE=: server.max_connections plus the files (edge.serve.limits.nofile_for).
@@ -216,7 +222,7 @@ def render_service(o: UnitOptions) -> str:
     return SERVICE.substitute(
         limit_interval=START_LIMIT_INTERVAL_S, limit_burst=START_LIMIT_BURST, modprobe=modprobe,
         edge=o.edge, config=o.config, reload_timeout=max(1, o.start_timeout_s - 15),
-        no_restart=f"{EX_DATAERR} {EX_NOPERM} {EX_CONFIG}", start_timeout=o.start_timeout_s,
+        no_restart=f"{EX_DATAERR} {EX_SAFE_MODE_EXHAUSTED} {EX_NOPERM} {EX_CONFIG}", start_timeout=o.start_timeout_s,
         stop_timeout=o.stop_timeout_s, watchdog=o.watchdog_s, nofile=nofile_for(o.max_connections),
         protect_home="read-only" if home else "yes", system=_system_lines(o),
         target="default.target" if o.user else "multi-user.target")

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from edge.config import Config, EngineConfig, cache_dir, check_writable, find_config, load_config
+from edge.config import Config, EngineConfig, ModelConfig, cache_dir, check_writable, find_config, load_config
 from edge.errors import require
 from edge.lifecycle.loadset import Loaded, LoadPlan, close_worker, model_key
 from edge.model.mlock import enforce
@@ -35,6 +35,7 @@ from edge.lifecycle.systemd import Notifier, setup_logging
 from edge.timing import Phases, StartTimer
 
 if TYPE_CHECKING:
+    from edge.lifecycle.safemode import SafeMode
     from edge.model.gguf import GGUFInfo
     from edge.lifecycle.loadset import Validation
     from edge.serve.metrics import Metrics
@@ -58,8 +59,12 @@ def read_config(path: str | None, timer: StartTimer) -> Config:
 class Loader:
     """Loaded, warmed sets made from one config: `prepare()` → `load(plan)` → `warm(loaded)`."""
 
-    def __init__(self, cfg: Config, timer: StartTimer, notifier: Notifier, *, recalibrate: bool = False) -> None:
-        self.config = cfg
+    def __init__(self, cfg: Config, timer: StartTimer, notifier: Notifier, *, recalibrate: bool = False,
+                 safe_mode: SafeMode | None = None) -> None:
+        # safe mode's steps in force (edge.lifecycle.safemode): the config as it will be loaded
+        self.config, self.left_out = safe_mode.apply(cfg) if safe_mode else (cfg, {})
+        self.read = cfg  # the config as read, before those steps
+        self.safe_mode = safe_mode
         self.timer = timer
         self.notifier = notifier
         self.recalibrate = recalibrate  # `edge warmup --calibrate`: measure anew whatever is stored
@@ -173,8 +178,8 @@ class Loader:
         for f in files:
             m = f.cfg
             self.notifier.status(f"loading {m.name} ({m.path})")
-            with self.timer.phase(Phases.MODEL_LOAD, model=m.name, use_mmap=m.use_mmap,
-                                  use_mlock=m.use_mlock) as ph:
+            with self.timer.phase(Phases.MODEL_LOAD, model=m.name, use_mmap=m.use_mmap, use_mlock=m.use_mlock,
+                                  **_bufts(m)) as ph:
                 model = load_gguf_model(m, f.validate() if f.info is None else f.info)
                 ph.bytes = model.info.size
             made[m.name] = workers[m.name] = ModelWorker(model, self.config.server.max_queue,
@@ -221,7 +226,8 @@ class Loader:
         pick = {**plan.kept, **made}
         by_name = {**infos, **{n: {**i, "kept": True} for n, i in plan.kept_infos.items()}}
         state = ServiceState(workers={m.name: pick[m.name] for m in self.config.models},
-                             engines={e.name: pick[e.name] for e in self.config.engines})
+                             engines={e.name: pick[e.name] for e in self.config.engines}, left_out=self.left_out,
+                             safe_mode=self.safe_mode.describe() if self.safe_mode else [])
         if metrics is not None:
             state.metrics = metrics
         return Loaded(build_app(state), state, [by_name[n] for n in [*state.workers, *state.engines]],
@@ -242,13 +248,17 @@ class Loader:
         async with http:
             for target in targets:
                 self.notifier.status(f"warming up {target.name}")
-                with self.timer.phase(Phases.WARMUP, **{target.kind: target.name}) as ph:
+                with self.timer.phase(Phases.WARMUP, **{target.kind: target.name}, **self._bufts_of(target)) as ph:
                     result = await warm_one(http, target, cfg.warmup, store, recalibrate=self.recalibrate,
                                             status=self.notifier.status)
                     ph.detail.update(plan=result.plan, steps=result.steps)
                 loaded.warmup += result.steps
                 loaded.plans.append(result.as_dict())
         return loaded.warmup
+
+    def _bufts_of(self, target: WarmTarget) -> dict[str, Any]:
+        m = next((m for m in self.config.models if target.kind == "model" and m.name == target.name), None)
+        return _bufts(m) if m else {}
 
     async def _warm_targets(self, loaded: Loaded) -> list[WarmTarget]:
         """What to warm: models, then engines that ask for a warm-up. Each plan key needs the
@@ -309,6 +319,11 @@ def _device_and_build(llama: bool) -> tuple[Any, str | None]:
     from edge.model.gpu import llama_build
 
     return detect(), (llama_build() if llama else None)
+
+
+def _bufts(m: ModelConfig) -> dict[str, Any]:
+    """In a phase's detail only when off: llama.cpp's extra buffer types (safe mode's first step)."""
+    return {} if m.use_extra_bufts else {"extra_bufts": False}
 
 
 def _digest(prompts: list[str]) -> str:

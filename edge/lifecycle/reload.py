@@ -33,10 +33,11 @@ from edge.errors import EdgeError
 from edge.lifecycle.loader import Loader, read_config
 from edge.lifecycle.loadset import Loaded, LoadPlan
 from edge.lifecycle.systemd import Notifier
-from edge.timing import Phases, ReloadTimer, write_report
+from edge.timing import PhaseObserver, Phases, ReloadTimer, write_report
 
 if TYPE_CHECKING:
     from edge.lifecycle.memguard import Decision
+    from edge.lifecycle.safemode import SafeMode
     from edge.lifecycle.serving import Dispatcher, Route
 
 __all__ = ["Reloader"]
@@ -56,14 +57,23 @@ class Reloader:
     a failed reload cannot bring the previous set back either."""
 
     def __init__(self, dispatcher: Dispatcher, current: Config, notifier: Notifier, *,
-                 started_from: str | None, stop_server: Callable[[], None]) -> None:
+                 started_from: str | None, stop_server: Callable[[], None], safe_mode: SafeMode | None = None,
+                 observers: list[PhaseObserver] | None = None) -> None:
         self.dispatcher, self.current, self.notifier = dispatcher, current, notifier
         self.started_from, self.stop_server = started_from, stop_server
+        # safe mode's steps apply to every set a reload makes; each reload's phases go to the
+        # process's start journal too (a reload that dies is a crash in its phase)
+        self.safe_mode, self.observers = safe_mode, list(observers or [])
         self.fatal: EdgeError | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._control: ControlServer | None = None
         self._making: asyncio.Task[Any] | None = None  # the reload now loading/warming, if any
+
+    @property
+    def in_force(self) -> Config:
+        """The config in force, as loaded: with safe mode's steps."""
+        return self.safe_mode.apply(self.current)[0] if self.safe_mode else self.current
 
     # -- triggers ----------------------------------------------------------------------------
     async def __aenter__(self) -> "Reloader":
@@ -147,6 +157,7 @@ class _Run:
     def __init__(self, reloader: Reloader, path: str | None) -> None:
         self.r = reloader
         self.timer = ReloadTimer()
+        self.timer.observers += reloader.observers
         self.path = path
         self._loader: Loader | None = None
         self.old = reloader.dispatcher.loaded
@@ -172,7 +183,7 @@ class _Run:
 
     async def make(self) -> Loaded:
         cfg = await asyncio.to_thread(read_config, self.path, self.timer)
-        self._loader = Loader(cfg, self.timer, self.r.notifier)
+        self._loader = Loader(cfg, self.timer, self.r.notifier, safe_mode=self.r.safe_mode)
         self.extra["config"] = cfg.source
         self.extra["needs_restart"] = [f"server.{f}" for f in RESTART_ONLY
                                        if getattr(cfg.server, f) != getattr(self.r.current.server, f)]
@@ -180,7 +191,7 @@ class _Run:
         self.extra["kept"] = list(plan.kept)
         self.extra["loaded"] = [f.cfg.name for f in plan.files] + [e.name for e in plan.engines]
         with self.timer.phase(Phases.MEMORY_GUARD) as ph:
-            self.decision = await asyncio.to_thread(_guard, cfg, plan, self.old)
+            self.decision = await asyncio.to_thread(_guard, self.loader.config, plan, self.old)
             ph.detail.update(mode=self.decision.mode, reason=self.decision.reason)
         if self.decision.mode == "sequential":
             await self._clear_room(plan)
@@ -248,7 +259,7 @@ class _Run:
         at = self.timer.now()
         old = self.r.dispatcher.switch(new)
         self.timer.add(Phases.SWITCH, at, at)
-        self.r.current = self.config
+        self.r.current = self.loader.read
         self.extra.update(switch_s=round(at, 4), models=new.infos, warmup=new.warmup, drain_s=None)
         self.status = (f"ready: serving {', '.join(new.names)} (reloaded from {self.extra['config']} in "
                        f"{at:.2f} s, {self.decision.mode if self.decision else '?'})")
@@ -293,7 +304,7 @@ class _Run:
         return {**_failed(exc), "report": self.summary()}
 
     async def _roll_back(self) -> None:
-        loader = Loader(self.r.current, self.timer, self.r.notifier)
+        loader = Loader(self.r.current, self.timer, self.r.notifier, safe_mode=self.r.safe_mode)
         try:
             plan = await asyncio.to_thread(loader.prepare, self.old.only(self.extra["kept"]))
             back = await asyncio.to_thread(loader.load, plan, self.old.state.metrics)

@@ -18,6 +18,7 @@ import socket
 import stat
 import struct
 import termios
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -326,9 +327,10 @@ def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier) 
 
 
 async def serve_http(server: Any, sockets: list[socket.socket], notifier: Notifier, ready_text: str,
-                     stopped: asyncio.Event | None = None) -> None:
+                     stopped: asyncio.Event | None = None, on_ready: Callable[[], None] | None = None) -> None:
     """Serve until the drain ends; READY=1 once the sockets are being accepted on, not before.
-    `stopped`: set by a signal that came before uvicorn took the signals over (drained at once)."""
+    `stopped`: set by a signal that came before uvicorn took the signals over (drained at once);
+    `on_ready`: called once READY=1 is sent."""
     server.config.backlog = max(listen_backlog(s) for s in sockets)
     gated = server.guard.gate(sockets, connection_limit(server.guard.cfg))
     serving = asyncio.create_task(server.serve(sockets=gated))
@@ -336,6 +338,8 @@ async def serve_http(server: Any, sockets: list[socket.socket], notifier: Notifi
         await asyncio.sleep(0.001)
     if server.started:
         notifier.ready(ready_text)
+        if on_ready is not None:
+            on_ready()
         if stopped is not None and stopped.is_set():
             server.handle_exit(signal.SIGTERM, None)
     watchdog = asyncio.create_task(_watchdog(notifier)) if watchdog_interval_s() else None

@@ -3,9 +3,13 @@
 Read `ColdStart.run()` top to bottom to learn what a start is (DESIGN.md, "The path of a
 start"); every step is a timed phase of the start report, named once in `edge.timing.Phases`:
 
-    config → sockets → resolve_models → page_in ‖ validate ‖ imports → model_load ‖ imports_http
+    config → recovery → sockets → resolve_models → page_in ‖ validate ‖ imports → model_load ‖ imports_http
     → mlock_verify → engines → prefix_states → warmup (floor, then the stored plan or a calibration) → http_setup
     → ready → serve (until SIGTERM, then drain)
+
+Each phase is written to the start journal before it runs, and however the process ends the
+journal and the reports say how (edge.lifecycle.recovery): "recovery" settles earlier
+processes' crash records and takes safe mode's steps (edge.lifecycle.safemode).
 
 The sockets are listening before anything slow happens, so a connection made at any point of
 the start waits in the kernel's backlog and is accepted only once warm-up is done.
@@ -29,9 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from edge.config import Config, state_dir
-from edge.errors import StoppedDuringStart
+from edge.errors import EX_SOFTWARE, EdgeError, StoppedDuringStart
 from edge.lifecycle.loader import Loader, read_config, save_learned
 from edge.lifecycle.loadset import Loaded
+from edge.lifecycle.recovery import Recovery
+from edge.lifecycle.safemode import SafeMode
 from edge.lifecycle.systemd import Notifier, listen_sockets
 from edge.timing import Phases, StartTimer, write_report
 
@@ -55,23 +61,50 @@ class ColdStart:
         # double at the backend boundary (a wrapper around a model's native object); None in service.
         self.before_warm: Callable[[Loaded], None] | None = None
         self.hup_pending = False  # SIGHUP before READY: reload once serving
+        self.recovery: Recovery | None = None  # the journal and safe mode of a real start (not a rehearsal)
 
     # -- the start, top to bottom ----------------------------------------------------------------
     def run(self) -> int:
-        """Start, warm up, serve until SIGTERM/SIGINT, drain; the exit code."""
+        """Start, warm up, serve until SIGTERM/SIGINT, drain; the exit code. However it ends by
+        itself, its journal says so (and a start that never reached READY leaves its report)."""
+        self.recovery = Recovery(self.config_path, self.timer)
+        try:
+            code = self._run()
+        except StoppedDuringStart:
+            if self.loaded is not None:
+                self.loaded.close()  # lets a cancelled warm-up generation end first
+            log.info("stopped by SIGTERM before ready")
+            self._ended_before_ready("stopped", 0, "stopped by SIGTERM before ready")
+            return 0
+        except BaseException as exc:
+            code = exc.exit_code if isinstance(exc, EdgeError) else EX_SOFTWARE
+            if self.ready:
+                self.recovery.ended(code)
+            else:
+                self._ended_before_ready("failed", code, str(exc) or type(exc).__name__)
+            raise
+        self.recovery.ended(code)
+        return code
+
+    def _run(self) -> int:
         self.read_config()
         self.open_sockets()
         signal.signal(signal.SIGTERM, _stop_during_start)
         signal.signal(signal.SIGHUP, self._hup_during_start)
         self.notifier.extend_while()
-        try:
-            self.loaded = self.loader.load()
-            return asyncio.run(self._warm_and_serve(self.loaded))
-        except StoppedDuringStart:
-            if self.loaded is not None:
-                self.loaded.close()  # lets a cancelled warm-up generation end first
-            log.info("stopped by SIGTERM before ready")
-            return 0
+        self.loaded = self.loader.load()
+        return asyncio.run(self._warm_and_serve(self.loaded))
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded is not None and self.loaded.state.ready
+
+    def _ended_before_ready(self, result: str, code: int, error: str) -> None:
+        """The report of a start that never reached READY (phases so far, why, the exit code)."""
+        report = self.timer.report(config=self.config.source if self.config_read else self.config_path,
+                                   error=error, exit_code=code)
+        if self.recovery is not None:
+            self.recovery.failed(report, result)
 
     async def _warm_and_serve(self, loaded: Loaded) -> int:
         from edge.lifecycle.reload import Reloader
@@ -81,18 +114,23 @@ class ColdStart:
         with self.timer.phase(Phases.HTTP_SETUP):
             dispatcher = Dispatcher(loaded)  # a reload swaps the set behind it
             server = build_server(dispatcher, self.config.server, self.notifier)
-            reloader = Reloader(dispatcher, self.config, self.notifier, started_from=self.config_path,
-                                stop_server=lambda: server.handle_exit(signal.SIGTERM, None))
+            reloader = Reloader(dispatcher, self.loader.read, self.notifier, started_from=self.config_path,
+                                stop_server=lambda: server.handle_exit(signal.SIGTERM, None),
+                                safe_mode=self.loader.safe_mode,
+                                observers=self.recovery.observers if self.recovery else [])
             gc.collect()
             gc.freeze()  # warm-up garbage is gone; what lives now is never scanned again
         if stop.is_set():
             raise StoppedDuringStart("SIGTERM before ready")
         ready_text = self.mark_ready(loaded)
+        if self.recovery is not None:
+            asyncio.get_running_loop().call_later(self.config.server.healthy_after_s, self.recovery.healthy)
         async with reloader:
             if self.hup_pending:  # SIGHUP during the start: the config may have changed since
                 reloader.spawn(None, None)
-            await serve_http(server, self.sockets, self.notifier, ready_text, stop)
-        save_learned(dispatcher.loaded, reloader.current)
+            await serve_http(server, self.sockets, self.notifier, ready_text, stop,
+                             on_ready=lambda: self.recovery.serving(self.config) if self.recovery else None)
+        save_learned(dispatcher.loaded, reloader.in_force)
         dispatcher.loaded.close()
         return reloader.fatal.exit_code if reloader.fatal else 0
 
@@ -156,8 +194,11 @@ class ColdStart:
         return self._loader.config if self._loader is not None else None
 
     def read_config(self) -> Config:
-        """The config phase; this start's loader is made from what it reads."""
-        self._loader = Loader(read_config(self.config_path, self.timer), self.timer, self.notifier)
+        """The config phase, then the recovery phase (safe mode decided: a start; only read: a
+        rehearsal); this start's loader is made from what they give."""
+        cfg = read_config(self.config_path, self.timer)
+        mode = self.recovery.decide(cfg) if self.recovery else SafeMode.load(state_dir(cfg))
+        self._loader = Loader(cfg, self.timer, self.notifier, safe_mode=mode)
         return self._loader.config
 
     def open_sockets(self) -> list[socket.socket]:
@@ -180,15 +221,20 @@ class ColdStart:
         addresses = [describe_socket(s) for s in self.sockets]
         now = self.timer.now()
         self.timer.add(Phases.READY, now, now, sockets=len(addresses))
+        if self.recovery is not None:
+            self.recovery.journal.ready()  # before the report: a start is counted once, ok or crashed
         report = self.timer.report(config=self.config.source, sockets=addresses, models=loaded.infos,
-                                   warmup=loaded.warmup, calibration=loaded.plans)
+                                   warmup=loaded.warmup, calibration=loaded.plans,
+                                   journal=self.recovery.journal.cost() if self.recovery else None,
+                                   **({"safe_mode": loaded.state.safe_mode} if loaded.state.safe_mode else {}))
         path: Path = write_report(report, state_dir(self.config))
         loaded.state.metrics.set_phases(report["phases"])
         loaded.state.metrics.track_fleet(state_dir(self.config))
         log.info("start report %s: ready in %.2f s", path, report["ready_s"],
                  extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
+        safe = "; SAFE MODE: " + "; ".join(f"{s['target']}: {s['fallback']}" for s in loaded.state.safe_mode)
         return (f"ready: serving {', '.join(loaded.names)} on {', '.join(addresses)} "
-                f"(start {report['ready_s']:.2f} s)")
+                f"(start {report['ready_s']:.2f} s){safe if loaded.state.safe_mode else ''}")
 
 
 def _stop_during_start(sig: int, frame: Any) -> None:

@@ -44,6 +44,10 @@ class ServiceState:
     ready: bool = False
     stopping: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # safe mode (edge.lifecycle.safemode): engines left out (name -> why: their routes answer 503)
+    # and every fallback in force, as the start report, `edge status` and /metrics show them
+    left_out: dict[str, str] = field(default_factory=dict)
+    safe_mode: list[dict[str, Any]] = field(default_factory=list)
 
     def worker(self, name: Any) -> ModelWorker:
         if not self.workers:

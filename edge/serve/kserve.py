@@ -66,17 +66,24 @@ def _meta(name: str, worker: Any) -> dict[str, Any]:
             "inputs": io(s.inputs), "outputs": io(s.outputs), "profiles": s.profiles}
 
 
+def served_engine(state: Any, name: str) -> tuple[str, Any]:
+    """The engine a route names; 503 for one safe mode left out (naming why), else 404."""
+    if name in state.left_out:
+        raise RequestError(f"engine {name!r} is not served: {state.left_out[name]}", status=503,
+                           code="engine_unavailable")
+    if name not in state.engines:
+        raise RequestError(f"engine {name!r} is not served here; engines: {sorted(state.engines)}",
+                           status=404, code="model_not_found")
+    return name, state.engines[name]
+
+
 def kserve_routes(state: Any, guarded: Any) -> list[Route]:
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
 
     def engine(request: Request) -> tuple[str, Any]:
-        name = request.path_params["name"]
-        if name not in state.engines:
-            raise RequestError(f"engine {name!r} is not served here; engines: {sorted(state.engines)}",
-                               status=404, code="model_not_found")
-        return name, state.engines[name]
+        return served_engine(state, request.path_params["name"])
 
     async def metadata(request: Request) -> Response:
         async def handler(r: Request) -> Response:

@@ -150,7 +150,7 @@ def test_a_failed_start_leaves_its_report_and_is_counted(tmp_path: Path, tiny_gg
     state = tmp_path / "state"
     failed = json.loads((state / f"last-{FAILED_START}.json").read_text())
     assert failed["result"] == "failed" and failed["exit_code"] == 65 and "missing.gguf" in failed["error"]
-    assert [p["name"] for p in failed["phases"]][:2] == ["config", "sockets"]  # how far it got
+    assert [p["name"] for p in failed["phases"]][:3] == ["config", "recovery", "sockets"]  # how far it got
     assert not (state / "last-start.json").exists()  # the last *good* start stays what it was
     assert json.loads((state / LEDGER).read_text())["counts"] == {"start": {"failed": 1}}
     status = subprocess.run([*EDGE, "status", "--config", str(good)], capture_output=True, text=True, timeout=60)

@@ -6,6 +6,7 @@ fleet's p50/p95 ready time by module and model computed from known values."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -32,10 +33,11 @@ def _printed_rules(tmp_path: Path) -> Path:
 
 def test_printed_rules_pass_promtool_check(tmp_path: Path) -> None:
     promtool = need("promtool")
-    r = subprocess.run([promtool, "check", "rules", str(_printed_rules(tmp_path))], capture_output=True,
-                       text=True, timeout=60)
+    rules = _printed_rules(tmp_path)
+    r = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS: 13 rules found" in r.stdout
+    n = len(re.findall(r"^ +- (?:record|alert): ", rules.read_text(), re.M))
+    assert n >= 14 and f"SUCCESS: {n} rules found" in r.stdout  # promtool read every rule of the file
 
 
 def test_rules_file_is_in_the_wheel(tmp_path: Path) -> None:
@@ -118,6 +120,9 @@ def _alerts_test() -> dict:
         _series("edge_model_gpu_layers_offloaded", {**dev, "instance": "b", "model": "m"}, "25x20"),
         _series("edge_model_gpu_layers_requested", {**dev, "instance": "c", "model": "m"}, "0x20"),
         _series("edge_model_gpu_layers_offloaded", {**dev, "instance": "c", "model": "m"}, "0x20"),
+        # safe mode: a's model without extra buffer types since minute 3; b never
+        _series("edge_safe_mode_info", {**dev, "instance": "a", "phase": "warmup", "target": "m",
+                                        "reason": "llama.cpp without extra buffer types"}, "_x3 1x17"),
     ]
 
     def fired(name: str, labels: dict[str, str], severity: str, summary: str, description: str) -> dict:
@@ -146,6 +151,13 @@ def _alerts_test() -> dict:
             fired("EdgeModelOnCpu", {"instance": "a", "model": "m"}, "critical",
                   "model m on a runs 0 layers on the GPU, fewer than configured",
                   "llama.cpp found no GPU device (device nodes, DeviceAllow=, driver): the model runs on the CPU.")]},
+        {"eval_time": "3m", "alertname": "EdgeSafeMode", "exp_alerts": []},  # not yet, then for: 1m
+        {"eval_time": "5m", "alertname": "EdgeSafeMode", "exp_alerts": [
+            fired("EdgeSafeMode", {"instance": "a", "phase": "warmup", "target": "m",
+                                   "reason": "llama.cpp without extra buffer types"}, "critical",
+                  "edge on a runs in safe mode: m: llama.cpp without extra buffer types",
+                  "warmup crashed twice in a row. `edge status` on the device lists the crashes (phase, "
+                  "signal) and `journalctl -u edge` has their stacks; once fixed, `edge safe-mode clear`.")]},
     ]}
 
 
@@ -209,7 +221,7 @@ def test_every_alert_fires_where_it_should_and_nowhere_else(tmp_path: Path) -> N
     alerts = {t["alertname"] for case in tests for t in case.get("alert_rule_test", [])}
     assert alerts == {"EdgeNotReady", "EdgeStartSlowerThanFleet", "EdgeOtaRolledBack", "EdgeMlockNotTaken",
                       "EdgeModelOnCpu", "EdgePromptCacheHitRateCollapse", "EdgeDeviceSilent",
-                      "EdgeStartsFailing"}  # every alert of the file
+                      "EdgeStartsFailing", "EdgeSafeMode"}  # every alert of the file
     assert alerts == set(_alert_names(rules.read_text()))
     spec = tmp_path / "edge-rules.test.yml"  # JSON is YAML
     spec.write_text(json.dumps({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": tests}, indent=1))

@@ -12,7 +12,7 @@ import pytest
 
 from edge.config import parse_config
 from edge.host.doctor import _limit_bytes, run_checks, unit_config
-from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM
+from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM, EX_SAFE_MODE_EXHAUSTED
 from edge.host.units import (GPU_DEVICE_CLASSES, REARM_UNIT, STARTER_CONFIG, UnitOptions, existing_groups,
                         install_starter_config, install_units, platform_devices, reclaim_config_dir, render_rearm,
                         render_service, render_socket)
@@ -57,8 +57,10 @@ def test_security_exposure_is_at_most_2_5(tmp_path: Path) -> None:
 def test_service_has_what_cold_start_needs() -> None:
     text = render_service(UnitOptions(edge="/opt/edge/venv/bin/edge"))
     for line in ("Type=notify", "NotifyAccess=main", "LimitMEMLOCK=infinity", "WatchdogSec=30",
-                 "Restart=on-failure", f"RestartPreventExitStatus={EX_DATAERR} {EX_NOPERM} {EX_CONFIG}",
+                 "Restart=on-failure",
+                 f"RestartPreventExitStatus={EX_DATAERR} {EX_SAFE_MODE_EXHAUSTED} {EX_NOPERM} {EX_CONFIG}",
                  "ExecStart=/opt/edge/venv/bin/edge serve --config /etc/edge/edge.toml",
+                 "ExecStopPost=/opt/edge/venv/bin/edge record-stop --config /etc/edge/edge.toml",
                  "StateDirectory=edge", "CacheDirectory=edge", "DynamicUser=yes",
                  "SupplementaryGroups=video render", "DeviceAllow=/dev/nvmap rw",
                  "DeviceAllow=/dev/nvidiactl rw", "CapabilityBoundingSet=", "ProtectSystem=strict",

@@ -1,0 +1,79 @@
+"""`edge record-stop` (the unit's ExecStopPost=) and `edge safe-mode`: how the service's
+processes ended, and the safe-mode steps that crashes made it take."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import typer
+
+from edge.cli.options import ConfigOpt, JsonOpt
+
+__all__ = ["register"]
+
+safe_mode_app = typer.Typer(no_args_is_help=False, invoke_without_command=True, rich_markup_mode=None,
+                            help="Safe mode: the fallbacks that crashes made the service take.")
+
+
+def record_stop(config: Optional[str] = ConfigOpt) -> None:
+    """Record how the service's main process ended, as systemd tells ExecStopPost= ($SERVICE_RESULT,
+    $EXIT_CODE, $EXIT_STATUS): a crash keeps its signal even when the process could write nothing.
+    Always exits 0 (it must never fail the unit's stop)."""
+    from edge.fleet.crashes import settle_all
+    from edge.fleet.journal import Stop
+    from edge.lifecycle.recovery import early_state_dir
+
+    stop = Stop.from_env(dict(os.environ))
+    try:
+        folder = early_state_dir(config)
+        written = settle_all(folder, stop if stop.result else None)
+    except Exception as exc:  # never fail the unit's stop; say why once
+        typer.echo(f"edge record-stop: could not record the stop: {type(exc).__name__}: {exc}", err=True)
+        return
+    for path in written:
+        report = json.loads(path.read_text())
+        typer.echo(f"edge: pid {report.get('pid')} {report.get('result')}: {report.get('error')}", err=True)
+
+
+@safe_mode_app.callback()
+def show(ctx: typer.Context, config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt) -> None:
+    """The safe-mode steps in force (and the crashes counted), or `clear` to end safe mode."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from edge.fleet.crashes import recent_crashes
+    from edge.lifecycle.recovery import early_state_dir
+    from edge.lifecycle.safemode import SafeMode
+
+    folder = early_state_dir(config)
+    mode = SafeMode.load(folder)
+    if as_json:
+        typer.echo(json.dumps({"state_dir": str(folder), "safe_mode": mode.describe(),
+                               "crashes": recent_crashes(folder)}, indent=2))
+        return
+    if not mode.fallbacks:
+        typer.echo(f"safe mode: off ({folder})")
+    for step in mode.describe():
+        typer.echo(f"SAFE MODE {step['target']}: {step['fallback']} since {step['since']} "
+                   f"({step['reason']})")
+
+
+@safe_mode_app.command()
+def clear(config: Optional[str] = ConfigOpt) -> None:
+    """End safe mode: the next start (or `systemctl restart edge`) takes the full path again, and
+    the crashes so far are counted no more."""
+    from edge.lifecycle.recovery import early_state_dir
+    from edge.lifecycle.safemode import SafeMode
+
+    folder = early_state_dir(config)
+    mode = SafeMode.load(folder)
+    steps = mode.describe()
+    mode.clear()
+    typer.echo(f"safe mode cleared in {folder}" + (": " + "; ".join(f"{s['target']}: {s['fallback']}"
+                                                                   for s in steps) if steps else " (it was off)"))
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="record-stop")(record_stop)
+    app.add_typer(safe_mode_app, name="safe-mode")

@@ -1,0 +1,135 @@
+"""Crash records: a journal (edge.fleet.journal) whose process is gone becomes a report, counted
+once by the history ledger and shown by `edge status`.
+
+A start that died before READY becomes `reports/failed-start-*.json` with `result` "crashed"
+(killed by a signal) or "timeout" (systemd gave up on it: TimeoutStartSec=); a process that died
+after READY becomes `reports/crash-*.json` (phase "serving", or the reload phase it was in). Each
+carries the phase, the model or engine it was working on, the signal (from systemd's
+ExecStopPost= when it ran, else "unknown"), and the safe-mode keys the journal wrote, so that
+edge.lifecycle.safemode can tell the same crash twice from two different ones. A start that
+ended by itself wrote its own report; systemd's word can still change it: a start stopped by
+SIGTERM that systemd sent for TimeoutStartSec= is a "timeout", not a "stopped".
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from edge.fleet.history import CRASH, FAILED_START, Ledger, read_json
+from edge.fleet.journal import JournalRead, Stop, journals
+from edge.fsutil import atomic_write
+from edge.timing import write_report
+
+__all__ = ["crash_report", "recent_crashes", "settle", "settle_all"]
+
+log = logging.getLogger("edge")
+
+CRASHED, TIMEOUT = "crashed", "timeout"
+
+
+def settle_all(state_dir: Path, stop: Stop | None = None) -> list[Path]:
+    """Turn every journal whose process is gone into its record; `stop` (ExecStopPost's view)
+    belongs to the newest of them that has none yet: the main process that just ended."""
+    dead = [j for j in journals(state_dir) if not j.alive()]
+    if stop is not None:
+        fresh = [j for j in dead if j.stop is None]
+        if fresh:
+            max(fresh, key=lambda j: float(j.head.get("started_unix") or 0)).stop = stop
+    written = [p for j in dead if (p := settle(state_dir, j)) is not None]
+    if dead:
+        Ledger(state_dir).update()  # counted now: reports are pruned, and a crash loop is never scraped
+    return written
+
+
+def settle(state_dir: Path, j: JournalRead) -> Path | None:
+    """The record of one ended process; its journal removed. Returns the report written, if one was."""
+    path = None
+    try:
+        if j.end is None:
+            kind = CRASH if j.ready is not None else FAILED_START
+            path = write_report(crash_report(j), state_dir, kind=kind)
+        elif j.stop is not None and j.stop.result == TIMEOUT and j.end.get("end") == "stopped":
+            _amend(state_dir, j.end.get("report"), result=TIMEOUT, service_result=j.stop.result)
+        j.path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cannot record how pid %s ended from %s: %s", j.pid, j.path, exc)
+    return path
+
+
+def crash_report(j: JournalRead) -> dict[str, Any]:
+    """A report in the shape of a start report (edge.timing), from what the journal says."""
+    where = j.phase()
+    stop = j.stop
+    signal = stop.signal if stop is not None else None
+    result = TIMEOUT if stop is not None and stop.result == TIMEOUT else CRASHED
+    target = {k: where[k] for k in ("model", "engine") if k in where}
+    on = ", ".join(f"{k} {v}" for k, v in target.items())
+    how = (f"killed by SIG{signal}" if signal else f"ended with exit status {stop.status}" if stop and stop.status
+           else "ended without a word (no exit record: a power loss, or no ExecStopPost=)")
+    if stop is not None and stop.result in ("oom-kill", "watchdog", TIMEOUT):
+        how += f" (systemd: {stop.result})"
+    phase = where["enter"]
+    return {"edge_version": str(j.head.get("edge_version", "")), "pid": j.pid, "host": _host(),
+            "started_at": str(j.head.get("started_at", "")), "started_unix": j.head.get("started_unix"),
+            "ready_s": j.last_t, "phases": _phases(j), "result": result, "phase": phase, **target,
+            "signal": signal or "unknown", "exit_status": stop.status if stop else "",
+            "service_result": stop.result if stop else "", "keys": j.keys, "reached_ready": j.ready is not None,
+            "error": f"{how} in phase {phase}" + (f" ({on})" if on else "")}
+
+
+def _phases(j: JournalRead) -> list[dict[str, Any]]:
+    """The phases it entered, each until the next one began (the last: until its last word)."""
+    out = []
+    times = [float(e["t"]) for e in j.entered] + [j.last_t]
+    for e, t, t_next in zip(j.entered, times, times[1:]):
+        detail = {k: v for k, v in e.items() if k not in ("enter", "t") and (k != "after_ready" or v)}
+        if e["enter"] not in j.finished:
+            detail["unfinished"] = True
+        out.append({"name": e["enter"], "start_s": t, "seconds": round(max(0.0, t_next - t), 4), "detail": detail})
+    return out
+
+
+def _amend(state_dir: Path, name: Any, **fields: Any) -> None:
+    if not isinstance(name, str) or "/" in name:
+        return
+    path = state_dir / "reports" / name
+    report = read_json(path)
+    if report is not None:
+        import json
+
+        atomic_write(path, json.dumps({**report, **fields}, indent=2) + "\n")
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def recent_crashes(state_dir: Path, limit: int = 10) -> list[dict[str, Any]]:
+    """Crash records, oldest first (at most `limit`): reports of crashed starts and crashes while
+    serving, and journals of dead processes not settled yet (read only: nothing is written)."""
+    rows = []
+    try:
+        names = [p for p in (state_dir / "reports").iterdir()
+                 if p.name.startswith((f"{FAILED_START}-", f"{CRASH}-")) and p.suffix == ".json"]
+    except OSError:
+        names = []
+    for path in names:
+        r = read_json(path)
+        if r is not None and (r.get("result") in (CRASHED, TIMEOUT) or path.name.startswith(f"{CRASH}-")):
+            rows.append(_row(r, path.name))
+    rows += [_row(crash_report(j), j.path.name, settled=False) for j in journals(state_dir)
+             if not j.alive() and j.end is None]
+    rows.sort(key=lambda r: r["started_unix"] or 0)
+    return rows[-limit:]
+
+
+def _row(r: dict[str, Any], name: str, settled: bool = True) -> dict[str, Any]:
+    return {"at": r.get("started_at"), "started_unix": r.get("started_unix"), "pid": r.get("pid"),
+            "result": r.get("result", CRASHED), "phase": r.get("phase"), "model": r.get("model"),
+            "engine": r.get("engine"), "signal": r.get("signal"), "exit_status": r.get("exit_status"),
+            "service_result": r.get("service_result"), "reached_ready": r.get("reached_ready", False),
+            "keys": r.get("keys") or {}, "error": r.get("error"), "record": name, "settled": settled}

@@ -1,0 +1,290 @@
+"""The start journal: how far each edge process got, written down before each phase runs, so that
+a process that dies by a signal (a native fault, the OOM killer, SIGKILL, a watchdog abort) still
+leaves a trace that says where.
+
+One file per process, `<state_dir>/journal/<pid>-<starttime>.jsonl`, one JSON object a line:
+
+    {"journal": 1, "pid": 4242, "boot_id": "…", "starttime": 812345, "started_at": "…", ...}
+    {"enter": "config", "t": 0.181}                    # synced before the phase runs
+    {"keys": {"llama:gemma": "9f2c…", ...}}            # what each safe-mode ladder is keyed by
+    {"enter": "warmup", "t": 1.045, "model": "gemma"}
+    {"done": "warmup", "t": 1.150}                     # written, not synced
+    {"ready": 1.189}
+    {"healthy": 301.2}                                 # served [recovery] healthy_after_s
+    {"end": "ok", "exit": 0}                           # the process's own end, when it had one
+    {"stop": {"result": "signal", "code": "killed", "status": "SEGV"}}   # systemd's ExecStopPost
+
+A process that ends by itself writes `end` (and its report, as before). One that dies by a
+signal writes nothing more: its journal has no `end`. systemd's ExecStopPost= (`edge
+record-stop`) adds how systemd saw the end, so the signal is known even when the process could
+write nothing. Once its process is gone, edge.fleet.crashes turns a journal into a crash record
+and removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge.fsutil import fsync_dir
+from edge.timing import process_age_s
+
+__all__ = ["JOURNAL_DIR", "Journal", "JournalRead", "Stop", "journals", "pending", "read_journal"]
+
+log = logging.getLogger("edge")
+
+JOURNAL_DIR = "journal"
+FORMAT = 1
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _starttime(pid: int) -> int | None:
+    """The kernel's start time of `pid` (clock ticks since boot), None when there is no such process:
+    with the pid it names one process, never a later one that reused the pid."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Journal:
+    """This process's journal. Every method is best effort: a journal that cannot be written
+    costs the trace, never the start (the reason is logged once)."""
+
+    def __init__(self, state_dir: Path, kind: str = "start", *, clock: Any = None) -> None:
+        self.folder = state_dir / JOURNAL_DIR
+        self.kind = kind
+        self._clock = clock or (lambda: process_age_s())
+        self.pid = os.getpid()
+        start = _starttime(self.pid) or 0
+        self.path = self.folder / f"{self.pid}-{start}.jsonl"
+        self._fd: int | None = None
+        self._failed = False
+        self.lines, self.seconds = 0, 0.0  # what the journal cost this process (in its start report)
+        now = time.time()
+        self._write({"journal": FORMAT, "kind": kind, "pid": self.pid, "boot_id": _boot_id(), "starttime": start,
+                     "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now - self._clock())),
+                     "started_unix": round(now - self._clock(), 6), "edge_version": _version()}, sync=True)
+
+    def enter(self, phase: str, **detail: Any) -> None:
+        """A phase begins: on disk before it runs."""
+        self._write({"enter": phase, "t": round(self._clock(), 4), **_plain(detail)}, sync=True)
+
+    def done(self, phase: str) -> None:
+        self._write({"done": phase, "t": round(self._clock(), 4)}, sync=False)
+
+    def observe(self, event: str, phase: str, detail: dict[str, Any]) -> None:
+        """A StartTimer's observer (edge.timing.PhaseObserver)."""
+        if event == "enter":
+            self.enter(phase, **detail)
+        else:
+            self.done(phase)
+
+    def keys(self, keys: dict[str, str]) -> None:
+        self._write({"keys": keys}, sync=True)
+
+    def ready(self) -> None:
+        self._write({"ready": round(self._clock(), 4)}, sync=True)
+
+    def healthy(self) -> None:
+        self._write({"healthy": round(self._clock(), 4)}, sync=False)
+
+    def end(self, result: str, exit_code: int, **detail: Any) -> None:
+        """How this process ended by itself: ok (served, then stopped), failed, stopped (SIGTERM
+        before READY), crashed (it found itself unfit to go on, e.g. a poisoned CUDA context)."""
+        self._write({"end": result, "exit": exit_code, "t": round(self._clock(), 4), **_plain(detail)}, sync=True)
+        self.close()
+
+    def cost(self) -> dict[str, Any]:
+        return {"lines": self.lines, "seconds": round(self.seconds, 4)}
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def move_to(self, state_dir: Path) -> None:
+        """The journal into another state dir (the config named another than the one guessed
+        before it was read): the lines so far copied, then the old file removed."""
+        old, self.folder = self.path, state_dir / JOURNAL_DIR
+        self.path = self.folder / old.name
+        self.close()
+        try:
+            lines = old.read_bytes()
+        except OSError:
+            lines = b""
+        self._failed = False
+        self._append(lines, sync=True)
+        old.unlink(missing_ok=True)
+
+    def _write(self, line: dict[str, Any], sync: bool) -> None:
+        self._append((json.dumps(line, separators=(",", ":")) + "\n").encode(), sync)
+
+    def _append(self, data: bytes, sync: bool) -> None:
+        if self._failed:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self._fd is None:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+                fsync_dir(self.folder)
+            os.write(self._fd, data)
+            if sync:
+                os.fdatasync(self._fd)
+            self.lines += 1
+            self.seconds += time.perf_counter() - t0
+        except OSError as exc:
+            self._failed = True
+            log.warning("cannot write the start journal %s (%s): a crash of this process will leave no "
+                        "trace", self.path, exc)
+
+
+def _plain(detail: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in detail.items() if isinstance(v, (str, int, float, bool)) or v is None}
+
+
+def _version() -> str:
+    from edge import __version__
+
+    return __version__
+
+
+@dataclass
+class Stop:
+    """How systemd saw the main process end ($SERVICE_RESULT, $EXIT_CODE, $EXIT_STATUS of
+    ExecStopPost=): result success|exit-code|signal|core-dump|timeout|watchdog|oom-kill|…;
+    code exited|killed|dumped; status an exit status or a signal name (SEGV)."""
+
+    result: str = ""
+    code: str = ""
+    status: str = ""
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> "Stop":
+        return cls(env.get("SERVICE_RESULT", ""), env.get("EXIT_CODE", ""), env.get("EXIT_STATUS", ""))
+
+    @classmethod
+    def from_wait_status(cls, returncode: int) -> "Stop":
+        """What systemd would pass, from a child's exit (subprocess convention: -N for signal N)."""
+        if returncode >= 0:
+            return cls("success" if returncode == 0 else "exit-code", "exited", str(returncode))
+        name = signal.Signals(-returncode).name.removeprefix("SIG")
+        dumped = -returncode in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE)
+        return cls("core-dump" if dumped else "signal", "dumped" if dumped else "killed", name)
+
+    def as_dict(self) -> dict[str, str]:
+        return {"result": self.result, "code": self.code, "status": self.status}
+
+    @property
+    def signal(self) -> str | None:
+        return self.status if self.code in ("killed", "dumped") and self.status else None
+
+
+@dataclass
+class JournalRead:
+    """One journal, read back."""
+
+    path: Path
+    head: dict[str, Any]
+    entered: list[dict[str, Any]] = field(default_factory=list)
+    finished: set[str] = field(default_factory=set)
+    keys: dict[str, str] = field(default_factory=dict)
+    ready: float | None = None
+    healthy: bool = False
+    end: dict[str, Any] | None = None
+    stop: Stop | None = None
+    last_t: float = 0.0
+
+    @property
+    def pid(self) -> int:
+        return int(self.head.get("pid") or 0)
+
+    def alive(self) -> bool:
+        """Its process still runs (same boot, same pid, same start time)."""
+        if self.head.get("boot_id") != _boot_id():
+            return False
+        return _starttime(self.pid) == self.head.get("starttime")
+
+    def phase(self) -> dict[str, Any]:
+        """Where it was: the phase entered last among those not done, a model's or engine's own
+        phase first (parallel phases: which one faulted); after READY, a reload's phase that was
+        under way, else "serving"."""
+        entered = [e for e in self.entered if e.get("after_ready")] if self.ready is not None else self.entered
+        open_ = [e for e in entered if e["enter"] not in self.finished]
+        if self.ready is None:
+            open_ = open_ or entered[-1:]
+        targeted = [e for e in open_ if "model" in e or "engine" in e]
+        return (targeted or open_ or [{"enter": "serving" if self.ready is not None else "exec"}])[-1]
+
+
+def read_journal(path: Path) -> JournalRead | None:
+    """A journal from its lines (a torn last line, from a crash mid-write, is skipped); None when
+    the file is not one."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    if not rows or rows[0].get("journal") != FORMAT:
+        return None
+    j = JournalRead(path, rows[0])
+    for row in rows[1:]:
+        _apply(j, row)
+    return j
+
+
+def _apply(j: JournalRead, row: dict[str, Any]) -> None:
+    if isinstance(row.get("t"), (int, float)):
+        j.last_t = float(row["t"])
+    if isinstance(row.get("enter"), str):
+        j.entered.append({**row, "after_ready": j.ready is not None})
+        j.finished.discard(row["enter"])
+    elif isinstance(row.get("done"), str):
+        j.finished.add(row["done"])
+    elif isinstance(row.get("keys"), dict):
+        j.keys.update({str(k): str(v) for k, v in row["keys"].items()})
+    elif isinstance(row.get("ready"), (int, float)):
+        j.ready = j.last_t = float(row["ready"])
+    elif "healthy" in row:
+        j.healthy = True
+    elif isinstance(row.get("end"), str):
+        j.end = row
+    elif isinstance(row.get("stop"), dict):
+        j.stop = Stop(**{k: str(row["stop"].get(k, "")) for k in ("result", "code", "status")})
+
+
+def journals(state_dir: Path) -> Iterator[JournalRead]:
+    try:
+        paths = sorted((state_dir / JOURNAL_DIR).glob("*.jsonl"))
+    except OSError:
+        return
+    for path in paths:
+        j = read_journal(path)
+        if j is not None:
+            yield j
+
+
+def pending(state_dir: Path) -> list[JournalRead]:
+    """Journals of processes that are gone and were not settled yet (read only: `edge status`)."""
+    return [j for j in journals(state_dir) if not j.alive()]
