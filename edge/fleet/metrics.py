@@ -23,6 +23,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from edge.fleet.history import START_RESULTS, Ledger, OtaView, read_json, read_ota, reload_result, timestamp
+from edge.model.gpu import llama_lib_dir
 
 __all__ = ["DEVICE_LABELS", "FleetCollector", "build_labels", "device_labels", "ggml_gpu_devices",
            "offloaded_layers", "quant_name"]
@@ -57,18 +58,6 @@ def _dist(name: str) -> str:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return ""
-
-
-def llama_lib_dir() -> Path | None:
-    """llama_cpp's bundled libraries, found without importing it (edge may serve engines only)."""
-    loaded = sys.modules.get("llama_cpp")
-    if loaded is not None and getattr(loaded, "__file__", None):
-        return Path(loaded.__file__).parent / "lib"
-    try:
-        spec = importlib.util.find_spec("llama_cpp")
-    except (ImportError, ValueError):
-        return None
-    return Path(next(iter(spec.submodule_search_locations))) / "lib" if spec and spec.submodule_search_locations else None
 
 
 def _soname_version(lib_dir: Path | None, stem: str) -> str:

@@ -98,7 +98,7 @@ def _file_identity(m: ModelConfig) -> Any:
 def _runtime_identity() -> dict[str, Any]:
     """The llama.cpp build (its libraries' names, sizes and times, found without importing it)
     and the device (CPU model, Jetson module): read from files, cheap enough for every start."""
-    from edge.fleet.metrics import llama_lib_dir
+    from edge.model.gpu import llama_lib_dir
 
     lib_dir = llama_lib_dir()
     libs = []

@@ -17,6 +17,7 @@ or the CUDA backend's registration symbol inside a statically linked library.
 from __future__ import annotations
 
 import importlib.util
+import sys
 import mmap
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 
 from edge.errors import GpuOffloadUnavailable
 
-__all__ = ["CUDA_BUILD_FIX", "llama_build", "offload_problem", "output_layer_first", "require_gpu_offload"]
+__all__ = ["CUDA_BUILD_FIX", "llama_build", "llama_lib_dir", "offload_problem", "output_layer_first", "require_gpu_offload"]
 
 CUDA_BUILD_FIX = ('CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=87" '
                   "pip install --force-reinstall --no-cache-dir llama-cpp-python "
@@ -113,3 +114,15 @@ def llama_build(package_dir: str | Path | None = None) -> str | None:
     if any(p.name.startswith(("libllama", "libggml")) and _has_cuda_symbol(p) for p in libs):
         return "cuda"  # ggml linked statically into libllama
     return "cpu" if libs else None
+
+
+def llama_lib_dir() -> Path | None:
+    """llama_cpp's bundled libraries, found without importing it (edge may serve engines only)."""
+    loaded = sys.modules.get("llama_cpp")
+    if loaded is not None and getattr(loaded, "__file__", None):
+        return Path(loaded.__file__).parent / "lib"
+    try:
+        spec = importlib.util.find_spec("llama_cpp")
+    except (ImportError, ValueError):
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "lib" if spec and spec.submodule_search_locations else None
