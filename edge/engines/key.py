@@ -188,6 +188,8 @@ def build_key(recipe: "Recipe", backend: str, device: DeviceInfo, onnx_sha256: s
                               "between a Jetson and a dGPU host; set hardware_compatibility = \"none\"")
         key = replace(key, platform=None, hardware_compat=recipe.hardware_compatibility,
                       target="sm_80" if recipe.hardware_compatibility == "ampere_plus" else key.target)
-    if recipe.version_compatible:
+    if recipe.version_compatible and not recipe.exclude_lean_runtime:
+        # without its lean runtime a plan runs only on the lean runtime of the TensorRT that built
+        # it (IRuntime.load_runtime): keyed to that exact version, not to the later ones
         key = replace(key, version_compatible=True)
     return key

@@ -118,6 +118,18 @@ def test_version_compatible_runs_on_later_versions_of_the_same_major() -> None:
         ["engine was built for tensorrt 10.3.0, this device is tensorrt 10.3.0.26"]
 
 
+def test_a_plan_without_its_lean_runtime_is_keyed_to_the_exact_version() -> None:
+    """version_compatible + exclude_lean_runtime runs only on the lean runtime of the building
+    TensorRT (IRuntime.load_runtime): its key must not let it match a later 10.x."""
+    recipe = dataclasses.replace(load_recipe(RECIPE), version_compatible=True, exclude_lean_runtime=True)
+    built = build_key(recipe, "tensorrt", AGX, SHA)
+    wanted = key_for(EngineConfig(name="m", recipe=str(RECIPE)), AGX)
+    assert built.version_compatible is False and "-vc-" not in built.filename()
+    assert built.differences(wanted) == []
+    assert built.differences(dataclasses.replace(wanted, tensorrt="10.7.0.23")) == \
+        ["engine was built for tensorrt 10.3.0, this device is tensorrt 10.7.0.23"]
+
+
 def test_unknown_cuda_is_not_a_refusal() -> None:
     built = build_key(load_recipe(RECIPE), "tensorrt", AGX, SHA)
     no_cuda = device("orin-agx", None)  # no runtime to ask, toolkit file present: 12.6
