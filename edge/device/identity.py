@@ -267,10 +267,12 @@ def _maj_min(v: int) -> str:
     return f"{v // 1000}.{v % 1000 // 10}"  # 12060 -> 12.6
 
 
-def probe_gpu(driver: Any = None) -> GpuProbe:
+def probe_gpu(driver: Any = None, work: bool = False) -> GpuProbe:
     """GPU 0 through cuda-python's driver API (`driver`: the module, or a test double); a probe
-    with no GPU and the reason where there is no cuda-python, driver library or usable device."""
-    from edge.device.cuda import CudaApi, driver_module
+    with no GPU and the reason where there is no cuda-python, driver library or usable device.
+    `work`: go as far as a service's first CUDA work (edge.device.cuda.first_work: the primary
+    context retained and one byte allocated), which needs device nodes cuInit does not."""
+    from edge.device.cuda import CudaApi, driver_module, first_work
     from edge.errors import EdgeError
 
     try:
@@ -288,6 +290,8 @@ def probe_gpu(driver: Any = None) -> GpuProbe:
         integrated = api.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_INTEGRATED, dev)
         raw = api.call("cuDeviceGetName", 256, dev)
         total = api.call("cuDeviceTotalMem", dev)
+        if work:
+            first_work(api)
     except EdgeError as exc:
         return GpuProbe(None, version, str(exc))
     name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace").strip()
