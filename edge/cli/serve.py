@@ -31,7 +31,22 @@ def serve(config: Optional[str] = ConfigOpt) -> None:
         if start.loaded is None or not start.loaded.state.ready:  # not a failure while serving
             _record_failed_start(start, config, exc)
         raise
+    if start.gpu_lost:  # not even the finalizers at exit may touch the lost CUDA context
+        _exit_now(code)
     raise typer.Exit(code)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without running finalizers (llama.cpp's frees would be CUDA calls on a lost context,
+    which ggml answers with abort()); the logs are flushed first."""
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _record_failed_start(start: Any, config: Optional[str], exc: Exception) -> None:

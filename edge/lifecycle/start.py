@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.config import Config, state_dir
-from edge.errors import StoppedDuringStart
+from edge.errors import EX_SOFTWARE, StoppedDuringStart
 from edge.lifecycle.loader import Loader, read_config, save_learned
 from edge.lifecycle.loadset import Loaded
 from edge.lifecycle.systemd import Notifier, listen_sockets
@@ -55,6 +55,7 @@ class ColdStart:
         # double at the backend boundary (a wrapper around a model's native object); None in service.
         self.before_warm: Callable[[Loaded], None] | None = None
         self.hup_pending = False  # SIGHUP before READY: reload once serving
+        self.gpu_lost: str | None = None  # why the service left while serving (a lost CUDA context)
 
     # -- the start, top to bottom ----------------------------------------------------------------
     def run(self) -> int:
@@ -81,6 +82,7 @@ class ColdStart:
         with self.timer.phase(Phases.HTTP_SETUP):
             dispatcher = Dispatcher(loaded)  # a reload swaps the set behind it
             server = build_server(dispatcher, self.config.server, self.notifier)
+            dispatcher.on_fatal = lambda reason: _leave(server, reason)
             reloader = Reloader(dispatcher, self.config, self.notifier, started_from=self.config_path,
                                 stop_server=lambda: server.handle_exit(signal.SIGTERM, None))
             gc.collect()
@@ -92,6 +94,9 @@ class ColdStart:
             if self.hup_pending:  # SIGHUP during the start: the config may have changed since
                 reloader.spawn(None, None)
             await serve_http(server, self.sockets, self.notifier, ready_text, stop)
+        if dispatcher.fatal:  # no prefix saved, nothing closed: each would be work on the lost context
+            self.gpu_lost = dispatcher.fatal
+            return EX_SOFTWARE
         save_learned(dispatcher.loaded, reloader.current)
         dispatcher.loaded.close()
         return reloader.fatal.exit_code if reloader.fatal else 0
@@ -193,3 +198,11 @@ class ColdStart:
 
 def _stop_during_start(sig: int, frame: Any) -> None:
     raise StoppedDuringStart("SIGTERM before ready")
+
+
+def _leave(server: Any, reason: str) -> None:
+    """A set can serve no more (ServiceState.fatal): one line naming why, then what SIGTERM does
+    (stop accepting, STOPPING=1 with the reason, drain); the exit code is 70, which the unit
+    restarts, and what waits in the socket's backlog is answered by the next process."""
+    log.error("%s: stopping; exiting %d for the unit to restart edge", reason, EX_SOFTWARE)
+    server.drain.begin(server, f"failed: {reason}; exiting {EX_SOFTWARE} for a restart")
