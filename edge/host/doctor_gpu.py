@@ -119,7 +119,8 @@ def _node_allowed(node: Path, name: str, allowed: list[str], majors: dict[str, s
 
 def unit_device_checks(unit_text: str | None, dev: Path = Path("/dev"), proc_devices: Path = Path("/proc/devices"),
                        probe: bool = True) -> list[Check]:
-    """Every GPU node here allowed by the unit, and (where it can run) cuInit under its policy."""
+    """Every GPU node here allowed by the unit, and (where it can run) a service's first CUDA work
+    under its policy and environment."""
     if unit_text is None or "DevicePolicy=closed" not in unit_text:
         return []
     allowed = _allowed(unit_text)

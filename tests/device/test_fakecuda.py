@@ -26,6 +26,15 @@ def _params(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
+def _current(gpu: FakeGpu) -> CudaApi:
+    """The driver API over `gpu`, with GPU 0's primary context retained and current here."""
+    api = CudaApi(gpu.driver)
+    ctx = PrimaryContext(api)
+    ctx.retain()
+    ctx.make_current()
+    return api
+
+
 def _has_driver() -> bool:
     try:
         return real.cuDriverGetVersion()[0] == real.CUresult.CUDA_SUCCESS
@@ -95,10 +104,7 @@ def test_edge_reads_a_failure_by_its_cuda_result_whatever_comes_beside_it(bindin
 
 def test_frees_synchronize_and_destroy_need_a_current_context() -> None:
     gpu = FakeGpu()
-    api = CudaApi(gpu.driver)
-    ctx = PrimaryContext(api)
-    ctx.retain()
-    ctx.make_current()
+    api = _current(gpu)
     stream, ptr, host = api.call("cuStreamCreate", 0), api.malloc(4), api.malloc_host(4)
     api.call("cuCtxSetCurrent", None)
     for call, arg in (("cuMemFree", ptr), ("cuMemFreeHost", host), ("cuStreamSynchronize", stream),
@@ -126,10 +132,7 @@ def test_the_sticky_errors_are_the_ones_the_driver_documents_as_such() -> None:
 
 def test_a_faulting_kernel_loses_the_context_for_every_later_call() -> None:
     gpu = FakeGpu(fault=("CUDA_ERROR_ILLEGAL_ADDRESS", 666.0))
-    api = CudaApi(gpu.driver)
-    ctx = PrimaryContext(api)
-    ctx.retain()
-    ctx.make_current()
+    api = _current(gpu)
     stream = api.call("cuStreamCreate", 0)
 
     def kernel() -> None:
@@ -166,10 +169,7 @@ def test_integrated_comes_from_the_driver() -> None:
 
 def test_copies_happen_at_synchronize_not_when_queued() -> None:
     gpu = FakeGpu()
-    api = CudaApi(gpu.driver)
-    ctx = PrimaryContext(api)
-    ctx.retain()
-    ctx.make_current()
+    api = _current(gpu)
     stream = api.call("cuStreamCreate", 0)
     src, dst = api.malloc_host(4), api.malloc(4)
     ctypes.memmove(src, b"abcd", 4)
