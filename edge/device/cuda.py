@@ -61,7 +61,7 @@ _HINTS = {
                             "(dGPU, JetPack 7), /dev/nvmap and /dev/nvgpu/igpu0/* (JetPack 6), "
                             "/dev/nvhost-* (JetPack 5) (`edge doctor` checks)",
     "CUDA_ERROR_UNKNOWN": "on a dGPU /dev/nvidia-uvm may be missing: run `nvidia-modprobe -u -c=0` "
-                          "(edge.service does it in ExecStartPre=)",
+                          "(edge-nvidia-uvm.service does it before edge.service starts)",
     "CUDA_ERROR_OPERATING_SYSTEM": "the driver's kernel module refused the process: check the device "
                                    "nodes' permissions and the unit's DeviceAllow=",
     "CUDA_ERROR_INSUFFICIENT_DRIVER": "the kernel driver is older than its libcuda (a half-upgraded "

@@ -22,6 +22,7 @@ the process's exit: freeing them would be CUDA work on a lost context.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import threading
 import traceback
@@ -273,8 +274,6 @@ def lean_library(version: str) -> str:
     (the `tensorrt_libs` or `tensorrt_lean_libs` package), else by its soname, which the dynamic
     linker finds where JetPack's and the tar/deb installs put libnvinfer."""
     name = f"libnvinfer_lean.so.{version.split('.')[0] or '10'}"
-    import importlib.util
-
     for package in ("tensorrt_libs", "tensorrt_lean_libs"):
         try:
             spec = importlib.util.find_spec(package)
