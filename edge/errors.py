@@ -5,6 +5,8 @@
     ├── ConfigError               78  the config file, or one field of it, is invalid
     ├── ModelError                65  a model file is missing, truncated, not GGUF, or fails its sha256
     ├── EngineError               65  no engine for this device's key, or it fails its sha256
+    │   └── GpuContextLost        70  a sticky CUDA error (illegal address, launch failure, ECC...):
+    │                                 the process's CUDA context is lost; only a restart recovers
     ├── MlockError                77  require_mlock = true and the lock did not take
     ├── GpuOffloadUnavailable     78  n_gpu_layers set, and llama.cpp has no GPU (a CPU-only build,
     │                                 or a CUDA build whose device did not start: the driver's reason)
@@ -43,6 +45,7 @@ __all__ = [
     "ConfigError",
     "ModelError",
     "EngineError",
+    "GpuContextLost",
     "MlockError",
     "GpuOffloadUnavailable",
     "MissingDependency",
@@ -94,6 +97,13 @@ class ModelError(EdgeError):
 
 class EngineError(EdgeError):
     """An engine is missing for this device, was built for another one, or fails its checksum."""
+
+
+class GpuContextLost(EngineError):
+    """A CUDA call returned an error that leaves the process's CUDA context unusable (the driver's
+    "sticky" errors: every later call returns the same error until the process exits). The
+    service stops taking work and exits 70, which the unit restarts (edge.device.cuda says which
+    errors these are)."""
 
 
 class MlockError(EdgeError):
@@ -158,6 +168,7 @@ class RequestError(EdgeError):
 EXIT_CODES: dict[type[EdgeError], int] = {
     ConfigError: EX_CONFIG,
     ModelError: EX_DATAERR,
+    GpuContextLost: EX_SOFTWARE,
     EngineError: EX_DATAERR,
     MlockError: EX_NOPERM,
     GpuOffloadUnavailable: EX_CONFIG,

@@ -99,6 +99,27 @@ def engines_gc(keep: int = typer.Option(2, "--keep", min=0, help="newest engines
         typer.echo(f"removed {e.path}")
 
 
+@engines_app.command("rekey")
+def engines_rekey(store: Optional[Path] = StoreOpt, config: Optional[str] = ConfigOpt) -> None:
+    """Key engines by this Jetson's module: those stored under the key of a board of this model
+    (keys named the carrier board before they named the module), so they match every board
+    that carries the same module."""
+    from edge.device.identity import detect
+
+    device = detect()
+    if not device.jetson_module:
+        raise EdgeError("edge engines rekey runs on a Jetson whose device tree names its module "
+                        f"(/proc/device-tree/compatible); this device is {device.platform or device.cpu_arch}")
+    st = _store(store, config)
+    moved = 0
+    for e in st.entries():
+        if e.key.legacy_board and e.key.legacy_board == device.board:
+            new = st.rekey(e, e.key.rekeyed(str(device.platform)))
+            typer.echo(f"rekeyed {e.path.name} -> {new.path.name}")
+            moved += 1
+    typer.echo(f"{moved} engine(s) rekeyed to platform {device.platform} (board {device.board})")
+
+
 def register(app: typer.Typer) -> None:
     app.command("build-engine")(build_engine)
     app.add_typer(engines_app, name="engines")

@@ -29,7 +29,24 @@ def serve(config: Optional[str] = ConfigOpt) -> None:
     faulthandler.enable(all_threads=True)
     from edge.lifecycle.start import ColdStart
 
-    raise typer.Exit(ColdStart(config, timer=timer).run())
+    start = ColdStart(config, timer=timer)
+    code = start.run()  # however it ends, its journal and reports say so (edge.lifecycle.recovery)
+    if start.gpu_lost:  # not even the finalizers at exit may touch the lost CUDA context
+        _exit_now(code)
+    raise typer.Exit(code)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without running finalizers (llama.cpp's frees would be CUDA calls on a lost context,
+    which ggml answers with abort()); the logs are flushed first."""
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 SvgOpt = typer.Option(None, "--svg", callback=output_file,

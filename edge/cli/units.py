@@ -55,23 +55,28 @@ RootOpt = typer.Option("/", "--root", help="the device's root tree: its GPU plat
 
 def _options(edge: Optional[str], config: str, listen: list[str], unix_socket: Optional[str],
              socket_group: Optional[str], user: bool, root: str):  # -> edge.host.units.UnitOptions (lazy import)
-    from edge.host.units import UnitOptions, default_edge_command, platform_devices
+    from edge.host.gpu_nodes import platform_policy
+    from edge.host.units import UnitOptions, default_edge_command
 
-    devices, modprobe = platform_devices(root)
+    policy = platform_policy(root)
     return UnitOptions(edge=edge or default_edge_command(), config=config, listen=tuple(listen),
-                       unix_socket=unix_socket, socket_group=socket_group, user=user, devices=devices,
-                       modprobe=modprobe)
+                       unix_socket=unix_socket, socket_group=socket_group, user=user, devices=policy.devices,
+                       modprobe=policy.modprobe)
 
 
 @units_app.command("print")
 def units_print(edge: Optional[str] = EdgeOpt, config: str = UnitConfigOpt, listen: list[str] = ListenOpt,
                 unix_socket: Optional[str] = UnixOpt, socket_group: Optional[str] = GroupOpt,
                 user: bool = UserOpt, root: str = RootOpt) -> None:
-    """Print edge.socket and edge.service as they would be installed on the device at --root."""
+    """Print edge.socket and edge.service (and edge-nvidia-uvm.service where nvidia-modprobe is) as
+    they would be installed on the device at --root."""
+    from edge.host.gpu_nodes import UVM_UNIT, render_uvm
     from edge.host.units import render_service, render_socket
 
     o = _options(edge, config, listen, unix_socket, socket_group, user, root)
     typer.echo(f"# edge.socket\n{render_socket(o)}\n# edge.service\n{render_service(o)}")
+    if o.modprobe and not o.user:
+        typer.echo(f"\n# {UVM_UNIT}\n{render_uvm(o.modprobe)}")
 
 
 @units_app.command("install")

@@ -18,8 +18,11 @@ thread: whoever calls into an engine first makes it current on its own thread
 Every call goes through `CudaApi.call`, which turns cuda-python's `(CUresult, *values)` tuples
 into values or an EngineError naming the call and the error, and a driver library that cannot be
 loaded (cuda-python raises its own RuntimeError then) into one line naming the missing driver.
-Tests pass a named double of the driver module (tests/fakecuda.py). Nothing here imports
-cuda-python at module level.
+A failure is told by the CUresult alone: cuda-python 12.6.x returns the unfilled value beside
+it (`(err, CUdevice())`), later versions `(err, None)`. An error the driver documents as leaving
+the process's context unusable ("sticky": `STICKY_ERRORS`) is a `ContextLost`, which the service
+turns into a clean exit for a restart. Tests pass a named double of the driver module
+(tests/fakecuda.py). Nothing here imports cuda-python at module level.
 """
 
 from __future__ import annotations
@@ -29,20 +32,36 @@ from typing import Any
 
 import numpy as np
 
-from edge.errors import EngineError, MissingDependency
+from edge.errors import EngineError, GpuContextLost, MissingDependency
 
-__all__ = ["CudaApi", "CudaError", "DriverMissing", "PrimaryContext", "PinnedBuffer", "cuda_api",
-           "driver_module", "hint"]
+__all__ = ["CudaApi", "ContextLost", "CudaError", "DriverMissing", "PrimaryContext", "PinnedBuffer",
+           "STICKY_ERRORS", "cuda_api", "driver_module", "first_work", "hint", "integrated_gpu"]
+
+# CUresults after which "any further CUDA work will return the same error. To continue using
+# CUDA, the process must be terminated and relaunched" (cuda.h's words for each; the ASSERT
+# context "cannot be used anymore"; ECC and NVLink uncorrectable are hardware faults that take the
+# context with them). tests/device/test_fakecuda.py checks this list against the installed
+# module's own documentation of every CUresult.
+STICKY_ERRORS = frozenset({
+    "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_LAUNCH_TIMEOUT",
+    "CUDA_ERROR_ASSERT", "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+    "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_INVALID_PC",
+    "CUDA_ERROR_TENSOR_MEMORY_LEAK", "CUDA_ERROR_CONTAINED", "CUDA_ERROR_MPS_CLIENT_TERMINATED",
+    "CUDA_ERROR_EXTERNAL_DEVICE",
+    "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA_ERROR_NVLINK_UNCORRECTABLE",
+})
 
 # What a failing cuInit most often means on the devices edge runs on (CUresult names).
 _HINTS = {
     "CUDA_ERROR_NOT_SUPPORTED": "on JetPack 6 cuInit needs the GPU's render node /dev/dri/renderD*: "
                                 "under edge.service DeviceAllow= must allow it (`edge doctor` checks)",
-    "CUDA_ERROR_NO_DEVICE": "no GPU device node is usable: /dev/nvidia* (dGPU), /dev/nvgpu/igpu0/* "
-                            "(JetPack 6) or /dev/nvhost-* (JetPack 5) missing or not allowed by the "
-                            "unit's DeviceAllow= (`edge doctor` checks)",
+    "CUDA_ERROR_NO_DEVICE": "no GPU is visible: CUDA_VISIBLE_DEVICES (in the environment or the unit's "
+                            "Environment=) may hide it (unset it, or name an existing GPU), or a device "
+                            "node is missing or not allowed by the unit's DeviceAllow=: /dev/nvidia* "
+                            "(dGPU, JetPack 7), /dev/nvmap and /dev/nvgpu/igpu0/* (JetPack 6), "
+                            "/dev/nvhost-* (JetPack 5) (`edge doctor` checks)",
     "CUDA_ERROR_UNKNOWN": "on a dGPU /dev/nvidia-uvm may be missing: run `nvidia-modprobe -u -c=0` "
-                          "(edge.service does it in ExecStartPre=)",
+                          "(edge-nvidia-uvm.service does it before edge.service starts)",
     "CUDA_ERROR_OPERATING_SYSTEM": "the driver's kernel module refused the process: check the device "
                                    "nodes' permissions and the unit's DeviceAllow=",
     "CUDA_ERROR_INSUFFICIENT_DRIVER": "the kernel driver is older than its libcuda (a half-upgraded "
@@ -62,8 +81,16 @@ class CudaError(EngineError):
 
     def __init__(self, call: str, name: str) -> None:
         self.call, self.name = call, name
-        why = hint(name) if call == "cuInit" else ""
+        why = hint(name) if call in ("cuInit", "cuDeviceGet") else ""
         super().__init__(f"CUDA {call} failed: {name}" + (f" ({why})" if why else ""))
+
+
+class ContextLost(CudaError, GpuContextLost):
+    """A sticky error (`STICKY_ERRORS`): this process's CUDA context is unusable from now on."""
+
+
+def _error(call: str, name: str) -> CudaError:
+    return (ContextLost if name in STICKY_ERRORS else CudaError)(call, name)
 
 
 class DriverMissing(EngineError):
@@ -101,8 +128,8 @@ class CudaApi:
             err, *values = getattr(self.driver, name)(*args)
         except RuntimeError as exc:  # cuda-pathfinder's DynamicLibNotFoundError, or "Failed to dlopen"
             raise DriverMissing(str(exc)) from None
-        if err != self._ok:
-            raise CudaError(name, str(getattr(err, "name", err)))
+        if err != self._ok:  # its values are then None (>= 12.8) or unfilled (12.6.x): unused
+            raise _error(name, str(getattr(err, "name", err)))
         return values[0] if len(values) == 1 else (tuple(values) or None)
 
     def malloc(self, nbytes: int) -> int:
@@ -118,6 +145,32 @@ class CudaApi:
 
 def cuda_api() -> CudaApi:
     return CudaApi(driver_module())
+
+
+def integrated_gpu(driver: Any = None) -> bool | None:
+    """Whether GPU 0 shares the CPU's DRAM, as the driver says (CU_DEVICE_ATTRIBUTE_INTEGRATED);
+    None when it cannot say: no cuda-python, no driver library, no usable GPU."""
+    try:
+        api = CudaApi(driver or driver_module())
+        api.call("cuInit", 0)
+        dev = api.call("cuDeviceGet", 0)
+        return bool(api.call("cuDeviceGetAttribute",
+                             api.driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_INTEGRATED, dev))
+    except (EngineError, MissingDependency):  # no driver library, a failing call; no cuda-python
+        return None
+
+
+def first_work(api: CudaApi) -> None:
+    """The first CUDA work a service does, in miniature: GPU 0's primary context retained and made
+    current, one byte allocated and freed, the context released. Where cuInit passes and this
+    fails, a device node the context or the allocator needs is closed (JetPack 6: /dev/nvmap)."""
+    ctx = PrimaryContext(api)
+    ctx.retain()
+    try:
+        ctx.make_current()
+        api.call("cuMemFree", api.malloc(1))
+    finally:
+        ctx.release()
 
 
 class PrimaryContext:

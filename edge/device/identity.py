@@ -8,11 +8,17 @@ device's name, SM arch, whether it is integrated, its memory, or why none could 
 TensorRT module that would deserialize an engine (`tensorrt_version`, read from the module
 without importing it).
 
+A Jetson is its module (`jetson_module`: the device tree's `compatible` entry for the
+system-on-module, e.g. `p3767-0005`), not its board: the carrier board's model string (a
+devkit's "…Developer Kit Super", a vendor's carrier) is kept as a label (`jetson_model`,
+`board`) and changes nothing an engine depends on.
+
 CUDA numbers and where each comes from: `cuda_driver` is what the driver supports
 (cuDriverGetVersion); `cuda_runtimes` lists every CUDA runtime the process could load (the
 toolkit's /usr/local/cuda that JetPack's TensorRT links, the nvidia-cuda-runtime wheel a
 TensorRT wheel preloads), each with its source; `cuda` (the engine key's CUDA major) is the
-first runtime found, else the driver's, and `cuda_source` says which.
+runtime TensorRT links (`_linked_runtime`): a `tensorrt-cuNN` wheel's CUDA NN, else the
+toolkit's, else the first runtime found, else the driver's; `cuda_source` says which.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DeviceInfo", "GpuInfo", "GpuProbe", "SOC_SM", "detect", "probe_gpu", "sm_for_soc",
+__all__ = ["DeviceInfo", "GpuInfo", "GpuProbe", "SOC_SM", "detect", "module_of", "probe_gpu", "sm_for_soc",
            "tensorrt_version", "slug", "version_tuple"]
 
 # Jetson SoC (device-tree "compatible") -> SM arch of its integrated GPU
@@ -37,6 +43,12 @@ SOC_SM = {"tegra264": "sm_110", "tegra234": "sm_87", "tegra194": "sm_72", "tegra
           "tegra210": "sm_53"}
 # pip-assembled CUDA runtime: the wheel a TensorRT wheel depends on and preloads
 CUDART_DISTS = ("nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime")
+# TensorRT wheels name the CUDA major they link (and whose nvidia-cuda-runtime-cuNN they preload)
+TRT_WHEEL_CUDA = ("13", "12", "11")
+TRT_WHEEL_PARTS = ("tensorrt-cu{}", "tensorrt-cu{}-bindings", "tensorrt-cu{}-libs", "tensorrt-lean-cu{}",
+                   "tensorrt-lean-cu{}-bindings", "tensorrt-lean-cu{}-libs")
+# a Jetson module's part number in the device tree's compatible ("nvidia,p3767-0005")
+MODULE = re.compile(r"p\d{4}-\d{4}")
 # the module an engine is deserialized with -> the distributions that may carry it
 TRT_MODULES = {"tensorrt": ("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu13-bindings",
                             "tensorrt-cu12-bindings"),
@@ -67,7 +79,7 @@ class GpuProbe:
 @dataclass(frozen=True)
 class DeviceInfo:
     cpu_arch: str
-    jetson_model: str | None
+    jetson_model: str | None  # the board's model string: a label, never part of a key
     soc: str | None
     l4t_release: str | None
     sm: str | None
@@ -82,16 +94,29 @@ class DeviceInfo:
     gpu_integrated: bool | None = None  # unified memory (a Jetson's iGPU)
     gpu_total_bytes: int | None = None
     gpu_error: str | None = None  # why no GPU could be used, as the driver said
+    jetson_module: str | None = None  # the system-on-module's part number, from the device tree
 
     @property
     def platform(self) -> str | None:
         """What an engine's tactics were timed on beyond the SM arch: Orin AGX, NX and Nano all
-        report sm_87 (and "Orin"), with different SM counts and memory; so a Jetson is its module,
-        a dGPU its CPU arch and product name (plans are not portable across host platforms: an
-        H100 PCIe in an x86 and in an aarch64 server are two platforms)."""
+        report sm_87 (and "Orin"), with different SM counts and memory; so a Jetson is its module
+        (`jetson-p3767-0005`: its GPU configuration, whatever carrier board or power mode), a
+        dGPU its CPU arch and product name (plans are not portable across host platforms: an
+        H100 PCIe in an x86 and in an aarch64 server are two platforms). A Jetson whose device
+        tree names no module is its board."""
+        if self.jetson_module:
+            return f"jetson-{self.jetson_module}"
         if self.jetson_model:
-            return slug(self.jetson_model.replace("NVIDIA ", "").replace(" Developer Kit", ""))
+            return self.board
         return slug(f"{self.cpu_arch} {self.gpu_name}") if self.gpu_name else None
+
+    @property
+    def board(self) -> str | None:
+        """The carrier board as a slug of its model string: a report label, and what engine keys
+        named before they named the module (edge.engines.key accepts those on the same board)."""
+        if not self.jetson_model:
+            return None
+        return slug(self.jetson_model.replace("NVIDIA ", "").replace(" Developer Kit", ""))
 
     @property
     def jetson(self) -> bool:
@@ -105,7 +130,7 @@ class DeviceInfo:
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["cuda_runtimes"] = [{"version": v, "source": w} for v, w in self.cuda_runtimes]
-        return {**d, "platform": self.platform, "unified_memory": self.unified_memory}
+        return {**d, "platform": self.platform, "board": self.board, "unified_memory": self.unified_memory}
 
 
 def slug(text: str) -> str:
@@ -117,6 +142,22 @@ def _read(root: Path, rel: str) -> str | None:
         return (root / rel).read_text(errors="replace")
     except OSError:
         return None
+
+
+def module_of(compatible: list[str]) -> str | None:
+    """The system-on-module's part number from the device tree's compatible list: its own entry
+    ("nvidia,p3701-0005"), else the module half of a "carrier+module" entry
+    ("nvidia,p3509-0000+p3668-0001" on a Xavier NX, which lists no module entry)."""
+    for entry in compatible:
+        name = entry.split(",")[-1]
+        if MODULE.fullmatch(name):
+            return name
+    for entry in compatible:
+        if "+" in entry:
+            m = MODULE.match(entry.split("+", 1)[1])
+            if m:
+                return m.group(0)
+    return None
 
 
 def sm_for_soc(compatible: list[str]) -> tuple[str | None, str | None]:
@@ -160,6 +201,19 @@ def _cuda_runtimes(root: Path, dists: DistVersion) -> list[tuple[str, str]]:
         if v:
             found.append((".".join(v.split(".")[:2]), f"pip {name} {v}"))
     return found
+
+
+def _linked_runtime(runtimes: list[tuple[str, str]], dists: DistVersion) -> tuple[str, str] | None:
+    """The CUDA runtime TensorRT links, among those found: a `tensorrt-cuNN` wheel links CUDA NN
+    (the nvidia-cuda-runtime-cuNN wheel it preloads, else NN itself); JetPack's TensorRT and the
+    deb/tar installs link the toolkit's (/usr/local/cuda); else the first found."""
+    for major in TRT_WHEEL_CUDA:
+        wheel = next((name for name in (p.format(major) for p in TRT_WHEEL_PARTS) if dists((name,))), None)
+        if wheel:
+            pip = next((r for r in runtimes if r[1].startswith(f"pip nvidia-cuda-runtime-cu{major} ")), None)
+            return pip or (major, f"pip {wheel} {dists((wheel,))} (links CUDA {major})")
+    toolkit = next((r for r in runtimes if r[1].startswith("/usr/local/cuda")), None)
+    return toolkit or (runtimes[0] if runtimes else None)
 
 
 def _dist_version(names: tuple[str, ...]) -> str | None:
@@ -213,10 +267,12 @@ def _maj_min(v: int) -> str:
     return f"{v // 1000}.{v % 1000 // 10}"  # 12060 -> 12.6
 
 
-def probe_gpu(driver: Any = None) -> GpuProbe:
+def probe_gpu(driver: Any = None, work: bool = False) -> GpuProbe:
     """GPU 0 through cuda-python's driver API (`driver`: the module, or a test double); a probe
-    with no GPU and the reason where there is no cuda-python, driver library or usable device."""
-    from edge.device.cuda import CudaApi, driver_module
+    with no GPU and the reason where there is no cuda-python, driver library or usable device.
+    `work`: go as far as a service's first CUDA work (edge.device.cuda.first_work: the primary
+    context retained and one byte allocated), which needs device nodes cuInit does not."""
+    from edge.device.cuda import CudaApi, driver_module, first_work
     from edge.errors import EdgeError
 
     try:
@@ -234,6 +290,8 @@ def probe_gpu(driver: Any = None) -> GpuProbe:
         integrated = api.call("cuDeviceGetAttribute", attr.CU_DEVICE_ATTRIBUTE_INTEGRATED, dev)
         raw = api.call("cuDeviceGetName", 256, dev)
         total = api.call("cuDeviceTotalMem", dev)
+        if work:
+            first_work(api)
     except EdgeError as exc:
         return GpuProbe(None, version, str(exc))
     name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace").strip()
@@ -255,11 +313,12 @@ def detect(root: str | Path = "/", gpu: Callable[[], GpuProbe] = probe_gpu,
     g = probe.gpu
     sm, source = (g.sm, "gpu") if g else (table_sm, "soc-table" if table_sm else None)
     runtimes = _cuda_runtimes(root, dists)
-    cuda, cuda_source = runtimes[0] if runtimes else (probe.driver, "driver" if probe.driver else None)
+    cuda, cuda_source = _linked_runtime(runtimes, dists) or (probe.driver, "driver" if probe.driver else None)
     return DeviceInfo(cpu_arch=cpu_arch or platform.machine(), jetson_model=model if soc else None,
                       soc=soc, l4t_release=_l4t(_read(root, "etc/nv_tegra_release")), sm=sm,
                       sm_source=source, cuda=cuda, tensorrt=trt(),
                       onnxruntime=dists(("onnxruntime", "onnxruntime-gpu")),
                       gpu_name=g.name if g else None, cuda_source=cuda_source, cuda_driver=probe.driver,
                       cuda_runtimes=tuple(runtimes), gpu_integrated=g.integrated if g else None,
-                      gpu_total_bytes=g.total_bytes if g else None, gpu_error=probe.error)
+                      gpu_total_bytes=g.total_bytes if g else None, gpu_error=probe.error,
+                      jetson_module=module_of(compatible) if soc else None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,16 @@ def read_memory(gpu: bool = False) -> MemoryReading:
     return MemoryReading(available, total, gpu_free, str(path))
 
 
-def unified_memory(root: str | Path = "/") -> bool:
-    """A Jetson: its integrated GPU's buffers are the CPU's DRAM."""
-    return (Path(root) / TEGRA_RELEASE).exists()
+def unified_memory(root: str | Path = "/", integrated: Callable[[], bool | None] | None = None) -> bool:
+    """The GPU's buffers are the CPU's DRAM (a Jetson's integrated GPU), as the driver says
+    (CU_DEVICE_ATTRIBUTE_INTEGRATED of GPU 0, edge.device.cuda.integrated_gpu: right inside a
+    container that lacks /etc/nv_tegra_release too); where no driver can say (no cuda-python, no
+    driver library, no usable GPU), whether <root>/etc/nv_tegra_release exists. `integrated`: the
+    driver's answer (a test passes a double at that boundary)."""
+    if integrated is None:
+        from edge.device.cuda import integrated_gpu as integrated
+    said = integrated()
+    return said if said is not None else (Path(root) / TEGRA_RELEASE).exists()
 
 
 def _gpu_free() -> int | None:

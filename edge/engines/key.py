@@ -6,18 +6,26 @@ side makes the key of what it built with `build_key` (same fields, coarsened whe
 made hardware- or version-compatible). `EngineKey.differences(wanted)` is the one rule for
 "does this stored engine run here": empty means yes.
 
-A TensorRT key holds the SM arch, the platform (Jetson module, or dGPU product: Orin AGX, NX and
-Nano are all sm_87 with different SM counts, an H100 and a GH200 both sm_90), the host platform
+A TensorRT key holds the SM arch, the platform (Jetson module from the device tree's
+`compatible`, `jetson-p3767-0005`, never the carrier board's model string; or the dGPU product:
+Orin AGX, NX and Nano are all sm_87 with different SM counts, an H100 and a GH200 both sm_90),
+the board as a label only, the host platform
 (`jetson`, or the CPU arch of a dGPU host: plans are not portable across them), the CUDA major,
 the full TensorRT version of the module that deserializes (build number included), and the
 build's hardware-compatibility level and version-compatible flag. The host platform is compared
 for every engine; the platform too, except for a hardware-compatible engine, which runs on any
 GPU of its level on the same host platform (and is never built on a Jetson, where TensorRT has
 no hardware compatibility).
+
+Keys before the module named the board (`jetson-agx-orin`, the slug of /proc/device-tree/model).
+Such an engine is still accepted on a board of the same model string (what it was built for),
+is refused elsewhere with a message saying what changed, and `edge engines rekey` gives it this
+device's module key (`EngineKey.legacy_board`, `EngineKey.rekeyed`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["EngineKey", "BACKENDS", "build_key", "device_fields", "host_platform", "key_for", "profile_label"]
 
 BACKENDS = ("tensorrt", "onnxruntime")
+MODULE_PLATFORM = re.compile(r"jetson-p\d{4}-\d{4}")  # a Jetson key's platform since it names the module
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class EngineKey:
     hardware_compat: str = "none"
     version_compatible: bool = False
     host: str | None = None  # jetson | x86-64 | aarch64 (a dGPU host's CPU arch); None: older manifest
+    board: str | None = None  # a Jetson's carrier board (slug of its model string): a label, not compared
 
     def filename(self) -> str:
         if self.backend == "tensorrt":
@@ -78,11 +88,37 @@ class EngineKey:
             return out
         return out + self._gpu_differences(wanted) + self._software_differences(wanted)
 
+    @property
+    def legacy_board(self) -> str | None:
+        """The board this Jetson engine's key names, if it is a key from before keys named the
+        module (its platform is the slug of a board's model string); else None."""
+        jetson = self.host == "jetson" or (self.host is None and str(self.platform).startswith("jetson-"))
+        if self.backend != "tensorrt" or not jetson or not self.platform or MODULE_PLATFORM.fullmatch(self.platform):
+            return None
+        return self.platform
+
+    def rekeyed(self, platform: str) -> "EngineKey":
+        """This (legacy, board-keyed) key with a module's platform (`jetson-p3767-0005`), the
+        board kept as its label."""
+        return replace(self, platform=platform, board=self.legacy_board, host="jetson")
+
+    def _platform_differences(self, wanted: "EngineKey") -> list[str]:
+        if self.platform == wanted.platform:
+            return []
+        board = self.legacy_board
+        if board is None:
+            return [_say("platform", self.platform, wanted.platform)]
+        if board == wanted.board:
+            return []  # built on a board of this model, before keys named the module: same module then
+        return [f"engine was built for board {board} (a key from before engine keys named the Jetson module "
+                f"instead of the carrier board), this device is platform {wanted.platform} (board "
+                f"{wanted.board or '(none)'}): rebuild it for this module, or run `edge engines rekey` "
+                f"on a {board} board to key it by its module"]
+
     def _gpu_differences(self, wanted: "EngineKey") -> list[str]:
         if self.hardware_compat == "none":
             out = [] if self.target == wanted.target else [_say("target", self.target, wanted.target)]
-            return out + ([] if self.platform == wanted.platform else
-                          [_say("platform", self.platform, wanted.platform)])
+            return out + self._platform_differences(wanted)
         # hardware-compatible: any GPU of the level, on the same host platform only
         out = [] if self.host is not None and self.host == wanted.host else [_say("host", self.host, wanted.host)]
         if self.hardware_compat == "ampere_plus":
@@ -135,7 +171,8 @@ def device_fields(backend: str, device: DeviceInfo) -> dict[str, Any]:
             raise EngineError(f"TensorRT engines need {', '.join(missing)} of this device, and "
                               "none could be found (edge device shows what was detected)")
         return {"backend": backend, "target": device.sm, "platform": device.platform, "host": host_platform(device),
-                "cuda": device.cuda.split(".")[0] if device.cuda else None, "tensorrt": device.tensorrt}
+                "cuda": device.cuda.split(".")[0] if device.cuda else None, "tensorrt": device.tensorrt,
+                "board": device.board}
     if backend == "onnxruntime":
         if not device.onnxruntime:
             raise MissingDependency("onnxruntime", "ort", "serving ONNX Runtime engines")
@@ -188,6 +225,8 @@ def build_key(recipe: "Recipe", backend: str, device: DeviceInfo, onnx_sha256: s
                               "between a Jetson and a dGPU host; set hardware_compatibility = \"none\"")
         key = replace(key, platform=None, hardware_compat=recipe.hardware_compatibility,
                       target="sm_80" if recipe.hardware_compatibility == "ampere_plus" else key.target)
-    if recipe.version_compatible:
+    if recipe.version_compatible and not recipe.exclude_lean_runtime:
+        # without its lean runtime a plan runs only on the lean runtime of the TensorRT that built
+        # it (IRuntime.load_runtime): keyed to that exact version, not to the later ones
         key = replace(key, version_compatible=True)
     return key

@@ -87,6 +87,23 @@ class EngineStore:
             self._save_manifest(folder, manifest)
         return StoredEngine(key, folder / name, digest, size, meta)
 
+    def rekey(self, e: StoredEngine, key: EngineKey) -> StoredEngine:
+        """Give a stored engine another key (same model and bytes: `edge engines rekey`). Its entry
+        goes before its file is renamed and the new one comes after, as in put(); the bytes are
+        checked against the manifest's sha256 first, so a corrupt file is not given a new name."""
+        self.verify(e)
+        folder, name = e.path.parent, key.filename()
+        with self._locked(folder):
+            manifest = self._manifest(folder)
+            if manifest["engines"].pop(e.path.name, None) is not None:
+                self._save_manifest(folder, manifest)
+            os.replace(e.path, folder / name)
+            fsync_dir(folder)
+            meta = {**e.meta, "key": key.as_dict(), "rekeyed_from": e.key.as_dict()}
+            manifest["engines"][name] = meta
+            self._save_manifest(folder, manifest)
+        return StoredEngine(key, folder / name, e.sha256, e.bytes, meta)
+
     def tmp_path(self, key: EngineKey) -> Path:
         """Where a build writes its output: the store's folder (same filesystem), hidden name."""
         folder = self.folder(key.model, key.model_sha256)

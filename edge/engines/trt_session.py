@@ -10,25 +10,34 @@ any profile allows. A request then only picks the profile (`profile_for`, the sa
 validation), sets shapes (checked), queues copy in, run, copy out on the stream and waits for
 it. Every TensorRT call goes through `_trt`, the one place its exceptions become an EngineError
 naming the engine. `close()` tears down in reverse and runs every step even when one fails:
-stream drained, context, engine, runtime, buffers, stream, primary context.
+stream drained, context, engine, runtime, buffers, stream, primary context. A load that fails
+tears down only once the failure's traceback no longer holds the engine (its frames' locals are
+cleared first), so the engine is destroyed before the context is released.
+
+A sticky CUDA error (edge.device.cuda.ContextLost: the process's context is lost) makes the
+session refuse all further work without a CUDA call, and its close() leaves the GPU objects to
+the process's exit: freeing them would be CUDA work on a lost context.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import threading
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from edge.device.cuda import CudaApi, PinnedBuffer, PrimaryContext, cuda_api
+from edge.device.cuda import ContextLost, CudaApi, PinnedBuffer, PrimaryContext, cuda_api
 from edge.engines.store import StoredEngine
 from edge.engines.tensors import KSERVE_DTYPES, TensorSpec, profile_for
-from edge.errors import JETPACK_TRT, EngineError, MissingDependency
+from edge.errors import JETPACK_TRT, EngineError, GpuContextLost, MissingDependency
 
-__all__ = ["TrtSession", "import_trt_runtime"]
+__all__ = ["TrtSession", "import_trt_runtime", "lean_library"]
 
 log = logging.getLogger("edge")
 
@@ -68,16 +77,20 @@ class TrtSession:
         self._stream: Any = None
         self._primary = PrimaryContext(self._api)  # cuInit + device: nothing held yet
         self._tensorrt = trt or import_trt_runtime()
+        self.lost: str | None = None  # the sticky CUDA error this session's context was lost to
         try:
             self._primary.retain()
             self._primary.make_current()
             self._thread = threading.get_ident()
             self._open(stored, data)
-        except BaseException:
+        except BaseException as exc:
+            # The traceback's frames still hold the engine (_io_specs' locals): cleared, so that
+            # dropping the session's references really destroys it before the context goes.
+            traceback.clear_frames(exc.__traceback__)
             try:
                 self.close()
-            except Exception as exc:  # the load's own error is the one to report
-                log.warning("%s: teardown after a failed load failed too: %s", self._where, exc)
+            except Exception as why:  # the load's own error is the one to report
+                log.warning("%s: teardown after a failed load failed too: %s", self._where, why)
             raise
 
     def _trt(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -91,6 +104,8 @@ class TrtSession:
         trt = self._tensorrt
         version = getattr(trt, "__version__", "")
         self._runtime = self._trt("Runtime", trt.Runtime, trt.Logger(trt.Logger.WARNING))
+        if stored.meta.get("build", {}).get("flags", {}).get("exclude_lean_runtime"):
+            self._runtime = self._lean_runtime(version)
         if self._host_code(stored, data):
             self._trt("engine_host_code_allowed", setattr, self._runtime, "engine_host_code_allowed", True)
         self._engine = self._trt("deserialize_cuda_engine", self._runtime.deserialize_cuda_engine, data)
@@ -110,6 +125,18 @@ class TrtSession:
         self._stream = self._api.call("cuStreamCreate", flags)
         self._profile = -1
         self._allocate()
+
+    def _lean_runtime(self, version: str) -> Any:
+        """A version-compatible plan built with exclude_lean_runtime carries no runtime of its
+        own: it runs on the lean runtime of the TensorRT that built it (IRuntime.load_runtime),
+        which is this one, since such plans are keyed to their exact version (edge.engines.key)."""
+        path = lean_library(version)
+        lean = self._trt(f"load_runtime({path})", self._runtime.load_runtime, path)
+        if lean is None:
+            raise EngineError(f"{self._where}: the plan was built with exclude_lean_runtime and needs TensorRT "
+                              f"{version}'s lean runtime library, which could not be loaded from {path} "
+                              "(install TensorRT's lean runtime, or rebuild without exclude_lean_runtime)")
+        return lean
 
     def _host_code(self, stored: StoredEngine, data: bytes) -> bool:
         """A version-compatible plan with the lean runtime inside runs that runtime's host code:
@@ -183,6 +210,15 @@ class TrtSession:
                 raise EngineError(f"{self._where}: TensorRT refused the device address of tensor {name!r}")
 
     def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.lost:  # nothing more goes to the GPU
+            raise GpuContextLost(f"{self._where}: the CUDA context was lost ({self.lost}): no more GPU work")
+        try:
+            return self._infer(feeds)
+        except ContextLost as exc:
+            self.lost = str(exc)
+            raise
+
+    def _infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if threading.get_ident() != self._thread:  # a new thread has no current context yet
             self._primary.make_current()
             self._thread = threading.get_ident()
@@ -198,6 +234,7 @@ class TrtSession:
             host[...] = feeds[spec.name]
             api.copy_async(buf.device, buf.host, host.nbytes, True, stream)
         if not self._trt("execute_async_v3", self._context.execute_async_v3, int(stream)):
+            api.call("cuStreamSynchronize", stream)  # a lost context says so here (ContextLost)
             raise EngineError(f"{self._where}: TensorRT execution failed (its log says why)")
         views = {}
         for spec in self.outputs:
@@ -210,7 +247,12 @@ class TrtSession:
 
     def close(self) -> None:
         """On the serving thread, in order, every step even if one fails: work drained, TensorRT
-        objects, buffers, stream, then the primary context released."""
+        objects, buffers, stream, then the primary context released. After a sticky error none of
+        it: each step would be CUDA work on the lost context; the process's exit frees it all."""
+        if self.lost:
+            log.warning("%s: not torn down: the CUDA context was lost (%s); the process exit frees it",
+                        self._where, self.lost)
+            return
         api, stream = self._api, self._stream
 
         def drop_trt() -> None:
@@ -225,3 +267,19 @@ class TrtSession:
         buffers, self._buffers = list(self._buffers.values()), {}
         _run_all([(lambda: api.call("cuStreamSynchronize", stream)) if stream is not None else (lambda: None),
                   drop_trt, *[b.free for b in buffers], destroy_stream, self._primary.release])
+
+
+def lean_library(version: str) -> str:
+    """TensorRT's lean runtime library for IRuntime.load_runtime: beside the pip wheel's libraries
+    (the `tensorrt_libs` or `tensorrt_lean_libs` package), else by its soname, which the dynamic
+    linker finds where JetPack's and the tar/deb installs put libnvinfer."""
+    name = f"libnvinfer_lean.so.{version.split('.')[0] or '10'}"
+    for package in ("tensorrt_libs", "tensorrt_lean_libs"):
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            if (Path(folder) / name).is_file():
+                return str(Path(folder) / name)
+    return name

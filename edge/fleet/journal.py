@@ -74,6 +74,7 @@ class Journal:
         self._fd: int | None = None
         self._failed = False
         self.lines, self.seconds = 0, 0.0  # what the journal cost this process (in its start report)
+        self.ended = False
         now = time.time()
         self._write({"journal": FORMAT, "kind": kind, "pid": self.pid, "boot_id": _boot_id(), "starttime": start,
                      "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now - self._clock())),
@@ -104,8 +105,12 @@ class Journal:
 
     def end(self, result: str, exit_code: int, **detail: Any) -> None:
         """How this process ended by itself: ok (served, then stopped), failed, stopped (SIGTERM
-        before READY), crashed (it found itself unfit to go on, e.g. a poisoned CUDA context)."""
+        before READY), crashed (it found itself unfit to go on, e.g. a poisoned CUDA context).
+        The first word is the one kept."""
+        if self.ended:
+            return
         self._write({"end": result, "exit": exit_code, "t": round(self._clock(), 4), **_plain(detail)}, sync=True)
+        self.ended = True
         self.close()
 
     def cost(self) -> dict[str, Any]:

@@ -4,9 +4,11 @@ runtime newer than the driver, llama.cpp's offload, and the unit's device policy
 The device policy is checked twice: on paper (every GPU node this machine has must be allowed by
 the installed unit's DeviceAllow=, by path or by its driver's class; allowed nodes this machine
 lacks are listed), and for real where it can be: a probe run by systemd with exactly the unit's
-DevicePolicy=, DeviceAllow=, DynamicUser= and SupplementaryGroups= calls cuInit through edge's
-own driver boundary (`systemd-run --pipe --wait`, root and a running systemd only; skipped with
-the reason otherwise).
+DevicePolicy=, DeviceAllow=, DynamicUser=, SupplementaryGroups= and Environment= (so that
+CUDA_VISIBLE_DEVICES counts) goes as far as a service's first CUDA work through edge's own
+driver boundary: cuInit, GPU 0's primary context retained and current, one byte allocated
+(`systemd-run --pipe --wait`, root and a running systemd only; skipped with the reason
+otherwise). On JetPack 6 cuInit passes without /dev/nvmap; the allocation does not.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edge.device.identity import DeviceInfo, version_tuple
+from edge.host.gpu_nodes import GPU_NODE_GLOBS
 
 if TYPE_CHECKING:
     from edge.config import Config
@@ -28,11 +32,9 @@ if TYPE_CHECKING:
 # (name, level ok|warn|fail, message, fix): edge.host.doctor makes its Check of each
 Check = tuple[str, str, str, str]
 
-__all__ = ["cuda_runtime_check", "device_check", "gpu_offload_checks", "unit_device_checks"]
+__all__ = ["cuda_runtime_check", "device_check", "gpu_offload_checks", "probe_command", "unit_device_checks"]
 
-# GPU nodes CUDA may open, by platform (globs under /dev)
-GPU_NODE_GLOBS = ("nvidia*", "nvidia-caps/*", "nvgpu/igpu0/*", "nvhost-*", "nvmap", "host1x-fence", "dri/renderD*")
-PROBE = ("import json\nfrom edge.device.identity import probe_gpu\np = probe_gpu()\n"
+PROBE = ("import json\nfrom edge.device.identity import probe_gpu\np = probe_gpu(work=True)\n"
          "print(json.dumps({'gpu': p.gpu.name if p.gpu else None, 'error': p.error}))")
 
 
@@ -117,7 +119,8 @@ def _node_allowed(node: Path, name: str, allowed: list[str], majors: dict[str, s
 
 def unit_device_checks(unit_text: str | None, dev: Path = Path("/dev"), proc_devices: Path = Path("/proc/devices"),
                        probe: bool = True) -> list[Check]:
-    """Every GPU node here allowed by the unit, and (where it can run) cuInit under its policy."""
+    """Every GPU node here allowed by the unit, and (where it can run) a service's first CUDA work
+    under its policy and environment."""
     if unit_text is None or "DevicePolicy=closed" not in unit_text:
         return []
     allowed = _allowed(unit_text)
@@ -137,27 +140,47 @@ def unit_device_checks(unit_text: str | None, dev: Path = Path("/dev"), proc_dev
     else:
         checks = [_check("unit devices", "ok", f"edge.service allows every GPU node here ({len(nodes)} found)"
                          f"{note}")]
-    return checks + ([_probe_under_policy(unit_text, allowed)] if probe else [])
+    return checks + ([_probe_under_policy(unit_text)] if probe else [])
 
 
-def _probe_under_policy(unit_text: str, allowed: list[str]) -> Check:
-    run = shutil.which("systemd-run")
-    if os.geteuid() != 0 or not run or not Path("/run/systemd/system").is_dir():
-        return _check("unit cuInit", "ok", "skipped: probing cuInit under the unit's device policy needs root "
-                      "and a running systemd (systemd-run)")
+def _environment(unit_text: str) -> list[str]:
+    """NAME=VALUE of the unit's Environment= lines (several per line, quoted as systemd quotes
+    them); an assignment with a %-specifier is left out (a transient unit would not expand it)."""
+    found = []
+    for line in re.findall(r"^Environment=(.*)$", unit_text, re.M):
+        try:
+            found += [a for a in shlex.split(line) if "=" in a and "%" not in a]
+        except ValueError:
+            continue
+    return found
+
+
+def probe_command(unit_text: str, run: str = "systemd-run") -> list[str]:
+    """The transient service that does a service's first CUDA work under the unit's device policy,
+    user, groups and environment."""
     groups = re.search(r"^SupplementaryGroups=(.+)$", unit_text, re.M)
     props = ["-p", "DevicePolicy=closed", "-p", "DynamicUser=yes", "-p", "NoNewPrivileges=yes",
-             *[x for a in allowed for x in ("-p", f"DeviceAllow={a} rw")],
+             *[x for a in _allowed(unit_text) for x in ("-p", f"DeviceAllow={a} rw")],
              *(["-p", f"SupplementaryGroups={groups.group(1)}"] if groups else []),
-             "-E", f"PYTHONPATH={Path(__file__).resolve().parent.parent}"]
+             *[x for a in _environment(unit_text) for x in ("-E", a)],
+             "-E", f"PYTHONPATH={Path(__file__).resolve().parents[2]}"]
+    return [run, "--pipe", "--wait", "--quiet", "--collect", *props, sys.executable, "-c", PROBE]
+
+
+def _probe_under_policy(unit_text: str) -> Check:
+    run = shutil.which("systemd-run")
+    if os.geteuid() != 0 or not run or not Path("/run/systemd/system").is_dir():
+        return _check("unit cuda", "ok", "skipped: probing CUDA under the unit's device policy needs root "
+                      "and a running systemd (systemd-run)")
     try:
-        r = subprocess.run([run, "--pipe", "--wait", "--quiet", "--collect", *props, sys.executable, "-c", PROBE],
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(probe_command(unit_text, run), capture_output=True, text=True, timeout=60)
         answer = json.loads(r.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
-        return _check("unit cuInit", "warn", f"could not run the probe under the unit's device policy: {exc}")
+        return _check("unit cuda", "warn", f"could not run the probe under the unit's device policy: {exc}")
     if answer.get("gpu"):
-        return _check("unit cuInit", "ok", f"cuInit under edge.service's device policy: {answer['gpu']} answers")
-    return _check("unit cuInit", "warn" if "libcuda.so.1" in str(answer.get("error")) else "fail",
-                  f"cuInit under edge.service's device policy: {answer.get('error')}",
-                  "allow the node the error names (edge units install renders this device's policy)")
+        return _check("unit cuda", "ok", f"under edge.service's device policy and environment: {answer['gpu']} "
+                      "answers, its primary context is retained and one byte allocated")
+    return _check("unit cuda", "warn" if "libcuda.so.1" in str(answer.get("error")) else "fail",
+                  f"CUDA under edge.service's device policy and environment: {answer.get('error')}",
+                  "allow the node the error names (edge units install renders this device's policy), "
+                  "or fix the unit's Environment= (CUDA_VISIBLE_DEVICES)")

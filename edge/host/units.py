@@ -8,7 +8,6 @@ the listening socket across restarts, so connections made meanwhile wait in its 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import string
 import sys
@@ -18,44 +17,11 @@ from pathlib import Path
 from edge.config import DEFAULT_MAX_CONNECTIONS
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM, EX_SAFE_MODE_EXHAUSTED
 from edge.fsutil import atomic_write, fsync_dir
+from edge.host.gpu_nodes import GPU_DEVICE_CLASSES, GPU_DEVICES, UVM_UNIT, render_uvm
 from edge.serve.limits import nofile_for
 
-__all__ = ["UnitOptions", "platform_devices", "render_service", "render_socket", "install_units", "install_starter_config", "reclaim_config_dir",
+__all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "install_starter_config", "reclaim_config_dir",
            "render_rearm", "REARM_UNIT", "default_edge_command", "STARTER_CONFIG", "START_LIMIT_BURST", "START_LIMIT_INTERVAL_S"]
-
-# Device nodes CUDA opens, by platform. DeviceAllow= takes a node path (systemd stat()s it when
-# the service starts; a node this device lacks allows nothing) or `char-<name>` with a driver name
-# from /proc/devices, which covers every minor the driver has now or creates later (nvidia0..N).
-# Misc-class nodes (/dev/nvmap: major 10 "misc") can only be named by path: `char-misc` would
-# allow every misc device.
-JETSON_JP5_DEVICES = [  # L4T r35 (JetPack 5): nvgpu built in, nodes flat under /dev
-    "/dev/nvmap", "/dev/nvhost-ctrl", "/dev/nvhost-ctrl-gpu", "/dev/nvhost-prof-gpu",
-    "/dev/nvhost-gpu", "/dev/nvhost-as-gpu", "/dev/nvhost-dbg-gpu", "/dev/nvhost-tsg-gpu",
-    "/dev/nvhost-sched-gpu", "/dev/nvhost-power-gpu", "/dev/nvhost-nvsched-gpu", "/dev/nvhost-ctxsw-gpu",
-    "/dev/nvhost-ctrl-nvdla0", "/dev/nvhost-ctrl-nvdla1", "/dev/nvhost-nvdla0", "/dev/nvhost-nvdla1",
-]
-JETSON_JP6_DEVICES = [  # L4T r36 (JetPack 6): out-of-tree nvgpu, the iGPU under /dev/nvgpu/igpu0
-    "/dev/nvgpu/igpu0/ctrl", "/dev/nvgpu/igpu0/as", "/dev/nvgpu/igpu0/channel", "/dev/nvgpu/igpu0/tsg",
-    "/dev/nvgpu/igpu0/dbg", "/dev/nvgpu/igpu0/prof", "/dev/nvgpu/igpu0/prof-ctx",
-    "/dev/nvgpu/igpu0/prof-dev", "/dev/nvgpu/igpu0/sched", "/dev/nvgpu/igpu0/power",
-    "/dev/nvgpu/igpu0/ctxsw", "/dev/nvgpu/igpu0/nvsched", "/dev/nvgpu/igpu0/nvsched_ctrl_fifo",
-    "/dev/host1x-fence",
-]
-DGPU_DEVICES = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset"]
-# Driver names in /proc/devices: "nvidia-frontend" (older drivers) or "nvidia"/"nvidiactl"/
-# "nvidia-modeset" (R470+) for major 195, "nvidia-uvm", "nvidia-caps" (MIG); "nvgpu"/"nvhost"
-# where the Jetson kernel registers its GPU nodes under those names; "drm" (major 226): on
-# JetPack 6 cuInit fails with CUDA_ERROR_NOT_SUPPORTED (801) unless the GPU's render node
-# /dev/dri/renderD* opens, and its minor is not fixed (renderD128 or renderD129 with a display
-# controller), so the class allows it whatever its number. A name not in /proc/devices allows
-# nothing.
-GPU_DEVICE_CLASSES = ["char-nvidia-frontend", "char-nvidia", "char-nvidiactl", "char-nvidia-modeset",
-                      "char-nvidia-uvm", "char-nvidia-caps", "char-nvgpu", "char-nvhost", "char-drm"]
-GPU_DEVICES = JETSON_JP5_DEVICES + JETSON_JP6_DEVICES + DGPU_DEVICES
-# dGPU: /dev/nvidia-uvm and /dev/nvidiaN are often made on first use by the setuid
-# nvidia-modprobe, which NoNewPrivileges= and the empty bounding set forbid to the service;
-# a privileged (+), failure-tolerant (-) ExecStartPre= makes them before the sandboxed start.
-NVIDIA_MODPROBE = "/usr/bin/nvidia-modprobe"
 
 # The unit's start limit only catches what edge cannot bound itself: edge ends a crash loop on its
 # own (safe mode's steps, then exit 76, which the unit does not restart), so the limit is set
@@ -103,7 +69,7 @@ class UnitOptions:
     groups: tuple[str, ...] = ("video", "render")  # GPU device access on L4T and desktop distros
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # the config's server.max_connections
     devices: tuple[str, ...] | None = None  # DeviceAllow= entries; None: every platform's
-    modprobe: str | None = None  # nvidia-modprobe to run privileged before the start (dGPU)
+    modprobe: str | None = None  # nvidia-modprobe the oneshot edge-nvidia-uvm.service runs first (dGPU)
 
     @property
     def loopback_only(self) -> bool:
@@ -142,13 +108,13 @@ SERVICE = string.Template("""\
 Description=edge inference service (paged-in, locked and warmed up before READY)
 Requires=edge.socket
 After=edge.socket network.target nvidia-persistenced.service
-StartLimitIntervalSec=$limit_interval
+${uvm}StartLimitIntervalSec=$limit_interval
 StartLimitBurst=$limit_burst
 
 [Service]
 Type=notify
 NotifyAccess=main
-${modprobe}ExecStart=$edge serve --config $config
+ExecStart=$edge serve --config $config
 ExecReload=$edge reload --config $config --timeout $reload_timeout
 ExecStopPost=$edge record-stop --config $config
 Restart=on-failure
@@ -216,38 +182,21 @@ def _system_lines(o: UnitOptions) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _uvm_lines(o: UnitOptions) -> str:
+    """A system unit on a host with nvidia-modprobe pulls in the oneshot that loads nvidia-uvm
+    (edge.host.gpu_nodes.render_uvm) and starts after it."""
+    return f"Wants={UVM_UNIT}\nAfter={UVM_UNIT}\n" if o.modprobe and not o.user else ""
+
+
 def render_service(o: UnitOptions) -> str:
     home = o.edge.startswith(("/home/", "/root/")) or o.config.startswith(("/home/", "/root/"))
-    modprobe = f"ExecStartPre=+-{o.modprobe} -u -c=0\n" if o.modprobe and not o.user else ""
     return SERVICE.substitute(
-        limit_interval=START_LIMIT_INTERVAL_S, limit_burst=START_LIMIT_BURST, modprobe=modprobe,
+        limit_interval=START_LIMIT_INTERVAL_S, limit_burst=START_LIMIT_BURST, uvm=_uvm_lines(o),
         edge=o.edge, config=o.config, reload_timeout=max(1, o.start_timeout_s - 15),
         no_restart=f"{EX_DATAERR} {EX_SAFE_MODE_EXHAUSTED} {EX_NOPERM} {EX_CONFIG}", start_timeout=o.start_timeout_s,
         stop_timeout=o.stop_timeout_s, watchdog=o.watchdog_s, nofile=nofile_for(o.max_connections),
         protect_home="read-only" if home else "yes", system=_system_lines(o),
         target="default.target" if o.user else "multi-user.target")
-
-
-def platform_devices(root: str | Path = "/") -> tuple[tuple[str, ...], str | None]:
-    """The DeviceAllow= entries and the nvidia-modprobe for the GPU platform of the tree at `root`
-    (`units install --root`, `units print --root`): JetPack 6 (L4T r36+: /dev/nvgpu/igpu0/*, the
-    render node), JetPack 5, or a dGPU host; every platform's where the tree says none."""
-    root = Path(root)
-    modprobe = NVIDIA_MODPROBE if (root / NVIDIA_MODPROBE.lstrip("/")).is_file() else None
-    try:
-        release = (root / "etc" / "nv_tegra_release").read_text(errors="replace")
-    except OSError:
-        release = None
-    if release is not None:
-        m = re.search(r"R(\d+)\s*\(release\)", release)
-        jp6 = not m or int(m.group(1)) >= 36  # an unreadable release: the current JetPack
-        nodes = JETSON_JP6_DEVICES if jp6 else JETSON_JP5_DEVICES
-        classes = ["char-nvgpu", "char-nvhost", "char-drm"] if jp6 else ["char-nvgpu", "char-nvhost"]
-        renders = sorted(f"/dev/dri/{p.name}" for p in (root / "dev" / "dri").glob("renderD*"))
-        return tuple(nodes + renders + classes), None
-    if modprobe or (root / "proc" / "driver" / "nvidia").exists():
-        return tuple(DGPU_DEVICES + [c for c in GPU_DEVICE_CLASSES if c.startswith("char-nvidia")]), modprobe
-    return tuple(GPU_DEVICES + GPU_DEVICE_CLASSES), modprobe
 
 
 def render_rearm(o: UnitOptions) -> str:
@@ -319,8 +268,10 @@ def install_units(o: UnitOptions, prefix: str = "/") -> list[Path]:
     folder = unit_dir(prefix, o.user)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in (("edge.socket", render_socket(o)), ("edge.service", render_service(o)),
-                       (REARM_UNIT, render_rearm(o))):
+    units = [("edge.socket", render_socket(o)), ("edge.service", render_service(o)), (REARM_UNIT, render_rearm(o))]
+    if _uvm_lines(o):
+        units.append((UVM_UNIT, render_uvm(str(o.modprobe))))
+    for name, text in units:
         atomic_write(folder / name, text, mode=0o644)
         written.append(folder / name)
     return written

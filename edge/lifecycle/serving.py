@@ -126,12 +126,23 @@ class Dispatcher:
     """The ASGI app uvicorn serves: each request (each one of a keep-alive connection too) goes
     to the set that is current when it arrives and stays there until its response (or stream)
     ends. `switch()` is one reference swap; `hold()` parks new requests while a sequential reload
-    has no set to offer, and `switch()` releases them."""
+    has no set to offer, and `switch()` releases them. A set that can serve no more
+    (ServiceState.fatal: a lost CUDA context) ends the service: `fatal` says why, `on_fatal`
+    (the start's) stops it."""
 
     def __init__(self, loaded: Loaded) -> None:
         self.route = Route(loaded)
         self._held: asyncio.Event | None = None
         self._stopping = False
+        self.fatal: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None
+        loaded.state.on_fatal = self._fatal
+
+    def _fatal(self, reason: str) -> None:
+        if self.fatal is None:
+            self.fatal = reason
+            if self.on_fatal is not None:
+                self.on_fatal(reason)
 
     @property
     def loaded(self) -> Loaded:
@@ -152,6 +163,7 @@ class Dispatcher:
     def switch(self, loaded: Loaded) -> Route:
         """Make `loaded` current (and ready); the previous route, to drain."""
         loaded.state.ready, loaded.state.stopping = True, self._stopping
+        loaded.state.on_fatal = self._fatal
         old, self.route = self.route, Route(loaded)
         if self._held is not None:
             self._held.set()
@@ -210,8 +222,14 @@ class Drain:
             server.force_exit = True  # a second signal: stop waiting for in-flight requests
             server.should_exit = True
             return
+        self.begin(server)
+
+    def begin(self, server: Any, status: str = "draining in-flight requests") -> None:
+        """Stop accepting and drain, STOPPING=1 with `status` (a signal's, or a fatal error's)."""
+        if self.dispatcher.stopping:
+            return
         self.dispatcher.stopping = True
-        self.notifier.stopping()
+        self.notifier.stopping(status)
         self.loop.call_soon_threadsafe(self._stop_accepting, server)
 
     def _stop_accepting(self, server: Any) -> None:
@@ -322,6 +340,7 @@ def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier) 
     config.load()
     server = Server(config)
     server.guard = guard
+    server.drain = drain
     server.max_connections = cfg.max_connections
     return server
 

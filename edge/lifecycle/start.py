@@ -62,6 +62,7 @@ class ColdStart:
         self.before_warm: Callable[[Loaded], None] | None = None
         self.hup_pending = False  # SIGHUP before READY: reload once serving
         self.recovery: Recovery | None = None  # the journal and safe mode of a real start (not a rehearsal)
+        self.gpu_lost: str | None = None  # why the service left while serving (a lost CUDA context)
 
     # -- the start, top to bottom ----------------------------------------------------------------
     def run(self) -> int:
@@ -114,6 +115,7 @@ class ColdStart:
         with self.timer.phase(Phases.HTTP_SETUP):
             dispatcher = Dispatcher(loaded)  # a reload swaps the set behind it
             server = build_server(dispatcher, self.config.server, self.notifier)
+            dispatcher.on_fatal = lambda reason: _leave(server, reason)
             reloader = Reloader(dispatcher, self.loader.read, self.notifier, started_from=self.config_path,
                                 stop_server=lambda: server.handle_exit(signal.SIGTERM, None),
                                 safe_mode=self.loader.safe_mode,
@@ -130,6 +132,11 @@ class ColdStart:
                 reloader.spawn(None, None)
             await serve_http(server, self.sockets, self.notifier, ready_text, stop,
                              on_ready=lambda: self.recovery.serving(self.config) if self.recovery else None)
+        if dispatcher.fatal:  # no prefix saved, nothing closed: each would be work on the lost context
+            self.gpu_lost = dispatcher.fatal
+            if self.recovery is not None:  # a crash of the serving phase, by its own word
+                self.recovery.crashed(Phases.SERVING, dispatcher.fatal, EX_SOFTWARE)
+            return EX_SOFTWARE
         save_learned(dispatcher.loaded, reloader.in_force)
         dispatcher.loaded.close()
         return reloader.fatal.exit_code if reloader.fatal else 0
@@ -239,3 +246,11 @@ class ColdStart:
 
 def _stop_during_start(sig: int, frame: Any) -> None:
     raise StoppedDuringStart("SIGTERM before ready")
+
+
+def _leave(server: Any, reason: str) -> None:
+    """A set can serve no more (ServiceState.fatal): one line naming why, then what SIGTERM does
+    (stop accepting, STOPPING=1 with the reason, drain); the exit code is 70, which the unit
+    restarts, and what waits in the socket's backlog is answered by the next process."""
+    log.error("%s: stopping; exiting %d for the unit to restart edge", reason, EX_SOFTWARE)
+    server.drain.begin(server, f"failed: {reason}; exiting {EX_SOFTWARE} for a restart")

@@ -222,16 +222,21 @@ def _parse(r: _Reader, size: int) -> GGUFInfo:
 
 @dataclass(frozen=True)
 class OffloadSplit:
-    """Where llama.cpp puts a model's weights for one n_gpu_layers: bytes in CPU buffers (what
-    mlock locks), bytes copied to the GPU, and bytes held twice (tied embeddings: a model without
-    output.weight uses token_embd for the output layer, and llama.cpp loads it a second time into
-    the output layer's buffer when that buffer is on the GPU)."""
+    """Where llama.cpp puts a model's weights for one n_gpu_layers: bytes in CPU buffers, bytes
+    copied to the GPU, bytes held twice (tied embeddings: a model without output.weight uses
+    token_embd for the output layer, and llama.cpp loads it a second time into the output
+    layer's buffer when that buffer is on the GPU), and what mlock locks of a mapped file:
+    llama.cpp grows one lock from the mapping's start to the end of each CPU-resident tensor it
+    places in the mapping (llama_model_loader::load_all_data: `lmlock->grow_to(offs + size)`), so
+    the range from byte 0 to the end of the last CPU-resident tensor, offloaded tensors stored
+    before it included."""
 
     cpu: int
     gpu: int
     duplicated: int
     gpu_layers: int  # repeating layers on the GPU
     output_on_gpu: bool
+    locked: int = 0  # file bytes [0, end of the last CPU-resident tensor): what mlock locks with mmap
 
 
 def _layer(name: str, n_layer: int) -> int | None:
@@ -268,7 +273,7 @@ def _split(info: GGUFInfo, n: int, k: int, output_first: bool) -> OffloadSplit:
         output_gpu, first_gpu_block = k >= 1, n - max(k - 1, 0)
     else:
         output_gpu, first_gpu_block = k > n, n - min(k, n)
-    cpu = gpu = 0
+    cpu = gpu = cpu_end = 0
     names = {t.name for t in info.tensors}
     for t in info.tensors:
         slot = _layer(t.name, n)
@@ -277,8 +282,9 @@ def _split(info: GGUFInfo, n: int, k: int, output_first: bool) -> OffloadSplit:
             gpu += t.nbytes
         else:
             cpu += t.nbytes
+            cpu_end = max(cpu_end, t.offset + t.nbytes)
     embd = next((t.nbytes for t in info.tensors if t.name == "token_embd.weight"), 0)
     tied = "output.weight" not in names and embd > 0
     duplicated = embd if tied and output_gpu else 0
     return OffloadSplit(cpu=cpu, gpu=gpu + duplicated, duplicated=duplicated, gpu_layers=n - first_gpu_block,
-                        output_on_gpu=output_gpu)
+                        output_on_gpu=output_gpu, locked=info.data_offset + cpu_end if cpu_end else 0)

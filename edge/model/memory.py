@@ -51,7 +51,9 @@ def model_need(m: ModelConfig, info: GGUFInfo, shared_file: bool, unified: bool 
     compute = 4 * n_batch * (n_vocab + n_head * n_ctx + 4 * n_embd) + CONTEXT_OVERHEAD
     if m.n_gpu_layers != 0 and info.tensors:
         split = offload_split(info, m.n_gpu_layers, None)
-        cpu_weights, gpu_weights = split.cpu, split.gpu
+        # a locked mapping pins its whole range, offloaded tensors stored before the last CPU one too
+        cpu_weights = split.locked if m.use_mlock and m.use_mmap else split.cpu
+        gpu_weights = split.gpu
     else:
         cpu_weights, gpu_weights = info.data_bytes, 0
     weights = (0 if shared_file and m.use_mmap else cpu_weights) + (gpu_weights if unified else 0)

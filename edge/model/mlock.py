@@ -77,10 +77,12 @@ def mlock_status(requested: bool, locked_bytes: int, info: GGUFInfo, *, use_mmap
                  n_gpu_layers: int, output_first: bool | None | str = "installed") -> MlockStatus:
     """What should be locked: with mmap, the mapped tensor data; without, llama.cpp's CPU
     buffers (repacked quantized tensors live outside them: ~95% measured on Gemma 3 Q4_K_M).
-    With GPU offload only the CPU-resident tensors are locked (the token embeddings, the blocks
-    left on the CPU, the output layer when it is not offloaded): their bytes from the GGUF tensor
-    table and llama.cpp's placement rule (edge.model.gguf.offload_split; `output_first`: that rule's
-    version, by default read from the installed llama.cpp)."""
+    With GPU offload, a mapped file is locked from its start to the end of the last CPU-resident
+    tensor (the token embeddings, the blocks left on the CPU, the output layer when it is not
+    offloaded), offloaded tensors stored before it included, page-rounded; without mmap, the
+    CPU-resident tensors' buffers: from the GGUF tensor table and llama.cpp's placement rule
+    (edge.model.gguf.offload_split; `output_first`: that rule's version, by default read from
+    the installed llama.cpp)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     cap_eff = int(_status_fields().get("CapEff", "0").strip(), 16)
     share = 0.98 if use_mmap else 0.9
@@ -91,7 +93,9 @@ def mlock_status(requested: bool, locked_bytes: int, info: GGUFInfo, *, use_mmap
 
             output_first = output_layer_first()
         split = offload_split(info, n_gpu_layers, output_first if isinstance(output_first, bool) else None)
-        expected, gpu, duplicated = split.cpu, split.gpu, split.duplicated
+        page = os.sysconf("SC_PAGE_SIZE")
+        expected = -(-split.locked // page) * page if use_mmap else split.cpu
+        gpu, duplicated = split.gpu, split.duplicated
     return MlockStatus(requested=requested, locked_bytes=locked_bytes, expected_bytes=expected,
                        limit_bytes=None if soft == resource.RLIM_INFINITY else soft,
                        cap_ipc_lock=bool(cap_eff & (1 << CAP_IPC_LOCK)), min_share=share,

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,6 +49,32 @@ class ServiceState:
     # and every fallback in force, as the start report, `edge status` and /metrics show them
     left_out: dict[str, str] = field(default_factory=dict)
     safe_mode: list[dict[str, Any]] = field(default_factory=list)
+    fatal_reason: str | None = None  # why this set can serve no more (a lost CUDA context): the exit's cause
+    on_fatal: Callable[[str], None] | None = None  # the lifecycle's: stop accepting, STOPPING=1, exit 70
+
+    def fatal(self, reason: str) -> None:
+        """This set can do no more work and the process must go (a sticky CUDA error lost the
+        context its engines and offloaded layers share): not ready from now on, and the lifecycle
+        stops the service, which exits 70 for the unit to restart. Once; later calls are no-ops.
+        The one place a service's fatal end is decided: what records it hooks here."""
+        if self.fatal_reason is not None:
+            return
+        self.fatal_reason, self.ready = reason, False
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    def readiness(self) -> tuple[int, dict[str, str]]:
+        """/readyz's answer: 200 when serving; 503 while starting, stopping, or after fatal()."""
+        if self.fatal_reason:
+            return 503, {"status": "failed", "reason": self.fatal_reason}
+        if self.ready and not self.stopping:
+            return 200, {"status": "ready"}
+        return 503, {"status": "stopping" if self.stopping else "starting"}
+
+    def leaving(self) -> RequestError:
+        """What a request gets once fatal() was called: 503 with Retry-After (the next process
+        answers), naming why."""
+        return RequestError(f"the service is restarting: {self.fatal_reason}", status=503, code="service_unavailable")
 
     def worker(self, name: Any) -> ModelWorker:
         if not self.workers:
@@ -278,16 +305,22 @@ async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
+async def _guarded(state: ServiceState, request: Request, handler: Any) -> Response:
+    """A request's handler, its errors as JSON answers (never a traceback to the client)."""
+    try:
+        if state.fatal_reason:  # the process is leaving: no more work for its models or engines
+            raise state.leaving()
+        resp = await handler(request)
+    except EdgeError as exc:
+        resp = _error(exc)
+    except Exception as exc:  # never let one request take the service down
+        log.exception("internal error answering %s", request.url.path)
+        resp = _error(BackendError(f"internal error: {type(exc).__name__}: {exc}"))
+    return resp
+
+
 def build_app(state: ServiceState) -> MetricsMiddleware:
-    async def guarded(request: Request, handler: Any) -> Response:
-        try:
-            resp = await handler(request)
-        except EdgeError as exc:
-            resp = _error(exc)
-        except Exception as exc:  # never let one request take the service down
-            log.exception("internal error answering %s", request.url.path)
-            resp = _error(BackendError(f"internal error: {type(exc).__name__}: {exc}"))
-        return resp
+    guarded = functools.partial(_guarded, state)
 
     async def completions(request: Request) -> Response:
         return await guarded(request, lambda r: _complete(r, state, chat=False))
@@ -306,9 +339,8 @@ def build_app(state: ServiceState) -> MetricsMiddleware:
         return JSONResponse({"status": "alive"})
 
     async def readyz(request: Request) -> Response:
-        if state.ready and not state.stopping:
-            return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "stopping" if state.stopping else "starting"}, status_code=503)
+        status, body = state.readiness()
+        return JSONResponse(body, status_code=status)
 
     async def metrics(request: Request) -> Response:
         # in a thread: a scrape reads the state dir (edge.fleet.metrics), never on the event loop

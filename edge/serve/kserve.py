@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edge.engines.tensors import KSERVE_DTYPES, TensorSpec, check_feeds
-from edge.errors import RequestError
+from edge.errors import GpuContextLost, RequestError
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -77,10 +77,18 @@ def served_engine(state: Any, name: str) -> tuple[str, Any]:
     return name, state.engines[name]
 
 
+async def _run(state: Any, name: str, worker: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The engine's work, on its thread; a lost CUDA context ends the service (ServiceState.fatal)."""
+    try:
+        return await worker.call(worker.session.infer, feeds)
+    except GpuContextLost as exc:
+        state.fatal(f"engine {name}: {exc}")
+        raise state.leaving() from None
+
+
 def kserve_routes(state: Any, guarded: Any) -> list[Route]:
     from starlette.responses import JSONResponse
     from starlette.routing import Route
-
 
     def engine(request: Request) -> tuple[str, Any]:
         return served_engine(state, request.path_params["name"])
@@ -103,7 +111,7 @@ def kserve_routes(state: Any, guarded: Any) -> list[Route]:
             feeds = dict(_tensor(t, i) for i, t in enumerate(body["inputs"]))
             check_feeds(worker.session, feeds)
             t0 = time.perf_counter()
-            outputs = await worker.call(worker.session.infer, feeds)
+            outputs = await _run(state, name, worker, feeds)
             specs = {t.name: t for t in worker.session.outputs}
             resp = {"model_name": name, "model_version": worker.stored.key.model_sha256[:16],
                     "outputs": [{"name": n, "shape": list(a.shape), "datatype": specs[n].datatype,
@@ -115,7 +123,7 @@ def kserve_routes(state: Any, guarded: Any) -> list[Route]:
         return await guarded(request, handler)
 
     async def ready(request: Request) -> Response:
-        ok = state.ready and not state.stopping
+        ok = state.readiness()[0] == 200
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     return [Route("/v2/models/{name}", metadata, methods=["GET"]),

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge.device.cuda import CudaApi
+from edge.device.cuda import ContextLost, CudaApi
 from edge.engines.key import EngineKey
 from edge.lifecycle.engines import EngineWorker
 from edge.engines.tensors import profile_for
 from edge.engines.store import StoredEngine
 from edge.engines.trt_session import TrtSession
-from edge.errors import EngineError
+from edge.errors import EngineError, GpuContextLost
 from fakecuda import FakeGpu, FakeTensorRT
 
 PROFILES = [{"x": {"min": [1, 4], "opt": [2, 4], "max": [8, 4]}},
@@ -154,11 +154,59 @@ def test_version_compatible_plan_runs_host_code_only_when_the_store_vouches_for_
     with pytest.raises(EngineError, match="do not match the store's sha256"):
         TrtSession(bad, data, api=CudaApi(cuda.driver), trt=trt)
     assert trt.runtimes[-1].engine_host_code_allowed is False
-    excluded, data = _engine(tmp_path, vc=True)
-    excluded.meta["build"]["flags"] = {"exclude_lean_runtime": True}  # no host code in the plan: not needed
-    TrtSession(excluded, data, api=CudaApi(cuda.driver), trt=trt).close()
-    assert trt.runtimes[-1].engine_host_code_allowed is False
     assert _held(cuda) == (0, 0, 0)
+
+
+def test_a_plan_without_its_lean_runtime_runs_on_the_lean_runtime_loaded_for_it(tmp_path: Path) -> None:
+    """version_compatible + exclude_lean_runtime: the plan carries no runtime, so it is deserialized
+    by IRuntime.load_runtime(<this TensorRT's libnvinfer_lean>), never with host code allowed."""
+    cuda = FakeGpu()
+    trt = FakeTensorRT(cuda)
+    excluded, data = _engine(tmp_path, excluded_lean=True)
+    excluded.meta["build"]["flags"] = {"version_compatible": True, "exclude_lean_runtime": True}
+    session = TrtSession(excluded, data, api=CudaApi(cuda.driver), trt=trt)
+    np.testing.assert_array_equal(session.infer({"x": np.ones((1, 4), np.float32)})["y"], np.full((1, 4), 3.0))
+    session.close()
+    lean = trt.runtimes[-1]
+    assert lean.lean is not None and lean.lean.endswith("libnvinfer_lean.so.10")  # TensorRT 10.3's
+    assert lean.engine_host_code_allowed is False and _held(cuda) == (0, 0, 0)
+    plain, data = _engine(tmp_path, excluded_lean=True)  # the flag lost: the default runtime cannot
+    with pytest.raises(EngineError, match="could not deserialize"):
+        TrtSession(plain, data, api=CudaApi(cuda.driver), trt=trt)
+
+
+def test_a_sticky_error_loses_the_session_and_nothing_more_goes_to_the_gpu(tmp_path: Path) -> None:
+    cuda = FakeGpu(fault=("CUDA_ERROR_ILLEGAL_ADDRESS", 666.0))
+    stored, data = _engine(tmp_path)
+    session = _maker(cuda)(stored, data)
+    np.testing.assert_array_equal(session.infer({"x": np.ones((2, 4), np.float32)})["y"], np.full((2, 4), 3.0))
+    with pytest.raises(ContextLost, match="cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
+        session.infer({"x": np.full((2, 4), 666.0, np.float32)})
+    calls = len(cuda.log)
+    with pytest.raises(GpuContextLost, match="CUDA context was lost .*CUDA_ERROR_ILLEGAL_ADDRESS"):
+        session.infer({"x": np.ones((2, 4), np.float32)})
+    session.close()  # no teardown on a lost context: the process exit frees it
+    assert len(cuda.log) == calls and cuda.retained == 1
+
+
+def test_a_failed_execution_on_a_lost_context_says_the_context_is_lost(tmp_path: Path) -> None:
+    cuda = FakeGpu()
+    stored, data = _engine(tmp_path)
+    session = _maker(cuda)(stored, data)
+    cuda.lost = "CUDA_ERROR_LAUNCH_FAILED"  # an earlier fault, e.g. of llama.cpp on the same context
+    with pytest.raises(ContextLost, match="CUDA_ERROR_LAUNCH_FAILED"):
+        session.infer({"x": np.ones((2, 4), np.float32)})
+    assert session.lost
+
+
+def test_a_load_refused_at_the_io_check_destroys_the_engine_before_releasing_the_context(tmp_path: Path) -> None:
+    cuda = FakeGpu()
+    stored, data = _engine(tmp_path, inputs={"x": "BF16"})
+    with pytest.raises(EngineError, match="BF16"):
+        _maker(cuda)(stored, data)
+    order = cuda.order()
+    assert "engine_freed" in order and order.index("engine_freed") < order.index("release"), order
+    assert "engine_freed_without_context" not in order
 
 
 def test_outputs_are_read_only_after_the_stream_is_synchronized(tmp_path: Path) -> None:

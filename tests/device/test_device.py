@@ -25,18 +25,24 @@ ORIN = GpuProbe(GpuInfo(name="Orin", sm="sm_87", integrated=True), "12.6")
 H100 = GpuProbe(GpuInfo(name="NVIDIA H100 80GB HBM3", sm="sm_90"), "13.0")
 
 
-@pytest.mark.parametrize("tree, model, soc, sm, l4t, cuda, platform", [
-    ("orin-agx", "NVIDIA Jetson AGX Orin Developer Kit", "tegra234", "sm_87", "36.3.0", "12.6", "jetson-agx-orin"),
+@pytest.mark.parametrize("tree, model, soc, sm, l4t, cuda, platform, board", [
+    ("orin-agx", "NVIDIA Jetson AGX Orin Developer Kit", "tegra234", "sm_87", "36.3.0", "12.6", "jetson-p3701-0005",
+     "jetson-agx-orin"),
     ("orin-nano-jp6", "NVIDIA Jetson Orin Nano Engineering Reference Developer Kit Super", "tegra234", "sm_87",
-     "36.4.3", None, "jetson-orin-nano-engineering-reference-super"),
-    ("xavier-nx", "NVIDIA Jetson Xavier NX Developer Kit", "tegra194", "sm_72", "35.4.1", "11.4", "jetson-xavier-nx"),
-    ("nano", "NVIDIA Jetson Nano Developer Kit", "tegra210", "sm_53", "32.7.4", "10.2", "jetson-nano"),
+     "36.4.3", None, "jetson-p3767-0005", "jetson-orin-nano-engineering-reference-super"),
+    ("orin-nano-devkit", "NVIDIA Jetson Orin Nano Engineering Reference Developer Kit", "tegra234", "sm_87",
+     "36.3.0", None, "jetson-p3767-0005", "jetson-orin-nano-engineering-reference"),
+    # a Xavier NX lists no module entry: the module half of "carrier+module"
+    ("xavier-nx", "NVIDIA Jetson Xavier NX Developer Kit", "tegra194", "sm_72", "35.4.1", "11.4", "jetson-p3668-0001",
+     "jetson-xavier-nx"),
+    ("nano", "NVIDIA Jetson Nano Developer Kit", "tegra210", "sm_53", "32.7.4", "10.2", "jetson-p3450-0000",
+     "jetson-nano"),
 ])
-def test_jetson_trees(tree, model, soc, sm, l4t, cuda, platform) -> None:
+def test_jetson_trees(tree, model, soc, sm, l4t, cuda, platform, board) -> None:
     d = detect(FIX / tree, gpu=no_gpu, cpu_arch="aarch64", trt=no_trt, dists=no_dists)
-    assert (d.jetson_model, d.soc, d.sm, d.sm_source, d.l4t_release, d.cuda, d.platform) == \
-        (model, soc, sm, "soc-table", l4t, cuda, platform)
-    assert d.cpu_arch == "aarch64"
+    assert (d.jetson_model, d.soc, d.sm, d.sm_source, d.l4t_release, d.cuda, d.platform, d.board) == \
+        (model, soc, sm, "soc-table", l4t, cuda, platform, board)
+    assert d.cpu_arch == "aarch64" and d.as_dict()["board"] == board
 
 
 def test_jetpack6_runtime_only_asks_the_driver() -> None:
@@ -45,8 +51,8 @@ def test_jetpack6_runtime_only_asks_the_driver() -> None:
     assert (d.cuda, d.cuda_source, d.sm_source, d.gpu_name, d.tensorrt) == ("12.6", "driver", "gpu", "Orin", "10.3.0")
     assert (d.cuda_driver, d.cuda_runtimes, d.unified_memory, d.gpu_integrated) == ("12.6", (), True, True)
     # the module, not the GPU's name, tells Orins apart
-    assert d.platform == "jetson-orin-nano-engineering-reference-super"
-    assert detect(FIX / "orin-agx", gpu=lambda: ORIN, dists=no_dists).platform == "jetson-agx-orin"
+    assert d.platform == "jetson-p3767-0005"
+    assert detect(FIX / "orin-agx", gpu=lambda: ORIN, dists=no_dists).platform == "jetson-p3701-0005"
 
 
 def test_pip_assembled_cuda() -> None:
@@ -62,6 +68,25 @@ def test_pip_assembled_cuda() -> None:
     assert gh200.platform == "aarch64-nvidia-h100-80gb-hbm3"  # same GPU, another host platform
     assert detect(FIX / "dgpu-pip-x86", gpu=lambda: H100, dists=no_dists).cuda_source == "driver"
     assert detect(FIX / "dgpu-pip-x86", gpu=no_gpu, dists=no_dists).cuda is None  # unknown, not an error
+
+
+def test_the_key_cuda_is_the_runtime_tensorrt_links_not_the_first_found() -> None:
+    """A tensorrt-cu12 wheel on a host whose toolkit is CUDA 13: TensorRT runs on the CUDA 12
+    runtime it preloads, so that is the key's CUDA, not /usr/local/cuda's 13.0."""
+    h100 = GpuProbe(GpuInfo(name="NVIDIA H100 80GB HBM3", sm="sm_90"), "13.0")
+    wheel = dists_of({"tensorrt-cu12": "10.13.3.9", "nvidia-cuda-runtime-cu12": "12.9.79"})
+    d = detect(FIX / "dgpu-x86", gpu=lambda: h100, dists=wheel)
+    assert (d.cuda, d.cuda_source) == ("12.9", "pip nvidia-cuda-runtime-cu12 12.9.79")
+    assert [s for _, s in d.cuda_runtimes] == ["/usr/local/cuda/version.json", "pip nvidia-cuda-runtime-cu12 12.9.79"]
+    bare = detect(FIX / "dgpu-x86", gpu=lambda: h100, dists=dists_of({"tensorrt-cu12-bindings": "10.13.3.9"}))
+    assert (bare.cuda, bare.cuda_source) == ("12", "pip tensorrt-cu12-bindings 10.13.3.9 (links CUDA 12)")
+    # JetPack: the system TensorRT links the toolkit's runtime, not a stray pip wheel found too
+    stray = detect(FIX / "orin-agx", gpu=lambda: ORIN, dists=dists_of({"nvidia-cuda-runtime-cu12": "12.9.79"}))
+    assert (stray.cuda, stray.cuda_source) == ("12.6", "/usr/local/cuda/version.json")
+
+
+def dists_of(versions: dict[str, str]):
+    return lambda names: next((versions[n] for n in names if n in versions), None)  # test double: pip
 
 
 def test_dgpu_tree_uses_the_gpu_query() -> None:

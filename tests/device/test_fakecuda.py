@@ -11,17 +11,28 @@ from pathlib import Path
 import pytest
 from cuda.bindings import driver as real
 
-from edge.device.cuda import CudaApi, CudaError, DriverMissing, PrimaryContext, cuda_api, driver_module
+from edge.device.cuda import (STICKY_ERRORS, ContextLost, CudaApi, CudaError, DriverMissing, PrimaryContext, cuda_api,
+                              driver_module, first_work, integrated_gpu)
 from edge.engines.key import EngineKey
 from edge.engines.store import StoredEngine
 from edge.engines.trt_session import TrtSession
-from fakecuda import VALUES, FakeDriver, FakeGpu, FakeTensorRT
+from edge.errors import GpuContextLost
+from fakecuda import BINDINGS, H100, VALUES, FakeDriver, FakeGpu, FakeTensorRT
 
 FAKE_CALLS = sorted(n for n in vars(FakeDriver) if n.startswith("cu"))
 
 
 def _params(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
+
+
+def _current(gpu: FakeGpu) -> CudaApi:
+    """The driver API over `gpu`, with GPU 0's primary context retained and current here."""
+    api = CudaApi(gpu.driver)
+    ctx = PrimaryContext(api)
+    ctx.retain()
+    ctx.make_current()
+    return api
 
 
 def _has_driver() -> bool:
@@ -58,27 +69,107 @@ def test_edge_calls_only_what_the_real_driver_module_has() -> None:
     assert imports and not [i for i in imports if "runtime" in i[0] + i[1] or "cudart" in i[1]], imports
 
 
-def test_failures_have_the_real_shape() -> None:
+def test_failures_have_the_shape_of_each_binding() -> None:
+    """cuda-python 12.6.x returns the unfilled value objects beside a failing CUresult (its
+    driver.pyx: `return (CUresult(err), device)` whatever err is); 12.8 and later return None."""
+    R = real.CUresult
+    old, new = FakeGpu(binding="12.6").driver, FakeGpu(binding="12.9").driver
+    err, dev = old.cuDeviceGet(0)  # before cuInit
+    assert err == R.CUDA_ERROR_NOT_INITIALIZED and isinstance(dev, real.CUdevice) and int(dev) == 0
+    assert new.cuDeviceGet(0) == (R.CUDA_ERROR_NOT_INITIALIZED, None)
+    for d in (old, new):
+        assert d.cuDriverGetVersion()[0] == R.CUDA_SUCCESS  # needs no cuInit
+        d.cuInit(0)
+    assert old.cuMemGetInfo() == (R.CUDA_ERROR_INVALID_CONTEXT, 0, 0)  # no current context
+    assert new.cuMemGetInfo() == (R.CUDA_ERROR_INVALID_CONTEXT, None, None)
+    assert old.cuDeviceGetName(8, real.CUdevice(1)) == (R.CUDA_SUCCESS, b"Orin\0   ")
+    err, ptr = old.cuMemAlloc(16)
+    assert err == R.CUDA_ERROR_INVALID_CONTEXT and isinstance(ptr, real.CUdeviceptr) and int(ptr) == 0
+    _, ctx = old.cuDevicePrimaryCtxRetain(old.cuDeviceGet(0)[1])
+    old.cuCtxSetCurrent(ctx)
+    err, ptr = old.cuMemAlloc(16)
+    assert err == R.CUDA_SUCCESS and isinstance(ptr, real.CUdeviceptr) and int(ptr) != 0
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+def test_edge_reads_a_failure_by_its_cuda_result_whatever_comes_beside_it(binding: str) -> None:
+    api = CudaApi(FakeGpu(binding=binding, fail={"cuDeviceGet": "CUDA_ERROR_NO_DEVICE"}).driver)
+    api.call("cuInit", 0)
+    with pytest.raises(CudaError) as info:  # not a CUdevice(0) taken for GPU 0
+        api.call("cuDeviceGet", 0)
+    assert info.value.name == "CUDA_ERROR_NO_DEVICE" and "CUDA_VISIBLE_DEVICES" in str(info.value)
+    assert integrated_gpu(FakeGpu(binding=binding, fail={"cuDeviceGetAttribute": "CUDA_ERROR_INVALID_VALUE"})
+                          .driver) is None  # unknown: an unfilled 0 is not "discrete"
+
+
+def test_frees_synchronize_and_destroy_need_a_current_context() -> None:
     gpu = FakeGpu()
-    d = gpu.driver
-    assert d.cuDeviceGet(0) == (real.CUresult.CUDA_ERROR_NOT_INITIALIZED, None)  # before cuInit
-    assert d.cuDriverGetVersion()[0] == real.CUresult.CUDA_SUCCESS  # needs no cuInit
-    d.cuInit(0)
-    assert d.cuMemAlloc(16) == (real.CUresult.CUDA_ERROR_INVALID_CONTEXT, None)  # no current context
-    assert d.cuMemGetInfo() == (real.CUresult.CUDA_ERROR_INVALID_CONTEXT, None, None)
-    err, dev = d.cuDeviceGet(0)
-    _, ctx = d.cuDevicePrimaryCtxRetain(dev)
-    d.cuCtxSetCurrent(ctx)
-    err, ptr = d.cuMemAlloc(16)
-    assert err == real.CUresult.CUDA_SUCCESS and isinstance(ptr, real.CUdeviceptr)
+    api = _current(gpu)
+    stream, ptr, host = api.call("cuStreamCreate", 0), api.malloc(4), api.malloc_host(4)
+    api.call("cuCtxSetCurrent", None)
+    for call, arg in (("cuMemFree", ptr), ("cuMemFreeHost", host), ("cuStreamSynchronize", stream),
+                      ("cuStreamDestroy", stream)):
+        with pytest.raises(CudaError, match=f"{call} failed: CUDA_ERROR_INVALID_CONTEXT"):
+            api.call(call, arg)
+
+
+def test_the_sticky_errors_are_the_ones_the_driver_documents_as_such() -> None:
+    """Every CUresult whose documentation (cuda.h's, carried by the installed module) says the
+    process must be relaunched, or the context cannot be used any more, is sticky for edge; and
+    each name edge lists is a CUresult (ECC and NVLink uncorrectable: hardware faults, listed too)."""
+    import re
+
+    docs = {e.name: " ".join((e.__doc__ or "").split()) for e in real.CUresult}
+    lost = {n for n, doc in docs.items() if re.search(r"must be terminated and relaunched|cannot be used anymore", doc)}
+    assert lost and lost <= STICKY_ERRORS, lost - STICKY_ERRORS
+    assert STICKY_ERRORS <= set(docs), STICKY_ERRORS - set(docs)
+    assert STICKY_ERRORS - lost == {"CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA_ERROR_NVLINK_UNCORRECTABLE"}
+    exc = CudaApi(FakeGpu(fail={"cuInit": "CUDA_ERROR_LAUNCH_FAILED"}).driver)
+    with pytest.raises(ContextLost) as info:
+        exc.call("cuInit", 0)
+    assert isinstance(info.value, GpuContextLost) and info.value.exit_code == 70  # restartable
+
+
+def test_a_faulting_kernel_loses_the_context_for_every_later_call() -> None:
+    gpu = FakeGpu(fault=("CUDA_ERROR_ILLEGAL_ADDRESS", 666.0))
+    api = _current(gpu)
+    stream = api.call("cuStreamCreate", 0)
+
+    def kernel() -> None:
+        from fakecuda import KernelFault
+
+        raise KernelFault("CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    gpu.enqueue(stream, kernel)
+    with pytest.raises(ContextLost, match="cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
+        api.call("cuStreamSynchronize", stream)
+    with pytest.raises(ContextLost, match="cuMemAlloc failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
+        api.malloc(4)  # sticky: the same error for any work on the context
+    assert api.call("cuDriverGetVersion") == 12060  # the driver itself still answers
+
+
+def test_first_work_retains_allocates_and_gives_everything_back() -> None:
+    gpu = FakeGpu()
+    api = CudaApi(gpu.driver)
+    api.call("cuInit", 0)
+    first_work(api)
+    assert [c for c in gpu.order() if c != "set_current"] == ["retain", "malloc", "free", "release"]
+    assert gpu.retained == 0 and not gpu.memory
+    closed = FakeGpu(fail={"cuMemAlloc": "CUDA_ERROR_OUT_OF_MEMORY"})
+    with pytest.raises(CudaError, match="cuMemAlloc failed"):
+        first_work(CudaApi(closed.driver))
+    assert closed.retained == 0  # released after the failure too
+
+
+def test_integrated_comes_from_the_driver() -> None:
+    assert integrated_gpu(FakeGpu().driver) is True
+    assert integrated_gpu(FakeGpu(H100).driver) is False
+    assert integrated_gpu(FakeGpu(fail={"cuInit": "CUDA_ERROR_NO_DEVICE"}).driver) is None
 
 
 def test_copies_happen_at_synchronize_not_when_queued() -> None:
     gpu = FakeGpu()
-    api = CudaApi(gpu.driver)
-    ctx = PrimaryContext(api)
-    ctx.retain()
-    ctx.make_current()
+    api = _current(gpu)
     stream = api.call("cuStreamCreate", 0)
     src, dst = api.malloc_host(4), api.malloc(4)
     ctypes.memmove(src, b"abcd", 4)

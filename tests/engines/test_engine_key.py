@@ -33,6 +33,7 @@ def device(tree: str, gpu: GpuInfo | None, trt: str | None = "10.3.0", arch: str
 
 AGX = device("orin-agx", GpuInfo("Orin", "sm_87", integrated=True))
 NANO = device("orin-nano-jp6", GpuInfo("Orin", "sm_87", integrated=True))
+NANO_NO_SUPER = device("orin-nano-devkit", GpuInfo("Orin", "sm_87", integrated=True))
 H100 = device("dgpu-pip-x86", GpuInfo("NVIDIA H100 80GB HBM3", "sm_90"), trt="10.13.3.9", arch="x86_64")
 A100 = device("dgpu-pip-x86", GpuInfo("NVIDIA A100-SXM4-80GB", "sm_80"), trt="10.13.3.9", arch="x86_64")
 GH200 = device("dgpu-pip-x86", GpuInfo("NVIDIA GH200 480GB", "sm_90"), trt="10.13.3.9", arch="aarch64")
@@ -42,7 +43,8 @@ def test_key_for_a_recipe_and_for_onnx_sha256_whatever_the_name(tmp_path: Path) 
     by_recipe = key_for(EngineConfig(name="mlp", recipe=str(RECIPE)), AGX)
     assert (by_recipe.model, by_recipe.model_sha256, by_recipe.target, by_recipe.platform, by_recipe.cuda,
             by_recipe.tensorrt, by_recipe.precision) == \
-        ("mlp-demo", SHA, "sm_87", "jetson-agx-orin", "12", "10.3.0", "fp32")
+        ("mlp-demo", SHA, "sm_87", "jetson-p3701-0005", "12", "10.3.0", "fp32")
+    assert by_recipe.board == "jetson-agx-orin"  # a label
     store = EngineStore(tmp_path)
     built = build_key(load_recipe(RECIPE), "tensorrt", AGX, SHA)
     tmp = store.tmp_path(built)
@@ -59,9 +61,42 @@ def test_orins_are_told_apart_and_the_message_says_how() -> None:
     built = build_key(load_recipe(RECIPE), "tensorrt", AGX, SHA)
     wanted = key_for(EngineConfig(name="m", recipe=str(RECIPE)), NANO)
     assert built.target == wanted.target == "sm_87"
-    assert built.differences(wanted) == ["engine was built for platform jetson-agx-orin, this device is "
-                                         "platform jetson-orin-nano-engineering-reference-super"]
-    assert built.filename() == "sm_87-jetson-agx-orin-cuda12-trt10.3.0-fp32.engine"
+    assert built.differences(wanted) == ["engine was built for platform jetson-p3701-0005, this device is "
+                                         "platform jetson-p3767-0005"]
+    assert built.filename() == "sm_87-jetson-p3701-0005-cuda12-trt10.3.0-fp32.engine"
+
+
+def test_an_engine_built_under_one_boards_model_string_runs_under_anothers_for_the_same_module(tmp_path: Path) -> None:
+    """The Orin Nano devkit with and without "Super" in its model string (JetPack 6.2 vs 6.0):
+    one module (p3767-0005), one key; the board stays a label."""
+    store = EngineStore(tmp_path)
+    built = build_key(load_recipe(RECIPE), "tensorrt", NANO, SHA)
+    tmp = store.tmp_path(built)
+    tmp.write_bytes(b"plan")
+    store.put(built, tmp)
+    entry = EngineConfig(name="m", recipe=str(RECIPE))
+    assert NANO.jetson_model != NANO_NO_SUPER.jetson_model and NANO.board != NANO_NO_SUPER.board
+    found = store.find(key_for(entry, NANO_NO_SUPER))
+    assert found.key == built and found.key.board == "jetson-orin-nano-engineering-reference-super"
+
+
+def test_an_engine_keyed_by_its_board_is_accepted_on_that_board_and_explained_elsewhere(tmp_path: Path) -> None:
+    """Engines stored before keys named the module carry the board's slug as their platform: still
+    accepted on a board of that model (what they were built on), refused on another with what
+    changed and the way out; `edge engines rekey` gives them the module key."""
+    entry = EngineConfig(name="m", recipe=str(RECIPE))
+    old = dataclasses.replace(build_key(load_recipe(RECIPE), "tensorrt", NANO, SHA),
+                              platform="jetson-orin-nano-engineering-reference-super", board=None)
+    assert old.legacy_board == "jetson-orin-nano-engineering-reference-super"
+    assert old.differences(key_for(entry, NANO)) == []  # the same board
+    (why,) = old.differences(key_for(entry, NANO_NO_SUPER))
+    assert "built for board jetson-orin-nano-engineering-reference-super (a key from before engine keys named " \
+           "the Jetson module" in why and "this device is platform jetson-p3767-0005" in why
+    assert "edge engines rekey" in why
+    new = old.rekeyed("jetson-p3767-0005")
+    assert new.legacy_board is None and new.differences(key_for(entry, NANO_NO_SUPER)) == []
+    assert new.board == "jetson-orin-nano-engineering-reference-super"
+    assert build_key(load_recipe(RECIPE), "tensorrt", H100, SHA).legacy_board is None  # a dGPU's product
 
 
 def test_hardware_compatible_builds_run_on_other_gpus_of_their_level_on_the_same_host_platform() -> None:
@@ -118,14 +153,26 @@ def test_version_compatible_runs_on_later_versions_of_the_same_major() -> None:
         ["engine was built for tensorrt 10.3.0, this device is tensorrt 10.3.0.26"]
 
 
+def test_a_plan_without_its_lean_runtime_is_keyed_to_the_exact_version() -> None:
+    """version_compatible + exclude_lean_runtime runs only on the lean runtime of the building
+    TensorRT (IRuntime.load_runtime): its key must not let it match a later 10.x."""
+    recipe = dataclasses.replace(load_recipe(RECIPE), version_compatible=True, exclude_lean_runtime=True)
+    built = build_key(recipe, "tensorrt", AGX, SHA)
+    wanted = key_for(EngineConfig(name="m", recipe=str(RECIPE)), AGX)
+    assert built.version_compatible is False and "-vc-" not in built.filename()
+    assert built.differences(wanted) == []
+    assert built.differences(dataclasses.replace(wanted, tensorrt="10.7.0.23")) == \
+        ["engine was built for tensorrt 10.3.0, this device is tensorrt 10.7.0.23"]
+
+
 def test_unknown_cuda_is_not_a_refusal() -> None:
     built = build_key(load_recipe(RECIPE), "tensorrt", AGX, SHA)
     no_cuda = device("orin-agx", None)  # no runtime to ask, toolkit file present: 12.6
     assert no_cuda.cuda == "12.6"
     runtime_only = key_for(EngineConfig(name="m", recipe=str(RECIPE)), device("orin-nano-jp6", None))
     assert runtime_only.cuda is None  # nothing could say: compared as unknown
-    assert built.differences(dataclasses.replace(runtime_only, platform="jetson-agx-orin")) == []
-    assert built.differences(dataclasses.replace(runtime_only, cuda="11", platform="jetson-agx-orin")) == \
+    assert built.differences(dataclasses.replace(runtime_only, platform="jetson-p3701-0005")) == []
+    assert built.differences(dataclasses.replace(runtime_only, cuda="11", platform="jetson-p3701-0005")) == \
         ["engine was built for cuda 12, this device is cuda 11"]
 
 

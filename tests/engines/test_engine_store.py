@@ -141,3 +141,32 @@ def test_gc_keeps_newest_and_in_use(tmp_path: Path) -> None:
     assert [e.path for e in removed] == [paths[1]]
     assert sorted(e.key.target for e in st.entries()) == ["sm_53", "sm_87"]
     assert not paths[1].exists()
+
+
+def test_rekey_gives_a_board_keyed_engine_its_module_key_in_place(tmp_path: Path) -> None:
+    st = EngineStore(tmp_path)
+    old = trt_key(platform="jetson-agx-orin", host="jetson")
+    path = put(st, old)
+    (e,) = st.entries()
+    new = st.rekey(e, e.key.rekeyed("jetson-p3701-0005"))
+    assert not path.exists() and new.path.read_bytes() == b"plan-bytes"
+    assert new.path.name == "sm_87-jetson-p3701-0005-cuda12.6-trt10.3.0-fp16.engine"
+    (listed,) = st.entries()  # one entry: the old one is gone from the manifest
+    assert listed.key == new.key and listed.key.board == "jetson-agx-orin"
+    assert listed.meta["rekeyed_from"]["platform"] == "jetson-agx-orin"
+    st.verify(listed)
+    bad = put(st, trt_key(platform="jetson-xavier-nx", host="jetson"), b"plan")
+    bad.write_bytes(b"corrupt")
+    corrupt = next(x for x in st.entries() if x.key.platform == "jetson-xavier-nx")
+    with pytest.raises(EngineError, match="sha256 mismatch"):
+        st.rekey(corrupt, corrupt.key.rekeyed("jetson-p3668-0001"))
+    assert bad.exists()  # a corrupt engine keeps its name
+
+
+def test_rekey_on_a_machine_that_is_no_jetson_says_so(tmp_path: Path) -> None:
+    from kit import EDGE
+
+    r = subprocess.run([*EDGE, "engines", "rekey", "--store", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 70 and "edge engines rekey runs on a Jetson whose device tree names its module" in r.stderr
+    assert "Traceback" not in r.stderr

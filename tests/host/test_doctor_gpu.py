@@ -11,8 +11,10 @@ import pytest
 
 from edge.config import parse_config
 from edge.device.identity import GpuInfo, GpuProbe, detect
-from edge.host.doctor_gpu import cuda_runtime_check, device_check, gpu_offload_checks, unit_device_checks
-from edge.host.units import UnitOptions, platform_devices, render_service
+from edge.host.doctor_gpu import (PROBE, cuda_runtime_check, device_check, gpu_offload_checks, probe_command,
+                                  unit_device_checks)
+from edge.host.gpu_nodes import platform_policy
+from edge.host.units import UnitOptions, render_service
 
 FIX = Path(__file__).parents[1] / "fixtures" / "devices"
 ORIN = GpuProbe(GpuInfo("Orin", "sm_87", integrated=True), "12.6")
@@ -57,18 +59,48 @@ def test_offload_on_a_cuda_build_whose_gpu_does_not_start_names_the_drivers_erro
 @pytest.mark.skipif(os.geteuid() != 0, reason="making device nodes (mknod) needs root")
 def test_a_unit_that_blocks_a_gpu_node_of_this_machine_fails_naming_it(tmp_path: Path) -> None:
     dev = tmp_path / "dev"
-    for rel, major, minor in (("nvgpu/igpu0/ctrl", 508, 0), ("dri/renderD128", 226, 128), ("host1x-fence", 507, 0)):
+    for rel, major, minor in (("nvgpu/igpu0/ctrl", 508, 0), ("dri/renderD128", 226, 128), ("host1x-fence", 507, 0),
+                              ("nvmap", 10, 125), ("nvhost-ctrl-gpu", 508, 1), ("dri/card0", 226, 0)):
         (dev / rel).parent.mkdir(parents=True, exist_ok=True)
         os.mknod(dev / rel, stat.S_IFCHR | 0o600, os.makedev(major, minor))
     proc = tmp_path / "devices"
-    proc.write_text("Character devices:\n226 drm\n507 host1x-fence\n508 nvgpu\n\nBlock devices:\n  8 sd\n")
-    devices, _ = platform_devices(FIX / "orin-nano-jp6")
-    jp6 = render_service(UnitOptions(devices=devices))
+    proc.write_text("Character devices:\n 10 misc\n226 drm\n507 host1x-fence\n508 nvgpu\n\nBlock devices:\n  8 sd\n")
+    jp6 = render_service(UnitOptions(devices=platform_policy(FIX / "orin-agx").devices))
     (_, level, msg, _), = unit_device_checks(jp6, dev, proc, probe=False)
-    assert level == "ok" and "3 found" in msg
-    old = render_service(UnitOptions(devices=tuple(d for d in devices if "drm" not in d and "dri" not in d)))
+    assert level == "ok" and "5 found" in msg  # the KMS node dri/card0 is not a GPU node
+    # the JetPack 6 policy before: neither /dev/nvmap nor the legacy nvhost names (char-nvgpu: only
+    # where the kernel registers that name); the render node through char-drm, now gone
+    old = "DevicePolicy=closed\n" + "".join(f"DeviceAllow={d} rw\n" for d in (
+        "/dev/nvgpu/igpu0/ctrl", "/dev/host1x-fence"))
     (_, level, msg, fix), = unit_device_checks(old, dev, proc, probe=False)
-    assert level == "fail" and msg.endswith("machine has: /dev/dri/renderD128; allowed but absent here (other "
-                                            "platforms): 12")
+    assert level == "fail" and "blocks GPU nodes this machine has: /dev/dri/renderD128, /dev/nvhost-ctrl-gpu, " \
+                                "/dev/nvmap" in msg
     assert "edge units install" in fix
     assert unit_device_checks(None, dev, proc) == []
+
+
+def test_the_policy_probe_does_first_cuda_work_with_the_units_environment() -> None:
+    """systemd-run with the unit's device policy, user, groups and Environment= (so that
+    CUDA_VISIBLE_DEVICES counts); the probe retains the primary context and allocates one byte."""
+    unit = ("DevicePolicy=closed\nDeviceAllow=/dev/nvmap rw\nDeviceAllow=char-nvgpu rw\nSupplementaryGroups=video render\n"
+            "Environment=CUDA_CACHE_PATH=%C/edge/cuda\nEnvironment=CUDA_VISIBLE_DEVICES=1 \"OMP_NUM_THREADS=2\"\n")
+    cmd = probe_command(unit, "/usr/bin/systemd-run")
+    pairs = list(zip(cmd, cmd[1:]))
+    for prop in ("DevicePolicy=closed", "DynamicUser=yes", "DeviceAllow=/dev/nvmap rw", "DeviceAllow=char-nvgpu rw",
+                 "SupplementaryGroups=video render"):
+        assert ("-p", prop) in pairs, prop
+    assert ("-E", "CUDA_VISIBLE_DEVICES=1") in pairs and ("-E", "OMP_NUM_THREADS=2") in pairs
+    assert not [v for k, v in pairs if k == "-E" and v.startswith("CUDA_CACHE_PATH")]  # a specifier: not expanded
+    assert cmd[-1] == PROBE and "probe_gpu(work=True)" in PROBE
+
+
+def test_the_probe_names_what_fails_after_cuinit() -> None:
+    """JetPack 6 without /dev/nvmap: cuInit and the queries pass, the first allocation fails."""
+    from edge.device.identity import probe_gpu
+    from fakecuda import FakeGpu
+
+    assert probe_gpu(FakeGpu().driver, work=True).gpu is not None
+    nvmap_closed = FakeGpu(fail={"cuMemAlloc": "CUDA_ERROR_OUT_OF_MEMORY"})
+    p = probe_gpu(nvmap_closed.driver, work=True)
+    assert p.gpu is None and "cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY" in p.error and nvmap_closed.retained == 0
+    assert probe_gpu(FakeGpu(fail={"cuMemAlloc": "CUDA_ERROR_OUT_OF_MEMORY"}).driver).gpu is not None  # cuInit only

@@ -13,9 +13,9 @@ import pytest
 from edge.config import parse_config
 from edge.host.doctor import _limit_bytes, run_checks, unit_config
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM, EX_SAFE_MODE_EXHAUSTED
-from edge.host.units import (GPU_DEVICE_CLASSES, REARM_UNIT, STARTER_CONFIG, UnitOptions, existing_groups,
-                        install_starter_config, install_units, platform_devices, reclaim_config_dir, render_rearm,
-                        render_service, render_socket)
+from edge.host.gpu_nodes import GPU_DEVICE_CLASSES, UVM_UNIT, platform_policy, present_nodes
+from edge.host.units import (REARM_UNIT, STARTER_CONFIG, UnitOptions, existing_groups, install_starter_config,
+                             install_units, reclaim_config_dir, render_rearm, render_service, render_socket)
 from kit import EDGE, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,32 +76,63 @@ def test_service_has_what_cold_start_needs() -> None:
 FIX = Path(__file__).parents[1] / "fixtures" / "devices"
 
 
-def test_units_print_on_a_jetpack6_tree_allows_the_render_node_and_nothing_of_other_platforms(tmp_path: Path) -> None:
-    r = subprocess.run([*EDGE, "units", "print", "--root", str(FIX / "orin-nano-jp6")],  # this edge: verify runs it
+def _printed_units(stdout: str) -> dict[str, str]:
+    """`edge units print`'s output, unit by unit ("# <name>" headers)."""
+    parts = re.split(r"^# (edge[\w.-]*\.(?:service|socket))\n", stdout, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+@pytest.mark.parametrize("tree, platform", [("orin-agx", "jetpack6"), ("orin-nano-jp6", "jetpack6"),
+                                            ("thor-jp7", "jetpack7"), ("dgpu-x86", "dgpu")])
+def test_units_print_on_a_device_tree_names_every_gpu_node_it_has_and_systemd_accepts_them(
+        tmp_path: Path, tree: str, platform: str) -> None:
+    r = subprocess.run([*EDGE, "units", "print", "--root", str(FIX / tree)],  # this edge: verify runs it
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    allowed = re.findall(r"^DeviceAllow=(\S+) rw$", r.stdout, re.M)
-    assert "/dev/dri/renderD128" in allowed and "char-drm" in allowed  # cuInit's 801 otherwise
-    assert "/dev/nvgpu/igpu0/ctrl" in allowed and "/dev/host1x-fence" in allowed
-    assert not [d for d in allowed if d.startswith(("/dev/nvidia", "/dev/nvhost-", "char-nvidia"))]
-    assert "ExecStartPre=" not in r.stdout
-    if shutil.which("systemd-analyze"):
-        svc = tmp_path / "edge.service"
-        svc.write_text(r.stdout.split("# edge.service\n", 1)[1])
-        (tmp_path / "edge.socket").write_text(render_socket(UnitOptions()))
-        v = subprocess.run(["systemd-analyze", "verify", str(svc)], capture_output=True, text=True, cwd=tmp_path)
-        assert "edge.service" not in v.stderr, v.stderr
+    units = _printed_units(r.stdout)
+    allowed = re.findall(r"^DeviceAllow=(\S+) rw$", units["edge.service"], re.M)
+    nodes = present_nodes(FIX / tree)
+    assert nodes and [n for n in nodes if n not in allowed] == [n for n in nodes if "/dri/card" in n]
+    assert not [a for a in allowed if a == "char-drm" or "/dri/card" in a]  # KMS nodes never
+    assert platform_policy(FIX / tree).platform == platform
+    if platform == "jetpack6":
+        assert {"/dev/nvmap", "/dev/nvhost-ctrl-gpu", "/dev/nvgpu/igpu0/ctrl", "/dev/host1x-fence",
+                "/dev/dri/renderD128"} <= set(allowed)
+        assert not [d for d in allowed if d.startswith(("/dev/nvidia", "char-nvidia"))]
+    else:
+        assert {"/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-uvm", "char-nvidia-uvm"} <= set(allowed)
+        assert not [d for d in allowed if d.startswith(("/dev/nvgpu", "/dev/nvhost", "/dev/nvmap"))]
+    assert (UVM_UNIT in units) == (platform == "dgpu") and "ExecStartPre=" not in units["edge.service"]
+    if not shutil.which("systemd-analyze"):
+        print("systemd-analyze is not installed: the rendered units were not verified")
+        return
+    for name, text in units.items():
+        (tmp_path / name).write_text(text)
+    v = subprocess.run(["systemd-analyze", "verify", *sorted(str(tmp_path / n) for n in units)],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert v.returncode == 0 and not [n for n in units if n in v.stderr], v.stderr
 
 
-def test_a_dgpu_unit_makes_the_nvidia_nodes_before_the_sandboxed_start() -> None:
-    devices, modprobe = platform_devices(FIX / "dgpu-x86")
-    text = render_service(UnitOptions(devices=devices, modprobe=modprobe))
-    assert re.search(r"^ExecStartPre=\+-/usr/bin/nvidia-modprobe -u -c=0$", text, re.M)
-    assert text.index("ExecStartPre=") < text.index("ExecStart=")
-    assert "DeviceAllow=/dev/nvidia-uvm rw" in text and "DeviceAllow=/dev/nvgpu/igpu0/ctrl rw" not in text
+def test_a_dgpu_unit_loads_nvidia_uvm_in_a_oneshot_outside_the_device_policy(tmp_path: Path) -> None:
+    """nvidia-modprobe as ExecStartPre=+ cannot work: systemd applies DeviceAllow= to the whole
+    cgroup (systemd issue 26035), and char-nvidia-uvm is resolved before the module is loaded."""
+    policy = platform_policy(FIX / "dgpu-x86")
+    o = UnitOptions(devices=policy.devices, modprobe=policy.modprobe)
+    text = render_service(o)
+    unit = text.split("[Service]")[0]
+    assert f"Wants={UVM_UNIT}" in unit and f"After={UVM_UNIT}" in unit and "ExecStartPre=" not in text
+    written = install_units(o, prefix=str(tmp_path))
+    uvm = (tmp_path / "etc" / "systemd" / "system" / UVM_UNIT).read_text()
+    assert tmp_path / "etc" / "systemd" / "system" / UVM_UNIT in written
+    for line in ("Before=edge.service", "Type=oneshot", "RemainAfterExit=yes",
+                 "ExecStart=-/usr/bin/nvidia-modprobe -u -c=0", "ConditionPathExists=/usr/bin/nvidia-modprobe"):
+        assert re.search(rf"^{re.escape(line)}$", uvm, re.M), line
     generic = render_service(UnitOptions())  # the shipped unit: every platform, ordered after the daemon
-    assert "ExecStartPre=" not in generic and "nvidia-persistenced.service" in generic.split("[Service]")[0]
-    assert "ExecStartPre=" not in render_service(UnitOptions(user=True, modprobe="/usr/bin/nvidia-modprobe"))
+    assert UVM_UNIT not in generic and "nvidia-persistenced.service" in generic.split("[Service]")[0]
+    assert UVM_UNIT not in render_service(UnitOptions(user=True, modprobe="/usr/bin/nvidia-modprobe"))
+    jp6 = platform_policy(FIX / "orin-agx")
+    install_units(UnitOptions(devices=jp6.devices, modprobe=jp6.modprobe), prefix=str(tmp_path / "jp6"))
+    assert not (tmp_path / "jp6" / "etc" / "systemd" / "system" / UVM_UNIT).exists()
 
 
 def test_user_units_leave_out_privileged_sandboxing() -> None:
@@ -205,9 +236,9 @@ def test_service_unit_fixes_from_the_real_systemd_run() -> None:
     assert re.search(r"^StartLimitBurst=\d+$", text, re.M) and re.search(r"^StartLimitIntervalSec=\d+$", text, re.M)
     assert text.index("StartLimitBurst=") < text.index("[Service]")  # a [Unit] setting
     assert "Environment=CUDA_CACHE_PATH=%C/edge/cuda" in text
-    assert "char-drm" in GPU_DEVICE_CLASSES  # JetPack 6's render node, whatever its minor
-    for node in ("/dev/nvmap", "/dev/nvhost-ctxsw-gpu", "/dev/nvgpu/igpu0/ctrl", "/dev/nvidiactl",
-                 "/dev/nvidia-uvm", *GPU_DEVICE_CLASSES):
+    assert "char-drm" not in GPU_DEVICE_CLASSES and "DeviceAllow=char-drm" not in text  # KMS nodes too
+    for node in ("/dev/nvmap", "/dev/nvhost-ctxsw-gpu", "/dev/nvhost-nvsched_ctrl_fifo-gpu", "/dev/nvgpu/igpu0/ctrl",
+                 "/dev/dri/renderD128", "/dev/dri/renderD129", "/dev/nvidiactl", "/dev/nvidia-uvm", *GPU_DEVICE_CLASSES):
         assert re.search(rf"^DeviceAllow={re.escape(node)} rw$", text, re.M), node
     sock = render_socket(UnitOptions())
     assert f"OnFailure={REARM_UNIT}" in sock and "StartLimitIntervalSec=0" in sock

@@ -72,9 +72,20 @@ def test_a_cpu_only_model_on_a_jetson_shares_the_mapped_file() -> None:
     assert estimate([(m, info, False)], unified=True).models["llama"]["model"] == info.data_bytes
 
 
-def test_unified_memory_is_read_from_the_device_tree() -> None:
-    assert unified_memory(FIX / "orin-nano-jp6") and unified_memory(FIX / "orin-agx")
-    assert not unified_memory(FIX / "dgpu-x86")
+def test_unified_memory_is_what_the_driver_says_and_the_tegra_release_file_only_without_one(tmp_path: Path) -> None:
+    """Inside a Jetson container without /etc/nv_tegra_release the driver still says the GPU is
+    integrated (an 8 GB Orin must not reload side by side); the file decides only when no driver
+    can be asked: here the real cuda-python, which finds no driver library on this machine."""
+    from fakecuda import H100, FakeGpu
+    from edge.device.cuda import integrated_gpu
+
+    container = tmp_path  # no etc/nv_tegra_release
+    assert unified_memory(container, integrated=lambda: integrated_gpu(FakeGpu().driver)) is True
+    assert unified_memory(FIX / "orin-agx", integrated=lambda: integrated_gpu(FakeGpu(H100).driver)) is False
+    no_driver = lambda: integrated_gpu(FakeGpu(fail={"cuInit": "CUDA_ERROR_NO_DEVICE"}).driver)  # noqa: E731
+    assert unified_memory(FIX / "orin-nano-jp6", integrated=no_driver) and not unified_memory(container, integrated=no_driver)
+    if integrated_gpu() is None:  # the real cuda-python without a driver: the file decides
+        assert unified_memory(FIX / "orin-agx") and not unified_memory(FIX / "dgpu-x86")
 
 
 def test_restored_prefix_states_count_in_a_reloads_need(tiny_gguf: Path) -> None:

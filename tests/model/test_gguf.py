@@ -109,10 +109,13 @@ def test_what_must_be_locked_depends_on_mmap_and_offload(tiny_gguf: Path) -> Non
     assert mapped.ok and mapped.expected_bytes == info.data_bytes
     assert not mlock_status(True, info.data_bytes // 2, info, use_mmap=True, n_gpu_layers=0).ok
     assert mlock_status(True, int(info.data_bytes * 0.93), info, use_mmap=False, n_gpu_layers=0).ok
-    # all layers offloaded: only the token embeddings stay in the CPU's (locked) mapping
-    embd = next(t.nbytes for t in info.tensors if t.name == "token_embd.weight")
-    offloaded = mlock_status(True, embd, info, use_mmap=True, n_gpu_layers=-1)
-    assert offloaded.ok and offloaded.expected_bytes == embd
+    # all layers offloaded: the mapping is locked from its start to the end of the token
+    # embeddings, the only CPU-resident tensor (stored first here), page-rounded
+    embd = next(t for t in info.tensors if t.name == "token_embd.weight")
+    page = __import__("os").sysconf("SC_PAGE_SIZE")
+    locked = -(-(info.data_offset + embd.offset + embd.nbytes) // page) * page
+    offloaded = mlock_status(True, locked, info, use_mmap=True, n_gpu_layers=-1)
+    assert offloaded.ok and offloaded.expected_bytes == locked
     assert not mlock_status(True, 4096, info, use_mmap=True, n_gpu_layers=-1).ok  # one page is not a lock
 
 

@@ -1,10 +1,12 @@
 """mlock really verified: with RLIMIT_MEMLOCK too low (and CAP_IPC_LOCK dropped, since root
 ignores the limit otherwise) the service says so, with the limit and the fix; with GPU offload
-the expected bytes are the CPU-resident tensors of the GGUF's tensor table."""
+the expected bytes are what llama.cpp locks, from the GGUF's tensor table: a mapped file from its
+start to the end of the last CPU-resident tensor, else the CPU-resident tensors' buffers."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -45,9 +47,41 @@ def test_partial_offload_expects_the_cpu_resident_tensors_of_the_table(tmp_path:
         assert offload_split(info, -1, output_first=rule).cpu == embd
     unknown = offload_split(info, 2, output_first=None)  # the smaller CPU share of the two rules
     assert unknown.cpu == min(embd + sum(block[:3]), embd + sum(block[:2]) + out)
-    status = mlock_status(True, unknown.cpu, info, use_mmap=True, n_gpu_layers=2, output_first=None)
+    status = mlock_status(True, unknown.cpu, info, use_mmap=False, n_gpu_layers=2, output_first=None)
     assert status.ok and status.expected_bytes == unknown.cpu and status.as_dict()["gpu_bytes"] == unknown.gpu
-    assert not mlock_status(True, unknown.cpu // 2, info, use_mmap=True, n_gpu_layers=2, output_first=None).ok
+    assert not mlock_status(True, unknown.cpu // 2, info, use_mmap=False, n_gpu_layers=2, output_first=None).ok
+
+
+def _page_up(n: int) -> int:
+    page = os.sysconf("SC_PAGE_SIZE")
+    return -(-n // page) * page
+
+
+def test_a_mapped_lock_runs_from_the_files_start_to_the_last_cpu_resident_tensor(tmp_path: Path) -> None:
+    """llama.cpp grows one lock over the mapping to the end of each CPU-resident tensor it maps
+    (`lmlock->grow_to(offs + size)`): offloaded tensors stored before the last one are locked too.
+    This file stores the output layer right after the token embeddings, the blocks after it."""
+    info = read_gguf_info(write_tiny_llama(tmp_path / "m.gguf", n_layer=4))
+    end = {t.name: info.data_offset + t.offset + t.nbytes for t in info.tensors}
+    size = _sizes(info)
+    out = size["output.weight"] + size["output_norm.weight"]
+    s = offload_split(info, 2, output_first=True)  # output and block 3 offloaded; blocks 0-2 on the CPU
+    assert s.locked == end["blk.2.ffn_down.weight"] == info.data_offset + s.cpu + out  # the output too
+    status = mlock_status(True, _page_up(s.locked), info, use_mmap=True, n_gpu_layers=2, output_first=True)
+    assert status.ok and status.expected_bytes == _page_up(s.locked)
+    assert not mlock_status(True, s.cpu, info, use_mmap=True, n_gpu_layers=2, output_first=True).ok
+    older = offload_split(info, 2, output_first=False)  # the last two blocks offloaded: stored last
+    assert older.locked == end["blk.1.ffn_down.weight"] == info.data_offset + older.cpu
+    full = offload_split(info, -1)  # only the token embeddings (stored first) and the header
+    assert full.locked == end["token_embd.weight"]
+    assert mlock_status(True, full.cpu, info, use_mmap=False, n_gpu_layers=-1).expected_bytes == full.cpu
+    from edge.config import ModelConfig
+    from edge.model.memory import model_need
+
+    cfg = ModelConfig(name="m", path=info.path, n_gpu_layers=2, use_mlock=True, use_mmap=True)
+    assert model_need(cfg, info, shared_file=False)["model"] == offload_split(info, 2, None).locked
+    unlocked = ModelConfig(name="m", path=info.path, n_gpu_layers=2, use_mlock=False, use_mmap=True)
+    assert model_need(unlocked, info, shared_file=False)["model"] == offload_split(info, 2, None).cpu
 
 
 def test_tied_embeddings_offloaded_are_reported_as_duplicated(tmp_path: Path) -> None:
@@ -56,7 +90,7 @@ def test_tied_embeddings_offloaded_are_reported_as_duplicated(tmp_path: Path) ->
     full = offload_split(info, -1)
     assert full.duplicated == embd and full.cpu == embd and full.output_on_gpu
     assert offload_split(info, 1, output_first=False).duplicated == 0  # output on the CPU: one mapping
-    status = mlock_status(True, embd, info, use_mmap=True, n_gpu_layers=-1, output_first=True)
+    status = mlock_status(True, _page_up(full.locked), info, use_mmap=True, n_gpu_layers=-1, output_first=True)
     assert status.as_dict()["duplicated_bytes"] == embd and status.ok
 
 

@@ -1,0 +1,60 @@
+"""`edge serve` on the CUDA and TensorRT test doubles (tests/fakecuda.py), for machines without a
+GPU: the real CLI in a subprocess whose only difference is at the hardware boundary. Before the
+CLI runs, cuda-python's driver module is replaced by `FakeDriver` (edge.device.cuda.driver_module,
+the one place edge gets it) and the `tensorrt` module by `FakeTensorRT`; everything else (device
+detection, the engine key, the store, the worker thread, the HTTP path, sd_notify) is edge's own.
+
+`engine_in_store` puts a TensorRT engine of the double's format in a store under the key this
+machine has with the double's GPU, so that `edge serve` finds it as it would a built one.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["DOUBLE_PROFILES", "engine_in_store", "serve_on_fake_gpu"]
+
+TESTS = Path(__file__).resolve().parents[1]
+DOUBLE_PROFILES = [{"x": {"min": [1, 4], "opt": [2, 4], "max": [8, 4]}}]
+
+_RUN = """\
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import fakecuda
+spec = json.loads({spec!r})
+gpu = fakecuda.FakeGpu(fault=tuple(spec["fault"]) if spec.get("fault") else None)
+import edge.device.cuda
+edge.device.cuda.driver_module = lambda: gpu.driver
+sys.modules["tensorrt"] = fakecuda.FakeTensorRT(gpu)
+sys.argv = ["edge", "serve", "--config", {config!r}]
+from edge.cli import main
+main()
+"""
+
+
+def serve_on_fake_gpu(config: Path, fault: tuple[str, float] | None = None) -> list[str]:
+    """argv of `edge serve --config CONFIG` on the doubles; `fault`: (CUresult, input value) of
+    a kernel fault (fakecuda.FakeGpu)."""
+    code = _RUN.format(tests=str(TESTS), spec=json.dumps({"fault": fault}), config=str(config))
+    return [sys.executable, "-c", code]
+
+
+def engine_in_store(store: Path, name: str, onnx_sha256: str, precision: str = "fp16") -> Path:
+    """A y = 2x + 1 engine of the double's format, stored under this machine's key with the
+    double's GPU (an Orin, TensorRT 10.3) for a config entry {name, tensorrt, onnx_sha256, precision}."""
+    sys.path.insert(0, str(TESTS))
+    from fakecuda import FakeGpu, FakeTensorRT
+
+    from edge.config import EngineConfig
+    from edge.device.identity import detect, probe_gpu
+    from edge.engines.key import key_for
+    from edge.engines.store import EngineStore
+
+    device = detect(gpu=lambda: probe_gpu(FakeGpu().driver), trt=lambda: FakeTensorRT.__version__)
+    key = key_for(EngineConfig(name=name, backend="tensorrt", onnx_sha256=onnx_sha256, precision=precision), device)
+    st = EngineStore(store)
+    tmp = st.tmp_path(key)
+    tmp.write_text(json.dumps({"inputs": {"x": "FLOAT"}, "outputs": {"y": "FLOAT"}, "profiles": [{"x": [1, 8]}]}))
+    return st.put(key, tmp, {"profiles": DOUBLE_PROFILES}).path
