@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DeviceInfo", "GpuInfo", "GpuProbe", "SOC_SM", "detect", "probe_gpu", "sm_for_soc",
+__all__ = ["DeviceInfo", "GpuInfo", "GpuProbe", "SOC_SM", "cpu_flags", "detect", "probe_gpu", "sm_for_soc",
            "tensorrt_version", "slug", "version_tuple"]
 
 # Jetson SoC (device-tree "compatible") -> SM arch of its integrated GPU
@@ -117,6 +117,16 @@ def _read(root: Path, rel: str) -> str | None:
         return (root / rel).read_text(errors="replace")
     except OSError:
         return None
+
+
+def cpu_flags(root: str | Path = "/") -> frozenset[str]:
+    """The CPU's features as the kernel lists them in /proc/cpuinfo: x86's `flags` (avx2,
+    amx_tile, hypervisor, ...), ARM's `Features` (asimd, asimddp, i8mm, ...)."""
+    for line in (_read(Path(root), "proc/cpuinfo") or "").splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
 
 
 def sm_for_soc(compatible: list[str]) -> tuple[str | None, str | None]:

@@ -216,6 +216,14 @@ def _gpu(cfg: Config, unit_text: str | None) -> list[Check]:
     return [Check(*f) for f in found if f is not None]
 
 
+def _llama_cpu(cfg: Config) -> list[Check]:
+    """The CPU paths llama.cpp uses, those edge turned off and why, per model (doctor_cpu)."""
+    from edge.host.doctor_cpu import cpu_checks
+    from edge.model.cpupaths import llama_cpu
+
+    return [Check(*c) for c in cpu_checks(cfg, llama_cpu())] if cfg.models else []
+
+
 def _engines(cfg: Config) -> list[Check]:
     if not cfg.engines:
         return []
@@ -254,6 +262,7 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
     steps: list[Callable[[], list[Check]]] = [
         lambda: _gpu(cfg, unit_text),
         lambda: _model_files(cfg),
+        lambda: _llama_cpu(cfg),
         lambda: _engines(cfg),
         lambda: [_memlock(cfg, unit_text)],
         lambda: [_memory(cfg, unit_text)],

@@ -24,7 +24,8 @@ from typing import Any
 
 from edge.errors import GpuOffloadUnavailable
 
-__all__ = ["CUDA_BUILD_FIX", "llama_build", "offload_problem", "output_layer_first", "require_gpu_offload"]
+__all__ = ["CUDA_BUILD_FIX", "llama_build", "offload_problem", "output_layer_first", "llama_package_dir",
+           "require_gpu_offload"]
 
 CUDA_BUILD_FIX = ('CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=87" '
                   "pip install --force-reinstall --no-cache-dir llama-cpp-python "
@@ -80,7 +81,7 @@ OLD_RULE_UP_TO, NEW_RULE_FROM = 7400, 7500
 def output_layer_first(package_dir: str | Path | None = None) -> bool | None:
     """Which n_gpu_layers rule the installed llama.cpp has (edge.model.gguf.offload_split), from its
     libllama's version: True (output layer first), False (blocks first), None (not known)."""
-    folder = Path(package_dir) if package_dir else _package_dir()
+    folder = Path(package_dir) if package_dir else llama_package_dir()
     versions = [] if folder is None else [p.name.split(".so.", 1)[1] for p in folder.rglob("libllama.so.*.*")]
     for v in versions:
         parts = [int(x) for x in v.split(".") if x.isdigit()]
@@ -92,7 +93,9 @@ def output_layer_first(package_dir: str | Path | None = None) -> bool | None:
     return None
 
 
-def _package_dir() -> Path | None:
+def llama_package_dir() -> Path | None:
+    """The installed llama_cpp package's folder (its libraries are under lib/), found without
+    importing it; None when it is not installed."""
     try:
         spec = importlib.util.find_spec("llama_cpp")
     except (ImportError, ValueError):
@@ -104,7 +107,7 @@ def _package_dir() -> Path | None:
 
 def llama_build(package_dir: str | Path | None = None) -> str | None:
     """"cuda", "cpu", or None (llama_cpp not installed), without importing llama_cpp."""
-    package_dir = package_dir or _package_dir()
+    package_dir = package_dir or llama_package_dir()
     if package_dir is None:
         return None
     libs = [p for p in Path(package_dir).rglob("*.so*") if not p.is_symlink()]
