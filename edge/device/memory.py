@@ -38,6 +38,11 @@ class MemoryReading:
     cgroup: CgroupLimit | None = None  # the cgroup limit that leaves the least room, if any
 
     @property
+    def bound_by(self) -> CgroupLimit | None:
+        """The cgroup limit when it, not MemAvailable, bounded `available`."""
+        return self.cgroup if self.source.startswith("cgroup ") else None
+
+    @property
     def ceiling(self) -> int:
         """The most this process's cgroup may ever hold: MemTotal, or the cgroup's limit."""
         return min(self.total, self.cgroup.limit) if self.cgroup else self.total

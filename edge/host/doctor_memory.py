@@ -101,8 +101,8 @@ def _unit_bounds(unit_text: str | None, total: int) -> list[Bound]:
 
 
 def _reading_bound(reading: MemoryReading) -> Bound:
-    cg = reading.cgroup
-    if cg is None or not reading.source.startswith("cgroup "):
+    cg = reading.bound_by
+    if cg is None:
         return Bound(reading.available, "MemAvailable", "use a smaller quantization or free memory")
     return Bound(reading.available, f"the room under {cg.describe()}, the cgroup this doctor runs in (a "
                  "container's or slice's limit holds the service too)",
@@ -110,13 +110,13 @@ def _reading_bound(reading: MemoryReading) -> Bound:
                  "MemoryMax=/MemoryHigh=)")
 
 
-def memory_check(need: int, unit_text: str | None, reading: MemoryReading | None = None) -> Check:
+def memory_check(need: int, unit_text: str | None) -> Check:
     """`need`: the models' bytes (plus KV cache, which is not counted here)."""
     try:
-        reading = reading or read_memory()
+        reading: MemoryReading | None = read_memory()
     except OSError:
-        return ("memory", "warn", "cannot read MemAvailable from /proc/meminfo", "")
-    if not reading.total:
+        reading = None
+    if reading is None or not reading.total:
         return ("memory", "warn", "cannot read MemAvailable from /proc/meminfo", "")
     bound = min([_reading_bound(reading), *_unit_bounds(unit_text, reading.total)], key=lambda b: b.room)
     msg = f"{mib(bound.room)} available to a start (bounded by {bound.what}), models need {mib(need)} plus KV cache"

@@ -124,6 +124,5 @@ def decide(configured: str, need: Need, reading: MemoryReading | None) -> Decisi
 
 def _bound(reading: MemoryReading) -> str:
     """What bounded the reading, in the words a person fixes it with."""
-    if reading.cgroup is not None and reading.source.startswith("cgroup "):
-        return f"the room under {reading.cgroup.setting} of cgroup {reading.cgroup.cgroup}"
-    return "MemAvailable"
+    cg = reading.bound_by
+    return f"the room under {cg.setting} of cgroup {cg.cgroup}" if cg else "MemAvailable"
