@@ -212,10 +212,13 @@ def start_edge(cfg: Path, env: dict[str, str]) -> Iterator[Started]:
 
 @contextmanager
 def start_peer(peer: Peer, log: Path) -> Iterator[Started]:
+    from kit import dies_with_us  # the test kit (tests/kit): the scripts put tests/ on sys.path
+
     port = free_port()
     with open(log, "ab") as f:
         t0 = time.monotonic()
-        proc = subprocess.Popen(peer.argv(port), stdout=f, stderr=f, stdin=subprocess.DEVNULL)
+        # dies with this process (PR_SET_PDEATHSIG), as the PidOne-started edge serve does
+        proc = subprocess.Popen(dies_with_us(peer.argv(port)), stdout=f, stderr=f, stdin=subprocess.DEVNULL)
     address = ("127.0.0.1", port)
 
     def alive() -> bool:

@@ -1,6 +1,10 @@
 """The demo behind scripts/demo: socket-activated start on the embedded default, one question
 asked while the service is still starting, the answer, the start report, a clean stop.
-`scripts/demo --svg FILE` also draws the start as a timeline (scripts/demo-start.svg is one)."""
+`scripts/demo --svg FILE` also draws the start as a timeline (scripts/demo-start.svg is one).
+
+If the service dies (a bad config, a native fault), the demo says so within a second, with its
+exit status or signal and the tail of its log, and exits 1: the question waits through
+kit.PidOne.while_running, which watches the service while the answer is awaited."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the test kit (tests/kit) is not part of the package
 
 from edge.serve.client import request  # noqa: E402
-from kit import PidOne  # noqa: E402
+from kit import PidOne, ServiceExited  # noqa: E402
 QUESTION = "Question: What is the capital of France?\nAnswer:"
 
 
@@ -33,11 +37,17 @@ def main() -> int:
         print(f"demo: socket {pid1.address[0]}:{pid1.address[1]} bound by the harness (as systemd "
               "would); starting `edge serve` on the embedded Gemma 3 270M", file=sys.stderr)
         t0 = time.monotonic()
-        pid1.start()
-        answer = ask(pid1.address, {"prompt": QUESTION, "max_tokens": 8, "temperature": 0,
-                                    "stop": ["\n"]})  # sent before the service is ready
-        t_answer = time.monotonic() - t0
-        ready = pid1.wait_for("READY", "1")
+        child = pid1.start()
+        print(f"demo: `edge serve` is pid {child.pid}; asking at once", file=sys.stderr)
+        body = {"prompt": QUESTION, "max_tokens": 8, "temperature": 0, "stop": ["\n"]}
+        try:  # sent before the service is ready; a service that dies meanwhile is noticed at once
+            answer = pid1.while_running(ask, pid1.address, body, what="the answer to the question")
+            t_answer = time.monotonic() - t0
+            ready = pid1.wait_for("READY", "1")
+        except ServiceExited as exc:
+            late = time.monotonic() - (child.exited_at or time.monotonic())
+            print(f"\ndemo: failed: {exc}\n(noticed {late:.2f} s after it exited)", file=sys.stderr)
+            return 1
         print(f"\n{QUESTION}{answer['choices'][0]['text']}")
         print(f"\n(asked at once, answered {t_answer:.2f} s after exec; READY=1 came at "
               f"{ready.at - t0:.2f} s: \"{ready.fields.get('STATUS')}\")\n")

@@ -30,12 +30,18 @@ def doctor(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt) -> None:
 
 
 def device(as_json: bool = JsonOpt) -> None:
-    """What this machine is: Jetson module, L4T, SM arch, CUDA, TensorRT, ONNX Runtime."""
+    """What this machine is: Jetson module, L4T, SM arch, CUDA, TensorRT, ONNX Runtime, and the
+    CPU paths llama.cpp uses (and any edge turned off, with why)."""
     from edge.device.identity import detect
+    from edge.model.cpupaths import llama_cpu
 
-    info = detect().as_dict()
-    typer.echo(json.dumps(info, indent=2) if as_json else
-               "\n".join(f"{k:<14}{v if v is not None else '-'}" for k, v in info.items()))
+    info, llama = detect().as_dict(), llama_cpu()
+    if as_json:
+        typer.echo(json.dumps({**info, "llama_cpp": llama.as_dict()}, indent=2))
+        return
+    lines = [f"{k:<14}{v if v is not None else '-'}" for k, v in info.items()]
+    lines += [f"{'llama.cpp' if i == 0 else '':<14}{line}" for i, line in enumerate(llama.lines())]
+    typer.echo("\n".join(lines))
 
 
 def register(app: typer.Typer) -> None:

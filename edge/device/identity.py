@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DeviceInfo", "GpuInfo", "GpuProbe", "SOC_SM", "detect", "module_of", "probe_gpu", "sm_for_soc",
-           "tensorrt_version", "slug", "version_tuple"]
+__all__ = ["DeviceInfo", "GpuInfo", "GpuProbe", "SOC_SM", "cpu_flags", "detect", "module_of", "probe_gpu",
+           "sm_for_soc", "tensorrt_version", "slug", "version_tuple"]
 
 # Jetson SoC (device-tree "compatible") -> SM arch of its integrated GPU
 SOC_SM = {"tegra264": "sm_110", "tegra234": "sm_87", "tegra194": "sm_72", "tegra186": "sm_62",
@@ -158,6 +158,16 @@ def module_of(compatible: list[str]) -> str | None:
             if m:
                 return m.group(0)
     return None
+
+
+def cpu_flags(root: str | Path = "/") -> frozenset[str]:
+    """The CPU's features as the kernel lists them in /proc/cpuinfo: x86's `flags` (avx2,
+    amx_tile, hypervisor, ...), ARM's `Features` (asimd, asimddp, i8mm, ...)."""
+    for line in (_read(Path(root), "proc/cpuinfo") or "").splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
 
 
 def sm_for_soc(compatible: list[str]) -> tuple[str | None, str | None]:

@@ -78,19 +78,17 @@ def _model_files(cfg: Config) -> list[Check]:
     return checks
 
 
-_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _CAP_SYS_RESOURCE = 24
 
 
 def _limit_bytes(value: str) -> int | None:
     """LimitMEMLOCK= value (soft[:hard], K/M/G/T suffixes) as bytes of the soft limit; None = infinity."""
+    from edge.host.doctor_memory import unit_bytes
+
     soft = value.split(":")[0].strip()
-    if soft == "infinity":
-        return None
-    m = re.fullmatch(r"(\d+)\s*([KMGT]?)B?", soft, re.I)
-    if not m:
+    if not soft or soft.endswith("%"):
         raise ValueError(value)
-    return int(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
+    return unit_bytes(soft)
 
 
 def _show(s: int | None) -> str:
@@ -168,23 +166,13 @@ def _memlock(cfg: Config, unit_text: str | None) -> Check:
     return Check("mlock", level, message, fix)
 
 
-def _memory(cfg: Config) -> Check:
-    from edge.device.memory import read_memory
+def _memory(cfg: Config, unit_text: str | None) -> Check:
+    """The models' need against what a start may use (edge/host/doctor_memory.py): MemAvailable,
+    the cgroup's room, edge.service's MemoryMax=/MemoryHigh= — the reading the reload's guard uses."""
+    from edge.host.doctor_memory import memory_check
     from edge.model.mlock import models_bytes
 
-    need = models_bytes(cfg)
-    try:
-        avail = read_memory().available  # the reading the reload's memory guard uses
-    except OSError:
-        avail = 0
-    if not avail:
-        return Check("memory", "warn", "cannot read MemAvailable from /proc/meminfo")
-    msg = f"{mib(avail)} available, models need {mib(need)} plus KV cache"
-    if avail < need:
-        return Check("memory", "fail", msg, "use a smaller quantization or free memory")
-    if avail < need * 1.25:
-        return Check("memory", "warn", msg, "little headroom: lower n_ctx or stop other services")
-    return Check("memory", "ok", msg)
+    return Check(*memory_check(models_bytes(cfg), unit_text))
 
 
 def _units(unit_dirs: list[Path]) -> tuple[list[Check], str | None]:
@@ -226,6 +214,14 @@ def _gpu(cfg: Config, unit_text: str | None) -> list[Check]:
     if any(e.backend == "tensorrt" for e in cfg.engines) or any(m.n_gpu_layers for m in cfg.models):
         found += unit_device_checks(unit_text)
     return [Check(*f) for f in found if f is not None]
+
+
+def _llama_cpu(cfg: Config) -> list[Check]:
+    """The CPU paths llama.cpp uses, those edge turned off and why, per model (doctor_cpu)."""
+    from edge.host.doctor_cpu import cpu_checks
+    from edge.model.cpupaths import llama_cpu
+
+    return [Check(*c) for c in cpu_checks(cfg, llama_cpu())] if cfg.models else []
 
 
 def _engines(cfg: Config) -> list[Check]:
@@ -285,9 +281,10 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
     steps: list[Callable[[], list[Check]]] = [
         lambda: _gpu(cfg, unit_text),
         lambda: _model_files(cfg),
+        lambda: _llama_cpu(cfg),
         lambda: _engines(cfg),
         lambda: [_memlock(cfg, unit_text)],
-        lambda: [_memory(cfg)],
+        lambda: [_memory(cfg, unit_text)],
         lambda: unit_checks,
         lambda: _dirs(cfg),
         lambda: _safe_mode(cfg),

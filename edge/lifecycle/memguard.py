@@ -4,7 +4,8 @@ A reload loads the new set while the old one still serves (overlap). On a Jetson
 GPU share one DRAM, so two sets that do not both fit are an OOM kill of the whole service. Before
 anything is loaded, the need is estimated from the GGUF headers and tensor tables alone (model
 bytes not already mapped from the same file, KV cache, compute buffers, engines) and compared with
-MemAvailable (and with a discrete GPU's free memory where layers are offloaded); when it does not
+what the service may use: MemAvailable, or its cgroup's room where smaller (a unit's MemoryMax=,
+edge.device.memory), and a discrete GPU's free memory where layers are offloaded; when it does not
 fit, the reload goes sequential: the old set drains first, then the new one loads.
 
 Unified memory (a Jetson: /etc/nv_tegra_release, or `unified=True`): llama.cpp copies offloaded
@@ -93,13 +94,15 @@ class Decision:
 
 
 def reserve_bytes(reading: MemoryReading) -> int:
-    """Left free for the kernel, page cache of the running set and the rest of the device."""
-    return min(512 * MIB, reading.total // 10)
+    """Left free for the kernel, page cache of the running set and the rest of the device (or of
+    the cgroup, where its limit is below the device's memory)."""
+    return min(512 * MIB, reading.ceiling // 10)
 
 
 def decide(configured: str, need: Need, reading: MemoryReading | None) -> Decision:
     """server.reload: "sequential" and "overlap" are what they say; "auto" overlaps only if the
-    need fits in MemAvailable less a reserve (and, offloaded, in the GPU's free memory)."""
+    need fits in what the service may use (MemAvailable, or its cgroup's room) less a reserve
+    (and, offloaded, in the GPU's free memory)."""
     if configured == "sequential":
         return Decision("sequential", "server.reload = \"sequential\"", need, reading)
     if configured == "overlap" or reading is None:
@@ -110,10 +113,16 @@ def decide(configured: str, need: Need, reading: MemoryReading | None) -> Decisi
               "here)") if need.unified else ""
     if need.total > room:
         return Decision("sequential", f"the new set needs ~{need.total / MIB:.0f} MiB beside the old one"
-                        f"{shared}, {max(room, 0) / MIB:.0f} MiB available (MemAvailable less a reserve): "
+                        f"{shared}, {max(room, 0) / MIB:.0f} MiB available ({_bound(reading)} less a reserve): "
                         "sequential reload, the old set drains first", need, reading)
     if need.gpu and reading.gpu_free is not None and need.gpu > reading.gpu_free:
         return Decision("sequential", f"the new set needs ~{need.gpu / MIB:.0f} MiB of GPU memory, "
                         f"{reading.gpu_free / MIB:.0f} MiB free: sequential reload", need, reading)
     return Decision("overlap", f"the new set needs ~{need.total / MIB:.0f} MiB, "
                     f"{room / MIB:.0f} MiB available: loads beside the old one", need, reading)
+
+
+def _bound(reading: MemoryReading) -> str:
+    """What bounded the reading, in the words a person fixes it with."""
+    cg = reading.bound_by
+    return f"the room under {cg.setting} of cgroup {cg.cgroup}" if cg else "MemAvailable"

@@ -25,7 +25,8 @@ from typing import Any
 
 from edge.errors import GpuOffloadUnavailable
 
-__all__ = ["CUDA_BUILD_FIX", "llama_build", "llama_lib_dir", "offload_problem", "output_layer_first", "require_gpu_offload"]
+__all__ = ["CUDA_BUILD_FIX", "llama_build", "llama_lib_dir", "llama_package_dir", "offload_problem",
+           "output_layer_first", "require_gpu_offload"]
 
 CUDA_BUILD_FIX = ('CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=87" '
                   "pip install --force-reinstall --no-cache-dir llama-cpp-python "
@@ -81,7 +82,7 @@ OLD_RULE_UP_TO, NEW_RULE_FROM = 7400, 7500
 def output_layer_first(package_dir: str | Path | None = None) -> bool | None:
     """Which n_gpu_layers rule the installed llama.cpp has (edge.model.gguf.offload_split), from its
     libllama's version: True (output layer first), False (blocks first), None (not known)."""
-    folder = Path(package_dir) if package_dir else _package_dir()
+    folder = Path(package_dir) if package_dir else llama_package_dir()
     versions = [] if folder is None else [p.name.split(".so.", 1)[1] for p in folder.rglob("libllama.so.*.*")]
     for v in versions:
         parts = [int(x) for x in v.split(".") if x.isdigit()]
@@ -93,7 +94,9 @@ def output_layer_first(package_dir: str | Path | None = None) -> bool | None:
     return None
 
 
-def _package_dir() -> Path | None:
+def llama_package_dir() -> Path | None:
+    """The installed llama_cpp package's folder (its libraries are under lib/), found without
+    importing it; None when it is not installed."""
     try:
         spec = importlib.util.find_spec("llama_cpp")
     except (ImportError, ValueError):
@@ -105,7 +108,7 @@ def _package_dir() -> Path | None:
 
 def llama_build(package_dir: str | Path | None = None) -> str | None:
     """"cuda", "cpu", or None (llama_cpp not installed), without importing llama_cpp."""
-    package_dir = package_dir or _package_dir()
+    package_dir = package_dir or llama_package_dir()
     if package_dir is None:
         return None
     libs = [p for p in Path(package_dir).rglob("*.so*") if not p.is_symlink()]
@@ -117,12 +120,10 @@ def llama_build(package_dir: str | Path | None = None) -> str | None:
 
 
 def llama_lib_dir() -> Path | None:
-    """llama_cpp's bundled libraries, found without importing it (edge may serve engines only)."""
+    """llama_cpp's bundled libraries (the loaded package's, else the installed one's), found
+    without importing it (edge may serve engines only)."""
     loaded = sys.modules.get("llama_cpp")
     if loaded is not None and getattr(loaded, "__file__", None):
         return Path(loaded.__file__).parent / "lib"
-    try:
-        spec = importlib.util.find_spec("llama_cpp")
-    except (ImportError, ValueError):
-        return None
-    return Path(next(iter(spec.submodule_search_locations))) / "lib" if spec and spec.submodule_search_locations else None
+    package = llama_package_dir()
+    return package / "lib" if package else None

@@ -67,8 +67,9 @@ def model_need(m: ModelConfig, info: GGUFInfo, shared_file: bool, unified: bool 
 
 def prompt_cache_bytes(m: ModelConfig, kv_bytes: int, total_ram: int | None = None) -> int:
     """The prompt cache's bound (edge.model.promptcache): `prompt_cache_mb`, or when unset the KV of
-    two full contexts (`kv_bytes`: one context's), at most 1/16 of RAM."""
+    two full contexts (`kv_bytes`: one context's), at most 1/16 of RAM (of the cgroup's limit
+    where that is smaller: what the service may ever hold)."""
     if m.prompt_cache_mb is not None:
         return m.prompt_cache_mb << 20
-    total = read_memory().total if total_ram is None else total_ram
+    total = read_memory().ceiling if total_ram is None else total_ram
     return min(2 * kv_bytes, total // 16) if total else 2 * kv_bytes

@@ -9,7 +9,7 @@ sys.path the same way (scripts/benchlib.py, scripts/demo.py).
 from kit.configs import EDGE, write_config
 from kit.http import call, get, metric, post
 from kit.load import ClientLoad, LoadResult, half_heads
-from kit.pid1 import Child, Notification, PidOne
+from kit.pid1 import Child, Notification, PidOne, ServiceExited, describe_status, dies_with_us
 
-__all__ = ["EDGE", "Child", "ClientLoad", "LoadResult", "Notification", "PidOne", "call", "get", "half_heads",
-           "metric", "post", "write_config"]
+__all__ = ["EDGE", "Child", "ClientLoad", "LoadResult", "Notification", "PidOne", "ServiceExited", "call",
+           "describe_status", "dies_with_us", "get", "half_heads", "metric", "post", "write_config"]

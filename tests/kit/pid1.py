@@ -6,21 +6,63 @@ socket as fd 3 and LISTEN_FDS/LISTEN_PID set (LISTEN_PID is the child's own pid:
 to $$ and then execs the service), and receives sd_notify datagrams on its own NOTIFY_SOCKET with
 the sender's pid (SCM_CREDENTIALS). Stopping and starting the service again on the same socket
 is exactly a systemd restart: connections made meanwhile wait in the socket's backlog.
+
+A death is noticed at once: a reaper thread per child blocks in waitpid() and wakes every waiter,
+so `wait_for`, `wait_count` and `while_running` (a request sent to the service) fail within
+milliseconds with `ServiceExited`: the exit status or signal and the tail of the service's log,
+never a timeout on a socket nobody will answer. A service started here dies with the process
+that started it: it runs under `setpriv --pdeathsig KILL` (PR_SET_PDEATHSIG), spawned by one
+long-lived thread of its PidOne (the signal fires when the spawning *thread* ends, so a start()
+called from a short-lived thread must not spawn it itself), and in its own process group, which
+close() kills. `dies_with_us(argv)` gives any other command the same death signal.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import shutil
 import signal
 import socket
 import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
-__all__ = ["Child", "Notification", "PidOne"]
+__all__ = ["Child", "Notification", "PidOne", "ServiceExited", "describe_status", "dies_with_us"]
+
+T = TypeVar("T")
+SETPRIV = shutil.which("setpriv")  # util-linux (scripts/setup installs it)
+
+
+def dies_with_us(argv: list[str]) -> list[str]:
+    """`argv` run so that it gets SIGKILL when the thread that spawns it ends (PR_SET_PDEATHSIG):
+    a test process killed mid-test leaves no service behind. Spawn it from a thread that lives
+    as long as the command should (the main thread, or PidOne's spawner)."""
+    return [SETPRIV, "--pdeathsig", "KILL", "--", *argv] if SETPRIV else list(argv)
+
+
+def describe_status(returncode: int) -> str:
+    """"was killed by SIGSEGV" / "exited with status 78": how a process ended, from its return code."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+class ServiceExited(RuntimeError):
+    """The service exited while something waited on it: how it ended, and its log's tail."""
+
+    def __init__(self, pid: int, returncode: int, waiting_for: str, log_tail: str) -> None:
+        self.pid, self.returncode, self.log_tail = pid, returncode, log_tail
+        super().__init__(f"the service (pid {pid}) {describe_status(returncode)} before {waiting_for}; "
+                         f"its log ends:\n{log_tail}")
 
 
 @dataclass
@@ -53,6 +95,9 @@ class PidOne:
         self._closed = False
         threading.Thread(target=self._receive, name="pid1-notify", daemon=True).start()
         self.proc: Child | None = None
+        self._spawns: queue.Queue = queue.Queue()  # (argv, env, file actions, reply queue) | None
+        self._spawner = threading.Thread(target=self._spawn_loop, name="pid1-spawner", daemon=True)
+        self._spawner.start()
 
     # -- sd_notify receiver ------------------------------------------------------------------
     def _receive(self) -> None:
@@ -82,9 +127,7 @@ class PidOne:
                     if key in n.fields and (value is None or n.fields[key] == value) \
                             and (pid is None or n.pid == pid):
                         return n
-                if self.proc is not None and self.proc.poll() is not None:
-                    raise RuntimeError(f"service exited with {self.proc.returncode} before {key}: "
-                                       f"{self.log_tail()}")
+                self._raise_if_exited(f"{key}={value}" if value is not None else key)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no {key} from the service in {timeout} s: {self.log_tail()}")
@@ -101,11 +144,63 @@ class PidOne:
                 if len(got) >= count:
                     return got[:count]
                 left = deadline - time.monotonic()
-                if left <= 0 or (self.proc is not None and self.proc.poll() is not None):
+                self._raise_if_exited(f"{count} {key} notifications ({len(got)} came)")
+                if left <= 0:
                     raise TimeoutError(f"{len(got)} of {count} {key} notifications: {self.log_tail()}")
                 self._cond.wait(min(left, 0.2))
 
     # -- the service's life ------------------------------------------------------------------
+    def _raise_if_exited(self, waiting_for: str) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is not None:
+            raise ServiceExited(proc.pid, proc.returncode, waiting_for, self.log_tail())  # type: ignore[arg-type]
+
+    def while_running(self, fn: Callable[..., T], *args: object, timeout: float = 300.0,
+                      what: str = "an answer") -> T:
+        """fn(*args) — a request to the service — run in a thread: its result, or ServiceExited as
+        soon as the service exits before it returns (a request waiting in the backlog of a dead
+        service would otherwise wait for its own timeout); TimeoutError after `timeout`."""
+        done: list = []
+        exc: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                done.append(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                exc.append(e)
+            with self._cond:
+                self._cond.notify_all()
+
+        threading.Thread(target=run, name="pid1-request", daemon=True).start()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not done and not exc:
+                self._raise_if_exited(what)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {what} from the service in {timeout} s: {self.log_tail()}")
+                self._cond.wait(left)
+        if exc:  # a connection the service took and then lost: its death is the news, if it died
+            proc = self.proc
+            if proc is not None:
+                try:
+                    proc.wait(1.0)  # the reaper's event: set within ms of a death
+                except TimeoutError:
+                    raise exc[0] from None
+                raise ServiceExited(proc.pid, proc.returncode, what, self.log_tail()) from exc[0]  # type: ignore[arg-type]
+            raise exc[0]
+        return done[0]
+
+    def _spawn_loop(self) -> None:
+        """Every service this PidOne starts is spawned here, on one thread that lives until
+        close(): PR_SET_PDEATHSIG fires when the spawning thread ends, not the process."""
+        while (job := self._spawns.get()) is not None:
+            argv, env, actions, reply = job
+            try:
+                reply.put(os.posix_spawn(argv[0], argv, env, file_actions=actions, setpgroup=0))
+            except OSError as e:
+                reply.put(e)
+
     def start(self) -> "Child":
         env = {**self.env, "LISTEN_FDS": "1", "NOTIFY_SOCKET": self.notify_path}
         env.pop("LISTEN_PID", None)
@@ -113,18 +208,21 @@ class PidOne:
         if self.watchdog_usec:
             env["WATCHDOG_USEC"] = str(self.watchdog_usec)
         log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-        # The shell's $$ is the pid that exec keeps: that is what LISTEN_PID must name.
+        # The shell's $$ is the pid that exec keeps (setpriv execs too): that is what LISTEN_PID must name.
         script = ('export LISTEN_PID=$$; if [ -n "$WATCHDOG_USEC" ]; then export WATCHDOG_PID=$$; fi; '
                   'exec "$@"')
         actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                    (os.POSIX_SPAWN_DUP2, log, 1), (os.POSIX_SPAWN_DUP2, log, 2),
                    (os.POSIX_SPAWN_DUP2, self.listener.fileno(), 3)]  # dup2 clears close-on-exec
+        reply: queue.Queue = queue.Queue()
         try:
-            pid = os.posix_spawn("/bin/sh", ["sh", "-c", script, "sh", *self.argv], env,
-                                 file_actions=actions)
+            self._spawns.put((["/bin/sh", "-c", script, "sh", *dies_with_us(self.argv)], env, actions, reply))
+            pid = reply.get()
         finally:
             os.close(log)
-        self.proc = Child(pid)
+        if isinstance(pid, OSError):
+            raise pid
+        self.proc = Child(pid, self._cond)
         return self.proc
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
@@ -147,7 +245,13 @@ class PidOne:
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the service's group: what it started too
+            except ProcessLookupError:
+                pass
             self.stop(signal.SIGKILL, timeout=10)
+        self._spawns.put(None)
+        self._spawner.join()
         self._closed = True
         self._notify.close()
         self.listener.close()
@@ -161,27 +265,37 @@ class PidOne:
 
 
 class Child:
-    """A spawned process: poll, wait with a timeout, signal (what Popen offers, for posix_spawn)."""
+    """A spawned process: poll, wait with a timeout, signal (what Popen offers, for posix_spawn).
+    A reaper thread waits for its exit and wakes everyone waiting on `cond` at once."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, cond: threading.Condition | None = None) -> None:
         self.pid = pid
         self.returncode: int | None = None
+        self.exited_at: float | None = None  # time.monotonic() when it was reaped
+        self._exited = threading.Event()
+        self._cond = cond
+        threading.Thread(target=self._reap, name=f"pid1-reaper-{pid}", daemon=True).start()
+
+    def _reap(self) -> None:
+        _, status = os.waitpid(self.pid, 0)
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self.exited_at = time.monotonic()
+        self._exited.set()
+        if self._cond is not None:
+            with self._cond:
+                self._cond.notify_all()
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        return self.returncode if self._exited.is_set() else None
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"pid {self.pid} still running after {timeout} s")
-            time.sleep(0.01)
+        if not self._exited.wait(timeout):
+            raise TimeoutError(f"pid {self.pid} still running after {timeout} s")
         return self.returncode  # type: ignore[return-value]
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # reaped a moment ago, before _exited was set: gone already
+                pass

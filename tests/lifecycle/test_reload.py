@@ -18,6 +18,7 @@ import pytest
 
 from ggufgen import write_tiny_llama
 from kit import EDGE, post, write_config
+from kit.cgroups import MIB, cgroup_tree
 
 from edge.config import parse_config
 from edge.errors import ConfigError
@@ -242,7 +243,7 @@ def test_memory_guard_over_the_limit_reloads_sequentially(tmp_path: Path, models
         assert c.errors == [], (c.kind, c.errors)
     report = _wait_drained(cfg_a)
     assert report["mode"] == "sequential" and "sequential" in report["memory"]["reason"]
-    assert report["memory"]["reading"]["source"] == str(meminfo)
+    assert report["memory"]["reading"]["source"] == f"{meminfo} MemAvailable"
     assert report["freed"] == ["tiny"]  # freed before the new one was loaded, "keep" was kept
     phases = [p["name"] for p in report["phases"]]
     assert phases.index("drain_old") < phases.index("model_load")
@@ -257,6 +258,26 @@ def test_memory_guard_over_the_limit_reloads_sequentially(tmp_path: Path, models
     assert answer(pid1.address) == new
     report = last_reload(cfg_a)
     assert report["rolled_back"] is True and report["mode"] == "sequential" and report["error"]
+    assert pid1.stop() == 0
+
+
+def test_memory_guard_counts_the_services_cgroup_limit(tmp_path: Path, models, service) -> None:
+    # Test doubles of the memory reading: plenty of MemAvailable, but the service's cgroup
+    # (MemoryMax=64M, as systemd writes it into memory.max) has 4 MiB left.
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 8388608 kB\n")
+    unit = "/system.slice/edge.service"
+    root = cgroup_tree(tmp_path / "cgroup", unit, {unit: {"memory.max": 64 * MIB, "memory.current": 60 * MIB}})
+    cfg_a, cfg_b = configs(tmp_path, models)
+    pid1 = service(cfg_a, env={**os.environ, "EDGE_TEST_MEMINFO": str(meminfo), "EDGE_TEST_CGROUP_ROOT": str(root)})
+    old = answer(pid1.address)
+    r = edge_reload(cfg_b)
+    assert r.returncode == 0 and "mode: sequential" in r.stdout, (r.stdout, r.stderr)
+    assert f"memory.max of cgroup {unit}" in r.stdout, r.stdout
+    assert answer(pid1.address) != old
+    reading = _wait_drained(cfg_a)["memory"]["reading"]
+    assert reading["source"] == f"cgroup {unit} memory.max" and reading["available_mib"] == 4
+    assert reading["cgroup"]["limit_mib"] == 64
     assert pid1.stop() == 0
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import EDGE, metric, post, write_config
+from kit import EDGE, dies_with_us, metric, post, write_config
 
 
 def _recv_all(conn: socket.socket) -> bytes:
@@ -109,7 +109,7 @@ def test_bound_unix_socket_with_mode(tmp_path: Path, tiny_gguf: Path) -> None:
     sock_path = tmp_path / "edge.sock"
     cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
     cfg.write_text(cfg.read_text().replace('port = 0', f'unix_socket = "{sock_path}"\nunix_socket_mode = "0660"'))
-    proc = subprocess.Popen([*EDGE, "serve", "--config", str(cfg)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(dies_with_us([*EDGE, "serve", "--config", str(cfg)]), stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not sock_path.exists():

@@ -25,7 +25,7 @@ from edge.engines.build import build_engine
 from edge.engines.recipe import load_recipe
 from edge.engines.store import EngineStore
 from edge.serve.metrics import UNMATCHED, Metrics
-from kit import EDGE, write_config
+from kit import EDGE, dies_with_us, write_config
 
 RECIPE = Path(__file__).resolve().parents[2] / "engines" / "mlp-demo.toml"
 
@@ -49,7 +49,7 @@ def _spawn(cfg: Path, listener: socket.socket, notify_path: str, log: Path) -> s
     # bash, not sh: dash takes single-digit fds only in redirections
     script = f'export LISTEN_PID=$$; exec "$@" 3<&{fd} {fd}<&-'
     with open(log, "wb") as out:
-        return subprocess.Popen(["bash", "-c", script, "bash", *EDGE, "serve", "--config", str(cfg)],
+        return subprocess.Popen(dies_with_us(["bash", "-c", script, "bash", *EDGE, "serve", "--config", str(cfg)]),
                                 env=env, pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -37,15 +38,32 @@ decode_tokens = 4
 """
 
 
+def _llama_wheel() -> Path:
+    """The llama-cpp-python wheel scripts/build-llama-wheel keeps for this host's CPU flags (AMX
+    left out unless EDGE_LLAMA_AMX=1), built now if it is not yet: the container runs on this
+    very CPU, and pip's own build (llama.cpp's native flags) faults on an AMX host."""
+    r = subprocess.run([str(ROOT / "scripts" / "build-llama-wheel")], capture_output=True, text=True,
+                       env={**os.environ, "PYTHON": sys.executable}, timeout=3600)
+    wheel = Path(r.stdout.strip()) if r.returncode == 0 else None
+    if wheel is None or not wheel.is_file():
+        raise RuntimeError(f"scripts/build-llama-wheel failed ({r.returncode}): {r.stderr[-2000:]}")
+    return wheel
+
+
 def _wheels() -> tuple[Path, Path]:
-    """Wheels of edge's dependencies (cached, keyed on pyproject.toml) and of this checkout."""
+    """Wheels of edge's dependencies (cached, keyed on pyproject.toml and the llama.cpp build's
+    key) and of this checkout."""
+    llama = _llama_wheel()
     key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
-    deps, own = CACHE / f"wheels-{key}", CACHE / "wheels-edge"
+    deps, own = CACHE / f"wheels-{key}-llama-{llama.parent.name}", CACHE / "wheels-edge"
     pip = [sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir"]
     if not (deps / ".complete").exists():
-        subprocess.run([*pip, str(deps), f"{ROOT}[default-model]"], check=True, timeout=1500)
+        subprocess.run([*pip, str(deps), "--find-links", str(llama.parent), "--only-binary", "llama-cpp-python",
+                        f"{ROOT}[default-model]"], check=True, timeout=1500)
         for w in deps.glob("edge-*.whl"):
             w.unlink()  # the checkout's own wheel is rebuilt every session
+        taken = [w for w in deps.glob("llama_cpp_python-*.whl") if w.read_bytes() == llama.read_bytes()]
+        assert taken, f"pip did not take the keyed llama-cpp-python wheel {llama} into {deps}"
         (deps / ".complete").touch()
     for w in own.glob("*.whl"):
         w.unlink()
