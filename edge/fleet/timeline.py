@@ -223,10 +223,9 @@ class _Canvas:
         self.scale = (WIDTH - PLOT_X - PLOT_RIGHT) / (chart.end * 1.02)
         self.lanes = chart.lanes
         self.lanes_top = top + LANES_TOP
-        cols = int((WIDTH - 16) / (11 * ADVANCE))
-        self.error = textwrap.wrap(chart.error, cols, break_on_hyphens=False)
-        if len(self.error) > ERROR_LINES:
-            self.error = self.error[:ERROR_LINES - 1] + [_elided(" ".join(self.error[ERROR_LINES - 1:]), WIDTH - 16, 11)]
+        lines = textwrap.wrap(chart.error, int((WIDTH - 16) / (11 * ADVANCE)), break_on_hyphens=False)
+        lines = lines[:ERROR_LINES - 1] + [" ".join(lines[ERROR_LINES - 1:])] if len(lines) > ERROR_LINES else lines
+        self.error = [_elided(line, WIDTH - 16, 11) for line in lines]  # wide characters: still inside
         self.height = LANES_TOP + LANE_H * len(self.lanes) + 18 + LINE_H * len(self.error)
 
     def x(self, t: float) -> float:
