@@ -61,7 +61,7 @@ def recheck(vdir: Path, store: Store, fs: Fs, *, pubkey: Path | None = None,
         note = f"the bundle's, verified with {bundle.signed_by}" if bundle.signed_by else "not checked (--insecure)"
     else:
         files, config, note = _signed(vdir, pubkey)
-    hashed: dict[tuple[int, int], str] = {}
+    hashed = store.hashed()  # objects this command hashed already (a thin bundle's content check)
     damaged = [(f, why) for f in files if (why := file_problem(vdir / f.path, f.size, f.sha256, hashed))]
     repaired = [_repair(vdir, f, why, store, fs, bundle) for f, why in damaged]
     try:

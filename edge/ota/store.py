@@ -70,6 +70,12 @@ class Store:
             self._intact[sha256] = sha256_file(self.object(sha256)) == sha256
         return self._intact[sha256]
 
+    def hashed(self) -> dict[tuple[int, int], str]:
+        """inode -> sha256 of the objects this command hashed and found intact: a version's link
+        to one of them is not read a second time."""
+        found = {self.inode(self.object(sha)): sha for sha, ok in self._intact.items() if ok}
+        return {ino: sha for ino, sha in found.items() if ino is not None}
+
     # -- writing -------------------------------------------------------------------------------
     def add(self, src: IO[bytes], entry: FileEntry, copy: CopyFn) -> tuple[int, str]:
         """Stream `src` into a new object; (bytes, sha256) read. The object is renamed into place
