@@ -33,7 +33,7 @@ from xml.sax.saxutils import escape, quoteattr
 __all__ = ["Bar", "Chart", "chart_of", "render_svg"]
 
 WIDTH = 1100
-PLOT_X = 150  # lane labels to the left of it
+PLOT_X = 180  # lane labels to the left of it (24 characters: "page-in · gemma3-270m")
 PLOT_RIGHT = 24
 LANE_H = 52
 BAR_Y = 31  # a bar's top within its lane; above it, two rows of labels

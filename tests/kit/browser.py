@@ -71,7 +71,7 @@ def layout(svg: Path, work: Path) -> tuple[float, float, list[Box]]:
     text = re.sub(r"^<\?xml[^>]*\?>\s*", "", svg.read_text())
     page = work / f"{svg.stem}.layout.html"
     page.write_text(_PAGE.format(svg=text))
-    dom = _run(browser, work / "profile", "--dump-dom", page.as_uri()).stdout
+    dom = _run(browser, work / "profile", "--dump-dom", page.resolve().as_uri()).stdout
     found = re.search(r'<pre id="boxes">(.*?)</pre>', dom, re.S)
     assert found and found.group(1), dom[-2000:]
     data = json.loads(found.group(1).replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
@@ -88,7 +88,7 @@ def overlaps(boxes: list[Box], slack: float = 0.5) -> list[tuple[Box, Box]]:
 
 
 def render_png(svg: Path, out: Path, width: int, height: int) -> Path:
-    _run(chromium(), out.parent / "profile", f"--window-size={width},{height}", f"--screenshot={out}", svg.as_uri())
+    _run(chromium(), out.parent / "profile", f"--window-size={width},{height}", f"--screenshot={out}", svg.resolve().as_uri())
     return out
 
 
