@@ -296,9 +296,8 @@ def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[P
             keep: Optional[int] = typer.Option(None, "--keep", min=2, help="versions kept on disk")) -> None:
     """Verify, check policy, stage, switch, restart, health-check; commit, or roll back on failure."""
     from edge.device.identity import detect
-    from edge.ota.bundle import open_bundle
-
     from edge.errors import ConfigError
+    from edge.ota.bundle import open_bundle
 
     ota, cfg = _ota(config, keep, pubkey)
     key = pubkey or Path(cfg.ota.pubkey)

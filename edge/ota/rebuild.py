@@ -30,18 +30,18 @@ from edge.ota.manifest import content_digest
 from edge.ota.statefile import LEGACY, Marker, StateFile, marker_of, now
 from edge.ota.version import highest, parsed
 
-__all__ = ["rebuild_state", "EMPTY", "INSTALL_EVENTS", "last_install"]
+__all__ = ["rebuild_state", "EMPTY"]
 
 EMPTY: dict[str, Any] = {"current": None, "previous": None, "pending": None, "highest": None,
                          "digests": {}, "history": [], "factory": None}
 # what an install ended in (or is at): the events a rebuild derives, and what edge_ota_last_result shows
-INSTALL_EVENTS = ("staged", "committed", "rolled back", "rollback unhealthy", "unknown")
+_INSTALL_EVENTS = ("staged", "committed", "rolled back", "rollback unhealthy", "unknown")
 _EVENT_OF = {"staged": "staged", "committed": "committed", "failed": "rolled back"}
 
 
-def last_install(history: list[Any]) -> dict[str, Any] | None:
+def _last_install(history: list[Any]) -> dict[str, Any] | None:
     """The last install event of a history (a state rebuild's own note is not one)."""
-    return next((e for e in reversed(history) if isinstance(e, dict) and e.get("event") in INSTALL_EVENTS), None)
+    return next((e for e in reversed(history) if isinstance(e, dict) and e.get("event") in _INSTALL_EVENTS), None)
 
 
 def _version(root: Path, link: str) -> str | None:
@@ -67,7 +67,7 @@ def _same(last: dict[str, Any], version: str, event: str) -> bool:
 
 def _derived(st: dict[str, Any], prev: dict[str, Any] | None, installed: dict[str, Marker]) -> dict[str, Any]:
     """The install event the disk says came last, where state.json.prev's history does not end in it."""
-    last = last_install(st["history"]) or {}
+    last = _last_install(st["history"]) or {}
     pending = (st["pending"] or {}).get("version")
     if last.get("event") == "staged" and last.get("version") != pending:
         v = last["version"]  # pending at the write before the last, and no longer: committed or rolled back
@@ -77,7 +77,7 @@ def _derived(st: dict[str, Any], prev: dict[str, Any] | None, installed: dict[st
     # markers changed in the same second: a failure first (a rebuild never reports a success it cannot tell)
     timed = sorted((m.at, _EVENT_OF[m.state] == "rolled back", parsed(v) is not None, v, _EVENT_OF[m.state])
                    for v, m in installed.items() if m.at and m.state in _EVENT_OF)
-    newest = [t for t in timed if timed and t[0] == timed[-1][0]]
+    newest = [t for t in timed if t[0] == timed[-1][0]]
     if newest and not (last and (newest[0][0] < str(last.get("at") or "") or
                                  any(_same(last, t[3], t[4]) for t in newest))):
         at, _, _, v, event = newest[-1]
