@@ -12,9 +12,12 @@
    in full against its signed manifest): `edge ota rollback` to the version before, and the
    install of the newer version again (already on disk), each re-hashing the 253 MB model;
    with the model in the page cache (warm) and dropped from it (cold: posix_fadvise DONTNEED on
-   that one file, nothing else is evicted). Each command's own `checked.seconds` and its wall
-   time, beside `sha256sum` of the same file in the same cache state (the peer: what an operator
-   would run), in alternating order, `--rounds` times; medians and the ratio to the peer.
+   that one file, nothing else is evicted; in a VM the host's cache may still hold it). Each
+   command's own `checked.seconds` and its wall time, beside `sha256sum` of the same file in the
+   same cache state (the peer: what an operator would run), in alternating order, `--rounds`
+   times; medians and the ratio of the rollback's check to the peer. The thin bundle's install
+   hashes the object in its content check already, and its check reuses that (`checked.seconds`
+   about 0): its wall time holds the cost.
 
 The machine's load average is printed with the numbers (at start and end): numbers from a busy
 machine say the script works, not how fast it is.
@@ -173,7 +176,7 @@ def recheck_cost(device: Path, ota_root: Path, newer: Path, pub: Path, rounds: i
             "sha256sum_wall_s": round(peer, 3),
             **{f"{k}_checked_s": round(med(v), 3) for k, v in checked[cache].items()},
             **{f"{k}_wall_s": round(med(found[cache][k]), 3) for k in ("rollback", "install_on_disk")},
-            "checked_to_sha256sum": round(med(checked[cache]["rollback"] + checked[cache]["install_on_disk"]) / peer, 2)}
+            "rollback_checked_to_sha256sum": round(med(checked[cache]["rollback"]) / peer, 2)}
     return result
 
 
@@ -230,7 +233,7 @@ def main() -> int:
         r = rc[cache]
         print(f"  {cache:<5} {r['rollback_checked_s']:>8} / {r['install_on_disk_checked_s']:<8}"
               f"{r['rollback_wall_s']:>22} {r['install_on_disk_wall_s']:>16} {r['sha256sum_wall_s']:>10}"
-              f"   (checked / sha256sum: {r['checked_to_sha256sum']})", file=sys.stderr)
+              f"   (rollback's check / sha256sum: {r['rollback_checked_to_sha256sum']})", file=sys.stderr)
     return 0
 
 
