@@ -8,6 +8,16 @@
 3. A reload activation after a config-only OTA (`edge ota install --reload`, thin bundle) under
    8 clients: the reload report (kept, loaded, its phases: no page_in, no model_load when the
    model is kept) and the worst request latency during the activation vs the steady p99.
+4. What the check before a switch costs (edge/ota/recheck.py: every file of the version hashed
+   in full against its signed manifest): `edge ota rollback` to the version before, and the
+   install of the newer version again (already on disk), each re-hashing the 253 MB model;
+   with the model in the page cache (warm) and dropped from it (cold: posix_fadvise DONTNEED on
+   that one file, nothing else is evicted; in a VM the host's cache may still hold it). Each
+   command's own `checked.seconds` and its wall time, beside `sha256sum` of the same file in the
+   same cache state (the peer: what an operator would run), in alternating order, `--rounds`
+   times; medians and the ratio of the rollback's check to the peer. The thin bundle's install
+   hashes the object in its content check already, and its check reuses that (`checked.seconds`
+   about 0): its wall time holds the cost.
 
 The machine's load average is printed with the numbers (at start and end): numbers from a busy
 machine say the script works, not how fast it is.
@@ -18,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -114,11 +125,67 @@ def activation(pid1: PidOne, device: Path, thin: Path, pub: Path, svc_state: Pat
     }
 
 
+def _evict(path: Path) -> None:
+    """Drop this one file's pages from the page cache (clean pages: nothing is written)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _timed(cmd: list[str]) -> tuple[float, str]:
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env_for_bench())
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr[-2000:]}")
+    return time.monotonic() - t0, p.stdout
+
+
+def recheck_cost(device: Path, ota_root: Path, newer: Path, pub: Path, rounds: int) -> dict[str, Any]:
+    """Rollback (to the version before) and the install of the newer one again: each re-hashes the
+    model; `sha256sum` of the same object in the same cache state, the order alternating."""
+    model = next((ota_root / "objects" / "sha256").iterdir(), None)
+    assert model is not None and model.stat().st_size > 1 << 20, "no model object in the store"
+    steps = {"rollback": [*EDGE, "ota", "rollback", "--no-activate", "--pubkey", str(pub), "--config", str(device)],
+             "install_on_disk": [*EDGE, "ota", "install", str(newer), "--pubkey", str(pub), "--no-activate",
+                                 "--config", str(device)],
+             "sha256sum": ["sha256sum", str(model)]}
+    found: dict[str, dict[str, list[float]]] = {c: {k: [] for k in steps} for c in ("warm", "cold")}
+    checked: dict[str, dict[str, list[float]]] = {c: {"rollback": [], "install_on_disk": []} for c in found}
+    for i in range(rounds):
+        for cache in ("warm", "cold"):
+            pairs = [("rollback", "sha256sum"), ("install_on_disk", "sha256sum")]
+            for edge_step, peer in pairs:
+                for name in ((edge_step, peer) if i % 2 == 0 else (peer, edge_step)):
+                    if cache == "cold":
+                        _evict(model)
+                    else:
+                        _timed(["sha256sum", str(model)])  # in the page cache, whatever ran before
+                    wall, out = _timed(steps[name])
+                    found[cache][name].append(wall)
+                    if name != "sha256sum":
+                        checked[cache][name].append(json.loads(out)["checked"]["seconds"])
+                if edge_step == "install_on_disk":
+                    edge_ota(device, "commit")
+    med = statistics.median
+    result: dict[str, Any] = {"model_bytes": model.stat().st_size, "rounds": rounds}
+    for cache in found:
+        peer = med(found[cache]["sha256sum"])
+        result[cache] = {
+            "sha256sum_wall_s": round(peer, 3),
+            **{f"{k}_checked_s": round(med(v), 3) for k, v in checked[cache].items()},
+            **{f"{k}_wall_s": round(med(found[cache][k]), 3) for k in ("rollback", "install_on_disk")},
+            "rollback_checked_to_sha256sum": round(med(checked[cache]["rollback"]) / peer, 2)}
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="default: the embedded Gemma (builtin:gemma3-270m)")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=20.0, help="steady window before the activation")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the re-check measurement (4.)")
     args = ap.parse_args()
     load_start = load_average()
     model = args.model or gemma_path()
@@ -151,6 +218,7 @@ def main() -> int:
         pid1.stop()
     act = result["reload_after_config_only_ota"]
     act["worst_during_vs_steady_p99"] = round(act["during_activation"]["max_s"] / max(act["steady"]["p99_s"], 1e-9), 2)
+    result["recheck_before_switch"] = recheck_cost(device, ota_root, thin["1.3.0"], pub, args.rounds)
     result["load_average_end"] = load_average()
     emit(result, "ota")
     print(f"load average {load_start} -> {result['load_average_end']}; config-only update "
@@ -158,6 +226,14 @@ def main() -> int:
           f"3 versions {d['copy_layout_bytes']} B as copies, {d['used_bytes']} B in the store; reload kept the "
           f"model: {act['model_kept']}; worst during activation {act['during_activation']['max_s']} s vs "
           f"steady p99 {act['steady']['p99_s']} s", file=sys.stderr)
+    rc = result["recheck_before_switch"]
+    print("check before a switch (median of %d; s)   checked by edge   wall: rollback  install on disk  sha256sum"
+          % rc["rounds"], file=sys.stderr)
+    for cache in ("warm", "cold"):
+        r = rc[cache]
+        print(f"  {cache:<5} {r['rollback_checked_s']:>8} / {r['install_on_disk_checked_s']:<8}"
+              f"{r['rollback_wall_s']:>22} {r['install_on_disk_wall_s']:>16} {r['sha256sum_wall_s']:>10}"
+              f"   (rollback's check / sha256sum: {r['rollback_checked_to_sha256sum']})", file=sys.stderr)
     return 0
 
 

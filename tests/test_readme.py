@@ -1,6 +1,8 @@
 """The README names only what exists: every `edge` command and option (asked of the typer app
 itself), every path under edge/, tests/, scripts/, systemd/, engines/ and .ci/, every script's
-options, every dotted module reference (`edge.x.Y`, `kit.Y`) and every row of the module map."""
+options, every dotted module reference (`edge.x.Y`, `kit.Y`), every test it names
+(`tests/x.py::test_y`, the test that holds a statement), every name it places in a module
+(`` `model_key`, `edge/lifecycle/loadset.py` ``) and every row of the module map."""
 
 from __future__ import annotations
 
@@ -129,7 +131,7 @@ def test_every_path_and_script_option_exists() -> None:
         tokens = text.split()
         if not _PATH.fullmatch(tokens[0]) or "<" in tokens[0] or "*" in tokens[0]:
             continue
-        path = ROOT / tokens[0]
+        path = ROOT / tokens[0].split("::")[0]  # tests/x.py::test_y: the test is checked below
         assert path.exists(), f"README names {tokens[0]}, which does not exist"
         checked += 1
         source = _script_sources(path) if tokens[0].startswith("scripts/") and path.is_file() else ""
@@ -189,3 +191,23 @@ def test_module_map_names_real_modules_and_every_module() -> None:
             assert not strangers, f"module map: edge/{rel}/ has no module {strangers}"
             missing = sorted((modules | subfolders) - named)
             assert not missing, f"module map: the row of edge/{rel}/ does not name {missing}"
+
+
+def test_every_test_the_readme_names_exists() -> None:
+    """A statement the README holds by a test (`tests/x.py::test_y`) names a test that is there."""
+    refs = sorted({m.groups() for t in _code() for m in re.finditer(r"(tests/\S+?\.py)::(\w+)", t)})
+    assert len(refs) >= 1
+    missing = [f"{path}::{name}" for path, name in refs
+               if not re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M)]
+    assert missing == []
+
+
+def test_every_name_is_where_the_readme_places_it() -> None:
+    """`name`, `edge/x.py` / `name` in `edge/x.py` / `name` (`edge/x.py`): defined in that file
+    (a function or class moved to another module makes the README's sentence false)."""
+    text = " ".join(README.split())  # a sentence wraps across lines
+    pairs = re.findall(r"`(\w+)(?:\(\))?`(?:,| in| of| from)? \(?`(edge/[\w/]+\.py)`", text)
+    assert len(pairs) >= 3
+    wrong = [f"`{name}` in {path}" for name, path in pairs
+             if not re.search(rf"^(?:\s*(?:async )?def |\s*class ){name}\b|^{name}\s*[:=]", (ROOT / path).read_text(), re.M)]
+    assert wrong == []

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,13 +21,17 @@ PubOpt = typer.Option(None, "--pubkey", callback=lambda v: _a_file(PUBKEY)(v),
                       help="Ed25519 public key that signs bundles (default: [ota] pubkey)")
 
 
-def _ota(config: Optional[Path], keep: Optional[int] = None):
+def _ota(config: Optional[Path], keep: Optional[int] = None, pubkey: Optional[Path] = None):
+    """The device's OTA root; `pubkey` (default [ota] pubkey, where it is a file) checks an
+    installed version's manifest before a rollback switches back to it."""
     from edge.config import find_config, load_config, state_dir
     from edge.ota.install import Ota
 
     path = find_config(str(config) if config else None)
     cfg = load_config(path)
-    return Ota(state_dir(cfg) / "ota", keep=keep or cfg.ota.keep_versions, config=path), cfg
+    key = pubkey or Path(cfg.ota.pubkey)
+    return Ota(state_dir(cfg) / "ota", keep=keep or cfg.ota.keep_versions, config=path,
+               pubkey=key if key.is_file() else None), cfg
 
 
 def _controls(cfg: Any, unit: Optional[str]) -> list[tuple[Path, str]]:
@@ -78,7 +84,23 @@ ControlOpt = typer.Option(None, "--control", help="with --reload: the running se
 
 
 def _echo(result: Any) -> None:
-    typer.echo(json.dumps(result, indent=2))
+    _say(json.dumps(result, indent=2))
+
+
+def _say(text: str) -> None:
+    """The command's answer on stdout. Written after the command did its work: where stdout cannot
+    take it (a full file system), one line says so with exit 74, and the work stands."""
+    from edge.ota.errors import OtaIOError
+
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except OSError as exc:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())  # what is left in the buffer goes nowhere, not into a traceback at exit
+        os.close(null)
+        raise OtaIOError(f"stdout: {exc.strerror or exc}: the command completed, but its answer could not be "
+                         "written (`edge ota status` shows the state)") from None
 
 
 def _output_file(value: Path) -> Path:
@@ -274,13 +296,14 @@ def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[P
             keep: Optional[int] = typer.Option(None, "--keep", min=2, help="versions kept on disk")) -> None:
     """Verify, check policy, stage, switch, restart, health-check; commit, or roll back on failure."""
     from edge.device.identity import detect
+    from edge.errors import ConfigError
     from edge.ota.bundle import open_bundle
 
-    ota, cfg = _ota(config, keep)
+    ota, cfg = _ota(config, keep, pubkey)
     key = pubkey or Path(cfg.ota.pubkey)
     if not insecure and not key.is_file():
-        raise EdgeError(f"no bundle signing key at {key}: install the fleet's public key there "
-                        "([ota] pubkey in the config), pass --pubkey, or --insecure")
+        raise ConfigError(cfg.source, "ota.pubkey", f"no bundle signing key at {key}: "
+                          "install the fleet's public key there, pass --pubkey, or --insecure")
     b = open_bundle(bundle, None if insecure else key, insecure=insecure)
     act = None if no_activate else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file,
                                               reload, control)
@@ -296,9 +319,10 @@ def rollback(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = ty
              timeout: Optional[float] = typer.Option(None, "--timeout"),
              pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt,
              reload: bool = ReloadOpt, control: Optional[Path] = ControlOpt,
-             no_activate: bool = typer.Option(False, "--no-activate")) -> None:
-    """Undo a pending install, or switch back to the previous version; restart (or reload)."""
-    ota, cfg = _ota(config)
+             no_activate: bool = typer.Option(False, "--no-activate"), pubkey: Optional[Path] = PubOpt) -> None:
+    """Undo a pending install, or switch back to the previous version (its files checked against
+    its signed manifest first); restart (or reload)."""
+    ota, cfg = _ota(config, pubkey=pubkey)
     _echo(ota.rollback(None if no_activate else _activator(cfg, restart_cmd, unit, health_url, timeout,
                                                            pid_file, log_file, reload, control)))
 
@@ -316,11 +340,13 @@ def recover(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typ
             pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt,
             reload: bool = ReloadOpt, control: Optional[Path] = ControlOpt,
             boot: bool = typer.Option(False, "--boot", "--no-activate",
-                                      help="at boot, before the service starts: no restart")) -> None:
-    """Converge what a killed command or a power cut left: an uncommitted version is rolled back,
-    links are made to agree with state.json (rebuilt if it is damaged), leftovers are deleted,
-    old versions pruned. Needs no free space."""
-    ota, cfg = _ota(config)
+                                      help="at boot, before the service starts: no restart"),
+            pubkey: Optional[Path] = PubOpt) -> None:
+    """Converge what a killed command or a power cut left: an uncommitted version is rolled back
+    (the version it goes back to checked against its signed manifest first), links are made to
+    agree with state.json (rebuilt if it is damaged), leftovers are deleted, old versions pruned.
+    Needs no free space."""
+    ota, cfg = _ota(config, pubkey=pubkey)
     act = None if boot else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file,
                                        reload, control)
     rebuilt = ota.state().get("rebuilt")  # read-only: said here, written by recover
@@ -338,7 +364,7 @@ def status(config: Optional[Path] = ConfigOpt,
     if field is None:
         return _echo(st)
     value = st[field]["version"] if field == "pending" and st[field] else st[field]
-    typer.echo(value or "")
+    _say(value or "")
 
 
 @ota_app.command()

@@ -193,7 +193,7 @@ class OtaView:
     previous: str | None
     pending: str | None
     highest: str | None
-    last_event: str | None  # committed | rolled back | rollback unhealthy | staged | ...
+    last_event: str | None  # committed | rolled back | rollback unhealthy | staged | unknown
     last_version: str | None
     last_at: float | None  # unix seconds
 
@@ -212,7 +212,8 @@ def read_ota(state_dir: Path) -> OtaView | None:
 
     pending = st.get("pending")
     history = st.get("history") if isinstance(st.get("history"), list) else []
-    last = history[-1] if history and isinstance(history[-1], dict) else {}
+    # the last install event: a state rebuild's own note is none (edge/ota/rebuild.py derives one)
+    last = next((e for e in reversed(history) if isinstance(e, dict) and e.get("event") != "state rebuilt"), {})
     return OtaView(current=text(st.get("current")), previous=text(st.get("previous")),
                    pending=text(pending.get("version")) if isinstance(pending, dict) else None,
                    highest=text(st.get("highest")), last_event=text(last.get("event")),

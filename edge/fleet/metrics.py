@@ -275,8 +275,9 @@ class FleetCollector:
 def _ota(view: OtaView | None) -> Iterator[Metric]:
     info = InfoMetricFamily("edge_ota", "OTA versions (edge ota status): current, previous, pending "
                             "(an install not committed yet) and the highest ever committed.")
-    last = GaugeMetricFamily("edge_ota_last_result", "1 for the last OTA event: its version and "
-                             "result (committed, rolled_back, rollback_unhealthy, staged).",
+    last = GaugeMetricFamily("edge_ota_last_result", "1 for the last OTA install event: its version and "
+                             "result (committed, rolled_back, rollback_unhealthy, staged; unknown when a "
+                             "rebuilt state could not tell).",
                              labels=["version", "result"])
     at = GaugeMetricFamily("edge_ota_last_result_timestamp_seconds", "When the last OTA event happened "
                            "(unix time).")

@@ -9,6 +9,12 @@ the old set's lane: serving until the switch, then draining. A label that does n
 its bar goes above it, in the first of two rows with room; where both are full (many short
 warm-up steps), only the bar's hover title carries it.
 
+Every text is laid out to fit: widths are counted in the monospace font's advance (0.6 em; a
+wide character two), a line that would leave the canvas or run into the next text is elided
+with "…", and its whole text is the <title> the browser shows on hover. The header has its own
+rows (title, subtitle, the markers' labels, the axis), so no marker label covers a subtitle; a
+failed start's error is wrapped under the lanes, at most ERROR_LINES lines.
+
 Plain SVG written here (no plotting dependency), text escaped by xml.sax.saxutils; every bar
 carries data-phase / data-step / data-marker attributes and a <title> with the phase's detail,
 shown on hover.
@@ -17,6 +23,8 @@ shown on hover.
 from __future__ import annotations
 
 import math
+import textwrap
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,13 +33,17 @@ from xml.sax.saxutils import escape, quoteattr
 __all__ = ["Bar", "Chart", "chart_of", "render_svg"]
 
 WIDTH = 1100
-PLOT_X = 150  # lane labels to the left of it
+PLOT_X = 180  # lane labels to the left of it (24 characters: "page-in · gemma3-270m")
 PLOT_RIGHT = 24
 LANE_H = 52
 BAR_Y = 31  # a bar's top within its lane; above it, two rows of labels
 LABEL_ROWS = (14, 27)
-CHAR_W = 6.6  # monospace 11px: wide enough for DejaVu Sans Mono, Menlo and Consolas
+ADVANCE = 0.61  # a monospace glyph's advance per em: DejaVu Sans Mono 0.602, Menlo 0.602, Consolas 0.55
 FONT = "DejaVu Sans Mono, Menlo, Consolas, monospace"
+HEADER = (18, 34, 52, 68)  # baselines: title, subtitle, marker labels, axis; the lanes start at 76
+LANES_TOP = 76
+ERROR_LINES = 6
+LINE_H = 15
 
 # phase -> lane; a lane in PER_TARGET gets one lane per model or engine
 LANES = {"config": "process", "sockets": "process", "resolve_models": "process",
@@ -68,6 +80,7 @@ class Chart:
     subtitle: str
     bars: list[Bar] = field(default_factory=list)
     markers: list[tuple[float, str, str]] = field(default_factory=list)  # (at, kind, text)
+    error: str = ""  # a failed start's error: wrapped under the lanes
 
     @property
     def lanes(self) -> list[str]:
@@ -148,7 +161,8 @@ def chart_of(report: dict[str, Any], kind: str = "start") -> Chart:
             chart.bars += list(_phase_bars(p))
     if report.get("error"):
         at = float(report.get("ready_s", chart.end))
-        chart.markers.append((at, "FAILED", f"FAILED {at:.2f} s: {report['error']}"))
+        chart.markers.append((at, "FAILED", f"FAILED {at:.2f} s"))
+        chart.error = f"error: {report['error']}"
     elif report.get("rehearsal"):  # nothing was served: where READY=1 would have come
         at = float(report.get("ready_s", chart.end))
         chart.markers.append((at, "READY", f"would be READY {at:.2f} s"))
@@ -174,12 +188,31 @@ def _ticks(end: float) -> list[float]:
     return [round(i * step, 6) for i in range(int(end / step + 1e-9) + 1)]
 
 
+def _width(text: str, size: float) -> float:
+    """The text's width in a monospace font: a wide (East Asian) character takes two cells."""
+    cells = sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
+                for ch in text)
+    return cells * size * ADVANCE
+
+
+def _elided(text: str, room: float, size: float) -> str:
+    """The text, cut to `room` pixels with "…" where it is longer."""
+    if _width(text, size) <= room:
+        return text
+    while text and _width(text + "…", size) > room:
+        text = text[:-1]
+    return text + "…"
+
+
 def _text(x: float, y: float, text: str, *, size: int = 11, fill: str = "#222", anchor: str = "start",
-          weight: str = "normal", halo: bool = False) -> str:
+          weight: str = "normal", halo: bool = False, room: float | None = None) -> str:
+    """One line; with `room`, elided to that many pixels, the whole text in its <title>."""
+    shown = text if room is None else _elided(text, room, size)
     # a halo (white stroke painted under the glyphs) keeps text legible over grid and marker lines
     ring = ' stroke="#fff" stroke-width="3" paint-order="stroke"' if halo else ""
-    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" fill="{fill}" text-anchor="{anchor}" '
-            f'font-weight="{weight}"{ring}>{escape(text)}</text>')
+    line = (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" fill="{fill}" text-anchor="{anchor}" '
+            f'font-weight="{weight}"{ring}>{escape(shown)}</text>')
+    return line if shown == text else f"<g><title>{escape(text)}</title>{line}</g>"
 
 
 class _Canvas:
@@ -189,35 +222,42 @@ class _Canvas:
         self.chart, self.top = chart, top
         self.scale = (WIDTH - PLOT_X - PLOT_RIGHT) / (chart.end * 1.02)
         self.lanes = chart.lanes
-        self.lanes_top = top + 62
-        self.height = 62 + LANE_H * len(self.lanes) + 18
+        self.lanes_top = top + LANES_TOP
+        lines = textwrap.wrap(chart.error, int((WIDTH - 16) / (11 * ADVANCE)), break_on_hyphens=False)
+        lines = lines[:ERROR_LINES - 1] + [" ".join(lines[ERROR_LINES - 1:])] if len(lines) > ERROR_LINES else lines
+        self.error = [_elided(line, WIDTH - 16, 11) for line in lines]  # wide characters: still inside
+        self.height = LANES_TOP + LANE_H * len(self.lanes) + 18 + LINE_H * len(self.error)
 
     def x(self, t: float) -> float:
         return PLOT_X + t * self.scale
 
     def draw(self) -> list[str]:
         c = self.chart
-        out = [_text(8, self.top + 18, c.title, size=13, weight="bold"),
-               _text(8, self.top + 34, c.subtitle, fill="#555")]
+        out = [_text(8, self.top + HEADER[0], c.title, size=13, weight="bold", room=WIDTH - 16),
+               _text(8, self.top + HEADER[1], c.subtitle, fill="#555", room=WIDTH - 16)]
         bottom = self.lanes_top + LANE_H * len(self.lanes)
         for t in _ticks(c.end):
             out.append(f'<line x1="{self.x(t):.1f}" y1="{self.lanes_top - 6:.1f}" x2="{self.x(t):.1f}" '
                        f'y2="{bottom:.1f}" stroke="#e3e3e3"/>')
-            out.append(_text(self.x(t), self.lanes_top - 10, f"{t:g} s", size=10, fill="#777", anchor="middle"))
+            out.append(_text(self.x(t), self.top + HEADER[3], f"{t:g} s", size=10, fill="#777", anchor="middle"))
         for i, lane in enumerate(self.lanes):
             y = self.lanes_top + i * LANE_H
             if i % 2:
                 out.append(f'<rect x="0" y="{y:.1f}" width="{WIDTH}" height="{LANE_H}" fill="#f6f6f6"/>')
-            out.append(_text(8, y + LANE_H / 2 + 8, lane, weight="bold", fill=COLORS.get(lane.split(" · ")[0], "#333")))
-        for at, kind, _ in c.markers:  # the line behind the bars, its text (below) above them
+            out.append(_text(8, y + LANE_H / 2 + 8, lane, weight="bold", room=PLOT_X - 14,
+                             fill=COLORS.get(lane.split(" · ")[0], "#333")))
+        for at, kind, _ in c.markers:  # the line behind the bars, its label in the header's marker row
             out.append(f'<line data-marker={quoteattr(kind.lower())} x1="{self.x(at):.1f}" '
-                       f'y1="{self.lanes_top - 22:.1f}" x2="{self.x(at):.1f}" y2="{bottom:.1f}" '
+                       f'y1="{self.top + HEADER[2] + 4:.1f}" x2="{self.x(at):.1f}" y2="{bottom:.1f}" '
                        f'stroke="{MARKER_COLOR.get(kind, "#d62728")}" stroke-width="2"/>')
         free: dict[tuple[str, int], float] = {}  # (lane, row) -> x where that label row is free again
         for bar in sorted(c.bars, key=lambda b: (not b.band, b.start)):
             out += self._bar(bar, self.lanes_top + self.lanes.index(bar.lane) * LANE_H, free)
-        for at, kind, text in c.markers:
-            out += self._marker(at, kind, text)
+        out += self._markers()
+        if self.error:  # the whole error on hover, its lines (wrapped, the last elided) under the lanes
+            out += [f'<g data-error="failed"><title>{escape(c.error)}</title>',
+                    *(_text(8, bottom + 18 + i * LINE_H, line, fill=MARKER_COLOR["FAILED"])
+                      for i, line in enumerate(self.error)), "</g>"]
         return out
 
     def _bar(self, bar: Bar, y: float, free: dict[tuple[str, int], float]) -> list[str]:
@@ -231,8 +271,7 @@ class _Canvas:
         else:
             out.append(f'<rect x="{x0:.1f}" y="{y + BAR_Y:.1f}" width="{w:.1f}" height="16" fill="{color}" '
                        'rx="2" stroke="#fff" stroke-width="0.6"/>')
-        text_w = len(bar.label) * CHAR_W
-        if not bar.band and text_w + 8 <= w:  # inside the bar
+        if not bar.band and _width(bar.label, 11) + 8 <= w:  # inside the bar
             out.append(_text(x0 + 4, y + BAR_Y + 12, bar.label, fill="#fff"))
         elif bar.label:
             out += self._label_above(bar, x0, w, y, free)
@@ -241,29 +280,38 @@ class _Canvas:
 
     def _label_above(self, bar: Bar, x0: float, w: float, y: float, free: dict[tuple[str, int], float]) -> list[str]:
         """In the first of the lane's label rows with room, pushed right past that row's previous
-        label; a leader line back to the bar when pushed."""
-        text_w = len(bar.label) * CHAR_W
+        label; a leader line back to the bar when pushed. The plot's width at most (elided)."""
+        label = _elided(bar.label, WIDTH - PLOT_RIGHT - PLOT_X, 11)
+        text_w = _width(label, 11)
         for row, baseline in enumerate(LABEL_ROWS):
-            taken = free.get((bar.lane, row), 0.0)
+            taken = max(free.get((bar.lane, row), 0.0), PLOT_X)
             lx = min(max(x0, taken), WIDTH - PLOT_RIGHT - text_w)
             if lx >= taken:
                 break
         else:
             return []  # both rows full (many short warm-up steps): the bar's <title> says it on hover
-        out = [_text(lx, y + baseline, bar.label, fill="#333", halo=True)]
+        out = [_text(lx, y + baseline, label, fill="#333", halo=True)]
         if lx > x0 + 3 and not bar.band:
             out.append(f'<line x1="{x0 + w / 2:.1f}" y1="{y + BAR_Y:.1f}" x2="{lx:.1f}" y2="{y + baseline + 2:.1f}" '
                        'stroke="#aaa" stroke-width="0.8"/>')
         free[(bar.lane, row)] = lx + text_w + 10
         return out
 
-    def _marker(self, at: float, kind: str, text: str) -> list[str]:
-        x, color = self.x(at), MARKER_COLOR.get(kind, "#d62728")
-        text_w = len(text) * CHAR_W * 12 / 11
-        anchor, tx = ("end", x - 4) if x + text_w > WIDTH - 4 else ("start", x + 4)
-        return [f'<g data-marker={quoteattr(kind.lower())}><title>{escape(text)}</title>',
-                _text(tx, self.lanes_top - 24, text, size=12, fill=color, anchor=anchor, weight="bold",
-                      halo=True), "</g>"]
+    def _markers(self) -> list[str]:
+        """Each marker's label in the header's marker row: right of its line, or left of it near
+        the right edge, never over the previous label (dropped, hover title only, if it cannot fit)."""
+        out, free = [], 8.0
+        for at, kind, text in sorted(self.chart.markers):
+            x, w = self.x(at), _width(text, 12)
+            tx = x + 4 if x + 4 + w <= WIDTH - 4 else x - 4 - w
+            tx = max(tx, free)
+            if tx + w > WIDTH - 4:
+                continue
+            out += [f'<g data-marker={quoteattr(kind.lower())}><title>{escape(text)}</title>',
+                    _text(tx, self.top + HEADER[2], text, size=12, fill=MARKER_COLOR.get(kind, "#d62728"),
+                          weight="bold", halo=True), "</g>"]
+            free = tx + w + 12
+        return out
 
 
 def render_svg(charts: list[Chart]) -> str:

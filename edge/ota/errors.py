@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from edge.errors import EdgeError, ServiceUnreachable
 
-__all__ = ["BundleError", "VersionError", "PolicyError", "OtaStateError", "OtaBusy", "ServiceUnreachable",
-           "RolledBackUnhealthy"]
+__all__ = ["BundleError", "VersionError", "PolicyError", "OtaStateError", "OtaIOError", "OtaBusy",
+           "ServiceUnreachable", "RolledBackUnhealthy"]
 
 
 class BundleError(EdgeError):
@@ -24,9 +24,18 @@ class PolicyError(BundleError):
 
 
 class OtaStateError(EdgeError):
-    """The device's OTA state cannot be written: a full file system before its slots existed."""
+    """The device's OTA state cannot be written: a full file system (before its slots existed, or
+    an operation that needs room); the message names the file and the state the command left."""
 
     exit_code = 75  # EX_TEMPFAIL: it works again once space is freed
+
+
+class OtaIOError(EdgeError):
+    """The file system failed an OTA command otherwise than by being full (EIO, a read-only file
+    system), or its answer could not be written (stdout): the message names the file, and what
+    the command did stands (`edge ota status` shows it)."""
+
+    exit_code = 74  # EX_IOERR
 
 
 class OtaBusy(EdgeError):

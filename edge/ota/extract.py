@@ -21,7 +21,7 @@ from edge.ota.fsops import Fs
 from edge.ota.manifest import FileEntry, shown
 from edge.ota.store import Store
 
-__all__ = ["check_free_space", "extract_files", "scan", "HEADROOM"]
+__all__ = ["check_free_space", "extract_files", "refill", "scan", "HEADROOM"]
 
 CHUNK = 1 << 20
 HEADROOM = 1 << 20  # edge.toml, manifest.json, markers and directory blocks
@@ -121,31 +121,46 @@ def _extract_one(tar: tarfile.TarFile, m: tarfile.TarInfo, entry: FileEntry, sto
     return not known
 
 
-def extract_files(bundle: Bundle, dest: Path, store: Store, fs: Fs) -> dict[str, Any]:
-    """Every file of the version at dest/<path>: carried ones from the bundle through the store,
-    the others (thin) from the store or an installed version. What was written and reused."""
+def _carried(bundle: Bundle) -> Iterator[tuple[tarfile.TarFile, tarfile.TarInfo, FileEntry]]:
+    """Every member after the manifest, checked against the signed list (each file once, plain,
+    of its declared size); a bundle that ends before every carried file is refused."""
     wanted = {f.path: f for f in bundle.files if f.carried}
     seen: set[str] = set()
-    done: dict[str, Any] = {"written_bytes": 0, "reused_bytes": 0, "copied": []}
     try:
         with tarfile.open(bundle.path, "r:") as tar:
             for i, member in enumerate(tar):
                 if i < 2:
                     continue  # manifest.json, manifest.sig: already verified
                 entry = _checked_member(str(bundle.path), member, wanted, seen)
-                written = _extract_one(tar, member, entry, store)
-                done["written_bytes" if written else "reused_bytes"] += entry.size
-                _placed(done, entry, store.place(store.object(entry.sha256), dest / entry.path))
+                yield tar, member, entry
                 seen.add(entry.path)
     except (tarfile.TarError, EOFError) as exc:
         raise BundleError(f"{bundle.path}: truncated or corrupt bundle: {exc}") from None
     missing = sorted(set(wanted) - seen)
     if missing:
         raise BundleError(f"{bundle.path}: truncated bundle: missing {missing[:3]}")
+
+
+def extract_files(bundle: Bundle, dest: Path, store: Store, fs: Fs) -> dict[str, Any]:
+    """Every file of the version at dest/<path>: carried ones from the bundle through the store,
+    the others (thin) from the store or an installed version. What was written and reused."""
+    done: dict[str, Any] = {"written_bytes": 0, "reused_bytes": 0, "copied": []}
+    for tar, member, entry in _carried(bundle):
+        written = _extract_one(tar, member, entry, store)
+        done["written_bytes" if written else "reused_bytes"] += entry.size
+        _placed(done, entry, store.place(store.object(entry.sha256), dest / entry.path))
     for entry in (f for f in bundle.files if not f.carried):
         done["reused_bytes"] += entry.size
         _placed(done, entry, store.place(store.source(entry), dest / entry.path))
     return done
+
+
+def refill(bundle: Bundle, store: Store, paths: set[str]) -> None:
+    """These carried files of the bundle into the store, written anew where the store's object is
+    damaged or gone (each hashed as it is written: one that fails its check is refused)."""
+    for tar, member, entry in _carried(bundle):
+        if entry.path in paths:
+            _extract_one(tar, member, entry, store)
 
 
 def _placed(done: dict[str, Any], entry: FileEntry, copied_because: str | None) -> None:

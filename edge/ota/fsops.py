@@ -2,6 +2,7 @@
 kill the process at the N-th one (kill -9 at every point, not only at named steps):
   EDGE_OTA_FS_LOG=<file>    append "N op path" for each operation (count them once)
   EDGE_OTA_KILL_AT_OP=<N>   os._exit(137) just before operation N (what kill -9 leaves behind)
+  EDGE_OTA_ENOSPC_AT_OP=<N> operation N fails with ENOSPC (a file system that fills at that moment)
 
 The writes that must succeed on a full file system (state, markers, link switches) use only
 operations that allocate nothing: an overwrite in place of a file's existing bytes, and
@@ -49,6 +50,7 @@ class Fs:
     def __init__(self) -> None:
         self.count = 0
         self._kill_at = int(os.environ.get("EDGE_OTA_KILL_AT_OP") or 0)
+        self._full_at = int(os.environ.get("EDGE_OTA_ENOSPC_AT_OP") or 0)
         self._log = os.environ.get("EDGE_OTA_FS_LOG")
 
     def op(self, name: str, path: Path | str) -> None:
@@ -58,6 +60,8 @@ class Fs:
                 f.write(f"{self.count} {name} {path}\n")
         if self.count == self._kill_at:
             os._exit(137)
+        if self.count == self._full_at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     def mkdir(self, path: Path) -> None:
         self.op("mkdir", path)

@@ -20,30 +20,36 @@ per transition, each an atomic exchange of the two state slots, none allocating)
 recover: deletes staging dirs, temp links and files and every version dir without .complete;
 in PENDING it rolls back (a version that was not committed was never confirmed healthy, so it is
 never served after a crash or reboot); in IDLE it only makes the links agree. Then it prunes.
-Every file-system call goes through edge.ota.fsops.Fs (tests kill the process at each one).
+Every path that makes a version current again (a version already on disk installed again, a
+rollback, recover's choice) checks its files against its signed manifest first
+(edge.ota.recheck). Every refusal comes before the first write, on a fresh device too (what the
+install made is removed again). Every file-system call goes through edge.ota.fsops.Fs (tests
+kill the process, or fail it with ENOSPC, at each one).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from edge.errors import EdgeError
 from edge.ota import links
 from edge.ota.activate import Activator
 from edge.ota.bundle import Bundle
-from edge.ota.errors import BundleError, OtaBusy, PolicyError, RolledBackUnhealthy, VersionError
+from edge.ota.errors import BundleError, OtaBusy, OtaIOError, OtaStateError, RolledBackUnhealthy
 from edge.ota.fsops import Fs
-from edge.ota.manifest import content_digest
+from edge.ota.policy import refuse
 from edge.ota.rebuild import EMPTY, rebuild_state
-from edge.ota.statefile import LEGACY, StateFile, overwrite_marker, read_marker
+from edge.ota.retention import clean_garbage, prune
+from edge.ota.statefile import StateFile, now, overwrite_marker, read_marker
 from edge.ota.store import Store
-from edge.ota.version import Version, parse_version
+from edge.ota.version import highest
 
 __all__ = ["Ota", "LINKS"]
 
@@ -57,24 +63,14 @@ def _activate(act: ActivatorLike) -> tuple[bool, str]:
     return act.activate() if hasattr(act, "activate") else act()  # type: ignore[union-attr, misc]
 
 
-def _parsed(text: str | None) -> Version | None:
-    """A version recorded by an edge before the grammar existed does not order: it is skipped."""
-    try:
-        return parse_version(text)
-    except VersionError:
-        return None
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
 @dataclass
 class Ota:
     root: Path  # <state_dir>/ota
     keep: int = 3
     fs: Fs = field(default_factory=Fs)
     config: Path | None = None  # the device config: recorded as the factory state at the first install
+    pubkey: Path | None = None  # checks an installed manifest's signature before a switch back to it
+    _store: Store | None = field(default=None, init=False, repr=False)
 
     @property
     def versions(self) -> Path:
@@ -82,7 +78,10 @@ class Ota:
 
     @property
     def store(self) -> Store:
-        return Store(self.root, self.fs)
+        """One per command: an object hashed once is not hashed again by the same command."""
+        if self._store is None:
+            self._store = Store(self.root, self.fs)
+        return self._store
 
     @property
     def slots(self) -> StateFile:
@@ -115,7 +114,7 @@ class Ota:
         if len(reason) > MAX_REASON:
             reason = reason[:MAX_REASON - 1] + "…"
         st["history"] = st["history"][-49:] + [
-            {"at": _now(), "version": version, "event": event, **({"reason": reason} if reason else {})}]
+            {"at": now(), "version": version, "event": event, **({"reason": reason} if reason else {})}]
 
     def link_target(self, name: str) -> str | None:
         target = links.read(self.root / name)
@@ -141,49 +140,48 @@ class Ota:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        self.versions.mkdir(parents=True, exist_ok=True)
-        with open(self.root / ".lock", "a") as lock:  # "a": an existing lock file is not truncated
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise OtaBusy(f"another edge ota command is running on {self.root}: try again when it "
-                              "is done") from None
-            yield
-
-    # -- policy and staging --------------------------------------------------------------------
-    def _installed_digest(self, version: str, st: dict[str, Any]) -> str | None:
+        """The lock; a file-system error inside is one line naming the file and the state left."""
         try:
-            return content_digest(json.loads((self.versions / version / "manifest.json").read_text()))
-        except (OSError, ValueError):
-            return st["digests"].get(version)
+            self.versions.mkdir(parents=True, exist_ok=True)
+            with open(self.root / ".lock", "a") as lock:  # "a": an existing lock file is not truncated
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise OtaBusy(f"another edge ota command is running on {self.root}: try again when it "
+                                  "is done") from None
+                yield
+        except OSError as exc:
+            raise self._stopped(exc) from None
 
-    def check_policy(self, bundle: Bundle, st: dict[str, Any], allow_downgrade: bool) -> None:
-        v = bundle.parsed_version
-        known = self._installed_digest(bundle.version, st)
-        if known is not None and known != bundle.content_digest:
-            raise PolicyError(f"{bundle.path}: version {v} was installed on this device before with "
-                              "other content: a new content needs a new version")
-        floor = [_parsed(x) for x in (st["highest"], st["current"]) if x]
-        floor = [f for f in floor if f is not None]
-        if floor and v < max(floor) and not allow_downgrade:
-            raise PolicyError(f"{bundle.path}: version {v} is older than {max(floor)}, the highest "
-                              "version this device has committed (a downgrade, or the replay of an "
-                              "old bundle): pass --allow-downgrade to install it on purpose")
+    def _stopped(self, exc: OSError) -> EdgeError:
+        where = f"{exc.filename}{f' -> {exc.filename2}' if exc.filename2 else ''}" if exc.filename else str(self.root)
+        try:
+            st = self.state()
+            left = f"current {st['current']}, pending {(st['pending'] or {}).get('version')}"
+        except (OSError, EdgeError):
+            left = "unreadable"
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        return (OtaStateError if full else OtaIOError)(
+            f"{where}: {exc.strerror or exc}: the command stopped there, the OTA state is {left} "
+            f"({'free space and ' if full else ''}run it again; `edge ota status` shows the state)")
 
-    def check_content(self, bundle: Bundle) -> None:
-        """A thin bundle: every file it does not carry must be on this device, named if not."""
-        missing = self.store.missing(bundle.files)
-        if missing:
-            base = bundle.base or {}
-            raise BundleError(
-                f"{bundle.path}: a thin bundle (base {base.get('bundle_version')}) whose content this "
-                f"device does not have intact: {'; '.join(f'{f.path} (sha256 {f.sha256[:16]}…, {f.size} bytes)' for f in missing)}. "
-                "Nothing was written: install the full bundle, or one built on a version this device has")
-
-    def _stage(self, bundle: Bundle) -> dict[str, Any]:
+    # -- staging -------------------------------------------------------------------------------
+    def _stage(self, bundle: Bundle, st: dict[str, Any]) -> dict[str, Any]:
+        """The version on disk: staged from the bundle, or (there already) checked and repaired."""
+        if read_marker(self.versions / bundle.version):
+            return {"staged": "already on disk (same content)", "checked": self._recheck(bundle.version, bundle)}
         from edge.ota.stage import stage
 
-        return stage(self.versions, self.store, self.fs, bundle)
+        return stage(self.versions, self.store, self.fs, bundle, st["highest"])
+
+    def _recheck(self, version: str, bundle: Bundle | None = None) -> dict[str, Any]:
+        from edge.ota.recheck import recheck
+
+        return recheck(self.versions / version, self.store, self.fs, pubkey=self.pubkey,
+                       bundle=bundle if bundle is not None and bundle.version == version else None)
+
+    def _mark(self, st: dict[str, Any], version: str, state: str) -> None:
+        overwrite_marker(self.fs, self.versions / version, version, state, st["highest"])
 
     # -- install / commit / rollback -----------------------------------------------------------
     def install(self, bundle: Bundle, activate: ActivatorLike, device: Any = None, *,
@@ -194,39 +192,61 @@ class Ota:
 
         check_bundle(bundle)
         check_device(bundle, device)
+        made = None if self.root.exists() else self.root  # a fresh device: the first folder made here
+        while made is not None and not made.parent.exists():
+            made = made.parent
         with self._locked():
-            # a version still pending (never committed) goes first, and the answer says so; the
-            # state is rebuilt here too if it is damaged, before the slots are (re)made
-            earlier = self._recover(activate, f"still pending (never committed) when the install of "
-                                              f"{bundle.version} began")
-            self.slots.ensure_slots()
-            st = self.state()
-            self.check_policy(bundle, st, allow_downgrade)
-            if st["current"] == bundle.version:
-                return self._already_current(bundle)
-            self.check_content(bundle)
-            check = getattr(activate, "check", None)
-            if check is not None:
-                check()  # a reload activator finds the running service before anything switches
-            self._first_install(st)
-            staged = self._stage(bundle)
-            st["pending"] = {"version": bundle.version, "previous": st["previous"]}
-            st["digests"] = dict(list({**st["digests"], bundle.version: bundle.content_digest}.items())[-MAX_DIGESTS:])
-            self._event(st, bundle.version, "staged")
-            self._save(st)  # write #1: IDLE -> PENDING
-            self._sync_links(st)
-            before = {"rolled_back_first": {k: earlier[k] for k in ("failed", "reason")}} if earlier else {}
-            if activate is None:
-                return {"result": "switched", "version": bundle.version, **staged, **before, "note": "not "
-                        "activated: run `edge ota commit` once the service is healthy, or `edge ota rollback`"}
-            ok, why = _activate(activate)
-            if not ok:
-                return {**self._rollback(activate, f"health check failed: {why}"), **before}
-            report = _report(activate)
-            if not commit:
-                return {"result": "healthy", "version": bundle.version, **staged, **report, **before, "note":
-                        "pending: `edge ota commit` makes it permanent; a reboot or `edge ota recover` rolls it back"}
-            return {**self._commit(), **staged, **report, **before}
+            try:
+                return self._install(bundle, activate, allow_downgrade, commit)
+            except BaseException:
+                if made is not None and not self.state()["history"]:
+                    self.fs.rmtree(made)  # nothing got as far as PENDING: a refusal leaves nothing
+                raise
+
+    def _install(self, bundle: Bundle, activate: ActivatorLike, allow_downgrade: bool,
+                 commit: bool) -> dict[str, Any]:
+        st = self.state()
+        refuse(self.versions, self.store, bundle, st, allow_downgrade)
+        check = getattr(activate, "check", None)
+        if check is not None and st["current"] != bundle.version:
+            check()  # a reload activator finds the running service before anything is touched
+        # a version still pending (never committed) goes first, and the answer says so
+        earlier = self._recover(activate, f"still pending (never committed) when the install of "
+                                          f"{bundle.version} began", bundle)
+        before = {"rolled_back_first": {k: earlier[k] for k in ("failed", "reason")}} if earlier else {}
+        try:
+            return {**self._switch(bundle, activate, allow_downgrade, commit), **before}
+        except EdgeError as exc:
+            if earlier:
+                exc.args = (f"{exc} (before that, the pending version {earlier['failed']} was rolled back: "
+                            f"{earlier['reason']})",)
+            raise
+
+    def _switch(self, bundle: Bundle, activate: ActivatorLike, allow_downgrade: bool,
+                commit: bool) -> dict[str, Any]:
+        self.slots.ensure_slots()
+        st = self.state()
+        refuse(self.versions, self.store, bundle, st, allow_downgrade)  # again: a rollback may have pruned
+        if st["current"] == bundle.version:
+            return self._already_current(bundle)
+        self._first_install(st)
+        staged = self._stage(bundle, st)
+        st["pending"] = {"version": bundle.version, "previous": st["previous"]}
+        st["digests"] = dict(list({**st["digests"], bundle.version: bundle.content_digest}.items())[-MAX_DIGESTS:])
+        self._event(st, bundle.version, "staged")
+        self._save(st)  # write #1: IDLE -> PENDING
+        self._sync_links(st)
+        if activate is None:
+            return {"result": "switched", "version": bundle.version, **staged, "note": "not activated: run "
+                    "`edge ota commit` once the service is healthy, or `edge ota rollback`"}
+        ok, why = _activate(activate)
+        if not ok:
+            return self._rollback(activate, f"health check failed: {why}")
+        report = _report(activate)
+        if not commit:
+            return {"result": "healthy", "version": bundle.version, **staged, **report, "note":
+                    "pending: `edge ota commit` makes it permanent; a reboot or `edge ota recover` rolls it back"}
+        return {**self._commit(), **staged, **report}
 
     def _already_current(self, bundle: Bundle) -> dict[str, Any]:
         """The same content is installed; the bundle's own bytes are still checked, so that a
@@ -254,31 +274,38 @@ class Ota:
         if not st["pending"]:
             raise BundleError(f"nothing to commit: no install is pending (current is {st['current']})")
         version = st["pending"]["version"]
-        highest = [p for p in (_parsed(st["highest"]), parse_version(version)) if p is not None]
-        st.update(previous=st["current"], current=version, pending=None, highest=str(max(highest)))
+        st.update(previous=st["current"], current=version, pending=None, highest=highest(st["highest"], version))
         self._event(st, version, "committed")
         self._save(st)  # write #2: PENDING -> IDLE on the new version
-        overwrite_marker(self.fs, self.versions / version, version, "committed")
+        self._mark(st, version, "committed")  # with the floor: a rebuild finds it there
         self._sync_links(st)
         self._prune(st)
         return {"result": "committed", "version": version, "previous": st["previous"]}
 
-    def _rollback(self, activate: ActivatorLike, reason: str) -> dict[str, Any]:
+    def _rollback(self, activate: ActivatorLike, reason: str, bundle: Bundle | None = None) -> dict[str, Any]:
         st = self.state()
         if st["pending"]:
-            bad = st["pending"]["version"]
-            st["pending"] = None  # current and previous are still what they were before the install
+            bad, target = st["pending"]["version"], st["current"]
         elif st["previous"]:
-            bad = st["current"]
-            st.update(current=st["previous"], previous=None)
+            bad, target = st["current"], st["previous"]
         else:
             raise BundleError(f"{reason}: nothing to roll back to (no install pending, no previous version)")
+        try:
+            checked = {"checked": self._recheck(target, bundle)} if target else {}
+        except BundleError as exc:
+            raise BundleError(f"{bad} cannot be rolled back ({reason}): {exc}") from None
+        if st["pending"]:
+            st["pending"] = None  # current and previous are still what they were before the install
+        else:
+            st.update(current=target, previous=None)
         self._event(st, bad, "rolled back", reason)
         self._save(st)  # write #2': back to IDLE on the version before
-        overwrite_marker(self.fs, self.versions / bad, bad, "failed")
+        self._mark(st, bad, "failed")
+        if target:
+            self._mark(st, target, "committed")  # the floor lives on in the current version's marker
         self._sync_links(st)
         self._prune(st)
-        result = {"result": "rolled back", "version": st["current"], "failed": bad, "reason": reason}
+        result = {"result": "rolled back", "version": st["current"], "failed": bad, "reason": reason, **checked}
         if st["current"] is None:
             if not self._factory_ok(st):
                 why = (st.get("factory") or {}).get("unavailable", "none was recorded")
@@ -299,47 +326,26 @@ class Ota:
         return result
 
     def _recover(self, activate: ActivatorLike, why: str = "never committed: the install was killed, "
-                 "the power was cut, or it was not confirmed before a reboot") -> dict[str, Any] | None:
-        self._clean_garbage()
+                 "the power was cut, or it was not confirmed before a reboot",
+                 bundle: Bundle | None = None) -> dict[str, Any] | None:
+        clean_garbage(self.root, self.fs)
         st = self.state()
         if st["pending"]:
-            return self._rollback(activate, why)
+            return self._rollback(activate, why, bundle)
         if self._first_install(st) or "rebuilt" in st:
             self._save(st)
         for name in (st["current"], st["previous"]):  # a kill between write #2 and the marker
-            if name:
-                overwrite_marker(self.fs, self.versions / name, name, "committed")
+            if name and read_marker(self.versions / name) not in ("committed", None):
+                self._mark(st, name, "committed")
+        want = self.wanted_links(st)["current"]
+        if want not in (None, links.FACTORY) and self.link_target("current") != want:
+            self._recheck(want)  # recover's own choice (a rebuilt state, a rollback killed mid-switch)
         self._sync_links(st)
         self._prune(st)
         return None
 
-    def _clean_garbage(self) -> None:
-        for p in sorted(self.root.glob(".*.lnk")) + sorted(self.root.glob(".*.tmp")):
-            self.fs.unlink(p)
-        for d in sorted(self.root.glob(f".{links.FACTORY}-*")):
-            self.fs.rmtree(d)
-        for d in sorted(self.versions.iterdir()):
-            if d.name.startswith(".staging-") or (d.is_dir() and not (d / ".complete").is_file()):
-                self.fs.rmtree(d)  # staged by a killed install, or half-pruned: never linked
-
     def _prune(self, st: dict[str, Any]) -> None:
-        """Keep `keep` versions: current, previous and pending always; then the highest by
-        SemVer among those that were committed; never-committed (failed, rolled back) ones
-        go first. Then the store drops every object no kept version references."""
-        protect = {v for v in self.wanted_links(st).values() if v}
-        complete = [d for d in self.versions.iterdir() if read_marker(d)]
-        others = [d for d in complete if d.name not in protect]
-
-        def worth(d: Path) -> tuple[bool, Version]:
-            return read_marker(d) in ("committed", LEGACY), _parsed(d.name) or parse_version("0.0.0-0")
-
-        for d in sorted(others, key=worth)[:max(0, len(complete) - self.keep)]:
-            self.fs.unlink(d / ".complete")  # incomplete first: a kill below leaves garbage, not a version
-            self.fs.fsync_dir(d)
-            self.fs.rmtree(d)
-        self.store.collect()
-        links.converge(self.root, self.fs, [d for d in self.versions.iterdir() if read_marker(d)]
-                       + ([self.root / links.FACTORY] if (self.root / links.FACTORY).is_dir() else []))
+        prune(self.root, self.store, self.fs, self.keep, {v for v in self.wanted_links(st).values() if v})
 
     # -- commands ------------------------------------------------------------------------------
     def recover(self, activate: ActivatorLike) -> dict[str, Any] | None:
@@ -352,7 +358,7 @@ class Ota:
 
     def rollback(self, activate: ActivatorLike, reason: str = "requested by operator") -> dict[str, Any]:
         with self._locked():
-            self._clean_garbage()
+            clean_garbage(self.root, self.fs)
             return self._rollback(activate, reason)
 
     def verify(self, pubkey: Path | None) -> dict[str, Any]:

@@ -17,19 +17,19 @@ from edge.ota.bundle import Bundle
 from edge.ota.errors import BundleError
 from edge.ota.fsops import Fs
 from edge.ota.links import HOME
-from edge.ota.statefile import MARKER, write_marker
+from edge.ota.statefile import write_marker
 from edge.ota.store import Store
 
 __all__ = ["stage"]
 
 
-def stage(versions: Path, store: Store, fs: Fs, bundle: Bundle) -> dict[str, Any]:
-    """Stage `bundle` as versions/<V>; what was written, reused and copied (links impossible)."""
+def stage(versions: Path, store: Store, fs: Fs, bundle: Bundle, floor: str | None) -> dict[str, Any]:
+    """Stage `bundle` as versions/<V> (not there yet: a version on disk is checked by
+    edge.ota.recheck instead); what was written, reused and copied (links impossible). `floor`:
+    the highest version committed so far, which the new marker carries."""
     from edge.ota.extract import check_free_space, extract_files
 
     final = versions / bundle.version  # validated: no path characters, not empty
-    if (final / MARKER).is_file():
-        return {"staged": "already on disk (same content)"}  # check_policy compared it
     check_free_space(bundle, store, versions)
     if os.path.lexists(final):
         fs.rmtree(final)  # incomplete, never linked
@@ -41,7 +41,7 @@ def stage(versions: Path, store: Store, fs: Fs, bundle: Bundle) -> dict[str, Any
                            ("manifest.json", bundle.raw_manifest), ("manifest.sig", bundle.signature)):
             fs.write_file(staging / name, data)
         fs.symlink(f"versions/{bundle.version}", staging / HOME)
-        write_marker(fs, staging, bundle.version)
+        write_marker(fs, staging, bundle.version, floor)
         for d in sorted((p for p in staging.rglob("*") if p.is_dir() and not p.is_symlink()), reverse=True):
             fs.fsync_dir(d)
         fs.fsync_dir(staging)

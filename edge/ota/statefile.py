@@ -7,27 +7,33 @@ JSON allows trailing white space), fsyncs it and exchanges the two names in one 
 (renameat2 RENAME_EXCHANGE): state.json is the new state, state.json.prev the one before it,
 which is what a damaged state.json is rebuilt from (edge.ota.rebuild).
 
-versions/<V>/.complete, the marker that makes a version directory installed, holds the version
-and what became of it (staged, committed, failed), overwritten in place on the same
-MARKER_SIZE bytes: pruning prefers never-committed versions, and a rebuild knows which versions
-were committed.
+versions/<V>/.complete, the marker that makes a version directory installed, holds the version,
+what became of it (staged, committed, failed), when that happened, and the highest version ever
+committed on the device as known at that moment; it is overwritten in place on the same
+MARKER_SIZE bytes. Pruning prefers never-committed versions; a rebuild knows which versions were
+committed, which install happened last, and the anti-downgrade floor even when both state slots
+are lost (every switch rewrites the current version's marker, and the current version is never
+pruned).
 """
 
 from __future__ import annotations
 
-import errno
 import json
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge.ota.errors import BundleError, OtaStateError
+from edge.ota.errors import BundleError
 from edge.ota.fsops import EXCHANGE_UNSUPPORTED, Fs
+from edge.ota.version import highest
 
-__all__ = ["StateFile", "SLOT", "MARKER", "MARKER_SIZE", "read_marker", "write_marker", "overwrite_marker"]
+__all__ = ["StateFile", "SLOT", "MARKER", "MARKER_SIZE", "Marker", "now", "read_marker", "marker_of",
+           "write_marker", "overwrite_marker"]
 
 SLOT = 128 << 10  # > 50 history entries of 600-character reasons + 200 content digests
 MARKER = ".complete"
-MARKER_SIZE = 128
+MARKER_SIZE = 256  # version, state, time and highest: 4 lines of at most 64, 9, 20 and 64 characters
 STATES = ("staged", "committed", "failed")
 LEGACY = "committed?"  # a marker written before markers said more than the version
 
@@ -84,18 +90,14 @@ class StateFile:
                 return
 
     def write(self, st: dict[str, Any]) -> None:
+        """The new state; an OSError (a full file system before the slots existed) propagates,
+        and the command's lock turns it into one line naming the file (edge.ota.install)."""
         data = _fit(st)
-        try:
-            if not self.spare.exists() or self.spare.stat().st_size < SLOT:
-                self.ensure_slots()
-            self.fs.overwrite(self.spare, data)
-            self._exchange()
-            self.fs.fsync_dir(self.path.parent)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise OtaStateError(f"cannot write {self.path}: the file system is full and its state "
-                                    f"slots could not be made before (free some space): {exc}") from None
-            raise
+        if not self.spare.exists() or self.spare.stat().st_size < SLOT:
+            self.ensure_slots()
+        self.fs.overwrite(self.spare, data)
+        self._exchange()
+        self.fs.fsync_dir(self.path.parent)
 
     def _exchange(self) -> None:
         if not self.path.exists():
@@ -128,31 +130,64 @@ def _fit(st: dict[str, Any]) -> bytes:
             raise BundleError(f"the OTA state does not fit in {SLOT} bytes")
 
 
+def now() -> str:
+    """The time of an OTA event, as history and markers write it (UTC, to the second)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+@dataclass(frozen=True)
+class Marker:
+    version: str
+    state: str  # staged | committed | failed | LEGACY
+    at: str | None = None  # when it entered that state (markers of an older edge have none)
+    highest: str | None = None  # the highest version committed on the device, as known then
+
+    def text(self, short: bool = False) -> str:
+        return f"{self.version}\n{self.state}" if short else \
+            f"{self.version}\n{self.state}\n{self.at or ''}\n{self.highest or ''}"
+
+
+def marker_of(version_dir: Path) -> Marker | None:
+    """The version directory's marker; None when it is not a complete version."""
+    try:
+        lines = [line.strip() for line in (version_dir / MARKER).read_text().split("\n")]
+    except (OSError, UnicodeDecodeError):
+        return None
+    lines += [""] * (4 - len(lines))
+    state = lines[1] if lines[1] in STATES else LEGACY
+    return Marker(lines[0], state, lines[2] or None, lines[3] or None)
+
+
 def read_marker(version_dir: Path) -> str | None:
     """What became of an installed version: staged, committed, failed (or LEGACY); None when
     the directory is not a complete version."""
-    try:
-        lines = (version_dir / MARKER).read_text().split("\n")
-    except (OSError, UnicodeDecodeError):
-        return None
-    state = lines[1].strip() if len(lines) > 1 else ""
-    return state if state in STATES else LEGACY
+    m = marker_of(version_dir)
+    return None if m is None else m.state
 
 
-def write_marker(fs: Fs, version_dir: Path, version: str, state: str = "staged") -> None:
+def write_marker(fs: Fs, version_dir: Path, version: str, floor: str | None) -> None:
     """The marker of a version being staged (a new file, while the stage has room)."""
     with fs.create(version_dir / MARKER) as f:
-        fs.write(f, _padded(f"{version}\n{state}", MARKER_SIZE))
+        fs.write(f, _padded(Marker(version, "staged", now(), floor).text(), MARKER_SIZE))
         fs.fsync(f)
 
 
-def overwrite_marker(fs: Fs, version_dir: Path, version: str, state: str) -> None:
-    """A version's marker says `state` from now on; in place, so it needs no room. A marker that
-    cannot take it (one from an older edge, shorter) stays: it reads as committed."""
+def overwrite_marker(fs: Fs, version_dir: Path, version: str, state: str, floor: str | None) -> None:
+    """A version's marker says `state` from now on, and a floor at least `floor`; in place, so it
+    needs no room, and only when that changes it. A marker too short for the time and floor (one
+    of an older edge) keeps the state alone; one too short even for that stays: it reads as
+    committed."""
     marker = version_dir / MARKER
+    old = marker_of(version_dir)
     try:
-        if read_marker(version_dir) in (state, None) or marker.stat().st_size < MARKER_SIZE:
-            return
+        size = marker.stat().st_size
     except OSError:
         return
-    fs.overwrite(marker, _padded(f"{version}\n{state}", MARKER_SIZE))
+    if old is None:
+        return
+    new = Marker(version, state, old.at if state == old.state else now(), highest(old.highest, floor))
+    if new == old:
+        return
+    for text in (new.text(), new.text(short=True)):
+        if len(text.encode()) + 1 <= size:
+            return fs.overwrite(marker, _padded(text, size))

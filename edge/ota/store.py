@@ -70,6 +70,12 @@ class Store:
             self._intact[sha256] = sha256_file(self.object(sha256)) == sha256
         return self._intact[sha256]
 
+    def hashed(self) -> dict[tuple[int, int], str]:
+        """inode -> sha256 of the objects this command hashed and found intact: a version's link
+        to one of them is not read a second time."""
+        found = {self.inode(self.object(sha)): sha for sha, ok in self._intact.items() if ok}
+        return {ino: sha for ino, sha in found.items() if ino is not None}
+
     # -- writing -------------------------------------------------------------------------------
     def add(self, src: IO[bytes], entry: FileEntry, copy: CopyFn) -> tuple[int, str]:
         """Stream `src` into a new object; (bytes, sha256) read. The object is renamed into place
@@ -104,35 +110,36 @@ class Store:
         return why
 
     # -- finding content -----------------------------------------------------------------------
-    def locate(self, entry: FileEntry) -> Path | None:
+    def locate(self, entry: FileEntry, avoid: frozenset[tuple[int, int]] = frozenset()) -> Path | None:
         """Where this device has `entry`'s content: its object, or (not yet hashed) a file of an
-        installed version whose signed manifest lists the same sha256 and size."""
+        installed version whose signed manifest lists the same sha256 and size; never one of the
+        inodes in `avoid` (known damaged)."""
         if self.intact(entry.sha256, entry.size):
             return self.object(entry.sha256)
-        damaged = self._inode(self.object(entry.sha256))  # versions' links to it are damaged too
+        damaged = avoid | {self.inode(self.object(entry.sha256))}  # versions' links to it are damaged too
         for vdir, manifest in self.manifests():
             for f in manifest.get("files") or []:
                 if f.get("sha256") == entry.sha256 and f.get("size") == entry.size:
                     p = vdir / f["path"]
                     try:
-                        if p.is_file() and p.stat().st_size == entry.size and self._inode(p) != damaged:
+                        if p.is_file() and p.stat().st_size == entry.size and self.inode(p) not in damaged:
                             return p
                     except OSError:
                         continue
         return None
 
     @staticmethod
-    def _inode(path: Path) -> tuple[int, int] | None:
+    def inode(path: Path) -> tuple[int, int] | None:
         try:
             st = path.stat()
         except OSError:
             return None
         return st.st_dev, st.st_ino
 
-    def source(self, entry: FileEntry) -> Path:
-        """The content for a file a thin bundle does not carry: an object, or an installed
-        version's copy after hashing it (then adopted into the store where links work)."""
-        found = self.locate(entry)
+    def source(self, entry: FileEntry, avoid: frozenset[tuple[int, int]] = frozenset()) -> Path:
+        """The content for a file a thin bundle does not carry (or a damaged file): an object, or
+        an installed version's copy after hashing it (then adopted into the store where links work)."""
+        found = self.locate(entry, avoid)
         if found is None:
             raise BundleError(f"{entry.path}: its content (sha256 {entry.sha256[:16]}…) is no longer on "
                               "this device; the installed version is untouched")

@@ -15,10 +15,10 @@ from edge.ota.manifest import check_path
 from edge.ota.statefile import MARKER
 from edge.ota.version import VersionError, parse_version
 
-__all__ = ["verify_installed"]
+__all__ = ["verify_installed", "signature_note", "file_problem"]
 
 
-def _signature(vdir: Path, raw: bytes, pubkey: Path | None) -> str | None:
+def signature_note(vdir: Path, raw: bytes, pubkey: Path | None) -> str | None:
     """None when the manifest verifies; else why it is not (or was not) checked."""
     if pubkey is None:
         return "manifest signature not checked: no key ([ota] pubkey or --pubkey)"
@@ -28,6 +28,22 @@ def _signature(vdir: Path, raw: bytes, pubkey: Path | None) -> str | None:
     from edge.ota.bundle import signature_ok
 
     return None if signature_ok(pubkey, sig.read_bytes(), raw) else f"DAMAGED: does not verify with {pubkey}"
+
+
+def file_problem(path: Path, size: int, sha256: str, hashed: dict[tuple[int, int], str]) -> str | None:
+    """What is wrong with an installed file (None: it matches its manifest's size and sha256).
+    `hashed` holds the digest of every inode hashed so far: a file shared by versions is read once."""
+    try:
+        st = path.stat()
+        key = (st.st_dev, st.st_ino)
+        if key not in hashed:
+            hashed[key] = sha256_file(path)
+    except OSError as exc:
+        return str(exc.strerror)
+    if st.st_size != size or hashed[key] != sha256:
+        return (f"{st.st_size} bytes, sha256 {hashed[key][:16]}…; its signed manifest says {size} bytes, "
+                f"sha256 {sha256[:16]}…")
+    return None
 
 
 def _order(vdir: Path) -> tuple[int, Any]:
@@ -45,7 +61,7 @@ def _one(vdir: Path, pubkey: Path | None, hashed: dict[tuple[int, int], str]) ->
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return {"files": 0}, [f"{name}/manifest.json: unreadable ({exc})"]
-    note = _signature(vdir, raw, pubkey)
+    note = signature_note(vdir, raw, pubkey)
     bad = [f"{name}/manifest.json: {note[len('DAMAGED: '):]}"] if note and note.startswith("DAMAGED") else []
     try:
         if (vdir / "edge.toml").read_text() != manifest.get("config"):
@@ -56,18 +72,9 @@ def _one(vdir: Path, pubkey: Path | None, hashed: dict[tuple[int, int], str]) ->
         if check_path(f.get("path")) is not None:
             bad.append(f"{name}/manifest.json: lists {f.get('path')!r}, not a path a version may hold")
             continue
-        path = vdir / f["path"]
-        try:
-            st = path.stat()
-            key = (st.st_dev, st.st_ino)
-            if key not in hashed:
-                hashed[key] = sha256_file(path)
-        except OSError as exc:
-            bad.append(f"{name}/{f['path']}: {exc.strerror}")
-            continue
-        if st.st_size != f["size"] or hashed[key] != f["sha256"]:
-            bad.append(f"{name}/{f['path']}: {st.st_size} bytes, sha256 {hashed[key][:16]}…; its signed "
-                       f"manifest says {f['size']} bytes, sha256 {f['sha256'][:16]}…")
+        problem = file_problem(vdir / f["path"], f["size"], f["sha256"], hashed)
+        if problem:
+            bad.append(f"{name}/{f['path']}: {problem}")
     result: dict[str, Any] = {"files": len(files), "ok": not bad}
     if note and not note.startswith("DAMAGED"):
         result["note"] = note

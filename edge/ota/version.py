@@ -17,7 +17,7 @@ from functools import total_ordering
 
 from edge.ota.errors import VersionError
 
-__all__ = ["Version", "parse_version", "GRAMMAR"]
+__all__ = ["Version", "parse_version", "parsed", "highest", "GRAMMAR"]
 
 GRAMMAR = "MAJOR.MINOR.PATCH[-PRERELEASE] (e.g. 1.4.0 or 1.5.0-rc.1)"
 _NUM = r"(?:0|[1-9][0-9]*)"
@@ -64,3 +64,17 @@ def parse_version(text: object, what: str = "bundle_version") -> Version:
                            f"{MAX_LEN} characters, no path characters")
     core = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
     return Version(text, core, tuple(m.group(4).split(".")) if m.group(4) else ())
+
+
+def parsed(text: object) -> Version | None:
+    """A version recorded by an edge before the grammar existed (or none) does not order: None."""
+    try:
+        return parse_version(text)
+    except VersionError:
+        return None
+
+
+def highest(*texts: object) -> str | None:
+    """The highest of these versions (those outside the grammar skipped); None when none orders."""
+    found = [v for v in map(parsed, texts) if v is not None]
+    return str(max(found)) if found else None

@@ -205,19 +205,46 @@ def _silence_test() -> dict:
              "exp_annotations": {"summary": "edge on a has sent no metrics for 15 minutes",
                                  "description": silent}}]},
         {"eval_time": "10m", "alertname": "EdgeStartsFailing", "exp_alerts": []},  # 2 so far
-        {"eval_time": "20m", "alertname": "EdgeStartsFailing", "exp_alerts": [
-            {"exp_labels": {**failed, "instance": "a", "severity": "critical"},
-             "exp_annotations": {"summary": "edge on a failed to start about 3 times in 30 minutes",
-                                 "description": "A restart loop: `edge status` on the device shows the "
-                                                "last failed start's report and exit code."}}]},
+        {"eval_time": "20m", "alertname": "EdgeStartsFailing", "exp_alerts": [_starts_failing("a")]},
         {"eval_time": "59m", "alertname": "EdgeStartsFailing", "exp_alerts": []},  # the loop ended
+    ]}
+
+
+def _starts_failing(instance: str) -> dict:
+    return {"exp_labels": {"job": "edge", "instance": instance, "severity": "critical"},
+            "exp_annotations": {"summary": f"edge on {instance} failed to start about 3 times in 30 minutes",
+                                "description": "A restart loop: `edge status` on the device shows the last "
+                                               "failed start's report and exit code."}}
+
+
+def _first_sample_test() -> dict:
+    """Counters first seen at 3 or more: `new` boot-loops from its first boot (`_x10 3x20`: nothing
+    for 10 minutes, then 3 failed starts at once; increase() alone saw nothing), `mixed` counts
+    every result but ok over every label (phase); `old` failed 3 times before the fleet's
+    Prometheus first saw it (it fires while that is within 30 minutes), `good` only started well."""
+    dev = {"job": "edge"}
+    series = [_series("edge_starts_total", {**dev, "instance": "new", "result": "failed"}, "_x10 3x20"),
+              _series("edge_starts_total", {**dev, "instance": "mixed", "result": "crashed", "phase": "model_load"},
+                      "_x10 2x40"),
+              _series("edge_starts_total", {**dev, "instance": "mixed", "result": "timeout", "phase": "warmup"},
+                      "_x10 1x40"),
+              _series("edge_starts_total", {**dev, "instance": "mixed", "result": "ok"}, "_x10 9x40"),
+              _series("edge_starts_total", {**dev, "instance": "good", "result": "ok"}, "_x10 9x40"),
+              _series("edge_starts_total", {**dev, "instance": "old", "result": "failed"}, "3x60")]
+    return {"interval": "1m", "input_series": series, "alert_rule_test": [
+        {"eval_time": "9m", "alertname": "EdgeStartsFailing", "exp_alerts": [_starts_failing("old")]},  # first seen
+        {"eval_time": "12m", "alertname": "EdgeStartsFailing",
+         "exp_alerts": [_starts_failing("mixed"), _starts_failing("new"), _starts_failing("old")]},
+        {"eval_time": "36m", "alertname": "EdgeStartsFailing",  # new: gone since 31m; old: seen 30 m ago, no increase
+         "exp_alerts": [_starts_failing("mixed")]},
+        {"eval_time": "45m", "alertname": "EdgeStartsFailing", "exp_alerts": []},  # no start failed since
     ]}
 
 
 def test_every_alert_fires_where_it_should_and_nowhere_else(tmp_path: Path) -> None:
     promtool = need("promtool")
     rules = _printed_rules(tmp_path)
-    tests = [_start_test(), _alerts_test(), _prompt_cache_test(), _silence_test()]
+    tests = [_start_test(), _alerts_test(), _prompt_cache_test(), _silence_test(), _first_sample_test()]
     alerts = {t["alertname"] for case in tests for t in case.get("alert_rule_test", [])}
     assert alerts == {"EdgeNotReady", "EdgeStartSlowerThanFleet", "EdgeOtaRolledBack", "EdgeMlockNotTaken",
                       "EdgeModelOnCpu", "EdgePromptCacheHitRateCollapse", "EdgeDeviceSilent",

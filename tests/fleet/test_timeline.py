@@ -1,12 +1,11 @@
 """`edge status --svg` and `edge warmup --svg` on real reports: valid SVG (parsed as XML), every
 phase and warm-up step drawn, bars to scale, READY / SWITCH / FAILED marked, a reload's old set
-drawn serving and draining; rendered by headless Chromium where it is installed."""
+drawn serving and draining; laid out by headless Chromium where it is installed (every text box
+inside the canvas and none over another, by the browser's own getBBox), and rendered to PNG."""
 
 from __future__ import annotations
 
 import json
-import shutil
-import struct
 import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kit import EDGE, write_config
+from kit.browser import chromium, layout, overlaps, png_size, render_png
 from edge.fleet.timeline import chart_of, render_svg
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -107,21 +107,60 @@ def test_failed_start_is_drawn_with_its_error_escaped(tmp_path: Path) -> None:
     assert set(_groups(root, "data-phase")) == {"config", "imports"}
 
 
-def test_chromium_renders_it(tmp_path: Path, tiny_gguf: Path) -> None:
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if chromium is None:
-        reason = "no headless Chromium here (apt install chromium): the SVG was checked as XML only"
-        print(reason)
-        pytest.skip(reason)
+LONG = "gemma-3-270m-it-qat-q4_0-unquantized-with-a-name-longer-than-a-lane-label"
+
+
+def _hostile(rehearsal: dict) -> list[tuple[dict, str]]:
+    """A real rehearsal's report made as hard to lay out as a device can make it: a long host
+    and model name, 24 warm-up steps too short for their labels, a reload whose SWITCH is at the
+    left edge and whose kept/loaded lists and config path are long, READY and FAILED at the right
+    edge, and a failed start whose error is 2,800 characters with a 400-character path."""
+    start = json.loads(json.dumps(rehearsal).replace('"tiny"', json.dumps(LONG)))
+    start.update(host="edge-" + "device" * 14, rehearsal=False)
+    start["phases"].append({"name": "ready", "start_s": start["ready_s"], "seconds": 0.0, "detail": {}})
+    warm = next(p for p in start["phases"] if p["name"] == "warmup")
+    warm["detail"]["steps"] = [{"name": f"step{i}", "seconds": 0.004, "path": "/v1/completions"} for i in range(24)]
+    reload = {"started_at": start["started_at"], "pid": start["pid"], "mode": "in-process", "kept": [LONG] * 3,
+              "loaded": [LONG + "-b"], "config": "/var/lib/edge/ota/versions/2026.12.2-rc.1/" + "deep/" * 30 + "edge.toml",
+              "switch_s": 0.002, "ready_s": 1.5,
+              "phases": [{"name": "memory_guard", "start_s": 0.0, "seconds": 0.001, "detail": {}},
+                         {"name": "switch", "start_s": 0.002, "seconds": 0.0, "detail": {}},
+                         {"name": "drain", "start_s": 0.002, "seconds": 1.4, "detail": {}}]}
+    path = "/var/lib/edge/ota/versions/2026.12.2-rc.1/models/" + "x" * 400 + ".gguf"
+    failed = {**start, "result": "failed", "exit_code": 65, "ready_s": start["ready_s"],
+              "error": f"{path}: not a GGUF file: " + "expected magic b'GGUF', found something else. " * 60}
+    failed["phases"] = [p for p in start["phases"] if p["name"] not in ("warmup", "ready")]
+    return [(start, "start"), (reload, "reload"), (failed, "start")]
+
+
+def _laid_out(svg: Path, tmp_path: Path) -> None:
+    """In Chromium: every text box inside the canvas, none over another; and a PNG of it."""
+    width, height, boxes = layout(svg, tmp_path)
+    assert len(boxes) > 10
+    outside = [b for b in boxes if not b.inside(width, height)]
+    assert outside == [], outside
+    assert overlaps(boxes) == []
+    png = render_png(svg, tmp_path / f"{svg.stem}.png", int(width), int(height))
+    assert png_size(png) == (int(width), int(height))
+
+
+def test_chromium_lays_out_a_failed_start_and_a_hostile_report_without_overlaps(tmp_path: Path, tiny_gguf: Path) -> None:
+    chromium()  # skips, saying why, where there is no browser
     cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
-    svg = tmp_path / "t.svg"
-    assert _edge("warmup", "--config", str(cfg), "--svg", str(svg)).returncode == 0
-    base = [chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
-    dom = subprocess.run([*base, "--dump-dom", svg.as_uri()], capture_output=True, text=True, timeout=120)
-    assert dom.returncode == 0 and "data-phase" in dom.stdout and "parsererror" not in dom.stdout, dom.stderr[-500:]
-    png = tmp_path / "t.png"
-    shot = subprocess.run([*base, "--hide-scrollbars", "--window-size=1100,500", f"--screenshot={png}",
-                           svg.as_uri()], capture_output=True, text=True, timeout=120)
-    assert shot.returncode == 0, shot.stderr[-500:]
-    head = png.read_bytes()[:24]
-    assert head[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", head[16:24]) == (1100, 500)
+    r = _edge("warmup", "--config", str(cfg), "--json", "--svg", str(tmp_path / "rehearsal.svg"))
+    assert r.returncode == 0, r.stderr
+    _laid_out(tmp_path / "rehearsal.svg", tmp_path)
+    hostile = tmp_path / "hostile.svg"
+    hostile.write_text(render_svg([chart_of(rep, kind) for rep, kind in _hostile(json.loads(r.stdout))]))
+    _laid_out(hostile, tmp_path)
+    root = ET.parse(hostile).getroot()
+    error = next(g for g in root.iter(f"{SVG}g") if g.get("data-error"))
+    assert "x" * 400 in error.find(f"{SVG}title").text  # the whole message on hover
+    assert len(error.findall(f"{SVG}text")) == 6 and error.findall(f"{SVG}text")[-1].text.endswith("…")
+    # a real failed start, as `edge status --svg` draws it
+    (tmp_path / "bad.gguf").write_bytes(b"not a GGUF file at all" * 100)
+    bad = write_config(tmp_path / "bad.toml", tmp_path / "bad.gguf")
+    assert _edge("serve", "--config", str(bad)).returncode == 65
+    r = _edge("status", "--config", str(bad), "--svg", str(tmp_path / "failed.svg"))
+    assert r.returncode == 0, r.stderr
+    _laid_out(tmp_path / "failed.svg", tmp_path)

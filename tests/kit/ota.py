@@ -19,8 +19,8 @@ from edge.ota.install import Ota
 from ggufgen import write_tiny_llama
 from kit.pid1 import PidOne
 
-__all__ = ["A", "B", "VERSIONS", "cfg_text", "committed", "device", "edge_ota", "fill", "install", "kit", "live",
-           "tmpfs", "tree"]
+__all__ = ["A", "B", "MODEL_CFG", "VERSIONS", "build_version", "cfg_text", "committed", "damage", "device",
+           "edge_ota", "fill", "install", "kit", "live", "tmpfs", "tree"]
 
 
 def cfg_text(model: str, extra: str = "") -> str:
@@ -59,6 +59,30 @@ def device(tmp_path: Path, *, model_bytes: int, keep: int) -> dict:
     cfg.write_text(f'[paths]\nstate_dir = "{tmp_path / "state"}"\n[[models]]\nname = "x"\npath = "x.gguf"\n')
     return {"dir": tmp_path, "key": key, "pub": pub, "model": model, "cfg": cfg,
             "ota": Ota(tmp_path / "state" / "ota", keep=keep)}
+
+
+MODEL_CFG = '[[models]]\nname = "m"\npath = "models/m.gguf"\n'
+
+
+def build_version(dev, version: str, *, config: str = MODEL_CFG, model: Path | None = None, base=None) -> Path:
+    """A bundle of `version` for a `device()`: its model (or `model`) as models/m.gguf, thin when
+    `base` (a manifest) is given."""
+    out = dev["dir"] / f"{version}{'-thin' if base else ''}.edgeb"
+    build_bundle(out, version=version, files=[(model or dev["model"], "models/m.gguf", "model", None)],
+                 config=config, key=dev["key"], base=base)
+    return out
+
+
+def damage(path: Path, at: int = 300) -> None:
+    """Flip one bit of a file in place (flash bit-rot: same inode, size and mode)."""
+    mode = path.stat().st_mode
+    path.chmod(0o644)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    path.chmod(mode)
 
 
 def edge_ota(kit, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

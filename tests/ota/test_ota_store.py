@@ -18,7 +18,7 @@ from edge.ota.bundle import build_bundle, open_bundle
 from edge.ota.errors import BundleError
 from edge.ota.install import Ota
 from edge.ota.manifest import read_base
-from kit.ota import device, tmpfs, tree
+from kit.ota import build_version as build, damage, device, tmpfs, tree
 
 CFG = '[[models]]\nname = "m"\npath = "models/m.gguf"\n'
 
@@ -26,13 +26,6 @@ CFG = '[[models]]\nname = "m"\npath = "models/m.gguf"\n'
 @pytest.fixture()
 def dev(tmp_path: Path):
     return device(tmp_path, model_bytes=64 << 10, keep=3)
-
-
-def build(dev, version: str, *, config: str = CFG, model: Path | None = None, base=None) -> Path:
-    out = dev["dir"] / f"{version}{'-thin' if base else ''}.edgeb"
-    build_bundle(out, version=version, files=[(model or dev["model"], "models/m.gguf", "model", None)],
-                 config=config, key=dev["key"], base=base)
-    return out
 
 
 def healthy() -> tuple[bool, str]:
@@ -217,21 +210,13 @@ def test_verify_finds_a_flipped_byte_in_every_version_that_shares_it(dev) -> Non
     assert "versions/1.1.0/manifest.json: does not verify with" in r.stderr
 
 
-def _damage(obj: Path) -> None:
-    obj.chmod(0o644)
-    data = bytearray(obj.read_bytes())
-    data[300] ^= 0xFF
-    obj.write_bytes(bytes(data))
-    obj.chmod(0o444)
-
-
 def test_a_damaged_object_is_never_linked_into_a_new_version(dev) -> None:
     """Flash bit-rot in the store: a full bundle writes the object anew from its own bytes; a thin
     one that needs it is refused before writing, as for content the device does not have."""
     ota = dev["ota"]
     install(dev, build(dev, "1.0.0"))
     (obj,) = ota.store.objects.iterdir()
-    _damage(obj)
+    damage(obj)
     thin = build(dev, "1.1.0", config=CFG + "# 1.1\n", base=read_base(build(dev, "1.0.1")))
     before = tree(ota)
     with pytest.raises(BundleError, match="does not have intact: models/m.gguf"):

@@ -1,0 +1,97 @@
+"""Every end of an `edge ota` command is a documented exit code with one line, through the real
+CLI: ENOSPC at each file-system operation of a commit and of a rollback (EDGE_OTA_ENOSPC_AT_OP)
+is 75 naming the file and the state left (or 0 where the command can do without that write),
+and running the command again converges; an answer that stdout cannot take is 74 with the work
+done; an install with no signing key is the config's fault, 78."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from edge.ota.install import Ota
+from kit.ota import MODEL_CFG, build_version, device, edge_ota, fill, tmpfs
+
+
+@pytest.fixture()
+def dev(tmp_path: Path):
+    return device(tmp_path, model_bytes=4096, keep=2)
+
+
+def _pending(dev) -> None:
+    """1.0.0 committed, 1.1.0 installed and not committed."""
+    for v, commit in (("1.0.0", True), ("1.1.0", False)):
+        b = build_version(dev, v, config=MODEL_CFG + f"# {v}\n")
+        assert edge_ota(dev, "install", str(b), "--pubkey", str(dev["pub"]), "--no-activate").returncode == 0
+        if commit:
+            assert edge_ota(dev, "commit").returncode == 0
+
+
+def _one_line(r) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("command, done", [(("commit",), "1.1.0"), (("rollback", "--no-activate"), "1.0.0")])
+def test_enospc_at_every_operation_is_one_line_and_the_command_converges_when_run_again(dev, tmp_path: Path,
+                                                                                         command, done) -> None:
+    _pending(dev)
+    state = tmp_path / "state"
+    template = tmp_path / "template"
+    shutil.copytree(state, template, symlinks=True)
+    log = tmp_path / "ops.log"
+    assert edge_ota(dev, *command, env={"EDGE_OTA_FS_LOG": str(log)}).returncode == 0
+    ops = log.read_text().splitlines()
+    assert len(ops) >= 4 and any(" exchange " in o for o in ops) and any(" overwrite " in o for o in ops)
+    codes = set()
+    for n in range(1, len(ops) + 1):
+        shutil.rmtree(state)
+        shutil.copytree(template, state, symlinks=True)
+        r = edge_ota(dev, *command, env={"EDGE_OTA_ENOSPC_AT_OP": str(n)})
+        codes.add(r.returncode)
+        assert r.returncode in (0, 75), (ops[n - 1], r.stderr)
+        if r.returncode == 75:
+            line = _one_line(r)
+            assert "No space left on device" in line and "the OTA state is current" in line, line
+            again = edge_ota(dev, *command)  # free space: run it again
+            assert again.returncode in (0, 65) and "Traceback" not in again.stderr, (ops[n - 1], again.stderr)
+            if again.returncode == 65:  # the first run got that far: nothing is left to do
+                assert "nothing to commit" in again.stderr or "nothing to roll back" in again.stderr, again.stderr
+        ota = Ota(dev["ota"].root)
+        ota.recover(None)  # at boot
+        st = ota.status()
+        assert st["current"] == done and st["pending"] is None and st["links"]["current"] == done, ops[n - 1]
+    assert 75 in codes
+
+
+def test_an_answer_stdout_cannot_take_is_74_and_the_commit_stands(dev, tmp_path: Path) -> None:
+    import subprocess
+
+    from kit import EDGE
+
+    _pending(dev)
+    with tmpfs(tmp_path / "full", "64k") as mnt:
+        out = mnt / "answer.json"
+        out.touch()
+        fill(mnt, inodes=False)
+        with open(out, "w") as stdout:
+            r = subprocess.run([*EDGE, "ota", "commit", "--config", str(dev["cfg"])], stdout=stdout,
+                               stderr=subprocess.PIPE, text=True, timeout=120)
+    line = _one_line(r)
+    assert r.returncode == 74 and line.startswith("edge: error: stdout: No space left on device"), r.stderr
+    assert "the command completed" in line
+    st = json.loads(edge_ota(dev, "status").stdout)
+    assert st["current"] == "1.1.0" and st["pending"] is None
+
+
+def test_install_without_a_signing_key_is_the_configs_fault(dev) -> None:
+    b = build_version(dev, "1.0.0")
+    dev["cfg"].write_text(dev["cfg"].read_text() + f'[ota]\npubkey = "{dev["dir"] / "no-such.pub"}"\n')
+    r = edge_ota(dev, "install", str(b))
+    assert r.returncode == 78, r.stderr
+    line = _one_line(r)
+    assert f"{dev['cfg']}: ota.pubkey: no bundle signing key at {dev['dir'] / 'no-such.pub'}" in line
