@@ -4,7 +4,7 @@ leaves a trace that says where.
 
 One file per process, `<state_dir>/journal/<pid>-<starttime>.jsonl`, one JSON object a line:
 
-    {"journal": 1, "pid": 4242, "boot_id": "…", "starttime": 812345, "started_at": "…", ...}
+    {"journal": 1, "pid": 4242, "starttime": 812345, "started_at": "…", ...}
     {"enter": "config", "t": 0.181}                    # synced before the phase runs
     {"keys": {"llama:gemma": "9f2c…", ...}}            # what each safe-mode ladder is keyed by
     {"enter": "warmup", "t": 1.045, "model": "gemma"}
@@ -14,6 +14,9 @@ One file per process, `<state_dir>/journal/<pid>-<starttime>.jsonl`, one JSON ob
     {"end": "ok", "exit": 0}                           # the process's own end, when it had one
     {"stop": {"result": "signal", "code": "killed", "status": "SEGV"}}   # systemd's ExecStopPost
 
+The process holds an exclusive lock (flock) on its journal for as long as it is open: the
+kernel drops it when the process dies however it dies, and no reboot keeps it, so "its process
+is gone" is a lock that can be taken, whatever the pid namespace or the wall clock says.
 A process that ends by itself writes `end` (and its report, as before). One that dies by a
 signal writes nothing more: its journal has no `end`. systemd's ExecStopPost= (`edge
 record-stop`) adds how systemd saw the end, so the signal is known even when the process could
@@ -23,10 +26,10 @@ and removes it.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
-import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,13 +45,6 @@ log = logging.getLogger("edge")
 
 JOURNAL_DIR = "journal"
 FORMAT = 1
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 def _starttime(pid: int) -> int | None:
@@ -76,7 +72,7 @@ class Journal:
         self.lines, self.seconds = 0, 0.0  # what the journal cost this process (in its start report)
         self.ended = False
         now = time.time()
-        self._write({"journal": FORMAT, "kind": kind, "pid": self.pid, "boot_id": _boot_id(), "starttime": start,
+        self._write({"journal": FORMAT, "kind": kind, "pid": self.pid, "starttime": start,
                      "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now - self._clock())),
                      "started_unix": round(now - self._clock(), 6), "edge_version": _version()}, sync=True)
 
@@ -146,6 +142,7 @@ class Journal:
             if self._fd is None:
                 self.folder.mkdir(parents=True, exist_ok=True)
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "alive" for as long as it is held
                 fsync_dir(self.folder)
             os.write(self._fd, data)
             if sync:
@@ -182,15 +179,6 @@ class Stop:
     def from_env(cls, env: dict[str, str]) -> "Stop":
         return cls(env.get("SERVICE_RESULT", ""), env.get("EXIT_CODE", ""), env.get("EXIT_STATUS", ""))
 
-    @classmethod
-    def from_wait_status(cls, returncode: int) -> "Stop":
-        """What systemd would pass, from a child's exit (subprocess convention: -N for signal N)."""
-        if returncode >= 0:
-            return cls("success" if returncode == 0 else "exit-code", "exited", str(returncode))
-        name = signal.Signals(-returncode).name.removeprefix("SIG")
-        dumped = -returncode in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE)
-        return cls("core-dump" if dumped else "signal", "dumped" if dumped else "killed", name)
-
     def as_dict(self) -> dict[str, str]:
         return {"result": self.result, "code": self.code, "status": self.status}
 
@@ -219,10 +207,18 @@ class JournalRead:
         return int(self.head.get("pid") or 0)
 
     def alive(self) -> bool:
-        """Its process still runs (same boot, same pid, same start time)."""
-        if self.head.get("boot_id") != _boot_id():
+        """Its process still holds the journal's lock (it runs, and has not ended its journal)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
             return False
-        return _starttime(self.pid) == self.head.get("starttime")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
 
     def phase(self) -> dict[str, Any]:
         """Where it was: the phase entered last among those not done, a model's or engine's own

@@ -330,6 +330,13 @@ def _ask(m: Machine, timeout: float = 300) -> subprocess.Popen[str]:
     return m.net([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def _recovery_state(m: Machine) -> str:
+    """What a failed assertion on crash records should show: the journals, the records, the log."""
+    return m.run("ls -la /var/lib/edge/journal /var/lib/edge/reports | tail -30; "
+                 "head -c 3000 /var/lib/edge/journal/*.jsonl; "
+                 "journalctl -u edge.service --no-pager -o cat -n 60 | grep -v '^  File'", check=False).stdout
+
+
 def test_crashed_starts_take_the_fallback_and_a_waiting_client_is_answered(tiny: Machine) -> None:
     """A fault in llama.cpp's extra buffer types at warm-up (EDGE_TEST_FAULT): systemd restarts
     the service (Restart=), ExecStopPost= records each SIGSEGV, the third start serves in safe
@@ -345,7 +352,9 @@ def test_crashed_starts_take_the_fallback_and_a_waiting_client_is_answered(tiny:
     assert s["ActiveState"] == "active" and s["NRestarts"] == "2", s
     status = json.loads(m.run(f"{EDGE} status --json").stdout)
     crashes = status["crashed_starts"][-2:]
-    assert [(c["phase"], c["signal"], c["service_result"]) for c in crashes] == [("warmup", "SEGV", "core-dump")] * 2
+    # systemd says core-dump where a core was written, signal where the container has no core handler
+    assert [(c["phase"], c["signal"], c["service_result"] in ("core-dump", "signal")) for c in crashes] == \
+        [("warmup", "SEGV", True)] * 2, _recovery_state(m)
     assert [x["target"] for x in status["safe_mode"]] == ["tiny"]
     journal = m.run("journalctl -u edge.service --no-pager -o cat -n 400").stdout
     assert "Fatal Python error: Segmentation fault" in journal  # faulthandler's stacks, in the journal
@@ -382,7 +391,8 @@ def test_a_sigkill_while_serving_is_recorded_by_exec_stop_post(tiny: Machine) ->
     wait_for("a new main process", lambda: (s := m.show("edge.service", "MainPID", "ActiveState"))["MainPID"]
              not in (before, "0") and s["ActiveState"] == "active", 120, step=0.2)
     crash = json.loads(m.run(f"{EDGE} status --json").stdout)["crashed_starts"][-1]
-    assert (crash["pid"], crash["phase"], crash["signal"], crash["reached_ready"]) == (int(before), "serving", "KILL", True)
+    assert (crash["pid"], crash["phase"], crash["signal"], crash["reached_ready"]) == (int(before), "serving", "KILL", True), \
+        _recovery_state(m)
     url = f"http://127.0.0.1:{PORT}/metrics"
     metrics = m.run(f"/opt/edge/venv/bin/python -c 'import urllib.request; "
                     f"print(urllib.request.urlopen(\"{url}\").read().decode())'").stdout
