@@ -12,9 +12,9 @@ tokens before its end). A position further back needs a state copied earlier in 
 
 So while a prompt is prefilled, the state is copied after the batch that reaches each position a
 later prompt is likely to continue from: the prompt's end, and where its chat template starts a
-user turn (after the system message, before the last user message) when the end's state will
-not reach back there -- never a second prefill, and the batches are the same with or without
-copies. Measured on Gemma 3 270M at n_ctx 2048 (README, "Prompt cache"): a whole state is
+user turn (after the system message, before the last user message), a copy kept only where the
+end's state does not reach back there -- never a second prefill, and the batches are the same
+with or without copies. Measured on Gemma 3 270M at n_ctx 2048 (README, "Prompt cache"): a whole state is
 14.5 MiB at 824 tokens and 21 MiB at 2,000; a copy takes 2-4 ms (4-14 ms into fresh pages on the
 busy 2-core machine). Hence: a prefill of fewer than MIN_NEW tokens copies nothing (the copy
 would be a tenth of its time, and the states it continued from are kept); the end's copy makes
@@ -27,11 +27,6 @@ Runs on the model's worker thread, inside Native.decode.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from edge.model.native import Native
-
 __all__ = ["MIN_NEW", "PrefillCheckpoints", "positions"]
 
 MIN_NEW = 128  # tokens: a state is copied only for at least this many that no saved state gives
@@ -47,8 +42,8 @@ class PrefillCheckpoints:
     live state (positions up to end - 1) in the prompt cache, evicting others for it or only in
     free room, and answers whether it could."""
 
-    def __init__(self, native: Native, wanted: Iterable[int], end: int, copy: Callable[[int, bool], bool]) -> None:
-        self.native, self.end, self.copy = native, end, copy
+    def __init__(self, wanted: Iterable[int], end: int, copy: Callable[[int, bool], bool]) -> None:
+        self.end, self.copy = end, copy
         self.wanted = sorted(wanted)
         self.taken: list[int] = []  # where copies were taken
 

@@ -203,8 +203,8 @@ class PromptCache:
         """A restored state whose first n tokens were used: kept (as the checkpoint of that
         prefix, see _checkpoint) where it can be cut back to them, else dropped (its tokens live
         in the sequence now and are saved again with it if needed)."""
-        entry = self.entries[key]
-        if not (entry.pinned or entry.checkpoint):
+        entry = self.entries.get(key)
+        if entry is not None and not (entry.pinned or entry.checkpoint):
             if n >= MIN_REUSE and self._reaches(entry, n):
                 entry.checkpoint = True
             else:
@@ -239,7 +239,7 @@ class PromptCache:
         wanted = [p for p in positions(n, len(tokens), found) if self._served(tokens[:p]) < p - MIN_REUSE]
         if not wanted:
             return None
-        return PrefillCheckpoints(self.native, wanted, len(tokens), lambda end, evict: self._keep_live(
+        return PrefillCheckpoints(wanted, len(tokens), lambda end, evict: self._keep_live(
             tokens[:end], checkpoint=True, evict=evict) is not None)
 
     def _save_live_if_losing(self, keep: int, protect: int | None = None) -> None:
@@ -371,6 +371,5 @@ class PromptCache:
         """Whether a pinned (declared) state already gives what `e` was reused for: a learned
         copy of a declared prefix would only take a learned slot and its bytes twice."""
         need = min(e.reused or len(e.tokens), len(e.tokens))
-        return any(p.pinned and lcp(p.tokens, e.tokens) >= need
-                   and (need == len(p.tokens) or self.native.reaches(p.pos_min, need))
+        return any(p.pinned and lcp(p.tokens, e.tokens) >= need and self._reaches(p, need)
                    for p in self.entries.values())

@@ -4,7 +4,6 @@ on a real llama.cpp context: a tiny Gemma 3 whose sliding-window layers see 32 t
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ from edge.model.checkpoints import MIN_NEW
 from edge.model.generate import GenParams, Job
 from edge.model.gguf import read_gguf_info
 from edge.model.llm import GGUFModel, load_gguf_model
+from kit.chats import chats_in_turns
 
 N_SWA = 32
 
@@ -178,19 +178,7 @@ def test_two_conversations_in_turns_reuse_all_but_their_new_turn(model: GGUFMode
     """Two chats whose turns alternate, each re-sending its growing history: every turn reuses
     its previous prompt and more (the answer, as far as it renders to the same tokens), well past
     llama.cpp's window cache."""
-    chats = [[{"role": "system", "content": words(seed, 40)}] for seed in (1, 2)]
-    previous = [0, 0]
-    for turn in range(6):
-        for c, msgs in enumerate(chats):
-            msgs.append({"role": "user", "content": words(10 * turn + c, 12)})
-            prompt, stops = model.tokenize_chat(msgs)
-            job = Job(tokens=prompt, params=GenParams(max_tokens=8, temperature=0, stop=stops),
-                      marks=partial(model.turn_marks, msgs, None, prompt))
-            answer = "".join(p.text for p in model.generate(job))
-            if turn:
-                assert job.cached_tokens >= previous[c], (turn, c, job.cached_tokens, previous[c])
-            previous[c] = len(prompt)
-            msgs.append({"role": "assistant", "content": answer})
+    previous = chats_in_turns(model, [words(1, 40), words(2, 40)], lambda turn, c: words(10 * turn + c, 12))
     assert min(previous) > 256  # the histories outgrew the window cache
     assert model.cache.stats.hits == 10
 

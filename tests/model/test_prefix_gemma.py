@@ -3,7 +3,6 @@ from disk answers exactly as when it was computed, and as a prefix recomputed fr
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from edge.model.generate import GenParams, Job
 from edge.model.gguf import read_gguf_info
 from edge.model.llm import GGUFModel, load_gguf_model
 from edge.model.prefixstore import prefix_tokens, restore_prefixes
+from kit.chats import chats_in_turns
 
 pytestmark = pytest.mark.gemma
 
@@ -152,19 +152,8 @@ def test_two_chats_in_turns_reuse_all_but_their_new_turn(gemma2k: GGUFModel) -> 
     growing history: turn k reuses turn k - 1's prompt and the answer, and computes the new turn."""
     m = gemma2k
     fresh_cache(m)
-    chats = [[{"role": "system", "content": words(seed, 300)}] for seed in (1, 2)]
-    previous = [0, 0]
-    for turn in range(6):
-        for c, msgs in enumerate(chats):
-            msgs.append({"role": "user", "content": words(10 * turn + c, 60)})
-            prompt, stops = m.tokenize_chat(msgs)
-            job = Job(tokens=prompt, params=GenParams(max_tokens=24, temperature=0, stop=stops),
-                      marks=partial(m.turn_marks, msgs, None, prompt))
-            answer = "".join(p.text for p in m.generate(job))
-            if turn:
-                assert job.cached_tokens >= previous[c], (turn, c, job.cached_tokens, previous[c])
-            previous[c] = len(prompt)
-            msgs.append({"role": "assistant", "content": answer})
+    previous = chats_in_turns(m, [words(1, 300), words(2, 300)], lambda turn, c: words(10 * turn + c, 60),
+                              max_tokens=24)
     assert min(previous) > 700
 
 
