@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from ggufgen import write_tiny_llama  # noqa: E402
+from ggufgen import write_tiny_gemma3, write_tiny_llama  # noqa: E402
 from kit import EDGE, PidOne, write_config  # noqa: E402
 
 pytest_plugins = ["kit.ota"]  # OTA fixtures (kit, live) for the OTA and Mender tests
@@ -24,6 +24,12 @@ pytest_plugins = ["kit.ota"]  # OTA fixtures (kit, live) for the OTA and Mender 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_swa_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma 3: sliding-window layers with a 32-token window (the real one's is 512)."""
+    return write_tiny_gemma3(tmp_path_factory.mktemp("models") / "tiny-gemma3.gguf")
 
 
 @pytest.fixture()

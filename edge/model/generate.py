@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from edge.model.native import Native
-    from edge.model.promptcache import PromptCache
+    from edge.model.promptcache import Marks, PromptCache
 
 __all__ = ["GenParams", "Job", "Piece", "SamplerChain", "TokenLogprob", "generate", "MIN_P",
            "PENALTY_LAST_N"]
@@ -71,6 +71,7 @@ class Job:
     cache_prompt: bool = True  # False: prefill the whole prompt from position 0 (bit-exact repeats)
     remember: bool = True  # False (warm-up): leave the prompt cache as it was found
     cached_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
+    marks: Marks = ()  # where later prompts may part from this one (chat turns): prefill checkpoints
 
 
 class SamplerChain:
@@ -143,7 +144,8 @@ def generate(native: Native, cache: PromptCache, job: Job) -> Iterator[Piece]:
     p = job.params
     chain = SamplerChain(native, p)
     try:
-        job.cached_tokens = cache.prefill(job.tokens, use_cache=job.cache_prompt, remember=job.remember)
+        job.cached_tokens = cache.prefill(job.tokens, use_cache=job.cache_prompt, remember=job.remember,
+                                          marks=job.marks)
         job.prefilled = True
         yield from _decode_loop(native, cache, chain, job)
     except Exception:

@@ -19,12 +19,14 @@ from edge.model.gguf import GGUFInfo
 from edge.model.native import ContextSettings, DecodeError, Native
 from edge.model.mlock import MlockStatus, mlock_status, vm_locked_bytes
 from edge.model.memory import kv_bytes, prompt_cache_bytes
-from edge.model.promptcache import PromptCache
+from edge.model.promptcache import PromptCache, lcp
 
 __all__ = ["GenParams", "GGUFModel", "Job", "Piece", "diagnose_load_failure", "load_gguf_model",
            "settings_for"]
 
 log = logging.getLogger("edge")
+
+PROBES = ("Q", "R")  # two different next turns: a chat prefix ends where their renderings part
 
 
 class GGUFModel:
@@ -86,6 +88,33 @@ class GGUFModel:
                       tool_choice: Any = None) -> tuple[list[int], tuple[str, ...]]:
         prompt, added_bos, stops = self.render_chat(messages, tools, tool_choice)
         return self.native.tokenize(prompt.encode("utf-8"), add_bos=not added_bos, special=True), stops
+
+    def turn_prefix(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> tuple[str, bool]:
+        """(text, whether the template added BOS): `messages` rendered up to where the next user
+        turn's content would begin, which every longer conversation starting with them shares.
+        Two different next turns are rendered; the text ends where their renderings part."""
+        (a, added_bos, _), (b, _, _) = (self.render_chat([*messages, {"role": "user", "content": probe}], tools)
+                                        for probe in PROBES)
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return a[:n], added_bos
+
+    def turn_marks(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   tokens: list[int]) -> list[int]:
+        """Where later conversations are likely to part from this one (`tokens`, its rendering):
+        where the first user turn after the system message begins, which other conversations
+        share, and where the last one begins, after the turns this one will send again. Prompt
+        cache checkpoints (edge.model.checkpoints) are taken there; a part the template cannot
+        render or llama.cpp cannot tokenize gives no mark (marks never fail a request)."""
+        starts = [i for i, msg in enumerate(messages) if i and msg.get("role") == "user"]
+        marks = []
+        for i in sorted({starts[0], starts[-1]}) if starts else ():
+            try:
+                text, added_bos = self.turn_prefix(messages[:i], tools)
+                head = self.native.tokenize(text.encode("utf-8"), add_bos=not added_bos, special=True)
+            except (RequestError, ValueError):
+                continue
+            marks.append(lcp(head, tokens))
+        return marks
 
     @property
     def n_vocab(self) -> int:

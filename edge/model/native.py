@@ -16,7 +16,7 @@ import ctypes
 import functools
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,9 +147,11 @@ class Native:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, tok))
 
     # -- decoding ----------------------------------------------------------------------------------
-    def decode(self, tokens: Sequence[int], pos: int) -> None:
+    def decode(self, tokens: Sequence[int], pos: int, after: Callable[[int], None] | None = None) -> None:
         """`tokens` at positions pos, pos+1, ... into the sequence, n_batch at a time; logits
-        only for the last token (what sampling needs)."""
+        only for the last token (what sampling needs). `after(end)` runs after each batch, the
+        sequence then holding positions up to end - 1 (the batches are the same with it or
+        without it)."""
         b, n_batch, i32 = self._batch, self.n_batch, ctypes.c_int32
         for i in range(0, len(tokens), n_batch):
             chunk = tokens[i:i + n_batch]
@@ -160,6 +162,8 @@ class Native:
             self._out[n - 1] = 1 if i + n == len(tokens) else 0
             b.n_tokens = n
             self._check(self.lib.llama_decode(self.ctx, b), pos + i, n)
+            if after is not None:
+                after(pos + i + n)
 
     def decode_one(self, tok: int, pos: int) -> None:
         self._tok[0], self._pos[0], self._out[0] = tok, pos, 1
@@ -193,44 +197,61 @@ class Native:
     def reaches(self, pos_min: int, n: int) -> bool:
         """Whether a sequence holding positions from `pos_min` on, cut to n tokens, still holds
         what the token at position n attends to. Always, unless sliding-window layers keep only
-        their window (swa_full = false): then the window before n must still be there."""
-        return not self.n_swa or n <= 0 or 0 <= pos_min <= max(0, n - self.n_swa)
+        their window (swa_full = false): then the window before n must still be there, from
+        position n - n_swa + 1 on (llama.cpp masks a key n_swa or more positions back)."""
+        return not self.n_swa or n <= 0 or 0 <= pos_min <= max(0, n - self.n_swa + 1)
 
     def can_continue_at(self, n: int) -> bool:
         """`reaches` for the sequence as it is now."""
         return self.reaches(self.pos_min(), n)
 
-    def state_size(self) -> int:
-        return int(self.lib.llama_state_seq_get_size(self.ctx, SEQ))
+    def window_min(self) -> int:
+        """The oldest position a windowed state of the sequence (state_bytes()) holds: llama.cpp
+        leaves out of it what the sliding window no longer shows its last position."""
+        pos_max = int(self.lib.llama_memory_seq_pos_max(self.mem, SEQ))
+        return max(self.pos_min(), pos_max - self.n_swa + 1) if self.n_swa else self.pos_min()
+
+    def state_size(self, whole: bool = False) -> int:
+        lib = self.lib
+        return int(lib.llama_state_get_size(self.ctx) if whole else lib.llama_state_seq_get_size(self.ctx, SEQ))
 
     def clear(self) -> None:
         self.lib.llama_memory_seq_rm(self.mem, SEQ, -1, -1)
 
-    def state_bytes(self) -> bytearray:
-        """The sequence's KV state as llama.cpp serialises it (llama_state_seq_get_data), written
-        straight into the buffer that keeps it (one copy: the buffer's pages are the kernel's
-        zero pages until llama.cpp writes them)."""
-        size = self.state_size()
+    def state_bytes(self, whole: bool = False) -> bytearray:
+        """The sequence's KV state as llama.cpp serialises it, written straight into the buffer
+        that keeps it (one copy: the buffer's pages are the kernel's zero pages until llama.cpp
+        writes them). Windowed (llama_state_seq_get_data): sliding-window layers only as far as
+        the last position sees, so it can be continued only from its end. Whole
+        (llama_state_get_data, the context's one sequence): every position they still hold
+        (down to pos_min()), so it can be cut back as far as the live sequence could."""
+        size = self.state_size(whole)
         buf = bytearray(size)
         view = (ctypes.c_uint8 * size).from_buffer(buf)
-        got = int(self.lib.llama_state_seq_get_data(self.ctx, view, size, SEQ))
+        lib = self.lib
+        got = int(lib.llama_state_get_data(self.ctx, view, size) if whole
+                  else lib.llama_state_seq_get_data(self.ctx, view, size, SEQ))
         del view  # the buffer is exported while a view lives: released before any resize
         if got == 0 and size:
-            raise DecodeError("llama_state_seq_get_data returned nothing")
+            raise DecodeError("llama.cpp returned no state")
         if got != size:
             del buf[got:]
         return buf
 
-    def set_state(self, data: bytes | bytearray) -> bool:
-        """Replace the sequence's KV with a saved state; False (and an empty sequence) where
-        llama.cpp refuses it (other model, context or cache layout). A bytearray is read in
-        place; bytes are copied once (ctypes needs a writable buffer)."""
+    def set_state(self, data: bytes | bytearray, whole: bool = False) -> bool:
+        """Replace the sequence's KV with a saved state (made by state_bytes with the same
+        `whole`); False (and an empty sequence) where llama.cpp refuses it (other model,
+        context or cache layout). A bytearray is read in place; bytes are copied once (ctypes
+        needs a writable buffer)."""
         self.clear()
         if isinstance(data, bytearray):
             buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
         else:
             buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if int(self.lib.llama_state_seq_set_data(self.ctx, buf, len(data), SEQ)) == 0:
+        lib = self.lib
+        got = int(lib.llama_state_set_data(self.ctx, buf, len(data)) if whole
+                  else lib.llama_state_seq_set_data(self.ctx, buf, len(data), SEQ))
+        if got == 0:
             self.clear()
             return False
         return True

@@ -53,7 +53,6 @@ FORMAT = 1
 _HEAD = struct.Struct("<I")
 MAX_HEADER = 64 << 20  # a header longer than this is not one of ours
 KEEP = 3  # state files kept per declared prefix (other keys: other n_ctx, model, build)
-PROBES = ("Q", "R")  # two different next turns: a chat prefix ends where their renderings part
 
 
 class StateRejected(Exception):
@@ -87,12 +86,10 @@ def prefix_tokens(model: GGUFModel, p: PrefixConfig, source: str = "", field: st
                           "tool support (it never mentions `tools`), so it would leave them out: set "
                           "the model's chat_template to one that does, or remove tools")
     try:
-        texts = [model.render_chat([*msgs, {"role": "user", "content": probe}], p.tools) for probe in PROBES]
+        text, added_bos = model.turn_prefix(msgs, p.tools)
     except RequestError as exc:
         raise ConfigError(source, f"{field}.messages", str(exc)) from None
-    (a, added_bos, _), (b, _, _) = texts
-    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return model.native.tokenize(a[:n].encode("utf-8"), add_bos=not added_bos, special=True)
+    return model.native.tokenize(text.encode("utf-8"), add_bos=not added_bos, special=True)
 
 
 # -- the file ------------------------------------------------------------------------------------
@@ -204,7 +201,7 @@ def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where
         state = cache.compute(tokens)
         write_state(path, key, tokens, state, kind="declared", name=p.name)
         _prune(folder, p.name)
-    if not cache.add(Entry(list(tokens), state, name=p.name, pinned=True, pos_min=model.native.pos_min())):
+    if not cache.add(Entry(list(tokens), state, name=p.name, pinned=True, pos_min=model.native.window_min())):
         outcome = "no room"  # restore_prefixes refuses the config once every state's size is known
     return {"prefix": p.name, "kind": "declared", "tokens": len(tokens), "bytes": len(state),
             "outcome": outcome, "why": "" if outcome == "restored" else why,
@@ -305,7 +302,7 @@ def _learned(model: GGUFModel, folder: Path, key: dict[str, Any]) -> list[dict[s
             elif not model.cache.load(tokens, state):
                 row["why"] = "llama.cpp refused the saved state"
             elif not model.cache.add(Entry(tokens, state, hits=int(header.get("hits", 0)), checkpoint=True,
-                                           reused=int(header.get("reused", 0)), pos_min=model.native.pos_min())):
+                                           reused=int(header.get("reused", 0)), pos_min=model.native.window_min())):
                 row["why"] = "no room beside the declared prefixes (prompt_cache_mb)"
             else:
                 row["outcome"] = "restored"

@@ -10,6 +10,10 @@ prefilled. Before the live sequence loses more than it keeps to a new prompt, it
 (as llama-server's prompt cache does), so one unrelated request costs the next user of a long
 prefix one restore instead of a full prefill.
 
+Sliding-window models (`swa_full = false`) keep only each window, so their states are saved whole
+(every position the window cache still holds: it can be cut back that far) and a prefill copies
+the state at the positions later prompts are likely to continue from (edge.model.checkpoints).
+
 Declared prefixes (config) are pinned: never evicted, restored at every start from their state
 on disk (edge.model.prefixstore). Learned prefixes are the unpinned states that traffic reused most.
 
@@ -19,13 +23,18 @@ Every method runs on the model's worker thread, between generations: a restore n
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Union
+
+from edge.model.checkpoints import MIN_NEW, PrefillCheckpoints, positions
 
 if TYPE_CHECKING:
     from edge.model.native import Native
 
-__all__ = ["CacheStats", "Entry", "PromptCache", "lcp", "MIN_REUSE"]
+Marks = Union[Sequence[int], Callable[[], Sequence[int]]]  # positions worth a checkpoint, or how to find them
+
+__all__ = ["CacheStats", "Entry", "Marks", "PromptCache", "lcp", "MIN_REUSE"]
 
 MIN_REUSE = 16  # tokens: a shorter common prefix is a miss (a BOS, a chat turn's opener)
 
@@ -53,17 +62,18 @@ class Entry:
     state: bytearray  # as edge.model.native.Native.state_bytes made it (restored in place, not copied)
     name: str = ""  # a declared prefix's name; "" for a state saved from traffic
     pinned: bool = False
-    checkpoint: bool = False  # saved at the end of a prefix two requests shared (see _checkpoint)
+    checkpoint: bool = False  # kept when restored: saved where prompts part (see _checkpoint, checkpoints)
     hits: int = 0  # requests that reused it
     reused: int = 0  # the shortest prefix of it those requests reused (what is worth keeping)
     pos_min: int = 0  # the oldest position it holds (a sliding window keeps only its end)
+    whole: bool = False  # Native.state_bytes(whole=True): restored with set_state(whole=True)
 
     @property
     def nbytes(self) -> int:
         return len(self.state)
 
-    def hit(self, n: int) -> None:
-        self.hits += 1
+    def hit(self, n: int, times: int = 1) -> None:
+        self.hits += times
         self.reused = n if not self.reused else min(self.reused, n)
 
 
@@ -89,6 +99,7 @@ class PromptCache:
     entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)  # oldest use first
     stats: CacheStats = field(default_factory=CacheStats)
     nbytes: int = 0  # state bytes held: kept as entries come and go (read by /metrics)
+    live_turn: bool = False  # the live sequence is a chat turn (its conversation's next turn continues it)
     _next: int = 0
 
     def _drop(self, key: int) -> Entry:
@@ -97,11 +108,26 @@ class PromptCache:
         return entry
 
     # -- a request's prompt into the sequence ----------------------------------------------------
-    def prefill(self, tokens: list[int], use_cache: bool = True, remember: bool = True) -> int:
+    def prefill(self, tokens: list[int], use_cache: bool = True, remember: bool = True, marks: Marks = ()) -> int:
         """Make the sequence hold `tokens` with the last one's logits computed; reuse the longest
         cached prefix (unless `use_cache` is False: then the whole prompt is computed from
         position 0). `remember` False (warm-up) leaves the saved states and counters alone.
+        `marks`: positions in `tokens` where later prompts are likely to part from this one
+        (a chat template's turns), or a function that finds them if a checkpoint needs them.
         Returns how many prompt tokens were reused."""
+        n = self._reuse(tokens, use_cache, remember)
+        plan = self._checkpoints(tokens, n, marks) if use_cache and remember else None
+        try:
+            self.native.decode(tokens[n:], n, None if plan is None else plan.after)
+        except BaseException:
+            self.reset()
+            raise
+        self.live, self.live_turn = list(tokens), bool(marks)
+        return n
+
+    def _reuse(self, tokens: list[int], use_cache: bool, remember: bool) -> int:
+        """The sequence cut to the longest prefix of `tokens` it can continue from (the live
+        one or a restored state); how long that is."""
         last = len(tokens) - 1  # at most: the last prompt token is decoded again, its logits are needed
         n, source = (min(lcp(self.live, tokens), last), None) if use_cache else (0, None)
         if n and not self.native.can_continue_at(n):
@@ -116,8 +142,8 @@ class PromptCache:
             n = 0
         if n < len(self.live) and not (self.native.keep(n) and self.native.can_continue_at(n)):
             n = 0  # memory that cannot drop a suffix (recurrent models): start over
-        elif source is not None:
-            self._taken(source)
+        elif source is not None and remember:
+            self._taken(source, n)
         if n == 0:
             self.native.clear()
         self.live = list(tokens[:n])
@@ -125,12 +151,6 @@ class PromptCache:
             self._count(n)
             if n >= MIN_REUSE:
                 self._checkpoint()
-        try:
-            self.native.decode(tokens[n:], n)
-        except BaseException:
-            self.reset()
-            raise
-        self.live = list(tokens)
         return n
 
     def append(self, tok: int) -> None:
@@ -146,19 +166,31 @@ class PromptCache:
         else:
             self.stats.misses += 1
 
+    def _serves(self, e: Entry, tokens: list[int], last: int | None = None) -> int:
+        """How long a prefix of `tokens` (at most `last`) `e` can be continued from: it is cut
+        back there, which a state saved with only a sliding window's end cannot be far (0)."""
+        m = lcp(e.tokens, tokens) if last is None else min(lcp(e.tokens, tokens), last)
+        return m if self._reaches(e, m) else 0
+
+    def _reaches(self, e: Entry, m: int) -> bool:
+        return m == len(e.tokens) or self.native.reaches(e.pos_min, m)
+
+    def _served(self, tokens: list[int]) -> int:
+        """The longest prefix of `tokens` a saved state gives."""
+        return max((self._serves(e, tokens) for e in self.entries.values()), default=0)
+
     def _best_entry(self, tokens: list[int], last: int) -> tuple[int | None, int]:
-        """The saved state that gives `tokens` the longest prefix it can really continue from
-        (a state saved with only a sliding window's end cannot be cut far back)."""
+        """The saved state that gives `tokens` the longest prefix it can really continue from."""
         best: tuple[int | None, int] = (None, 0)
         for key, e in self.entries.items():
-            m = min(lcp(e.tokens, tokens), last)
-            if m > best[1] and (m == len(e.tokens) or self.native.reaches(e.pos_min, m)):
+            m = self._serves(e, tokens, last)
+            if m > best[1]:
                 best = (key, m)
         return best
 
     def _restore(self, key: int) -> bool:
         entry = self.entries[key]
-        if not self.native.set_state(entry.state):
+        if not self.native.set_state(entry.state, entry.whole):
             self._drop(key)  # llama.cpp refused it: never offered again
             self.live = []
             return False
@@ -167,79 +199,128 @@ class PromptCache:
         self.entries.move_to_end(key)
         return True
 
-    def _taken(self, key: int) -> None:
-        """A restored state that was used: its tokens live in the sequence now (and are saved
-        again with it if needed), unless it is kept for good (pinned, a checkpoint)."""
+    def _taken(self, key: int, n: int) -> None:
+        """A restored state whose first n tokens were used: kept (as the checkpoint of that
+        prefix, see _checkpoint) where it can be cut back to them, else dropped (its tokens live
+        in the sequence now and are saved again with it if needed)."""
         entry = self.entries.get(key)
         if entry is not None and not (entry.pinned or entry.checkpoint):
-            self._drop(key)
+            if n >= MIN_REUSE and self._reaches(entry, n):
+                entry.checkpoint = True
+            else:
+                self._drop(key)
 
     def _checkpoint(self) -> None:
         """The sequence holds exactly a prefix this request shares with an earlier one: keep its
-        state, unless a saved state already ends within MIN_REUSE tokens before its end. Saved
-        at the prefix's end, it serves the next request that starts with it after any number of
-        unrelated ones; a state saved further on could not be cut back to it where
-        sliding-window layers keep only their window (llama.cpp saves only the window). A longer
-        checkpoint of the same prefix gives way: checkpoints converge on what requests share."""
+        state, unless a saved state already gives it (to within MIN_REUSE tokens). Saved at the
+        prefix's end, it serves the next request that starts with it after any number of
+        unrelated ones. A longer checkpoint that shares this prefix but cannot be cut back to
+        it (a sliding window's end) gives way: checkpoints converge on what requests share."""
         n, prefix = len(self.live), self.live
         for key, e in self.entries.items():
-            m = lcp(e.tokens, prefix)
-            if m == len(e.tokens) and m >= n - MIN_REUSE:
+            m = self._serves(e, prefix)
+            if m and m >= n - MIN_REUSE:
                 e.hit(m)  # this request reused what it holds
                 self.entries.move_to_end(key)
                 return
-        size = self.native.state_size()
-        if not size or not self._room_for(size):
-            return
         longer = [k for k, e in self.entries.items() if e.checkpoint and lcp(e.tokens, prefix) == n < len(e.tokens)]
-        hits = sum(self._drop(k).hits for k in longer)  # their requests shared this shorter prefix too
-        entry = Entry(list(prefix), self.native.state_bytes(), checkpoint=True, hits=hits,
-                      pos_min=self.native.pos_min())
-        entry.hit(n)
-        self.add(entry)
+        key = self._keep_live(prefix, checkpoint=True)
+        if key is not None:
+            entry = self.entries[key]
+            entry.hits += sum(self._drop(k).hits for k in longer if k in self.entries)  # they shared it too
+            entry.hit(n)
+
+    def _checkpoints(self, tokens: list[int], n: int, marks: Marks) -> PrefillCheckpoints | None:
+        """The copies a prefill of tokens[n:] takes (edge.model.checkpoints): sliding-window
+        models only, at least MIN_NEW tokens computed, at positions no saved state gives."""
+        if not self.native.n_swa or len(tokens) - n < MIN_NEW or not self.limit_bytes:
+            return None
+        found = marks() if callable(marks) else marks
+        wanted = [p for p in positions(n, len(tokens), found) if self._served(tokens[:p]) < p - MIN_REUSE]
+        if not wanted:
+            return None
+        return PrefillCheckpoints(wanted, len(tokens), lambda end, evict: self._keep_live(
+            tokens[:end], checkpoint=True, evict=evict) is not None)
 
     def _save_live_if_losing(self, keep: int, protect: int | None = None) -> None:
-        """Save the live state before a prompt throws more of it away than it keeps, unless a
-        saved state already covers most of it. `protect`: a state about to be restored, which
+        """Save the live state before a prompt throws more of it away than it keeps, unless
+        saved states already give all but a few of its tokens: fewer than MIN_NEW and than half
+        (a novel question after a prefix that is kept), or than MIN_REUSE for a chat turn, which
+        the conversation's next turn continues. `protect`: a state about to be restored, which
         making room must not evict."""
         lose = len(self.live) - keep
         if lose < MIN_REUSE or lose <= keep:
             return
-        covered = max((lcp(e.tokens, self.live) for e in self.entries.values()), default=0)
-        size = self.native.state_size() if covered * 2 < len(self.live) else 0
-        if not size or not self._room_for(size, protect):
+        least = MIN_REUSE if self.live_turn else min(MIN_NEW, (len(self.live) + 1) // 2)
+        if len(self.live) - self._served(self.live) < least:
             return
-        self.add(Entry(list(self.live), self.native.state_bytes(), pos_min=self.native.pos_min()), protect)
+        self._keep_live(self.live, protect)
 
-    def _room_for(self, nbytes: int, protect: int | None = None) -> bool:
-        """Whether a state of `nbytes` can be kept at all (beside the pinned states and the one
-        protected), before it is copied out of llama.cpp."""
-        kept = sum(e.nbytes for k, e in self.entries.items() if e.pinned or k == protect)
-        return kept + nbytes <= self.limit_bytes
+    def _keep_live(self, tokens: list[int], protect: int | None = None, checkpoint: bool = False,
+                   evict: bool = True) -> int | None:
+        """The live sequence's state (it holds `tokens`) kept as the most recent entry; its key,
+        or None where it cannot fit. The states it gives all of go first, then room is made
+        (unless `evict` is False: free room only), then it is copied: the bytes held never
+        pass the limit. Sliding-window models' states are saved whole, so they can be cut back."""
+        whole = self.native.n_swa > 0
+        size = self.native.state_size(whole)
+        pos_min = self.native.pos_min() if whole else self.native.window_min()
+        new = Entry(list(tokens), bytearray(), checkpoint=checkpoint, pos_min=pos_min, whole=whole)
+        if not size or not self._fits(size, protect) or (not evict and self.nbytes + size > self.limit_bytes):
+            return None
+        for key in [k for k, e in self.entries.items() if k != protect and self._gives_all_of(new, e)]:
+            old = self._drop(key)
+            if old.hits:  # what reused it is what the new state is reused for
+                new.hit(old.reused, old.hits)
+        self._make_room(size, protect)
+        new.state = self.native.state_bytes(whole)
+        return self._insert(new)
+
+    def _gives_all_of(self, new: Entry, e: Entry) -> bool:
+        """Whether `new` gives every prefix an unpinned `e` is kept for: from the shortest one
+        requests reused of it on, or, never reused, all it can be cut back to."""
+        need = min(e.reused, len(e.tokens)) if e.hits else len(e.tokens)
+        if e.pinned or lcp(new.tokens, e.tokens) < need or not self._reaches(new, need):
+            return False
+        return bool(e.hits) or not e.whole or new.pos_min <= e.pos_min
+
+    def _fits(self, nbytes: int, protect: int | None = None) -> bool:
+        """Whether `nbytes` more can be held beside the pinned states and `protect`."""
+        return sum(e.nbytes for k, e in self.entries.items() if e.pinned or k == protect) + nbytes <= self.limit_bytes
+
+    def _make_room(self, nbytes: int, protect: int | None = None) -> bool:
+        """Evict the least recently used unpinned states (never `protect`) until `nbytes` more
+        fit; False (nothing evicted) where they cannot fit at all."""
+        if not self._fits(nbytes, protect):
+            return False
+        for key in [k for k, e in self.entries.items() if not e.pinned and k != protect]:
+            if self.nbytes + nbytes <= self.limit_bytes:
+                break
+            self._drop(key)
+            self.stats.evictions += 1
+        return True
 
     # -- saved states ----------------------------------------------------------------------------
     def add(self, entry: Entry, protect: int | None = None) -> bool:
         """Keep `entry` (as the most recently used), evicting the least recently used unpinned
         states (never `protect`) until it fits; False (nothing changed) when it cannot fit."""
-        if not self._room_for(entry.nbytes, protect):
+        if not self._make_room(entry.nbytes, protect):
             return False
-        used = self.nbytes
-        for key in [k for k, e in self.entries.items() if not e.pinned and k != protect]:
-            if used + entry.nbytes <= self.limit_bytes:
-                break
-            used -= self._drop(key).nbytes
-            self.stats.evictions += 1
-        self.entries[self._next] = entry
-        self.nbytes += entry.nbytes
-        self._next += 1
-        self.stats.saves += 0 if entry.pinned else 1
+        self._insert(entry)
         return True
 
+    def _insert(self, entry: Entry) -> int:
+        key, self._next = self._next, self._next + 1
+        self.entries[key] = entry
+        self.nbytes += entry.nbytes
+        self.stats.saves += 0 if entry.pinned else 1
+        return key
+
     # -- states from and to disk (edge.model.prefixstore) ------------------------------------------------
-    def load(self, tokens: list[int], state: bytearray) -> bool:
+    def load(self, tokens: list[int], state: bytearray, whole: bool = False) -> bool:
         """A saved state into the sequence, its tokens made live; False (and an empty sequence)
         where llama.cpp refuses it."""
-        if self.native.set_state(state):
+        if self.native.set_state(state, whole):
             self.live = list(tokens)
             return True
         self.live = []
@@ -257,14 +338,15 @@ class PromptCache:
         return self.native.state_bytes()
 
     def cut(self, e: Entry, n: int) -> tuple[list[int], bytearray] | None:
-        """`e`'s tokens and state cut to its first n tokens, where its window reaches back that
-        far (else whole); None where llama.cpp refuses the state."""
-        if not self.load(e.tokens, e.state):
+        """`e`'s tokens and windowed state (for a file) cut to its first n tokens, where its
+        window reaches back that far (else whole); None where llama.cpp refuses the state."""
+        if not self.load(e.tokens, e.state, e.whole):
             return None
         if n < len(e.tokens) and self.native.reaches(e.pos_min, n) and self.native.keep(n):
             self.live = self.live[:n]
-            return list(self.live), self.native.state_bytes()
-        return list(e.tokens), e.state
+        elif not e.whole:
+            return list(e.tokens), e.state
+        return list(self.live), self.native.state_bytes()
 
     def clear(self) -> None:
         """Every saved state gone (the model is being closed)."""
@@ -289,6 +371,5 @@ class PromptCache:
         """Whether a pinned (declared) state already gives what `e` was reused for: a learned
         copy of a declared prefix would only take a learned slot and its bytes twice."""
         need = min(e.reused or len(e.tokens), len(e.tokens))
-        return any(p.pinned and lcp(p.tokens, e.tokens) >= need
-                   and (need == len(p.tokens) or self.native.reaches(p.pos_min, need))
+        return any(p.pinned and lcp(p.tokens, e.tokens) >= need and self._reaches(p, need)
                    for p in self.entries.values())

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from starlette.applications import Starlette
@@ -27,6 +28,7 @@ from edge.serve.jsoncheck import check_json_depth
 from edge.serve.limits import check_prompt_text
 from edge.model.generate import GenParams, Job
 from edge.model.llm import GGUFModel
+from edge.model.promptcache import Marks
 from edge.serve.metrics import Metrics, MetricsMiddleware, in_warmup
 from edge.serve.openai import Ask, Limits, grammar, parse
 from edge.serve.openai_shapes import Choice, Shape, parse_tool_calls
@@ -138,13 +140,14 @@ class _Run:
         return bool(self.ask.tools) and self.ask.tool_choice != "none"
 
 
-def _tokenize(m: GGUFModel, ask: Ask) -> list[tuple[list[int], tuple[str, ...], str]]:
-    """(tokens, template stop strings, echo text) per prompt; runs on the model's thread."""
+def _tokenize(m: GGUFModel, ask: Ask) -> list[tuple[list[int], tuple[str, ...], str, Marks]]:
+    """(tokens, template stop strings, echo text, where its chat turns begin) per prompt; runs on
+    the model's thread. The turns are found only if the prompt cache needs them."""
     if ask.chat:
         tokens, stops = m.tokenize_chat(ask.messages, ask.tools, ask.tool_choice)
-        return [(tokens, stops, "")]
-    return [(m.tokenize_prompt(p), (), p) if isinstance(p, str) else
-            (list(p), (), b"".join(m.token_bytes(t) for t in p).decode("utf-8", "replace"))
+        return [(tokens, stops, "", partial(m.turn_marks, ask.messages, ask.tools, tokens))]
+    return [(m.tokenize_prompt(p), (), p, ()) if isinstance(p, str) else
+            (list(p), (), b"".join(m.token_bytes(t) for t in p).decode("utf-8", "replace"), ())
             for p in ask.prompts]
 
 
@@ -173,7 +176,7 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
                            f"{m.cfg.max_choices} choices this model allows per request "
                            "(models[].max_choices)", param="n")
     jobs, echoes, starts = [], [], []
-    for tokens, stops, echo in prompts:
+    for tokens, stops, echo, marks in prompts:
         if not tokens:  # a model that adds no BOS: nothing to compute the first token from
             raise RequestError("the prompt is empty: it has no token to generate from (this model "
                                "adds no beginning-of-sequence token)", param="messages" if chat else "prompt")
@@ -186,11 +189,11 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
         # n choices from one seed: seed, seed+1, ... (the same seed would give n equal choices)
         jobs += [Job(tokens=tokens, params=params if params.seed is None else
                      replace(params, seed=(params.seed + j) % (2**32 - 1)),
-                     cache_prompt=ask.cache_prompt, remember=not in_warmup()) for j in range(ask.n)]
+                     cache_prompt=ask.cache_prompt, remember=not in_warmup(), marks=marks) for j in range(ask.n)]
         echoes += [echo if ask.echo else ""] * ask.n
         starts += [0 if ask.echo else len(echo)] * ask.n  # echo: the prompt is in the choice's text
     shape = Shape(chat, m.cfg.name, ask.sampling["logprobs"] is not None, starts)
-    return _Run(worker, ask, jobs, echoes, sum(len(t) for t, _, _ in prompts), shape)
+    return _Run(worker, ask, jobs, echoes, sum(len(t) for t, *_ in prompts), shape)
 
 
 def _finish_tools(run: _Run, c: Choice) -> None:

@@ -46,13 +46,13 @@ class FirstUseCostDouble:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._native, name)
 
-    def decode(self, tokens: list[int], pos: int) -> None:
+    def decode(self, tokens: list[int], pos: int, after: Any = None) -> None:
         prompt = list(self._cache.live[:pos]) + list(tokens)  # the prompt cache set live to the reused part
         self.prompts.append(prompt)
         if len(prompt) == self.slow_len and not self._paid.is_set():
             self._paid.set()
             threading.Event().wait(DELAY_S)  # the injected first-use cost (not a wait on anything)
-        self._native.decode(tokens, pos)
+        self._native.decode(tokens, pos, after)
 
 
 def rehearse(config: Path, slow_len: int | None = None, recalibrate: bool = False

@@ -104,6 +104,33 @@ def test_a_chat_prefix_serves_chat_requests(tmp_path: Path, tiny_gguf: Path, ser
         assert cached(body) >= row["tokens"] - 1
 
 
+def test_sliding_window_prefixes_and_chats_in_turns_are_reused_over_http(tmp_path: Path, tiny_swa_gguf: Path,
+                                                                         service) -> None:
+    """A model whose sliding-window layers keep only their window (the tiny Gemma 3): two
+    completion prefixes in turns, and two chats whose turns alternate, each re-sending its
+    history; every repeat reuses what it repeats (usage.prompt_tokens_details.cached_tokens)."""
+    cfg = write_config(tmp_path / "edge.toml", tiny_swa_gguf, n_ctx=1024)
+    live = service(cfg)
+    prefixes = ["Hello world. " * 12, "the a world " * 16]
+    for rnd in range(3):
+        for j, prefix in enumerate(prefixes):
+            body = complete(live.address, prefix + ("the", "a", "tea")[rnd] + " note" * j)
+            assert cached(body) >= (130 if rnd else 0) and (rnd or cached(body) < 16), (rnd, j, body["usage"])
+    chats = [[{"role": "system", "content": system}] for system in prefixes]
+    previous = [0, 0]
+    for turn in range(4):
+        for c, msgs in enumerate(chats):
+            msgs.append({"role": "user", "content": "the world " * (3 + turn)})
+            status, body = post(live.address, "/v1/chat/completions", {"messages": msgs, "max_tokens": 6,
+                                                                       "temperature": 0})
+            assert status == 200, body
+            assert cached(body) >= previous[c], (turn, c, body["usage"])
+            previous[c] = body["usage"]["prompt_tokens"]
+            msgs.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    assert metric(live.address, "edge_prompt_cache_bytes", model="tiny") <= metric(
+        live.address, "edge_prompt_cache_limit_bytes", model="tiny")
+
+
 def test_concurrent_requests_never_see_another_ones_state(tmp_path: Path, tiny_gguf: Path, service) -> None:
     """Requests on a model are sequential; restores happen between them. Answers under load
     equal the answers the same requests got one at a time."""
