@@ -15,8 +15,9 @@ Runs on the model's worker thread (edge.serve.worker), like every call into llam
 from __future__ import annotations
 
 import codecs
+import ctypes
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,24 +76,57 @@ class Job:
 
 
 class SamplerChain:
-    """A request's sampler chain in llama.cpp: built once from its parameters, one native call
-    per token, freed after the request."""
+    """A request's sampler chain in llama.cpp: built once from its parameters, freed after the
+    request. Without a grammar, one native call per token (llama_sampler_sample).
 
-    def __init__(self, native: Native, p: GenParams) -> None:
+    With a grammar, llama.cpp's own common sampler's way (common/sampling.cpp): the token is
+    first sampled without the grammar and checked against it alone; only a token the grammar
+    rejects makes the grammar go over the whole vocabulary (262k candidates on Gemma 3, most of
+    a token's sampling time), and the token is sampled again from what it allows. The chain's
+    order stays logit bias, penalties, grammar, the rest: greedy gives the same tokens as the
+    grammar applied to every candidate (a token the grammar allows that is the likeliest of all
+    is the likeliest of those it allows); with temperature the draw is llama.cpp's (truncation
+    first, then the grammar), as in llama-server."""
+
+    def __init__(self, native: Native, p: GenParams, lazy: bool = True) -> None:
         lib = native.lib
-        self._lib, self._ctx = lib, native.ctx
-        self.chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        self._lib, self._ctx, self.lazy = lib, native.ctx, lazy
+        self.chain = self.pre = self.grammar = None
+        self.resampled = 0  # tokens the grammar rejected and that were sampled again (tests, profiles)
         try:
-            for sampler in self._samplers(native, p):
-                if not sampler:
-                    raise ValueError("llama.cpp returned no sampler (grammar that does not compile?)")
-                lib.llama_sampler_chain_add(self.chain, sampler)
+            if not p.grammar:
+                self.chain = self._chain(self._bias(native, p), self._rest(lib, p))
+                return
+            bias = list(self._bias(native, p))
+            self.pre = self._chain(bias) if bias else None
+            self.grammar = self._need(_grammar_sampler(native, p.grammar))
+            self.chain = self._chain(self._rest(lib, p))
+            self._cur = _Candidates(native)
         except BaseException:
             self.close()
             raise
 
+    def _chain(self, *groups: Iterable[Any]) -> Any:
+        lib = self._lib
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        try:
+            for group in groups:
+                for sampler in group:
+                    lib.llama_sampler_chain_add(chain, self._need(sampler))
+        except BaseException:
+            lib.llama_sampler_free(chain)
+            raise
+        return chain
+
     @staticmethod
-    def _samplers(native: Native, p: GenParams) -> Iterator[Any]:
+    def _need(sampler: Any) -> Any:
+        if not sampler:
+            raise ValueError("llama.cpp returned no sampler (grammar that does not compile?)")
+        return sampler
+
+    @staticmethod
+    def _bias(native: Native, p: GenParams) -> Iterator[Any]:
+        """Logit bias and penalties: what changes the logits before the grammar sees them."""
         lib = native.lib
         if p.logit_bias:
             # OpenAI: -100 "should result in a ban": make it one, whatever the logits' scale
@@ -102,8 +136,10 @@ class SamplerChain:
         if p.presence_penalty or p.frequency_penalty:
             yield lib.llama_sampler_init_penalties(native.n_vocab, PENALTY_LAST_N, 1.0,
                                                    p.frequency_penalty, p.presence_penalty)
-        if p.grammar:
-            yield lib.llama_sampler_init_grammar(native.vocab, p.grammar.encode("utf-8"), b"root")
+
+    @staticmethod
+    def _rest(lib: Any, p: GenParams) -> Iterator[Any]:
+        """What picks the token, after the grammar."""
         if p.temperature <= 0:
             yield lib.llama_sampler_init_greedy()
             return
@@ -115,14 +151,94 @@ class SamplerChain:
         # no seed: llama.cpp's default seed means "a fresh random one"
         yield lib.llama_sampler_init_dist(lib.LLAMA_DEFAULT_SEED if p.seed is None else p.seed)
 
-    def sample(self) -> int:
-        """The next token from the last decoded logits; the chain accepts it (penalties, grammar)."""
-        return self._lib.llama_sampler_sample(self.chain, self._ctx, -1)
+    def sample(self) -> int | None:
+        """The next token from the last decoded logits, which the chain accepts (penalties,
+        grammar); None when the grammar allows no token the bias leaves (a grammar whose end
+        can only be an end-of-generation token that `logit_bias` bans): the generation stops."""
+        lib = self._lib
+        if self.grammar is None:
+            return lib.llama_sampler_sample(self.chain, self._ctx, -1)
+        cur, tok = self._cur, None
+        if self.lazy:  # lazy=False: the grammar over every candidate at once (the reference)
+            ref = cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
+            if self.pre is not None:
+                lib.llama_sampler_apply(self.pre, ref)
+            lib.llama_sampler_apply(self.chain, ref)
+            tok = cur.selected()
+        if tok is None or not cur.allows(self.grammar, tok):
+            self.resampled += 1
+            ref = cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
+            if self.pre is not None:
+                lib.llama_sampler_apply(self.pre, ref)
+            lib.llama_sampler_apply(self.grammar, ref)
+            lib.llama_sampler_apply(self.chain, ref)
+            tok = cur.selected()
+            if tok is None:
+                return None
+        if self.pre is not None:
+            lib.llama_sampler_accept(self.pre, tok)
+        lib.llama_sampler_accept(self.grammar, tok)
+        lib.llama_sampler_accept(self.chain, tok)
+        return tok
 
     def close(self) -> None:
-        if self.chain:
-            self._lib.llama_sampler_free(self.chain)  # frees every sampler in the chain
-            self.chain = None
+        for name in ("chain", "pre", "grammar"):
+            sampler = getattr(self, name)
+            if sampler:
+                self._lib.llama_sampler_free(sampler)  # a chain frees every sampler in it
+                setattr(self, name, None)
+
+
+class _Candidates:
+    """The candidate array llama.cpp's samplers work on (llama_token_data_array): every token of
+    the vocabulary with its logit, refilled from the logits in two numpy copies per token, as
+    llama.cpp's own sampling fills it; and a one-candidate array to ask the grammar about one
+    token."""
+
+    def __init__(self, native: Native) -> None:
+        import numpy as np
+
+        lib, n = native.lib, native.n_vocab
+        self._np, self._n, self._apply = np, n, lib.llama_sampler_apply
+        self._data = (lib.llama_token_data * n)()
+        words = np.ctypeslib.as_array(self._data).view(np.int32).reshape(n, 3)  # id, logit, p
+        words[:, 0] = np.arange(n, dtype=np.int32)
+        self._pristine = words.copy()  # ids, and p = 0: copied back whole before every fill
+        self._words = words
+        self._logits = words[:, 1].view(np.float32)
+        self._array = lib.llama_token_data_array(self._data, n, -1, False)
+        self._ref = ctypes.byref(self._array)
+        self._one = lib.llama_token_data(0, 0.0, 0.0)
+        self._one_array = lib.llama_token_data_array(ctypes.pointer(self._one), 1, -1, False)
+        self._one_ref = ctypes.byref(self._one_array)
+        self._data_ptr = ctypes.cast(self._data, ctypes.c_void_p).value
+
+    def fill(self, logits_ptr: Any) -> Any:
+        np, a = self._np, self._array
+        self._words[...] = self._pristine  # samplers reorder and shrink the array: ids back in place
+        self._logits[...] = np.ctypeslib.as_array(logits_ptr, shape=(self._n,))
+        a.data = ctypes.cast(self._data_ptr, type(a.data))
+        a.size, a.selected, a.sorted = self._n, -1, False
+        return self._ref
+
+    def selected(self) -> int | None:
+        """The token the chain picked; None where it could pick only a banned one (-inf)."""
+        a = self._array
+        if not 0 <= a.selected < a.size:
+            return None
+        chosen = a.data[a.selected]
+        return None if chosen.logit == float("-inf") else int(chosen.id)
+
+    def allows(self, grammar: Any, tok: int) -> bool:
+        one, a = self._one, self._one_array
+        one.id, one.logit, one.p = tok, 1.0, 0.0
+        a.size, a.selected, a.sorted = 1, -1, False
+        self._apply(grammar, self._one_ref)
+        return one.logit != float("-inf")
+
+
+def _grammar_sampler(native: Native, gbnf: str) -> Any:
+    return native.lib.llama_sampler_init_grammar(native.vocab, gbnf.encode("utf-8"), b"root")
 
 
 def _logprob_entry(native: Native, tok: int, k: int) -> TokenLogprob:
@@ -164,7 +280,7 @@ def _decode_loop(native: Native, cache: PromptCache, chain: SamplerChain, job: J
     pos, cancel, is_eog, piece = len(job.tokens), job.cancel, native.is_eog, native.piece
     while True:
         tok = chain.sample()
-        if is_eog(tok):
+        if tok is None or is_eog(tok):
             yield Piece(held + decoder.decode(b"", final=True), "stop", lps)
             return
         job.completion_tokens += 1
