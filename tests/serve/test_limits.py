@@ -253,6 +253,32 @@ def test_lone_surrogate_is_400_naming_the_field(tiny_config, service, path, body
     _answers(pid1.address)
 
 
+def test_raw_surrogates_utf16_bodies_and_huge_logit_bias_keys_are_400_never_500(tiny_config, service) -> None:
+    """Issue 33's last 500s: a surrogate's own bytes in a UTF-8 body, a UTF-16 body with a lone
+    surrogate (json.loads decodes both with "surrogatepass"), a logit_bias key of 5,000 digits
+    (past Python's int() digit limit)."""
+    pid1 = service(tiny_config)
+    chat = '{"messages": [{"role": "user", "content": "a \ud800 b"}], "max_tokens": 2}'
+    cases = [
+        ("/v1/completions", b'{"prompt": "a \xed\xa0\x80 b", "max_tokens": 2}', "prompt"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a \xed\xb0\x80"}]}', "messages"),
+        ("/v1/chat/completions", chat.encode("utf-16", "surrogatepass"), "messages"),  # with a BOM
+        ("/v1/chat/completions", chat.encode("utf-16-le", "surrogatepass"), "messages"),
+        ("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "logit_bias": {"7" * 5000: 1}}).encode(),
+         "logit_bias"),
+    ]
+    for path, body, field in cases:
+        status, _, answer = _post_bytes(pid1.address, path, body)
+        assert status == 400, (path, body[:60], answer)
+        assert answer["error"]["param"] == field and answer["error"]["message"].startswith(field), answer
+    # a UTF-16 body without a lone surrogate (an emoji is a surrogate pair there) is served
+    ok = '{"messages": [{"role": "user", "content": "hi \U0001F600"}], "max_tokens": 2}'
+    assert _post_bytes(pid1.address, "/v1/chat/completions", ok.encode("utf-16"))[0] == 200
+    assert metric(pid1.address, "edge_requests_total", status="400") == len(cases)
+    assert metric(pid1.address, "edge_requests_total", status="500") == 0
+    assert "Traceback" not in pid1.log_tail(100_000)
+
+
 def _post_bytes(address: tuple[str, int], path: str, body: bytes) -> tuple[int, str, object]:
     c = http.client.HTTPConnection(*address, timeout=60)
     try:
@@ -390,6 +416,34 @@ def test_kserve_shape_overflow_is_400_naming_the_input(ort_service, shape, words
     status, _ = post(pid1.address, "/v2/models/mlp/infer",
                      {"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": [0.0] * 16}]})
     assert status == 200
+
+
+def test_kserve_non_finite_data_and_overflowing_outputs_are_400_never_500(ort_service) -> None:
+    """NaN, Infinity, -Infinity (which Python's JSON parser takes), 1e400 (infinity once parsed)
+    and integers past INT64 are a 400 naming the input; finite inputs that overflow inside the
+    model give outputs JSON cannot carry: the documented `output_not_finite`, never a 500."""
+    pid1, _ = ort_service
+    before = metric(pid1.address, "edge_requests_total", status="500")
+
+    def infer(data: str, datatype: str = "FP32") -> tuple[int, dict]:
+        body = f'{{"inputs": [{{"name": "x", "shape": [1, 16], "datatype": "{datatype}", "data": {data}}}]}}'
+        status, _, answer = _post_bytes(pid1.address, "/v2/models/mlp/infer", body.encode())
+        return status, answer
+
+    for bad in ("NaN", "Infinity", "-Infinity", "1e400", "1e39"):
+        status, answer = infer("[" + ", ".join(["0.5"] * 15 + [bad]) + "]")
+        assert status == 400, (bad, answer)
+        assert answer["error"]["param"] == "inputs", answer
+        assert answer["error"]["message"].startswith("inputs[0] (x): data holds"), answer
+        assert "at flat index 15" in answer["error"]["message"], answer
+    status, answer = infer("[" + ", ".join(["3.4e38"] * 16) + "]")
+    assert status == 400, answer
+    assert answer["error"]["code"] == "output_not_finite" and "not finite" in answer["error"]["message"], answer
+    status, answer = infer("[" + ", ".join(["1"] * 15 + ["1" + "0" * 30]) + "]", datatype="INT64")
+    assert status == 400 and "outside the range of INT64" in answer["error"]["message"], answer
+    assert infer("[" + ", ".join(["0.5"] * 16) + "]")[0] == 200
+    assert metric(pid1.address, "edge_requests_total", status="500") == before == 0
+    assert "Traceback" not in pid1.log_tail(100_000)
 
 
 def test_file_descriptor_limit_fits_max_connections(tmp_path, tiny_gguf) -> None:
