@@ -17,6 +17,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from edge.model.native import Native
     from edge.model.promptcache import Marks, PromptCache
 
-__all__ = ["GenParams", "Job", "Piece", "SamplerChain", "TokenLogprob", "generate", "MIN_P",
+__all__ = ["GenParams", "Hold", "Job", "Piece", "SamplerChain", "TokenLogprob", "generate", "MIN_P",
            "PENALTY_LAST_N"]
 
 MIN_P = 0.05  # llama.cpp's (and llama-server's) default; OpenAI has no min-p field
@@ -63,6 +64,36 @@ class Piece:
 
 
 @dataclass
+class Hold:
+    """How long one request may hold its model (`[server] request_timeout_s`), shared by the jobs
+    of its choices: the clock starts when the first of them reaches the model's thread (time
+    in the queue does not count) and is read after every token."""
+
+    limit_s: float | None = None
+    since: float | None = None
+
+    def start(self) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+
+    def check(self, job: Job) -> None:
+        """Raise the documented 422 `generation_timeout` once the request has held its model
+        longer than its limit: the generation ends here, and the model takes the next request."""
+        if self.limit_s is None or self.since is None:
+            return
+        held = time.monotonic() - self.since
+        if held <= self.limit_s:
+            return
+        from edge.errors import RequestError
+
+        per = f", {1000 * held / job.completion_tokens:.0f} ms per token" if job.completion_tokens else ""
+        raise RequestError(f"the request held its model for {held:.1f} s, longer than server.request_timeout_s "
+                           f"= {self.limit_s:g} s allows ({job.completion_tokens} tokens of this choice{per}): "
+                           "it was ended there, and the model serves the next request", status=422,
+                           code="generation_timeout")
+
+
+@dataclass
 class Job:
     tokens: list[int]
     params: GenParams
@@ -73,6 +104,7 @@ class Job:
     remember: bool = True  # False (warm-up): leave the prompt cache as it was found
     cached_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
     marks: Marks = ()  # where later prompts may part from this one (chat turns): prefill checkpoints
+    hold: Hold = field(default_factory=Hold)  # the request's time limit on the model, shared by its choices
 
 
 class SamplerChain:
@@ -258,6 +290,7 @@ def generate(native: Native, cache: PromptCache, job: Job) -> Iterator[Piece]:
     """Pieces of text for `job`; the last one has the finish reason ("stop" or "length"), unless
     the job is cancelled, which ends the pieces at the next token."""
     p = job.params
+    job.hold.start()
     chain = SamplerChain(native, p)
     try:
         job.cached_tokens = cache.prefill(job.tokens, use_cache=job.cache_prompt, remember=job.remember,
@@ -277,7 +310,7 @@ def _decode_loop(native: Native, cache: PromptCache, chain: SamplerChain, job: J
     held = ""  # text that may still turn out to be the start of a stop string
     hold = max((len(s) for s in p.stop), default=0)
     lps: list[TokenLogprob] = []
-    pos, cancel, is_eog, piece = len(job.tokens), job.cancel, native.is_eog, native.piece
+    pos, cancel, is_eog, piece, limit = len(job.tokens), job.cancel, native.is_eog, native.piece, job.hold
     while True:
         tok = chain.sample()
         if tok is None or is_eog(tok):
@@ -297,6 +330,7 @@ def _decode_loop(native: Native, cache: PromptCache, chain: SamplerChain, job: J
             return
         if cancel.is_set():
             return
+        limit.check(job)
         if len(held) > hold:
             keep = len(held) - hold
             yield Piece(held[:keep], None, lps)

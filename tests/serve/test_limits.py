@@ -279,6 +279,46 @@ def test_raw_surrogates_utf16_bodies_and_huge_logit_bias_keys_are_400_never_500(
     assert "Traceback" not in pid1.log_tail(100_000)
 
 
+def test_a_request_that_samples_too_slowly_is_ended_at_the_request_limit_and_the_next_is_served(
+        tmp_path, tiny_gguf, service) -> None:
+    """A grammar of 2,000 alternatives makes every token's sampling slow (llama.cpp walks its
+    stacks for each candidate): 480 tokens of it would hold the model for seconds. With
+    `request_timeout_s = 0.5` the request ends at the token that passes the limit with the
+    documented 422 `generation_timeout` (streamed: an error event, then [DONE]), and a request
+    that queued behind it is answered."""
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, n_ctx=512)
+    cfg.write_text(cfg.read_text().replace("[server]\n", "[server]\nrequest_timeout_s = 0.5\n", 1))
+    pid1 = service(cfg)
+    schema = {"type": "array", "items": {"enum": [f"w{i:05d}" for i in range(2000)]}, "minItems": 400}
+    slow = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 480, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}
+    status, answer = post(pid1.address, "/v1/chat/completions", slow)
+    assert status == 422 and answer["error"]["code"] == "generation_timeout", answer
+    assert "server.request_timeout_s = 0.5 s" in answer["error"]["message"], answer
+    told = int(re.search(r"\((\d+) tokens of this choice", answer["error"]["message"])[1])
+    assert 0 < told < 480
+    # streamed, with a normal request sent once the slow one is admitted (its first event, the
+    # role, comes as its generation is handed to the model's thread): it waits its turn
+    c = http.client.HTTPConnection(*pid1.address, timeout=120)
+    c.request("POST", "/v1/chat/completions", body=json.dumps({**slow, "stream": True}),
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"data: {")
+    queued: dict[str, object] = {}
+    normal = threading.Thread(target=lambda: queued.update(answer=post(pid1.address, "/v1/completions", NORMAL)))
+    normal.start()
+    rest = r.read().decode()
+    c.close()
+    normal.join(120)
+    errors = [json.loads(e[6:]) for e in rest.splitlines() if e.startswith('data: {"error"')]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "generation_timeout", rest[-500:]
+    assert rest.rstrip().endswith("data: [DONE]")
+    assert queued["answer"][0] == 200, queued
+    assert metric(pid1.address, "edge_requests_total", route="/v1/chat/completions", status="422") == 1
+    assert metric(pid1.address, "edge_requests_total", status="500") == 0
+    assert "Traceback" not in pid1.log_tail(100_000)
+
+
 def _post_bytes(address: tuple[str, int], path: str, body: bytes) -> tuple[int, str, object]:
     c = http.client.HTTPConnection(*address, timeout=60)
     try:
