@@ -15,12 +15,13 @@ Runs on the model's worker thread (edge.serve.worker), like every call into llam
 from __future__ import annotations
 
 import codecs
-import ctypes
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from edge.model.candidates import Candidates
 
 if TYPE_CHECKING:
     from edge.model.native import Native
@@ -113,18 +114,21 @@ class SamplerChain:
 
     With a grammar, llama.cpp's own common sampler's way (common/sampling.cpp): the token is
     first sampled without the grammar and checked against it alone; only a token the grammar
-    rejects makes the grammar go over the whole vocabulary (262k candidates on Gemma 3, most of
-    a token's sampling time), and the token is sampled again from what it allows. The chain's
-    order stays logit bias, penalties, grammar, the rest: greedy gives the same tokens as the
-    grammar applied to every candidate (a token the grammar allows that is the likeliest of all
-    is the likeliest of those it allows); with temperature the draw is llama.cpp's (truncation
-    first, then the grammar), as in llama-server."""
+    rejects makes the grammar go over the candidates (262k on Gemma 3, most of a token's
+    sampling time), and the token is sampled again from what it allows. Greedy asks it about
+    the likeliest candidates first (edge.model.candidates), and the whole vocabulary only where
+    they do not decide. The chain's order stays logit bias, penalties, grammar, the rest:
+    greedy gives the tokens of the grammar applied to every candidate (tested); with
+    temperature the draw is llama.cpp's (truncation first, then the grammar), as in
+    llama-server. `lazy=False`: the grammar over every candidate for every token (the
+    reference the tests compare with)."""
 
     def __init__(self, native: Native, p: GenParams, lazy: bool = True) -> None:
         lib = native.lib
         self._lib, self._ctx, self.lazy = lib, native.ctx, lazy
         self.chain = self.pre = self.grammar = None
         self.resampled = 0  # tokens the grammar rejected and that were sampled again (tests, profiles)
+        self.full_passes = 0  # of those, the ones the grammar went over the whole vocabulary for
         try:
             if not p.grammar:
                 self.chain = self._chain(self._bias(native, p), self._rest(lib, p))
@@ -133,7 +137,8 @@ class SamplerChain:
             self.pre = self._chain(bias) if bias else None
             self.grammar = self._need(_grammar_sampler(native, p.grammar))
             self.chain = self._chain(self._rest(lib, p))
-            self._cur = _Candidates(native)
+            self._cur = Candidates(native)
+            self._greedy = p.temperature <= 0
         except BaseException:
             self.close()
             raise
@@ -190,21 +195,22 @@ class SamplerChain:
         lib = self._lib
         if self.grammar is None:
             return lib.llama_sampler_sample(self.chain, self._ctx, -1)
-        cur, tok = self._cur, None
-        if self.lazy:  # lazy=False: the grammar over every candidate at once (the reference)
+        cur, tok, logits = self._cur, None, None
+        if self.lazy and self._greedy and self.pre is None:  # the model's own argmax: no array to fill
+            logits = cur.raw(lib.llama_get_logits_ith(self._ctx, -1))
+            tok = int(logits.argmax())  # the first of equal logits, as llama.cpp's greedy sampler
+        elif self.lazy:  # lazy=False: the grammar over every candidate at once (the reference)
             ref = cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
             if self.pre is not None:
                 lib.llama_sampler_apply(self.pre, ref)
             lib.llama_sampler_apply(self.chain, ref)
-            tok = cur.selected()
+            tok, logits = cur.selected(), cur.filled() if self._greedy else None
         if tok is None or not cur.allows(self.grammar, tok):
             self.resampled += 1
-            ref = cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
-            if self.pre is not None:
-                lib.llama_sampler_apply(self.pre, ref)
-            lib.llama_sampler_apply(self.grammar, ref)
-            lib.llama_sampler_apply(self.chain, ref)
-            tok = cur.selected()
+            # greedy: the likeliest candidates first (edge.model.candidates)
+            tok = cur.greedy_allowed(self.grammar, logits) if logits is not None else None
+            if tok is None:
+                tok = self._resample()
             if tok is None:
                 return None
         if self.pre is not None:
@@ -213,60 +219,24 @@ class SamplerChain:
         lib.llama_sampler_accept(self.chain, tok)
         return tok
 
+    def _resample(self) -> int | None:
+        """The token from every candidate under the grammar: logit bias and penalties, the
+        grammar over the whole vocabulary, the rest of the chain."""
+        lib, cur = self._lib, self._cur
+        self.full_passes += 1
+        ref = cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
+        if self.pre is not None:
+            lib.llama_sampler_apply(self.pre, ref)
+        lib.llama_sampler_apply(self.grammar, ref)
+        lib.llama_sampler_apply(self.chain, ref)
+        return cur.selected()
+
     def close(self) -> None:
         for name in ("chain", "pre", "grammar"):
             sampler = getattr(self, name)
             if sampler:
                 self._lib.llama_sampler_free(sampler)  # a chain frees every sampler in it
                 setattr(self, name, None)
-
-
-class _Candidates:
-    """The candidate array llama.cpp's samplers work on (llama_token_data_array): every token of
-    the vocabulary with its logit, refilled from the logits in two numpy copies per token, as
-    llama.cpp's own sampling fills it; and a one-candidate array to ask the grammar about one
-    token."""
-
-    def __init__(self, native: Native) -> None:
-        import numpy as np
-
-        lib, n = native.lib, native.n_vocab
-        self._np, self._n, self._apply = np, n, lib.llama_sampler_apply
-        self._data = (lib.llama_token_data * n)()
-        words = np.ctypeslib.as_array(self._data).view(np.int32).reshape(n, 3)  # id, logit, p
-        words[:, 0] = np.arange(n, dtype=np.int32)
-        self._pristine = words.copy()  # ids, and p = 0: copied back whole before every fill
-        self._words = words
-        self._logits = words[:, 1].view(np.float32)
-        self._array = lib.llama_token_data_array(self._data, n, -1, False)
-        self._ref = ctypes.byref(self._array)
-        self._one = lib.llama_token_data(0, 0.0, 0.0)
-        self._one_array = lib.llama_token_data_array(ctypes.pointer(self._one), 1, -1, False)
-        self._one_ref = ctypes.byref(self._one_array)
-        self._data_ptr = ctypes.cast(self._data, ctypes.c_void_p).value
-
-    def fill(self, logits_ptr: Any) -> Any:
-        np, a = self._np, self._array
-        self._words[...] = self._pristine  # samplers reorder and shrink the array: ids back in place
-        self._logits[...] = np.ctypeslib.as_array(logits_ptr, shape=(self._n,))
-        a.data = ctypes.cast(self._data_ptr, type(a.data))
-        a.size, a.selected, a.sorted = self._n, -1, False
-        return self._ref
-
-    def selected(self) -> int | None:
-        """The token the chain picked; None where it could pick only a banned one (-inf)."""
-        a = self._array
-        if not 0 <= a.selected < a.size:
-            return None
-        chosen = a.data[a.selected]
-        return None if chosen.logit == float("-inf") else int(chosen.id)
-
-    def allows(self, grammar: Any, tok: int) -> bool:
-        one, a = self._one, self._one_array
-        one.id, one.logit, one.p = tok, 1.0, 0.0
-        a.size, a.selected, a.sorted = 1, -1, False
-        self._apply(grammar, self._one_ref)
-        return one.logit != float("-inf")
 
 
 def _grammar_sampler(native: Native, gbnf: str) -> Any:
