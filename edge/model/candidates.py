@@ -4,7 +4,8 @@ under a grammar (edge.model.generate.SamplerChain).
 - The whole vocabulary with its logits, refilled from the last decoded logits in two numpy
   copies per token, as llama.cpp's own sampling fills it.
 - One candidate, to ask the grammar about the token the chain picked without it (llama.cpp's
-  common sampler does the same).
+  common sampler does the same). Greedy without penalties picks it from the model's logits
+  themselves (a view; one copy where there is a logit bias to add), with no array to fill.
 - The likeliest candidates alone, to find greedy's token under the grammar when the grammar
   rejected its first choice: the grammar's verdict on a token does not depend on the other
   candidates, so if an allowed token among the k likeliest is likelier than every token
@@ -30,10 +31,13 @@ TOPS = (64, 1024, 16384)
 
 
 class Candidates:
-    def __init__(self, native: Native) -> None:
+    def __init__(self, native: Native, bias: list[tuple[int, float]] | None = None) -> None:
         import numpy as np
 
         lib, n = native.lib, native.n_vocab
+        self._bias_ids = np.array([t for t, _ in bias or ()], dtype=np.int64)
+        self._bias = np.array([b for _, b in bias or ()], dtype=np.float32)
+        self._biased = np.empty(n, dtype=np.float32) if bias else None
         self._np, self._n, self._apply, self._lib = np, n, lib.llama_sampler_apply, lib
         self._data = (lib.llama_token_data * n)()
         words = np.ctypeslib.as_array(self._data).view(np.int32).reshape(n, 3)  # id, logit, p
@@ -78,10 +82,17 @@ class Candidates:
         self._apply(grammar, self._one_ref)
         return one.logit != float("-inf")
 
-    def raw(self, logits_ptr: Any) -> Any:
-        """The model's logits as a numpy view (no copy): greedy without bias or penalties picks
-        from them directly."""
-        return self._np.ctypeslib.as_array(logits_ptr, shape=(self._n,))
+    def biased(self, logits_ptr: Any) -> Any:
+        """The model's logits with the logit bias added, as llama.cpp's logit-bias sampler adds
+        it (in order, float32; a token named twice gets both): a numpy view of the model's own
+        logits where there is no bias, else one copy."""
+        np = self._np
+        raw = np.ctypeslib.as_array(logits_ptr, shape=(self._n,))
+        if self._biased is None:
+            return raw
+        self._biased[...] = raw
+        np.add.at(self._biased, self._bias_ids, self._bias)
+        return self._biased
 
     def filled(self) -> Any:
         """The filled array's logits (bias and penalties applied) while it is as fill() left it

@@ -137,7 +137,9 @@ class SamplerChain:
             self.pre = self._chain(bias) if bias else None
             self.grammar = self._need(_grammar_sampler(native, p.grammar))
             self.chain = self._chain(self._rest(lib, p))
-            self._cur = Candidates(native)
+            self._cur = Candidates(native, _bias_values(p.logit_bias))
+            # greedy without penalties: the first choice straight from the (biased) logits
+            self._direct = p.temperature <= 0 and not (p.presence_penalty or p.frequency_penalty)
             self._greedy = p.temperature <= 0
         except BaseException:
             self.close()
@@ -168,7 +170,7 @@ class SamplerChain:
         if p.logit_bias:
             # OpenAI: -100 "should result in a ban": make it one, whatever the logits' scale
             arr = (lib.llama_logit_bias * len(p.logit_bias))(
-                *[lib.llama_logit_bias(t, float("-inf") if b <= -100 else b) for t, b in p.logit_bias])
+                *[lib.llama_logit_bias(t, b) for t, b in _bias_values(p.logit_bias)])
             yield lib.llama_sampler_init_logit_bias(native.n_vocab, len(p.logit_bias), arr)
         if p.presence_penalty or p.frequency_penalty:
             yield lib.llama_sampler_init_penalties(native.n_vocab, PENALTY_LAST_N, 1.0,
@@ -196,8 +198,8 @@ class SamplerChain:
         if self.grammar is None:
             return lib.llama_sampler_sample(self.chain, self._ctx, -1)
         cur, tok, logits = self._cur, None, None
-        if self.lazy and self._greedy and self.pre is None:  # the model's own argmax: no array to fill
-            logits = cur.raw(lib.llama_get_logits_ith(self._ctx, -1))
+        if self.lazy and self._direct:  # the (biased) logits' argmax: no array to fill
+            logits = cur.biased(lib.llama_get_logits_ith(self._ctx, -1))
             tok = int(logits.argmax())  # the first of equal logits, as llama.cpp's greedy sampler
         elif self.lazy:  # lazy=False: the grammar over every candidate at once (the reference)
             ref = cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
@@ -237,6 +239,11 @@ class SamplerChain:
             if sampler:
                 self._lib.llama_sampler_free(sampler)  # a chain frees every sampler in it
                 setattr(self, name, None)
+
+
+def _bias_values(bias: tuple[tuple[int, float], ...]) -> list[tuple[int, float]]:
+    """logit_bias as the chain's sampler applies it: -100 and below, a ban (-inf)."""
+    return [(t, float("-inf") if b <= -100 else b) for t, b in bias]
 
 
 def _grammar_sampler(native: Native, gbnf: str) -> Any:

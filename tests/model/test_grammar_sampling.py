@@ -94,7 +94,8 @@ def test_bias_and_penalties_come_before_the_grammar_in_both_ways(tiny: GGUFModel
     plain = run(tiny, "Hello world. the e", base, lazy=True, monkeypatch=monkeypatch)
     toks = tiny.tokenize_text(plain[0])
     first = max(set(toks), key=toks.count)  # the commonest token of the answer: banned, it changes it
-    for extra in ({"logit_bias": ((first, -100.0),)}, {"presence_penalty": 1.5, "frequency_penalty": 0.5},
+    for extra in ({"logit_bias": ((first, -100.0),)}, {"logit_bias": ((first, 3.0), (first, 4.5), (7, 20.0))},
+                  {"presence_penalty": 1.5, "frequency_penalty": 0.5},
                   {"logit_bias": ((first, 30.0),), "presence_penalty": 2.0}):
         p = GenParams(**{**base.__dict__, **extra})
         full = run(tiny, "Hello world. the e", p, lazy=False, monkeypatch=monkeypatch)
