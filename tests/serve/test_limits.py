@@ -281,22 +281,23 @@ def test_raw_surrogates_utf16_bodies_and_huge_logit_bias_keys_are_400_never_500(
 
 def test_a_request_that_samples_too_slowly_is_ended_at_the_request_limit_and_the_next_is_served(
         tmp_path, tiny_gguf, service) -> None:
-    """A grammar of 2,000 alternatives makes every token's sampling slow (llama.cpp walks its
-    stacks for each candidate): 480 tokens of it would hold the model for seconds. With
-    `request_timeout_s = 0.5` the request ends at the token that passes the limit with the
-    documented 422 `generation_timeout` (streamed: an error event, then [DONE]), and a request
-    that queued behind it is answered."""
-    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, n_ctx=512)
-    cfg.write_text(cfg.read_text().replace("[server]\n", "[server]\nrequest_timeout_s = 0.5\n", 1))
+    """The limit on the tiny model: a request under a grammar of 256 alternatives asking for
+    2,000 tokens holds the model longer than `request_timeout_s = 0.2`. It ends at the token that
+    passes the limit with the documented 422 `generation_timeout` (streamed: an error event, then
+    [DONE]), and a request that queued behind it is answered. (The tiny vocabulary keeps even a
+    wide grammar cheap per token; Gemma's test below makes the sampling itself slow.)"""
+    # one thread: a decode never waits for a second one that a busy machine has not scheduled
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, n_ctx=2048, extra_model="n_threads = 1")
+    cfg.write_text(cfg.read_text().replace("[server]\n", "[server]\nrequest_timeout_s = 0.2\n", 1))
     pid1 = service(cfg)
-    schema = {"type": "array", "items": {"enum": [f"w{i:05d}" for i in range(2000)]}, "minItems": 400}
-    slow = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 480, "temperature": 0,
+    schema = {"type": "array", "items": {"enum": [f"w{i:05d}" for i in range(256)]}, "minItems": 700}
+    slow = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2000, "temperature": 0,
             "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}
     status, answer = post(pid1.address, "/v1/chat/completions", slow)
     assert status == 422 and answer["error"]["code"] == "generation_timeout", answer
-    assert "server.request_timeout_s = 0.5 s" in answer["error"]["message"], answer
+    assert "server.request_timeout_s = 0.2 s" in answer["error"]["message"], answer
     told = int(re.search(r"\((\d+) tokens of this choice", answer["error"]["message"])[1])
-    assert 0 < told < 480
+    assert 0 < told < 2000
     # streamed, with a normal request sent once the slow one is admitted (its first event, the
     # role, comes as its generation is handed to the model's thread): it waits its turn
     c = http.client.HTTPConnection(*pid1.address, timeout=120)
@@ -315,6 +316,45 @@ def test_a_request_that_samples_too_slowly_is_ended_at_the_request_limit_and_the
     assert rest.rstrip().endswith("data: [DONE]")
     assert queued["answer"][0] == 200, queued
     assert metric(pid1.address, "edge_requests_total", route="/v1/chat/completions", status="422") == 1
+    assert metric(pid1.address, "edge_requests_total", status="500") == 0
+    assert "Traceback" not in pid1.log_tail(100_000)
+
+
+@pytest.mark.gemma
+def test_gemma_sampling_made_slow_by_a_wide_grammar_is_ended_at_the_request_limit(tmp_path, gemma_path,
+                                                                                  service) -> None:
+    """What really makes a token's sampling slow: a grammar of 256 alternatives at once (the widest
+    a JSON schema may ask for) over Gemma 3's 262,144 candidates, each time the token drawn
+    (temperature 1) is one the grammar rejects; a tenth of a second and more per such token. The
+    request ends at `request_timeout_s` with 422 `generation_timeout`, and the request queued
+    behind it is answered."""
+    template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>user\\n{{ m['content'] }}"
+                "<end_of_turn>\\n{% endfor %}<start_of_turn>model\\n")
+    cfg = write_config(tmp_path / "edge.toml", gemma_path, n_ctx=1024, extra_model=f'chat_template = "{template}"')
+    cfg.write_text(cfg.read_text().replace("[server]\n", "[server]\nrequest_timeout_s = 3.0\n", 1))
+    pid1 = service(cfg, timeout=300)
+    keys = [f"{chr(97 + i % 26)}{i:03d}" for i in range(256)]
+    schema = {"type": "array", "minItems": 100, "items": {"anyOf": [
+        {"type": "object", "properties": {k: {"type": "integer"}}, "required": [k]} for k in keys]}}
+    slow = {"messages": [{"role": "user", "content": "Write a poem about the sea."}], "max_tokens": 400,
+            "temperature": 1.0, "seed": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}
+    queued: dict[str, object] = {}
+    c = http.client.HTTPConnection(*pid1.address, timeout=300)
+    c.request("POST", "/v1/chat/completions", body=json.dumps({**slow, "stream": True}),
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"data: {")
+    normal = threading.Thread(target=lambda: queued.update(answer=post(
+        pid1.address, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})))
+    normal.start()
+    rest = r.read().decode()
+    c.close()
+    normal.join(300)
+    errors = [json.loads(e[6:])["error"] for e in rest.splitlines() if e.startswith('data: {"error"')]
+    assert len(errors) == 1 and errors[0]["code"] == "generation_timeout", rest[-500:]
+    assert "server.request_timeout_s = 3 s" in errors[0]["message"]
+    assert queued["answer"][0] == 200, queued
     assert metric(pid1.address, "edge_requests_total", status="500") == 0
     assert "Traceback" not in pid1.log_tail(100_000)
 
