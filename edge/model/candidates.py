@@ -11,10 +11,7 @@ under a grammar (edge.model.generate.SamplerChain).
   candidates, so if an allowed token among the k likeliest is likelier than every token
   outside them, it is the one the grammar over the whole vocabulary leads greedy to (of equal
   logits, the lowest id: greedy's first in vocabulary order). k is each of TOPS in turn; the
-  whole vocabulary is asked only where none decides. With a temperature and top-k, the same
-  holds for the top_k likeliest allowed tokens: if the k likeliest hold them all, the rest of
-  the chain draws from those k as it would from the whole vocabulary under the grammar (ties
-  at the top-k boundary aside).
+  whole vocabulary is asked only where none decides.
 """
 
 from __future__ import annotations
@@ -114,52 +111,20 @@ class Candidates:
                 return tok
         return None
 
-    def top_k_allowed(self, grammar: Any, top_k: int) -> Any | None:
-        """For a chain that starts with top-k: the likeliest candidates of the filled array
-        (bias and penalties applied) with the grammar's verdict on each, as a reference for
-        the rest of the chain, where they hold the `top_k` likeliest allowed tokens of the
-        whole vocabulary (all likelier than any token outside them); else None."""
-        np, logits = self._np, self.filled()
-        if logits is None:
-            return None
-        for k in (k for k in self._tops if k >= top_k):
-            ids = self._ask(grammar, logits, k)
-            verdict = self._top_words[:k, 1].view(np.float32)
-            allowed = verdict[verdict != float("-inf")]
-            if len(allowed) >= top_k and np.partition(allowed, -top_k)[-top_k] > logits[ids].min():
-                t = self._top_array  # the grammar's verdicts stand: top-k drops the rejected (-inf)
-                t.size, t.selected, t.sorted = k, -1, False
-                return self._top_ref
-        return None
-
-    def top_selected(self) -> int | None:
-        """The token the chain picked from top_k_allowed's candidates (None: a banned one)."""
-        t = self._top_array
-        if not 0 <= t.selected < t.size:
-            return None
-        chosen = t.data[t.selected]
-        return None if chosen.logit == float("-inf") else int(chosen.id)
-
-    def _ask(self, grammar: Any, all_logits: Any, k: int) -> Any:
-        """The k likeliest candidates, in vocabulary order, into the small array, the grammar
-        applied to them (a rejected one's logit is -inf); their ids."""
+    def _greedy_among(self, grammar: Any, all_logits: Any, k: int) -> int | None:
         np = self._np
-        ids = np.sort(np.argpartition(all_logits, -k)[-k:])
+        ids = np.sort(np.argpartition(all_logits, -k)[-k:])  # vocabulary order: greedy's tie-break
+        logits = all_logits[ids]
+        floor = logits.min()  # no token outside `ids` has a larger logit
         words = self._top_words[:k]
         words[:, 0], words[:, 2] = ids, 0
-        words[:, 1].view(np.float32)[...] = all_logits[ids]
+        top_logits = words[:, 1].view(np.float32)
+        top_logits[...] = logits
         t = self._top_array
         t.data = ctypes.cast(ctypes.addressof(self._top), type(t.data))
         t.size, t.selected, t.sorted = k, -1, False
         self._apply(grammar, self._top_ref)
-        return ids
-
-    def _greedy_among(self, grammar: Any, all_logits: Any, k: int) -> int | None:
-        np = self._np
-        ids = self._ask(grammar, all_logits, k)  # vocabulary order: greedy's tie-break
-        logits = all_logits[ids]
-        floor = logits.min()  # no token outside `ids` has a larger logit
-        allowed = self._top_words[:k, 1].view(np.float32) != float("-inf")  # the grammar's verdict
+        allowed = top_logits != float("-inf")  # the grammar's verdict: rejected ones are -inf
         if not allowed.any():
             return None
         best = logits[allowed].max()

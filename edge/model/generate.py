@@ -120,14 +120,12 @@ class SamplerChain:
     they do not decide. The chain's order stays logit bias, penalties, grammar, the rest:
     greedy gives the tokens of the grammar applied to every candidate (tested); with
     temperature the draw is llama.cpp's (truncation first, then the grammar), as in
-    llama-server; with top-k, its candidates too are looked for among the likeliest first.
-    `lazy=False`: the grammar over every candidate for every token; `likeliest=False`: llama.cpp's
-    way alone (the references the tests compare with)."""
+    llama-server. `lazy=False`: the grammar over every candidate for every token (the
+    reference the tests compare with)."""
 
-    def __init__(self, native: Native, p: GenParams, lazy: bool = True, likeliest: bool = True) -> None:
+    def __init__(self, native: Native, p: GenParams, lazy: bool = True) -> None:
         lib = native.lib
         self._lib, self._ctx, self.lazy = lib, native.ctx, lazy
-        likeliest = lazy and likeliest  # False: llama.cpp's way alone (check one, else all)
         self.chain = self.pre = self.grammar = None
         self.resampled = 0  # tokens the grammar rejected and that were sampled again (tests, profiles)
         self.full_passes = 0  # of those, the ones the grammar went over the whole vocabulary for
@@ -141,9 +139,8 @@ class SamplerChain:
             self.chain = self._chain(self._rest(lib, p))
             self._cur = Candidates(native, _bias_values(p.logit_bias))
             # greedy without penalties: the first choice straight from the (biased) logits
-            self._direct = likeliest and p.temperature <= 0 and not (p.presence_penalty or p.frequency_penalty)
-            self._greedy = likeliest and p.temperature <= 0
-            self._top_k = p.top_k if likeliest and p.temperature > 0 else 0  # the chain's first sampler
+            self._direct = p.temperature <= 0 and not (p.presence_penalty or p.frequency_penalty)
+            self._greedy = p.temperature <= 0
         except BaseException:
             self.close()
             raise
@@ -214,8 +211,6 @@ class SamplerChain:
             self.resampled += 1
             # greedy: the likeliest candidates first (edge.model.candidates)
             tok = cur.greedy_allowed(self.grammar, logits) if logits is not None else None
-            if tok is None and self._top_k:
-                tok = self._resample_top_k()
             if tok is None:
                 tok = self._resample()
             if tok is None:
@@ -225,20 +220,6 @@ class SamplerChain:
         lib.llama_sampler_accept(self.grammar, tok)
         lib.llama_sampler_accept(self.chain, tok)
         return tok
-
-    def _resample_top_k(self) -> int | None:
-        """With a temperature: the chain (top-k first) over the likeliest candidates the grammar
-        was asked about, where they hold the top_k likeliest it allows (edge.model.candidates);
-        None where they do not (nothing drawn: the RNG is where it was)."""
-        lib, cur = self._lib, self._cur
-        ref = cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
-        if self.pre is not None:
-            lib.llama_sampler_apply(self.pre, ref)
-        top = cur.top_k_allowed(self.grammar, self._top_k)
-        if top is None:
-            return None
-        lib.llama_sampler_apply(self.chain, top)
-        return cur.top_selected()
 
     def _resample(self) -> int | None:
         """The token from every candidate under the grammar: logit bias and penalties, the
