@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from edge.model.grammar import CompiledGrammar
     from edge.model.native import Native
     from edge.model.promptcache import Marks, PromptCache
 
@@ -42,7 +43,7 @@ class GenParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    grammar: str | None = None  # GBNF, already checked with GGUFModel.check_grammar
+    grammar: CompiledGrammar | None = None  # compiled off the worker (edge.model.grammar), cloned per job
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k likeliest
 
 
@@ -102,8 +103,8 @@ class SamplerChain:
         if p.presence_penalty or p.frequency_penalty:
             yield lib.llama_sampler_init_penalties(native.n_vocab, PENALTY_LAST_N, 1.0,
                                                    p.frequency_penalty, p.presence_penalty)
-        if p.grammar:
-            yield lib.llama_sampler_init_grammar(native.vocab, p.grammar.encode("utf-8"), b"root")
+        if p.grammar:  # compiled on the grammar thread's big stack; a clone parses nothing
+            yield p.grammar.clone()
         if p.temperature <= 0:
             yield lib.llama_sampler_init_greedy()
             return

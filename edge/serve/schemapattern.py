@@ -32,7 +32,8 @@ MAX_PATTERN_GROUP_DEPTH = 64  # groups inside groups, like JSON's nesting limit
 _QUANTIFIER = re.compile(r"\{(\d*),(\d*)\}|\{(\d+)\}")
 _NON_LITERAL = set("|.()[]{}*+?")  # the converter's NON_LITERAL_SET
 _CONVERTED_ESCAPES = set("[]()|{}*+?")  # the converter writes these as the bare character
-_GBNF_ESCAPES = set('xuUtrn\\"[]')  # what llama.cpp's grammar parser reads after a backslash
+_GBNF_ESCAPES = set("xuUtrn[]")  # what llama.cpp's grammar parser reads after a backslash (a
+# backslash or quote itself would reach the JSON string unescaped)
 
 
 @dataclass(frozen=True)
@@ -98,11 +99,14 @@ class _Reader:
             if p[i] == "\\" and i < len(p) - 1:
                 self.escape(i, False)
                 i += 2
-            elif p[i] == '"' or p[i] not in _NON_LITERAL and (
+            elif p[i] == '"':
+                raise self.refuse(f"a '\"' at index {i}: llama.cpp's converter would write it into the "
+                                  "JSON string unescaped, which is not valid JSON")
+            elif p[i] not in _NON_LITERAL and (
                     i == len(p) - 1 or n == 0 or p[i + 1] == "." or p[i + 1] not in _NON_LITERAL):
                 if p[i] in "^$":
                     raise self.refuse(f"{p[i]!r} at index {i}: anchors are supported only at both ends "
-                                      f"(the converter would read it as the character); escape it: \\{p[i]}")
+                                      "(llama.cpp's converter would read it as the character)")
                 i += 1
             else:
                 break
