@@ -166,7 +166,7 @@ class _Reader:
                 return i + 1, most
             if c == "(":
                 i, inside = self.group(i)
-                atom = (start, inside, 1)
+                atom, most = (start, inside, 1), max(most, inside)
             elif c == "[":
                 atom, i = (start, 1, 1), self.char_class(i)
             elif c == ".":
