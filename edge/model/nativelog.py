@@ -39,7 +39,8 @@ def summarize_native_output(text: bytes, limit: int = MAX_LINE_BYTES) -> str:
     """The first non-empty line of a native library's output, cut at `limit`, and the size."""
     first = next((line for line in text.splitlines() if line.strip()), b"").decode("utf-8", "replace").strip()
     cut = first if len(first) <= limit else first[:limit] + "..."
-    return cut if len(text) <= len(first) + 2 else f"{cut} [{len(text)} bytes of output, the rest left out]"
+    whole = len(first) <= limit and len(text) <= len(first) + 2
+    return cut if whole else f"{cut} [{len(text)} bytes of output, the rest left out]"
 
 
 class RateLimiter:
@@ -79,7 +80,7 @@ def _on_log(level: int, text: bytes | None, _user: Any) -> None:
         _last_level[0] = level
         if level != _ERROR or not text or not text.strip():
             return
-        ok, held = _LIMITER.allow(_DIGITS.sub(b"#", text[:120]))
+        ok, held = _LIMITER.allow(_DIGITS.sub(b"#", text[:200])[:120])
         if held:
             log.error("llama.cpp: %d more lines like the next held back in the last %.0f s", held, RATE_WINDOW_S)
         if ok:
