@@ -4,9 +4,9 @@ bounds"): JSON on stdout (also .bench/grammar-limits.json), a table on stderr.
 - stack: how deep llama.cpp's grammar parser (nested groups) and its left-recursion check (a chain
   of rule references) go before they overflow a thread stack of each size: each try compiles in
   a child process (an overflow is a SIGSEGV), by bisection.
-- cost: compile time and the time to sample one token under a grammar whose alternation is N
-  wide (an `enum` of N strings, as llama-cpp-python's converter writes it), on Gemma 3 270M's
-  262k vocabulary, each the median of --runs; and the same for a grammar at edge's size bound.
+- cost: compile time and the time to sample one token under an `enum` of N strings, as
+  llama-cpp-python's converter writes it (N alternatives) and as edge does (a trie), on Gemma 3
+  270M's 262k vocabulary, each the median of --runs.
 """
 
 from __future__ import annotations
@@ -73,8 +73,11 @@ def cost(widths: list[int], runs: int) -> list[dict[str, object]]:
     L.llama_decode(ctx, L.llama_batch_get_one((L.llama_token * 1)(L.llama_vocab_bos(vocab)), 1))
     threading.stack_size(64 << 20)
     rows = []
-    for width in widths:
-        gbnf = json_schema_to_gbnf(json.dumps({"enum": [f"value-{i:06d}" for i in range(width)]}))
+    from edge.serve.jsonschema import measure_gbnf, schema_grammar
+
+    for width, how in [(w, h) for w in widths for h in ("converter", "edge")]:
+        schema = {"enum": [f"value-{i:06d}" for i in range(width)]}
+        gbnf = json_schema_to_gbnf(json.dumps(schema)) if how == "converter" else schema_grammar(schema, "enum")
         compile_s, sample_s = [], []
 
         def once() -> None:
@@ -93,7 +96,7 @@ def cost(widths: list[int], runs: int) -> list[dict[str, object]]:
             t = threading.Thread(target=once)
             t.start()
             t.join()
-        rows.append({"alternatives": width, "gbnf_bytes": len(gbnf), "compile_s": round(statistics.median(compile_s), 4),
+        rows.append({"enum": width, "grammar": how, "widest": measure_gbnf(gbnf).widest, "gbnf_bytes": len(gbnf), "compile_s": round(statistics.median(compile_s), 4),
                      "sample_token_s": round(statistics.median(sample_s), 4), "runs": runs})
     return rows
 
@@ -122,7 +125,7 @@ def main() -> None:
         print(f"{size:>9}: nested groups crash at {shapes['nest']['crashes']}, "
               f"reference chain at {shapes['chain']['crashes']}", file=sys.stderr)
     for r in rows:
-        print(f"alternation {r['alternatives']:>5}: {r['gbnf_bytes']:>7} bytes, compile {r['compile_s']:.4f} s, "
+        print(f"enum of {r['enum']:>5} ({r['grammar']:>9}, {r['widest']:>4} wide): {r['gbnf_bytes']:>7} bytes, compile {r['compile_s']:.4f} s, "
               f"one token {r['sample_token_s']:.4f} s", file=sys.stderr)
     from benchlib import emit
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edge.errors import RequestError
+from edge.serve.schemaenum import enum_gbnf
 from edge.serve.schemapattern import MAX_REPEAT, read_pattern
 from edge.serve.schemarange import integer_bounds, range_gbnf, range_tree
 
@@ -35,7 +36,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "prefixItems": (_E, "a tuple"),
     "minItems": (_E, f"0..{MAX_REPEAT}, with `items` a schema"),
     "maxItems": (_E, f"0..{MAX_REPEAT}, with `items` a schema"),
-    "enum": (_E, "any JSON values"),
+    "enum": (_E, "any JSON values, as a trie of their JSON texts (only the characters that can come next are alternatives)"),
     "const": (_E, "any JSON value"),
     "anyOf": (_E, "one of the schemas"),
     "oneOf": (_E, "as `anyOf`: an output valid for two of the schemas is not prevented"),
@@ -154,6 +155,10 @@ class _Check:
             raise self.bad(f"{where}.{dropped[0]}", f"{dropped[0]!r} is not enforced beside "
                            f"{'/'.join(sorted(k for k in s if k in used)) or 'this schema'}: llama.cpp's "
                            "converter would drop it")
+        for name in self.mapping(s, "properties", where):
+            if "\\" in json.dumps(name):
+                raise self.bad(f"{where}.properties", f"the property name {name!r} needs escaping in JSON, "
+                               "which llama.cpp's converter writes wrongly")
         for key in _SCHEMA_MAPS:
             for name, sub in self.mapping(s, key, where).items():
                 self.schema(sub, f"{where}.{key}.{name}")
@@ -223,10 +228,13 @@ def _converter_class() -> type:
 
     class Converter(SchemaConverter):  # type: ignore[misc,valid-type]
         def visit(self, schema: Any, name: str) -> str:
-            if isinstance(schema, dict) and _rule(schema) == "range":
-                rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
-                tree = range_tree(*integer_bounds(schema))
-                return self._add_rule(rule_name, range_gbnf(tree) + " space")
+            rule = _rule(schema) if isinstance(schema, dict) else ""
+            rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+            if rule == "range":
+                return self._add_rule(rule_name, range_gbnf(range_tree(*integer_bounds(schema))) + " space")
+            if rule in ("enum", "const"):  # a trie, escaped (edge.serve.schemaenum)
+                values = schema["enum"] if rule == "enum" else [schema["const"]]
+                return self._add_rule(rule_name, enum_gbnf(values))
             return super().visit(schema, name)
 
     return Converter

@@ -98,6 +98,13 @@ def test_a_huge_enum_is_refused_before_it_holds_the_model(svc: Svc) -> None:
     assert r.status_code == 400 and "the grammar made from it" in r.json()["error"]["message"], r.text
 
 
+def test_an_enum_of_a_thousand_values_answers_one_of_them(svc: Svc) -> None:
+    values = [f"value-{i:03d}" for i in range(1000)]
+    r = svc.chat(response_format=schema_format({"enum": values}), max_tokens=40, temperature=1.0, seed=3)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) in values
+
+
 def test_none_of_it_was_a_500(svc: Svc) -> None:
     text = httpx.get(svc.base + "/metrics", timeout=30).text
     assert 'code="500"' not in text and "Traceback" not in svc.pid1.log_path.read_text(errors="replace")
