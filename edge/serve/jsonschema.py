@@ -23,7 +23,8 @@ from edge.serve.schemaenum import enum_gbnf
 from edge.serve.schemapattern import MAX_REPEAT, read_pattern
 from edge.serve.schemarange import integer_bounds, range_gbnf, range_tree
 
-__all__ = ["GRAMMAR_LIMITS", "KEYWORDS", "GrammarSize", "check_gbnf", "measure_gbnf", "schema_grammar"]
+__all__ = ["GRAMMAR_LIMITS", "KEYWORDS", "GrammarSize", "check_gbnf", "check_schema", "measure_gbnf",
+           "schema_grammar"]
 
 _E, _R, _I = "enforced", "refused", "ignored"
 # keyword -> (status, how): the README's "json_schema keywords" table, row for row
@@ -126,11 +127,11 @@ def _rule(s: dict[str, Any]) -> str:
 
 
 class _Check:
-    def __init__(self, param: str) -> None:
-        self.param = param
+    def __init__(self, param: str, prefix: str) -> None:
+        self.param, self.prefix = param, prefix  # the field a 400 names; the path its message starts at
 
     def bad(self, where: str, why: str) -> RequestError:
-        return RequestError(f"{self.param}{where}: {why}", param=self.param)
+        return RequestError(f"{self.prefix}{where}: {why}", param=self.param)
 
     def schema(self, s: Any, where: str) -> None:
         if isinstance(s, bool) and where:
@@ -193,7 +194,7 @@ class _Check:
         if "pattern" in s:
             if not isinstance(s["pattern"], str):
                 raise self.bad(f"{where}.pattern", "pattern must be a string")
-            read_pattern(s["pattern"], f"{self.param}{where}.pattern", self.param)
+            read_pattern(s["pattern"], f"{self.prefix}{where}.pattern", self.param)
         if "format" in s and s["format"] not in _FORMATS:
             raise self.bad(f"{where}.format", f"format {s['format']!r} is not enforced by llama.cpp's "
                            f"converter (it enforces {', '.join(sorted(_FORMATS))})")
@@ -299,10 +300,16 @@ def check_gbnf(gbnf: str, param: str) -> GrammarSize:
     return size
 
 
+def check_schema(schema: Any, param: str, prefix: str | None = None) -> None:
+    """A 400 naming `param` (its message the keyword's path from `prefix`, default `param`) for
+    what the grammar would not enforce, before anything is converted."""
+    _Check(param, param if prefix is None else prefix).schema(schema, "")
+
+
 def schema_grammar(schema: Any, param: str) -> str:
     """GBNF for a JSON schema; a 400 naming the keyword for what it would not enforce, or the
     field for a grammar past the bounds."""
-    _Check(param).schema(schema, "")
+    check_schema(schema, param)
     try:
         gbnf = _convert(schema)
     except RequestError:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge.errors import RequestError
-from edge.serve.jsonschema import schema_grammar
+from edge.serve.jsonschema import check_schema, schema_grammar
 
 __all__ = ["Ask", "Limits", "IGNORED", "REFUSED", "parse"]
 
@@ -298,7 +298,10 @@ def _tools(body: dict[str, Any], ask: Ask, limits: Limits) -> None:
     ask.tools, ask.tool_choice = tools, choice
     ask.forced_tool = choice == "required" or isinstance(choice, dict)
     ask.parallel_tool_calls = _get(body, "parallel_tool_calls", (bool,), True)
-    if ask.forced_tool:
+    if ask.forced_tool:  # each tool's parameters named as the client wrote them, then the call's schema
+        for t in tools:
+            where = f"tools[{names.index(t['function']['name'])}].function.parameters"
+            check_schema(t["function"].get("parameters") or {"type": "object"}, "tools", where)
         ask.schema = (_call_schema(tools), "tool_choice")
 
 

@@ -91,3 +91,26 @@ def test_a_native_log_line_is_cut_and_repeats_are_held_back(caplog: pytest.LogCa
         nativelog._on_log(2, b"a warning", None)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3 and all(len(line) < 600 and "bytes of output" in line for line in lines)
+
+
+def test_a_compile_past_its_deadline_is_a_400_and_is_freed_when_it_ends(model: GGUFModel) -> None:
+    import threading
+
+    from edge.model import grammar
+
+    gate, freed = threading.Event(), threading.Event()
+    grammar._COMPILER.submit(gate.wait)  # the grammar thread is busy: the next compile waits behind it
+    lib = model.native.lib
+
+    class ObservedLlama:  # the real llama.cpp bindings; only its llama_sampler_free is watched
+        def __getattr__(self, name: str) -> object:
+            return getattr(lib, name)
+
+        def llama_sampler_free(self, sampler: object) -> None:
+            lib.llama_sampler_free(sampler)
+            freed.set()
+
+    with pytest.raises(RequestError, match="took more than 0.05 s to compile"):
+        grammar.compile_grammar(ObservedLlama(), model.native.vocab, 'root ::= "a"', "response_format", timeout_s=0.05)
+    gate.set()
+    assert freed.wait(30)
