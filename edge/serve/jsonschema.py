@@ -212,6 +212,9 @@ class _Check:
                 raise self.bad(f"{where}.{key}", f"{key} must be a non-empty list")
         props = s.get("properties")
         required = s.get("required") if isinstance(s.get("required"), list) else []
+        missing = [k for k in required if k not in (props or {})] if rule == "object" else []
+        if missing:  # the converter would leave them out of the grammar, so out of the output
+            raise self.bad(f"{where}.required", f"{missing[0]!r} is required but not among the properties")
         if isinstance(props, dict) and len(set(props) - set(required)) > MAX_OPTIONAL_PROPERTIES:
             raise self.bad(f"{where}.properties", f"more than {MAX_OPTIONAL_PROPERTIES} optional properties "
                            "(llama.cpp's converter's work grows with their square)")

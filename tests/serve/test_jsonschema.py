@@ -38,6 +38,7 @@ def test_every_refused_keyword_is_a_400_naming_it(keyword: str, value: object) -
     ({"type": "string", "pattern": "^a+$", "minLength": 3}, ".minLength: 'minLength' is not enforced beside"),
     ({"type": "array", "minItems": 2}, ".minItems"),  # no items: the converter's primitive array
     ({"type": "object", "required": ["a"]}, ".required"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, ".required: 'b' is required but not"),
     ({"type": "string", "format": "email"}, ".format: format 'email'"),
     ({"type": "string", "maxLength": 10**9}, ".maxLength: must be an integer from 0 to 10000"),
     ({"type": "string", "pattern": "^a{,20000}$"}, ".pattern: asks for 20000 copies"),
