@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from edge.errors import RequestError
-from edge.model.nativelog import captured_stderr, summarize_native_output
+from edge.model.nativelog import RateLimiter, captured_stderr, summarize_native_output
 
 __all__ = ["COMPILE_STACK_BYTES", "COMPILE_TIMEOUT_S", "CompiledGrammar", "compile_grammar"]
 
@@ -92,6 +92,7 @@ class _Compiler:
 
 
 _COMPILER = _Compiler()
+_WARNINGS = RateLimiter()  # what llama.cpp printed while compiling: a few lines a minute, then a count
 
 
 def _compile(lib: Any, vocab: Any, gbnf: str) -> tuple[Any, float, bytes]:
@@ -114,7 +115,11 @@ def compile_grammar(lib: Any, vocab: Any, gbnf: str, param: str,
         raise RequestError(f"{param}: llama.cpp took more than {timeout_s:g} s to compile the grammar "
                            "made from it", param=param) from None
     if output:
-        log.warning("llama.cpp on the grammar for %s: %s", param, summarize_native_output(output))
+        ok, held = _WARNINGS.allow(b"grammar output")
+        if held:
+            log.warning("llama.cpp printed on %d more grammars in the last minute (not logged)", held)
+        if ok:
+            log.warning("llama.cpp on the grammar for %s: %s", param, summarize_native_output(output))
     if not sampler:
         reason = summarize_native_output(output, limit=160) if output else "no reason given"
         raise RequestError(f"{param}: llama.cpp cannot compile the grammar made from it ({reason})",

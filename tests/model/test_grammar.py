@@ -40,7 +40,11 @@ def test_a_nesting_past_the_default_stack_compiles_on_the_grammar_thread(model: 
 
 
 def test_a_refused_grammar_is_a_400_and_one_line_not_the_grammar(model: GGUFModel, capfd: pytest.CaptureFixture,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+                                                                   caplog: pytest.LogCaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from edge.model import grammar
+
+    monkeypatch.setattr(grammar, "_WARNINGS", RateLimiter(burst=2, window_s=3600))
     gbnf = 'root ::= "a" undefined-rule\n' + "".join(f'filler{i} ::= "{"x" * 100}"\n' for i in range(2000))
     with caplog.at_level(logging.WARNING, "edge"), pytest.raises(RequestError) as err:
         model.compile_grammar(gbnf, "response_format.json_schema")
@@ -49,6 +53,11 @@ def test_a_refused_grammar_is_a_400_and_one_line_not_the_grammar(model: GGUFMode
     assert "filler" not in out + errout  # llama.cpp's parser printed all 200 KB of it before
     lines = [r.getMessage() for r in caplog.records if "grammar for response_format.json_schema" in r.getMessage()]
     assert len(lines) == 1 and f"bytes of output" in lines[0] and len(lines[0]) < 600
+    for _ in range(5):  # a flood of them: two lines a window
+        with pytest.raises(RequestError):
+            model.compile_grammar(gbnf, "response_format.json_schema")
+    lines = [r.getMessage() for r in caplog.records if "grammar for response_format.json_schema" in r.getMessage()]
+    assert len(lines) == 2
 
 
 def test_one_compiled_grammar_serves_every_job_of_a_request(model: GGUFModel) -> None:
