@@ -123,3 +123,9 @@ def test_a_compile_past_its_deadline_is_a_400_and_is_freed_when_it_ends(model: G
         grammar.compile_grammar(ObservedLlama(), model.native.vocab, 'root ::= "a"', "response_format", timeout_s=0.05)
     gate.set()
     assert freed.wait(30)
+
+
+def test_gbnf_text_in_a_job_is_compiled_on_the_grammar_thread_too(model: GGUFModel) -> None:
+    gbnf = 'root ::= "x" ' + '("a" ' * DEEP + ")" * DEEP  # past the worker's stack, if it parsed it
+    job = Job(tokens=model.tokenize_prompt("Answer:"), params=GenParams(max_tokens=3, temperature=0, grammar=gbnf))
+    assert "".join(p.text for p in model.generate(job)) == "xaa"
