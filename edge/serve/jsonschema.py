@@ -207,6 +207,11 @@ class _Check:
                 integer_bounds(s)
             except ValueError as exc:
                 raise self.bad(where, str(exc)) from None
+        if isinstance(s.get("enum"), list):  # before anything is built from them
+            size = sum(len(json.dumps(v)) for v in s["enum"])
+            if size > GRAMMAR_LIMITS.bytes:
+                raise self.bad(f"{where}.enum", f"its values' JSON is {size} bytes, more than the "
+                               f"{GRAMMAR_LIMITS.bytes} bytes a grammar may be (README: grammar bounds)")
         for key in ("enum", "anyOf", "oneOf", "allOf", "prefixItems", "required"):
             if key in s and (not isinstance(s[key], list) or key != "required" and not s[key]):
                 raise self.bad(f"{where}.{key}", f"{key} must be a non-empty list")

@@ -44,6 +44,7 @@ def test_every_refused_keyword_is_a_400_naming_it(keyword: str, value: object) -
     ({"type": "string", "pattern": "^a{,20000}$"}, ".pattern: asks for 20000 copies"),
     ({"nope": 1}, ".nope: 'nope' is not a JSON Schema keyword"),
     ({"allOf": [{"type": "string"}]}, ".allOf[0]: allOf is enforced for object schemas only"),
+    ({"enum": [f"value-{i:06d}" for i in range(100_000)]}, ".enum: its values' JSON is 1400000 bytes"),
 ])
 def test_what_the_converter_would_drop_is_refused_naming_the_keyword(schema: dict, where: str) -> None:
     assert f"{P}{where}" in refused(schema)
