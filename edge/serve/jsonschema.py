@@ -20,7 +20,7 @@ from typing import Any
 
 from edge.errors import RequestError
 from edge.serve.schemaenum import enum_gbnf
-from edge.serve.schemapattern import MAX_REPEAT, read_pattern
+from edge.serve.schemapattern import MAX_REPEAT, json_safe, read_pattern
 from edge.serve.schemarange import integer_bounds, range_gbnf, range_tree
 
 __all__ = ["GRAMMAR_LIMITS", "KEYWORDS", "GrammarSize", "check_gbnf", "check_schema", "measure_gbnf",
@@ -45,7 +45,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "$ref": (_E, "`#/...` within the schema; no other keyword beside it"),
     "$defs": (_E, "what `$ref` points to"),
     "definitions": (_E, "what `$ref` points to"),
-    "pattern": (_E, "anchored `^...$`; read as llama.cpp's converter reads it, and refused where that differs from the regex"),
+    "pattern": (_E, "anchored `^...$`; read as llama.cpp's converter reads it, and refused where that differs from the regex; `.` and classes never write a quote, backslash or control character raw"),
     "minLength": (_E, f"0..{MAX_REPEAT}"),
     "maxLength": (_E, f"0..{MAX_REPEAT}"),
     "format": (_E, "`date`, `time`, `date-time`, `uuid` (others refused)"),
@@ -245,6 +245,9 @@ def _converter_class() -> type:
                 values = schema["enum"] if rule == "enum" else [schema["const"]]
                 return self._add_rule(rule_name, enum_gbnf(values))
             return super().visit(schema, name)
+
+        def _visit_pattern(self, pattern: str, name: str) -> str:
+            return super()._visit_pattern(json_safe(pattern), name)  # no raw quote from `.` or a class
 
     return Converter
 

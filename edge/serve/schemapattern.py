@@ -32,8 +32,7 @@ MAX_PATTERN_GROUP_DEPTH = 64  # groups inside groups, like JSON's nesting limit
 _QUANTIFIER = re.compile(r"\{(\d*),(\d*)\}|\{(\d+)\}")
 _NON_LITERAL = set("|.()[]{}*+?")  # the converter's NON_LITERAL_SET
 _CONVERTED_ESCAPES = set("[]()|{}*+?")  # the converter writes these as the bare character
-_GBNF_ESCAPES = set("xuUtrn[]")  # what llama.cpp's grammar parser reads after a backslash (a
-# backslash or quote itself would reach the JSON string unescaped)
+_HEX_DIGITS = {"x": 2, "u": 4, "U": 8}  # in a class, as llama.cpp's grammar parser reads them
 
 
 @dataclass(frozen=True)
@@ -84,12 +83,18 @@ class _Reader:
         return r, end + 1
 
     def escape(self, i: int, in_class: bool) -> None:
-        """An escape llama.cpp's grammar parser knows once the converter has copied it."""
+        """An escape llama.cpp's grammar parser knows once the converter has copied it: outside a
+        class only the converter's own (\\( \\{ \\* ...), which it writes as the character; in
+        a class also \\x \\u \\U with their hex digits, \\t \\n \\r."""
         e = self.p[i + 1:i + 2]
-        if e in _GBNF_ESCAPES or not in_class and e in _CONVERTED_ESCAPES:
+        if in_class and e in _HEX_DIGITS:
+            digits = self.p[i + 2:i + 2 + _HEX_DIGITS[e]]
+            if len(digits) == _HEX_DIGITS[e] and all(c in "0123456789abcdefABCDEF" for c in digits):
+                return
+        elif e in _CONVERTED_ESCAPES or in_class and e in "trn[]":
             return
-        hint = {"d": "[0-9]", "w": "[a-zA-Z0-9_]", "s": "[ \\t\\n\\r]", ".": "[.]"}.get(e, "a class or the character itself")
-        raise self.refuse(f"the escape \\{e} at index {i} is not supported by llama.cpp's grammar; write {hint}")
+        hint = {"d": "[0-9]", "w": "[a-zA-Z0-9_]", "s": "[ ]", ".": "[.]"}.get(e, "the character itself, or a class")
+        raise self.refuse(f"the escape \\{e} at index {i} is not supported here by llama.cpp's converter; write {hint}")
 
     def literal(self, i: int) -> tuple[int, int]:
         """The converter's literal loop at i: (characters it takes, index after them). A plain
@@ -133,7 +138,7 @@ class _Reader:
         while i < len(p) and p[i] != "]":
             if p[i] == "\\":
                 self.escape(i, True)
-            i += 2 if p[i] == "\\" else 1
+            i += 2 + _HEX_DIGITS.get(p[i + 1:i + 2], 0) if p[i] == "\\" else 1
         if i >= len(p):
             raise self.refuse(f"unbalanced '[' at index {start} of /{p}/")
         return i + 1
@@ -199,3 +204,69 @@ def read_pattern(pattern: str, where: str, param: str) -> PatternRead:
                             "a grammar for the model's output is built for")
     repeats = tuple(r for _, r in sorted(reader.repeats, key=lambda sr: sr[0]))
     return PatternRead(repeats, copies, reader.deepest)
+
+
+# What a JSON string may not hold unescaped: the converter's `.` ([^\n\r]) and classes let the
+# model write them raw (`"a"b"`: not JSON). json_safe() takes them out of every `.` and class.
+_JSON_BAD = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
+_SAFE_ANY = '[^"\\\\\\x00-\\x1F]'  # pattern text: [^"\\\x00-\x1F]
+
+
+def _class_chars(body: str) -> list[int]:
+    """The code points a class body's items name in order (escapes read), for ranges."""
+    out, i = [], 0
+    while i < len(body):
+        if body[i] == "\\":
+            e = body[i + 1]
+            n = _HEX_DIGITS.get(e, 0)
+            out.append(int(body[i + 2:i + 2 + n], 16) if n else {"t": 9, "n": 10, "r": 13}.get(e, ord(e)))
+            i += 2 + n
+        else:
+            out.append(ord(body[i]) if body[i] != "-" or i in (0, len(body) - 1) else -1)  # -1: a range's dash
+            i += 1
+    return out
+
+
+def _safe_class(body: str, where: str, param: str) -> str:
+    """A positive class without what JSON must escape, as \\U ranges."""
+    items, ranges = _class_chars(body), []
+    k = 0
+    while k < len(items):
+        if k + 2 < len(items) and items[k + 1] == -1:
+            ranges.append((items[k], items[k + 2]))
+            k += 3
+        else:
+            ranges.append((items[k], items[k]) if items[k] != -1 else (45, 45))
+            k += 1
+    for lo_bad, hi_bad in _JSON_BAD:
+        ranges = [piece for lo, hi in ranges for piece in ((lo, min(hi, lo_bad - 1)), (max(lo, hi_bad + 1), hi))
+                  if piece[0] <= piece[1]]
+    if not ranges:
+        raise RequestError(f"{where}: the class [{body}] holds only characters a JSON string must escape "
+                           "(quote, backslash, control characters), which the grammar cannot write", param=param)
+    return "[" + "".join(f"\\U{lo:08X}" + (f"-\\U{hi:08X}" if hi > lo else "") for lo, hi in ranges) + "]"
+
+
+def json_safe(pattern: str, where: str = "pattern", param: str = "pattern") -> str:
+    """`pattern` (read_pattern accepted it) with every `.` and class unable to match a quote, a
+    backslash or a control character, which would reach the JSON string unescaped."""
+    out, i, p = [], 0, pattern
+    while i < len(p):
+        c = p[i]
+        if c == "\\":
+            out.append(p[i:i + 2])
+            i += 2
+        elif c == "." and 0 < i < len(p) - 1:
+            out.append(_SAFE_ANY)
+            i += 1
+        elif c == "[":
+            j = i + 1
+            while p[j] != "]":
+                j += 2 + _HEX_DIGITS.get(p[j + 1], 0) if p[j] == "\\" else 1
+            body = p[i + 1:j]
+            out.append(f'[{body}"\\\\\\x00-\\x1F]' if body.startswith("^") else _safe_class(body, where, param))
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)

@@ -5,6 +5,7 @@ leading zeros, min > max, nested groups, alternation), and the forms that crashe
 from __future__ import annotations
 
 import random
+import re
 import threading
 
 import pytest
@@ -137,3 +138,20 @@ def test_a_pattern_the_converter_would_misread_is_refused_naming_why(p: str, why
 def test_a_pattern_within_bounds_reads_its_repeats_and_copies() -> None:
     r = read_pattern("^(a{3}b){4}[0-9]{,2}x*$", "p", "p")
     assert r.repeats == (Repeat(4, 4), Repeat(3, 3), Repeat(0, 2), Repeat(0, None)) and r.copies == 12
+
+
+def test_json_safe_patterns_match_what_the_pattern_does_minus_what_json_must_escape() -> None:
+    from edge.serve.schemapattern import json_safe
+
+    rng = random.Random(7)
+    alphabet = ['a', 'b', '"', '\\', '\n', '\x01', '\u00e9', '-', ' ', '~']
+    atoms = [".", "[a-c]", "[^a]", "[ -~]", '[a"]', "[\\x20-\\x7E]", "[\\u00e0-\\u00ff]", "[-a]", "a", "(a|.)"]
+    bad = {c for c in alphabet if c in '"\\' or ord(c) < 0x20}
+    for _ in range(300):
+        p = "^" + "".join(rng.choice(atoms) + rng.choice(["", "?", "*"]) for _ in range(rng.randint(1, 3))) + "$"
+        read_pattern(p, "p", "p")
+        safe = re.compile(json_safe(p))
+        for _ in range(40):
+            s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 3)))
+            expect = bool(re.fullmatch(p, s)) and not bad & set(s)
+            assert bool(safe.fullmatch(s)) == expect, (p, s)
