@@ -101,7 +101,9 @@ class _Reader:
         character joins only where no repetition follows it; an escape or a quote always joins."""
         p, n = self.p, 0
         while i < len(p):
-            if p[i] == "\\" and i < len(p) - 1:
+            if p[i] == "\\":
+                if i == len(p) - 1:
+                    raise self.refuse(f"a backslash at the pattern's end (index {i}) escapes nothing")
                 self.escape(i, False)
                 i += 2
             elif p[i] == '"':

@@ -127,7 +127,7 @@ def test_fuzzed_quantifiers_are_read_as_re_reads_them_or_refused() -> None:
     ("^((ab{100}){100}){100}$", "1000000 copies"),
     ("^}$", "unbalanced '}'"), ("^a]$", "unbalanced ']'"),  # the converter loops forever on these
     ("^a\\d{3}$", "\\d"), ("^(?:a)$", "'(?'"), ("^a|^b$", "anchors"), ('^a"b$', "not valid JSON"),
-    ("^" + "(" * 65 + "a" + ")" * 65 + "$", "nest more than 64"), ("abc", "anchored"),
+    ("^" + "(" * 65 + "a" + ")" * 65 + "$", "nest more than 64"), ("abc", "anchored"), ("^a\\$", "escapes nothing"),
 ])
 def test_a_pattern_the_converter_would_misread_is_refused_naming_why(p: str, why: str) -> None:
     with pytest.raises(RequestError) as err:
