@@ -108,6 +108,17 @@ def test_an_enum_of_a_thousand_values_answers_one_of_them(svc: Svc) -> None:
     assert json.loads(r.json()["choices"][0]["message"]["content"]) in values
 
 
+def test_a_pattern_with_classes_and_dots_answers_valid_json_that_matches_it(svc: Svc) -> None:
+    import re
+
+    pattern = "^[a-z]{2}[ -~]{4}$"  # [ -~] let a raw quote or backslash through before
+    for seed in range(12):
+        r = svc.chat(response_format=schema_format({"type": "string", "pattern": pattern}),
+                     max_tokens=30, temperature=1.5, seed=seed)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text
+        assert re.fullmatch(pattern, json.loads(r.json()["choices"][0]["message"]["content"]))
+
+
 def test_none_of_it_was_a_500(svc: Svc) -> None:
     text = httpx.get(svc.base + "/metrics", timeout=30).text
     assert 'code="500"' not in text and "Traceback" not in svc.pid1.log_path.read_text(errors="replace")
