@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from edge.model.grammar import CompiledGrammar
     from edge.model.native import Native
     from edge.model.promptcache import Marks, PromptCache
 
@@ -42,7 +43,7 @@ class GenParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    grammar: str | None = None  # GBNF, already checked with GGUFModel.check_grammar
+    grammar: CompiledGrammar | str | None = None  # compiled off the worker (edge.model.grammar), cloned per job
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k likeliest
 
 
@@ -103,7 +104,7 @@ class SamplerChain:
             yield lib.llama_sampler_init_penalties(native.n_vocab, PENALTY_LAST_N, 1.0,
                                                    p.frequency_penalty, p.presence_penalty)
         if p.grammar:
-            yield lib.llama_sampler_init_grammar(native.vocab, p.grammar.encode("utf-8"), b"root")
+            yield _grammar_sampler(native, p.grammar)
         if p.temperature <= 0:
             yield lib.llama_sampler_init_greedy()
             return
@@ -123,6 +124,20 @@ class SamplerChain:
         if self.chain:
             self._lib.llama_sampler_free(self.chain)  # frees every sampler in the chain
             self.chain = None
+
+
+def _grammar_sampler(native: Native, grammar: CompiledGrammar | str) -> Any:
+    """A grammar sampler for one generation: a clone of the request's compiled grammar (it parses
+    nothing on this thread's stack); GBNF text is compiled on the grammar thread all the same."""
+    if isinstance(grammar, str):
+        from edge.model.grammar import compile_grammar
+
+        grammar = compile_grammar(native.lib, native.vocab, grammar, "grammar")
+        try:
+            return grammar.clone()
+        finally:
+            grammar.close()
+    return grammar.clone()
 
 
 def _logprob_entry(native: Native, tok: int, k: int) -> TokenLogprob:
