@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from edge.model.candidates import Candidates
 
 if TYPE_CHECKING:
+    from edge.model.grammar import CompiledGrammar
     from edge.model.native import Native
     from edge.model.promptcache import Marks, PromptCache
 
@@ -45,7 +46,7 @@ class GenParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    grammar: str | None = None  # GBNF, already checked with GGUFModel.check_grammar
+    grammar: CompiledGrammar | str | None = None  # compiled off the worker (edge.model.grammar), cloned per job
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k likeliest
 
 
@@ -246,8 +247,18 @@ def _bias_values(bias: tuple[tuple[int, float], ...]) -> list[tuple[int, float]]
     return [(t, float("-inf") if b <= -100 else b) for t, b in bias]
 
 
-def _grammar_sampler(native: Native, gbnf: str) -> Any:
-    return native.lib.llama_sampler_init_grammar(native.vocab, gbnf.encode("utf-8"), b"root")
+def _grammar_sampler(native: Native, grammar: CompiledGrammar | str) -> Any:
+    """A grammar sampler for one generation: a clone of the request's compiled grammar (it parses
+    nothing on this thread's stack); GBNF text is compiled on the grammar thread all the same."""
+    if isinstance(grammar, str):
+        from edge.model.grammar import compile_grammar
+
+        grammar = compile_grammar(native.lib, native.vocab, grammar, "grammar")
+        try:
+            return grammar.clone()
+        finally:
+            grammar.close()
+    return grammar.clone()
 
 
 def _logprob_entry(native: Native, tok: int, k: int) -> TokenLogprob:

@@ -166,9 +166,10 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
     ask = parse(body, chat, Limits(m.n_ctx, m.n_vocab, m.cfg.max_choices, m.supports_tools))
     if ask.who:
         log.info("request from %s", ", ".join(f"{k} {v!r}" for k, v in ask.who.items()))
-    gbnf = grammar(*ask.schema) if ask.schema else None
-    if gbnf is not None and ask.schema is not None:
-        await worker.call(m.check_grammar, gbnf, ask.schema[1])
+    compiled = None
+    if ask.schema is not None:  # converted and compiled off the loop and off the model's worker
+        gbnf = await asyncio.to_thread(grammar, *ask.schema)
+        compiled = await asyncio.to_thread(m.compile_grammar, gbnf, ask.schema[1])
     _check_bytes(m, ask)  # before tokenizing: a prompt that cannot fit never holds the worker
     prompts = await worker.call(_tokenize, m, ask)
     if len(prompts) * ask.n > m.cfg.max_choices:
@@ -187,7 +188,7 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
         if max_tokens is None:  # the configured default, but never more than the context has left
             max_tokens = min(m.cfg.max_tokens_default, max(1, m.n_ctx - len(tokens)))
         m.check_fits(len(tokens), max_tokens)
-        params = GenParams(max_tokens=max_tokens, grammar=gbnf,
+        params = GenParams(max_tokens=max_tokens, grammar=compiled,
                            **{**ask.sampling, "stop": ask.sampling["stop"] + stops})
         # n choices from one seed: seed, seed+1, ... (the same seed would give n equal choices)
         jobs += [Job(tokens=tokens, params=params if params.seed is None else
