@@ -522,7 +522,7 @@ def test_kserve_non_finite_data_and_overflowing_outputs_are_400_never_500(ort_se
     status, answer = infer("[" + ", ".join(["1"] * 15 + ["1" + "0" * 30]) + "]", datatype="INT64")
     assert status == 400 and "outside the range of INT64" in answer["error"]["message"], answer
     assert infer("[" + ", ".join(["0.5"] * 16) + "]")[0] == 200
-    assert metric(pid1.address, "edge_requests_total", status="500") == before == 0
+    assert metric(pid1.address, "edge_requests_total", status="500") == before  # the service is shared
     assert "Traceback" not in pid1.log_tail(100_000)
 
 
