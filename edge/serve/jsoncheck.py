@@ -82,14 +82,16 @@ def lone_surrogate_path(value: Any, path: str = "") -> str | None:
     return None
 
 
-# A JSON \u escape of a UTF-16 surrogate (D800-DFFF); only bodies that have one are walked.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A JSON \u escape of a UTF-16 surrogate (D800-DFFF), or one's own three bytes in a UTF-8 body
+# (ED A0..BF xx: not valid UTF-8, which `json.loads` decodes with "surrogatepass" all the same).
+# Only UTF-8 bodies that have one, and every UTF-16/32 body, are walked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 def refuse_lone_surrogates(body: bytes) -> None:
     """Refuse (400, naming the field) a body with a string holding a lone UTF-16 surrogate.
     The body's depth is checked first (`check_json_depth`): the walk recurses per level too."""
-    if not _SURROGATE_ESCAPE.search(body):
+    if json.detect_encoding(body).startswith("utf-8") and not _SURROGATE_ESCAPE.search(body):
         return
     try:
         value = json.loads(body)

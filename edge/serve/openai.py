@@ -145,6 +145,9 @@ def _logit_bias(body: dict[str, Any], n_vocab: int) -> tuple[tuple[int, float], 
     for key, val in bias.items():
         if not (key.isascii() and key.lstrip("-").isdigit()):  # int() also takes "1_0", " 1", "١"
             raise _bad("logit_bias", f"logit_bias keys must be token ids (decimal digits), found {key!r}")
+        if len(key.lstrip("-")) > 12:  # past any vocabulary; and int() refuses past 4,300 digits
+            raise _bad("logit_bias", f"logit_bias: token {key[:12]}... ({len(key)} characters) is not in "
+                                     f"the vocabulary (0..{n_vocab - 1})")
         tok = int(key)
         if not 0 <= tok < n_vocab:
             raise _bad("logit_bias", f"logit_bias: token {tok} is not in the vocabulary (0..{n_vocab - 1})")
