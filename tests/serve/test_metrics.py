@@ -193,9 +193,10 @@ def test_stream_is_timed_to_its_last_chunk(service: Service) -> None:
     # The server's clock runs from the request's arrival to the last chunk (its connection closes
     # only after that): it fits inside the client's send-to-EOF span, and covers the stream the
     # client saw, first bytes to the last event. That second span is widened by how late the
-    # client's process is woken for the last event (milliseconds on contended cores): hence 0.9 of
-    # it; a clock stopped when the response object is made reads under a hundredth.
-    assert 0.9 * (t_done - t_first) <= server_s <= t_end - t_sent, \
+    # client's process is woken for the last event (milliseconds on contended cores, as long as a
+    # tiny model's whole stream): hence half of it; a clock stopped when the response object is
+    # made reads under a hundredth.
+    assert 0.5 * (t_done - t_first) <= server_s <= t_end - t_sent, \
         (t_done - t_first, server_s, t_end - t_sent)
     fam = "edge_time_to_first_token_seconds"
     assert delta(before, after, fam, fam + "_count", model="tiny") == 1
