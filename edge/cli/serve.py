@@ -160,8 +160,8 @@ def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Opti
         typer.echo(f"no start report yet in {folder / REPORT_NAME}: has `edge serve` run?", err=True)
         raise typer.Exit(1)
     reload_report = _read_report(folder, "reload", damaged) if report is not None else None
-    if reload_report is not None and reload_report.get("pid") != report.get("pid"):
-        reload_report = None  # a reload of an earlier run of the service, not of this one
+    if reload_report is not None and report.get("pid") not in (reload_report.get("pid"), _successor(reload_report)):
+        reload_report = None  # a reload of an earlier run of the service, not of this one (nor its handover to it)
     if as_json:  # the start report as before, the last reload (and a later failed start) beside it
         typer.echo(json.dumps({**(report or {}), "last_reload": reload_report, "last_failed_start": failed,
                                "crashed_starts": crashes, "safe_mode": safe}, indent=2))
@@ -175,6 +175,11 @@ def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Opti
         _write_svg(svg, drawn)
     if damaged:
         raise typer.Exit(1)
+
+
+def _successor(reload_report: dict[str, Any]) -> Any:
+    """The process a handover (a reload by a new process) handed the service to."""
+    return (reload_report.get("successor") or {}).get("pid") if isinstance(reload_report.get("successor"), dict) else None
 
 
 def _state_folder(cfg: Any) -> Path:

@@ -183,7 +183,9 @@ class _Run:
     async def spawn_and_switch(self, timeout: float | None) -> dict[str, Any]:
         with self.timer.phase(SPAWN):
             try:
-                child = _spawn(self.h.sockets, self.path, self.h.running, self.client_env)
+                # the sockets uvicorn accepts on (the connection guard took the originals over)
+                listening = getattr(self.h.server.guard, "sockets", None) or self.h.sockets
+                child = _spawn(listening, self.path, self.h.running, self.client_env)
             except OSError as exc:
                 return self.failed(EdgeError(f"cannot start the new process: {exc}"))
         self.extra["successor"] = {"pid": child.pid}
@@ -204,7 +206,7 @@ class _Run:
         status = f"{said.get('status', 'ready')} (took over from pid {os.getpid()} in {at:.2f} s)"
         self.h.notifier.send(f"MAINPID={child.pid}\nREADY=1\nSTATUS={status}")
         self.timer.add(SWITCH, at, at, pid=child.pid)
-        self.switched_at = time.monotonic()
+        self.switched_at = at
         self.extra.update(switch_s=round(at, 4), successor=_successor_report(child.pid, state_dir(self.h.current)))
         self._write()
         log.info("handover: pid %d serves; this process (pid %d) drains and exits", child.pid, os.getpid())
@@ -212,8 +214,8 @@ class _Run:
 
     def drained(self) -> None:
         end = self.timer.now()
-        self.timer.add(DRAIN, float(self.extra["switch_s"] or end), end)
-        self.extra["drain_s"] = round(end - float(self.extra["switch_s"] or end), 4)
+        self.timer.add(DRAIN, self.switched_at, end)
+        self.extra["drain_s"] = round(end - self.switched_at, 4)
         self._write()
 
     def failed(self, exc: EdgeError, child: "_Child | None" = None) -> dict[str, Any]:
@@ -327,7 +329,7 @@ class _Child:
                 setattr(self, fd, -1)
 
 
-def _spawn(sockets: list[socket.socket], path: str | None, running: Running,
+def _spawn(sockets: list[Any], path: str | None, running: Running,
            client_env: dict[str, str] | None) -> _Child:
     """`edge serve` as installed now (this interpreter, `-m edge.cli`: the package on disk), with
     the listening sockets as fds 3.. and the pipe's writing end after them."""
