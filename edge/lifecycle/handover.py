@@ -137,6 +137,8 @@ class Handover:
             log.warning("handover: %s: restarting instead (the old process drains and frees its models "
                         "first; clients wait in the socket's backlog)", run.extra["memory"]["reason"])
             self.restart = asyncio.get_running_loop().create_future()
+            # uvicorn closes its own at the end of the drain
+            run.held = [socket.socket(s.family, s.type, s.proto, fileno=os.dup(s.fileno())) for s in run.listening()]
             self.server.drain.begin(self.server, "restarting: draining", stopping=False)
             return await self.restart
         return await run.spawn_and_switch(timeout)
@@ -150,6 +152,8 @@ class Handover:
         with run.timer.phase(DRAIN_OLD) as ph:
             ph.detail["freed"] = await asyncio.to_thread(loaded.close)
         answer = await run.spawn_and_switch(None)
+        for sock in run.held:
+            sock.close()
         if not future.done():
             future.set_result(answer)
 
@@ -168,10 +172,15 @@ class _Run:
         self.extra: dict[str, Any] = {"reload_kind": "process", "why": why, "config": path, "mode": None,
                                       "memory": None, "successor": None, "switch_s": None, "drain_s": None}
         self.switched_at = 0.0
+        self.held: list[socket.socket] = []  # the memory fallback: the sockets, kept across the drain
         mono_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         h.notifier.send(f"RELOADING=1\nMONOTONIC_USEC={mono_usec}\nSTATUS=handing over to a new process: "
                         f"{'; '.join(why)}")
         log.info("handover to a new process: %s", "; ".join(why))
+
+    def listening(self) -> list[Any]:
+        """The sockets uvicorn accepts on (the connection guard took the originals over)."""
+        return getattr(self.h.server.guard, "sockets", None) or self.h.sockets
 
     def decide(self, cfg: Config) -> None:
         with self.timer.phase(GUARD) as ph:
@@ -183,9 +192,7 @@ class _Run:
     async def spawn_and_switch(self, timeout: float | None) -> dict[str, Any]:
         with self.timer.phase(SPAWN):
             try:
-                # the sockets uvicorn accepts on (the connection guard took the originals over)
-                listening = getattr(self.h.server.guard, "sockets", None) or self.h.sockets
-                child = _spawn(listening, self.path, self.h.running, self.client_env)
+                child = _spawn(self.held or self.listening(), self.path, self.h.running, self.client_env)
             except OSError as exc:
                 return self.failed(EdgeError(f"cannot start the new process: {exc}"))
         self.extra["successor"] = {"pid": child.pid}
