@@ -244,6 +244,11 @@ class PidOne:
         self._pgid = pid
         return self.proc
 
+    @property
+    def pgid(self) -> int | None:
+        """The process group of the service's processes (the first one's, which those it starts share)."""
+        return self._pgid
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         """Signal the service and reap it; SIGKILL after `timeout`. Returns the exit status."""
         if self.proc is None:
