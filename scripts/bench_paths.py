@@ -187,7 +187,8 @@ class Bench:
         answer = json.loads(r.stdout) if r.stdout.strip().startswith("{") else {"ok": False, "error": r.stderr}
         if not answer.get("ok"):
             raise RuntimeError(f"upgrade failed: {answer.get('error')}")
-        switched = self.pid1.wait_for("MAINPID", str(self.pid1.mainpids[-1]), pid=old.pid).at
+        new = answer["report"]["successor"]["pid"]
+        switched = self.pid1.wait_for("MAINPID", str(new), pid=old.pid).at
         old.wait(300)
         detail["why"] = answer["report"]["why"]
         return t0, switched, old.exited_at or time.monotonic(), detail

@@ -57,7 +57,8 @@ def test_handover_under_load_fails_nothing_and_mainpid_follows(tmp_path: Path, t
     load.wait_ok(20)
     r = edge_reload(cfg, "--process")
     assert r.returncode == 0, r.stderr
-    new = pid1.mainpids[-1]
+    new = last_reload(cfg)["successor"]["pid"]
+    pid1.wait_for("MAINPID", str(new), pid=old.pid)  # the datagram the old process sent before its answer
     assert f"handed over to pid {new}" in r.stdout, r.stdout
     assert pid1.proc.pid == new != old.pid  # systemd's main pid (MAINPID=) follows the new process
     assert old.wait(60) == 0  # the old one drained and exited by itself
@@ -128,7 +129,9 @@ def test_memory_short_for_both_restarts_instead(tmp_path: Path, tiny_gguf: Path,
     r = edge_reload(cfg, "--process")
     assert r.returncode == 0, r.stderr
     assert "mode: restart" in r.stdout and "MiB available" in r.stdout, r.stdout
-    assert old.wait(60) == 0 and pid1.proc.pid == pid1.mainpids[-1] != old.pid
+    new = last_reload(cfg)["successor"]["pid"]
+    pid1.wait_for("MAINPID", str(new), pid=old.pid)
+    assert old.wait(60) == 0 and pid1.proc.pid == new != old.pid
     load.wait_ok(load.result.ok + 10)
     result = load.stop()
     assert result.errors == 0 and result.refused == 0, result.error_samples  # they waited in the backlog
@@ -164,6 +167,7 @@ def test_reload_hands_over_once_the_installed_version_changed(tmp_path: Path, ti
         bump_version(installed, "0.1.1")
         r = edge_reload(cfg, env=env)
         assert r.returncode == 0, r.stderr
+        pid1.wait_for("MAINPID", str(last_reload(cfg)["successor"]["pid"]), pid=old)
         why = last_reload(cfg)["why"]
         assert why == [f"edge 0.1.1 is installed ({installed / 'edge'}), {edge.__version__} runs"]
         assert pid1.proc.pid != old and last_reload(cfg)["successor"]["edge_version"] == "0.1.1"
