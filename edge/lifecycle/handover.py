@@ -119,6 +119,7 @@ class Handover:
         self.current = current
         self.successor_pid: int | None = None  # set at the switch: this process drains and exits
         self.restart: asyncio.Future[dict[str, Any]] | None = None  # memory fallback: after the drain
+        self.starting: int | None = None  # the pid of a new process not ready yet
         self._run: _Run | None = None
 
     def reasons(self, client_env: dict[str, str] | None) -> list[str]:
@@ -156,6 +157,16 @@ class Handover:
             sock.close()
         if not future.done():
             future.set_result(answer)
+
+    def abandon(self) -> None:
+        """This process stops before a new one took over (SIGTERM, systemctl stop): that one is
+        killed; the handover fails (the unit stops, or restarts edge, as it would have)."""
+        if self.starting is not None and self.successor_pid is None:
+            log.warning("stopping during a handover: killing the new process (pid %d)", self.starting)
+            try:
+                os.kill(self.starting, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def finished(self) -> None:
         """This process drained after the switch: the report's drain."""
@@ -196,9 +207,13 @@ class _Run:
             except OSError as exc:
                 return self.failed(EdgeError(f"cannot start the new process: {exc}"))
         self.extra["successor"] = {"pid": child.pid}
-        with self.timer.phase(SUCCESSOR, pid=child.pid) as ph:
-            said = await child.ready(timeout)
-            ph.detail["ready"] = said is not None
+        self.h.starting = child.pid
+        try:
+            with self.timer.phase(SUCCESSOR, pid=child.pid) as ph:
+                said = await child.ready(timeout)
+                ph.detail["ready"] = said is not None
+        finally:
+            self.h.starting = None
         if said is None:
             return self.failed(EdgeError(child.failure(timeout)), child)
         child.close()

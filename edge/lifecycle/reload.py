@@ -99,6 +99,8 @@ class Reloader:
             await self._control.answered()  # a handover's answer, written after this process drained
         if self._making is not None:  # stopping: a set that never served is not worth waiting for
             self._making.cancel()
+        if self.handover is not None:  # nor a new process that has not taken over
+            self.handover.abandon()
         for task in list(self._tasks):
             await asyncio.gather(task, return_exceptions=True)  # drains end (nothing is served now)
 
