@@ -37,15 +37,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test kit (tests/kit)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's edge, whatever is installed
 
 from bench_load import TimedLoad, correct, in_windows  # noqa: E402
-from benchlib import EDGE, REQUEST, edge_config, emit, env_for_bench, gemma_path, novel_prompts  # noqa: E402
+from benchlib import EDGE, REQUEST, ROOT, edge_config, emit, env_for_bench, gemma_path, novel_prompts  # noqa: E402
 from kit import PidOne  # noqa: E402
 
-import edge  # noqa: E402
+from edge.lifecycle.installed import installed_version  # noqa: E402
 from edge.serve.bench import percentile  # noqa: E402
 
 PATHS = ("cold", "hot", "restart", "upgrade")
+BASE_VERSION = installed_version(ROOT / "edge") or "0"
 
 
 def pcts(xs: list[float]) -> dict[str, Any]:
@@ -135,7 +137,8 @@ class Bench:
         self.args, self.folder = args, folder
         self.model = gemma_path()
         self.site = folder / "site"  # the installed edge the service runs: a copy, its version bumped
-        shutil.copytree(Path(edge.__file__).parent, self.site / "edge", ignore=shutil.ignore_patterns("__pycache__"))
+        # this checkout's edge (not whatever `import edge` finds for this script)
+        shutil.copytree(ROOT / "edge", self.site / "edge", ignore=shutil.ignore_patterns("__pycache__"))
         self.env = {**env_for_bench(), "PYTHONPATH": str(self.site), "PYTHONSAFEPATH": "1"}
         self.cfg = edge_config(folder / "main", self.model, args.n_ctx)
         self.version = 0
@@ -145,7 +148,7 @@ class Bench:
 
     def bump(self) -> str:
         self.version += 1
-        version = f"{edge.__version__}.post{self.version}"
+        version = f"{BASE_VERSION}.post{self.version}"
         init = self.site / "edge" / "__init__.py"
         init.write_text(re.sub(r'__version__ = "[^"]*"', f'__version__ = "{version}"', init.read_text()))
         return version
