@@ -34,6 +34,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from edge.config import Config, state_dir
 from edge.errors import EdgeError
 from edge.lifecycle.installed import Running
 from edge.lifecycle.loader import read_config
+from edge.lifecycle.loadset import split_cores, threads_of
 from edge.lifecycle.memguard import handover_decision
 from edge.lifecycle.systemd import Notifier
 from edge.timing import ReloadTimer, write_report
@@ -114,9 +116,10 @@ class Handover:
     exits). `server` is the uvicorn server (its drain), `sockets` the listening sockets."""
 
     def __init__(self, server: Any, sockets: list[socket.socket], notifier: Notifier, running: Running,
-                 current: Config) -> None:
+                 current: Config, serving: Callable[[], list[Any]] = list) -> None:
         self.server, self.sockets, self.notifier, self.running = server, sockets, notifier, running
         self.current = current
+        self.serving = serving  # the serving set's workers: on fewer cores while the new process warms up
         self.successor_pid: int | None = None  # set at the switch: this process drains and exits
         self.restart: asyncio.Future[dict[str, Any]] | None = None  # memory fallback: after the drain
         self.starting: int | None = None  # the pid of a new process not ready yet
@@ -208,12 +211,16 @@ class _Run:
                 return self.failed(EdgeError(f"cannot start the new process: {exc}"))
         self.extra["successor"] = {"pid": child.pid}
         self.h.starting = child.pid
+        serving = [] if self.extra["mode"] == "restart" else self.h.serving()  # the fallback freed its set
+        split = asyncio.ensure_future(threads_of(serving, split_cores()[1]))  # behind their requests
         try:
             with self.timer.phase(SUCCESSOR, pid=child.pid) as ph:
                 said = await child.ready(timeout)
                 ph.detail["ready"] = said is not None
         finally:
             self.h.starting = None
+            await split
+            await threads_of(serving, None)  # its drain, or (failed) serving on, with all of them
         if said is None:
             return self.failed(EdgeError(child.failure(timeout)), child)
         child.close()

@@ -31,7 +31,7 @@ from edge.config import Config, state_dir
 from edge.lifecycle.control import ControlServer, control_path
 from edge.errors import EdgeError
 from edge.lifecycle.loader import Loader, read_config
-from edge.lifecycle.loadset import Loaded, LoadPlan
+from edge.lifecycle.loadset import Loaded, LoadPlan, set_threads as _set_threads
 from edge.lifecycle.systemd import Notifier
 from edge.timing import PhaseObserver, Phases, ReloadTimer, write_report
 
@@ -357,12 +357,6 @@ def _guard(cfg: Config, plan: LoadPlan, old: Loaded) -> Decision:
     if cfg.server.reload == "auto":
         reading = read_memory(gpu=any(f.cfg.n_gpu_layers != 0 for f in plan.files))
     return decide(cfg.server.reload, need, reading)
-
-
-def _set_threads(model: Any, n: int | None) -> None:
-    """On the model's worker thread: at most n threads for decode and batch, or (None) its own."""
-    s = model.native.settings
-    model.native.set_threads(n or s.n_threads, n or s.n_threads_batch)
 
 
 def _collect() -> None:

@@ -36,7 +36,7 @@ from edge.config import Config, state_dir
 from edge.errors import EX_SOFTWARE, EdgeError, StoppedDuringStart
 from edge.lifecycle.installed import Running
 from edge.lifecycle.loader import Loader, read_config, save_learned
-from edge.lifecycle.loadset import Loaded
+from edge.lifecycle.loadset import Loaded, split_cores, threads_of
 from edge.lifecycle.recovery import Recovery
 from edge.lifecycle.safemode import SafeMode
 from edge.lifecycle.systemd import Notifier, listen_sockets
@@ -121,7 +121,8 @@ class ColdStart:
             dispatcher = Dispatcher(loaded)  # a reload swaps the set behind it
             server = build_server(dispatcher, self.config.server, self.notifier)
             dispatcher.on_fatal = lambda reason: _leave(server, reason)
-            handover = Handover(server, self.sockets, self.notifier, self.running, self.loader.read)
+            handover = Handover(server, self.sockets, self.notifier, self.running, self.loader.read,
+                                serving=lambda: list(dispatcher.loaded.state.workers.values()))
             reloader = Reloader(dispatcher, self.loader.read, self.notifier, started_from=self.config_path,
                                 stop_server=lambda: server.handle_exit(signal.SIGTERM, None),
                                 safe_mode=self.loader.safe_mode, handover=handover,
@@ -176,7 +177,7 @@ class ColdStart:
         loop, stop = asyncio.get_running_loop(), asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        warming = asyncio.ensure_future(self.loader.warm(loaded))
+        warming = asyncio.ensure_future(self._warm(loaded))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({warming, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not stop.is_set():
@@ -186,6 +187,18 @@ class ColdStart:
         warming.cancel()
         await asyncio.wait({warming})
         raise StoppedDuringStart("SIGTERM during warm-up")
+
+    async def _warm(self, loaded: Loaded) -> None:
+        """The warm-up; a new process taking over warms up on a quarter of the cores, as a reload's
+        new set does, beside the old process that serves on the rest (edge.lifecycle.handover)."""
+        if not self.takes_over:
+            return await self.loader.warm(loaded)
+        workers = list(loaded.state.workers.values())
+        await threads_of(workers, split_cores()[0])
+        try:
+            await self.loader.warm(loaded)
+        finally:
+            await threads_of(workers, None)
 
     def rehearse(self, recalibrate: bool = False) -> dict[str, Any]:
         """Everything a start does up to READY, with no socket and no report written: what a
