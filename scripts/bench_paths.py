@@ -203,9 +203,21 @@ class Bench:
         first = ttft(self.pid1.address, next(self.prompts))
         load.wait_ok(load.result.ok + self.args.clients * 2, timeout=300)  # serving again before the next
         memory = mem.result()
+        detail.update(_start_report(self.pid1.proc.pid if self.pid1.proc else 0, self.folder))
         lat = in_windows(load.spans, [(t0, over)])
         return {"path": path, "ready_s": round(ready - t0, 4), "first_ttft_s": round(first, 4),
                 "worst_s": round(max(lat, default=0.0), 4), "requests_in_window": len(lat), **memory, **detail}
+
+
+def _start_report(pid: int, folder: Path) -> dict[str, Any]:
+    """The serving process's own start: its ready time after exec, and how much of the model was in
+    the page cache when it began (resident_before: 0 for a cold node)."""
+    for path in folder.glob("*/state/reports/start-*.json"):
+        if path.name.endswith(f"-{pid}.json"):
+            r = json.loads(path.read_text())
+            page_in = next((p for p in r["phases"] if p["name"] == "page_in"), {"detail": {}})
+            return {"process_ready_s": r["ready_s"], "resident_before": page_in["detail"].get("resident_before")}
+    return {}
 
 
 def main() -> int:
