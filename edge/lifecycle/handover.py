@@ -132,6 +132,7 @@ class Handover:
                   why: list[str]) -> dict[str, Any]:
         """A handover (or, memory short, a restart); the answer for `edge reload`."""
         run = self._run = _Run(self, path, why, client_env)
+        run.timeout = timeout
         try:
             cfg = await asyncio.to_thread(read_config, path, run.timer)
         except EdgeError as exc:
@@ -155,7 +156,7 @@ class Handover:
             return
         with run.timer.phase(DRAIN_OLD) as ph:
             ph.detail["freed"] = await asyncio.to_thread(loaded.close)
-        answer = await run.spawn_and_switch(None)
+        answer = await run.spawn_and_switch(run.timeout)
         for sock in run.held:
             sock.close()
         if not future.done():
@@ -186,6 +187,7 @@ class _Run:
         self.extra: dict[str, Any] = {"reload_kind": "process", "why": why, "config": path, "mode": None,
                                       "memory": None, "successor": None, "switch_s": None, "drain_s": None}
         self.switched_at = 0.0
+        self.timeout: float | None = None  # for the new process to be ready (edge reload --timeout)
         self.held: list[socket.socket] = []  # the memory fallback: the sockets, kept across the drain
         mono_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         h.notifier.send(f"RELOADING=1\nMONOTONIC_USEC={mono_usec}\nSTATUS=handing over to a new process: "
