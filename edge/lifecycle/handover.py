@@ -142,8 +142,8 @@ class Handover:
             log.warning("handover: %s: restarting instead (the old process drains and frees its models "
                         "first; clients wait in the socket's backlog)", run.extra["memory"]["reason"])
             self.restart = asyncio.get_running_loop().create_future()
-            # uvicorn closes its own at the end of the drain
-            run.held = [socket.socket(s.family, s.type, s.proto, fileno=os.dup(s.fileno())) for s in run.listening()]
+            run.held = [socket.socket(s.family, s.type, s.proto, fileno=os.dup(s.fileno()))  # uvicorn closes its
+                        for s in run.listening()]  # own at the end of the drain
             self.server.drain.begin(self.server, "restarting: draining", stopping=False)
             return await self.restart
         return await run.spawn_and_switch(timeout)
@@ -395,7 +395,5 @@ def _successor_report(pid: int, folder: Path) -> dict[str, Any]:
         report = json.loads((folder / "last-start.json").read_text())
     except (OSError, ValueError):
         return {"pid": pid}
-    if report.get("pid") != pid:
-        return {"pid": pid}
-    return {"pid": pid, "edge_version": report.get("edge_version"), "ready_s": report.get("ready_s"),
-            "started_unix": report.get("started_unix"), "phases": report.get("phases")}
+    keys = ("edge_version", "ready_s", "started_unix", "phases") if report.get("pid") == pid else ()
+    return {"pid": pid, **{k: report.get(k) for k in keys}}
