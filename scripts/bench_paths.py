@@ -205,7 +205,7 @@ class Bench:
         memory = mem.result()
         detail.update(_start_report(self.pid1.proc.pid if self.pid1.proc else 0, self.folder))
         lat = in_windows(load.spans, [(t0, over)])
-        return {"path": path, "ready_s": round(ready - t0, 4), "first_ttft_s": round(first, 4),
+        return {"path": path, "loadavg_1m": round(os.getloadavg()[0], 2), "ready_s": round(ready - t0, 4), "first_ttft_s": round(first, 4),
                 "worst_s": round(max(lat, default=0.0), 4), "requests_in_window": len(lat), **memory, **detail}
 
 
