@@ -75,6 +75,11 @@ def test_handover_under_load_fails_nothing_and_mainpid_follows(tmp_path: Path, t
     shown = status_json(cfg)  # edge status: the new process's start, the handover that made it
     assert shown["pid"] == new and shown["last_reload"]["successor"]["pid"] == new
     assert metric(pid1.address, "edge_handovers_total", result="ok") == 1
+    svg = tmp_path / "timeline.svg"
+    text = subprocess.run([*EDGE, "status", "--config", str(cfg), "--svg", str(svg)], capture_output=True,
+                          text=True, timeout=60).stdout
+    assert f"handed over to pid {new}" in text and "why: edge reload --process" in text, text
+    assert 'data-process="new"' in svg.read_text() and f"new process {new}" in svg.read_text()
     # systemctl stop: ExecStopPost= runs once, for the new main process; nothing is a crash
     stopped = Unit(pid1, cfg).stop()
     assert stopped.returncode == 0, stopped.log
