@@ -15,12 +15,8 @@ by the old process has them already, and under socket activation systemd holds t
 the old one's child also puts it in the unit's cgroup, where systemd accepts `MAINPID=` for it
 (the unit has NotifyAccess=all: the new process's watchdog pings count before it is main).
 
-A new process that exits, crashes or is not ready within the reload's timeout is killed; the old
-one goes on serving, and the new one's journal becomes part of the handover report (it is not a
-failed start nor a crash of the service). Where memory does not allow both processes (the new
-one's private memory is about the old one's, model files already mapped are shared page cache),
-the handover is today's restart instead: the old one drains and frees its models first, and
-clients wait in the listening socket's backlog for the new start.
+A new process that fails or is not ready in time is killed and the old one serves on; where memory
+does not allow both, the handover is today's restart (README "Handover").
 """
 
 from __future__ import annotations
@@ -124,6 +120,7 @@ class Handover:
         self.restart: asyncio.Future[dict[str, Any]] | None = None  # memory fallback: after the drain
         self.starting: int | None = None  # the pid of a new process not ready yet
         self._run: _Run | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     def reasons(self, client_env: dict[str, str] | None) -> list[str]:
         return self.running.differences(client_env)
@@ -161,6 +158,11 @@ class Handover:
             sock.close()
         if not future.done():
             future.set_result(answer)
+
+    def background(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def abandon(self) -> None:
         """This process stops before a new one took over (SIGTERM, systemctl stop): that one is
@@ -214,15 +216,16 @@ class _Run:
         self.extra["successor"] = {"pid": child.pid}
         self.h.starting = child.pid
         serving = [] if self.extra["mode"] == "restart" else self.h.serving()  # the fallback freed its set
-        split = asyncio.ensure_future(threads_of(serving, split_cores()[1]))  # behind their requests
+        # queued behind the requests on each worker's thread (FIFO), not waited for: the switch must
+        # not wait for the queue; all cores back (for the drain, or serving on) after the split
+        self.h.background(threads_of(serving, split_cores()[1]))
         try:
             with self.timer.phase(SUCCESSOR, pid=child.pid) as ph:
                 said = await child.ready(timeout)
                 ph.detail["ready"] = said is not None
         finally:
             self.h.starting = None
-            await split
-            await threads_of(serving, None)  # its drain, or (failed) serving on, with all of them
+            self.h.background(threads_of(serving, None))
         if said is None:
             return self.failed(EdgeError(child.failure(timeout)), child)
         child.close()
@@ -360,14 +363,12 @@ class _Child:
                 setattr(self, fd, -1)
 
 
-def _spawn(sockets: list[Any], path: str | None, running: Running,
-           client_env: dict[str, str] | None) -> _Child:
+def _spawn(sockets: list[Any], path: str | None, running: Running, client_env: dict[str, str] | None) -> _Child:
     """`edge serve` as installed now (this interpreter, `-m edge.cli`: the package on disk), with
     the listening sockets as fds 3.. and the pipe's writing end after them."""
     env = running.successor_environment(client_env)
-    env.update({k: os.environ[k] for k in _PASSED_ON if k in os.environ})
     n = len(sockets)
-    env.update(LISTEN_FDS=str(n), **{HANDOVER_ENV: str(3 + n)})
+    env.update({k: os.environ[k] for k in _PASSED_ON if k in os.environ}, LISTEN_FDS=str(n), **{HANDOVER_ENV: f"{3 + n}"})
     read_end, write_end = os.pipe()
     # above every target fd, so that no dup2 below overwrites a source
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in [s.fileno() for s in sockets] + [write_end]]
