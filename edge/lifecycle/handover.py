@@ -293,9 +293,11 @@ class _Child:
         def readable() -> None:
             chunk = os.read(self.pipe, 4096)
             buf.extend(chunk)
-            if (not chunk or b"\n" in buf) and not said.done():
+            if not chunk:  # it is exiting (its files close before it ends): the pidfd says when it has
+                loop.remove_reader(self.pipe)
+            elif b"\n" in buf and not said.done():
                 try:
-                    said.set_result(json.loads(bytes(buf).split(b"\n", 1)[0]) if b"\n" in buf else None)
+                    said.set_result(json.loads(bytes(buf).split(b"\n", 1)[0]))
                 except ValueError:
                     said.set_result(None)
 
@@ -319,8 +321,7 @@ class _Child:
         return f"the new process (pid {self.pid}) {how} before it was ready"
 
     def reap(self, kill: bool) -> int | None:
-        """Its exit code (-N: signal N); None when it was still running (then, with `kill`, it is
-        killed and reaped)."""
+        """Its exit code (-N: signal N); None when it still ran (then, with `kill`, killed and reaped)."""
         done, status = os.waitpid(self.pid, os.WNOHANG)
         if done == 0:
             if not kill:
@@ -357,10 +358,9 @@ class _Child:
         return found
 
     def close(self) -> None:
-        for fd in ("pipe", "pidfd"):
-            if getattr(self, fd) >= 0:
-                os.close(getattr(self, fd))
-                setattr(self, fd, -1)
+        for fd in (fd for fd in (self.pipe, self.pidfd) if fd >= 0):
+            os.close(fd)
+        self.pipe = self.pidfd = -1
 
 
 def _spawn(sockets: list[Any], path: str | None, running: Running, client_env: dict[str, str] | None) -> _Child:
