@@ -144,7 +144,8 @@ class Bench:
         self.version = 0
         n = len(PATHS) * args.repeats + 1
         self.prompts = iter(novel_prompts(self.model, 24, list(range(100, 100 + n))))
-        self.pid1 = PidOne([*EDGE, "serve", "--config", str(self.cfg)], env=self.env)
+        self.pid1 = PidOne([*EDGE, "serve", "--config", str(self.cfg)], env=self.env,
+                           log_path=folder / "service.log")  # kept: every process's log, for a failed request
 
     def bump(self) -> str:
         self.version += 1
@@ -205,7 +206,8 @@ class Bench:
         memory = mem.result()
         detail.update(_start_report(self.pid1.proc.pid if self.pid1.proc else 0, self.folder))
         lat = in_windows(load.spans, [(t0, over)])
-        return {"path": path, "loadavg_1m": round(os.getloadavg()[0], 2), "ready_s": round(ready - t0, 4), "first_ttft_s": round(first, 4),
+        return {"path": path, "t0_monotonic": round(t0, 3), "loadavg_1m": round(os.getloadavg()[0], 2),
+                "ready_s": round(ready - t0, 4), "first_ttft_s": round(first, 4),
                 "worst_s": round(max(lat, default=0.0), 4), "requests_in_window": len(lat), **memory, **detail}
 
 
@@ -251,6 +253,7 @@ def main() -> int:
         r = load.stop()
         result["failed_total"] = r.errors + r.refused
         result["error_samples"] = r.error_samples[:5]
+
         bench.pid1.stop()
     result["loadavg_after"] = os.getloadavg()
     summarize(result)
