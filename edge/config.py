@@ -69,6 +69,9 @@ class ServerConfig:
     # a stream's server-sent events: the first token at once, then at most one event per this
     # many ms carrying every token made meanwhile (0: an event per token)
     stream_interval_ms: float = field(default=40.0, metadata=_range(0.0, 1000.0))
+    # the longest one request may hold its model (prefill and every token of every choice): past it
+    # the generation ends at its next token with a 422 `generation_timeout` (README "Limits")
+    request_timeout_s: float = field(default=600.0, metadata=_range(0.1, 86400.0))
     # safe mode (edge.lifecycle.safemode): a start that serves this long clears the crash count
     healthy_after_s: float = field(default=300.0, metadata=_range(1.0, 86400.0))
 

@@ -84,8 +84,9 @@ class Record:
         for ph in report.get("phases", []):
             self.phases[cache].setdefault(ph["name"], []).append(ph["seconds"])
         self.phases[cache].setdefault("ready_s", []).append(report["ready_s"])
-        if isinstance(report.get("journal"), dict):  # what the start journal's synced lines cost
+        if isinstance(report.get("journal"), dict):  # the start journal: on the start's path, and in its thread
             self.phases[cache].setdefault("journal_s", []).append(report["journal"]["seconds"])
+            self.phases[cache].setdefault("journal_sync_s", []).append(report["journal"].get("sync_seconds", 0.0))
 
 
 def edge_report(c: Contender, s: Started) -> dict[str, Any]:

@@ -8,7 +8,12 @@ banned through `logit_bias` so that every request generates exactly what it asks
   difference over N (prefill and per-request costs cancel out);
 - stream: the same, streamed (server-sent events): edge's streamed ms/token over non-streamed;
 - prefill: a ~300-token prompt, max_tokens 1;
-- whole request: a ~100-token prompt, max_tokens 16.
+- whole request: a ~100-token prompt, max_tokens 16;
+- schema decode: decode under a JSON schema's grammar (SCHEMA: at least 40 objects, so that no
+  answer can end within the tokens asked for), 1 and 1 + N tokens: edge through chat with
+  `response_format: json_schema`, llama-server through /v1/completions with the same prompt
+  rendered by the same template and `grammar` set to the GBNF edge makes of the schema, so both
+  sample under the very same grammar (llama_cpp.server is left out of this one).
 Then edge alone under 1, 4 and 8 concurrent clients (tokens/s). No prompt was seen by a warm-up
 or by an earlier request. Prints JSON (also .bench/steady.json) and a table with the ratios
 edge / peer (targets: decode and prefill <= 1.03, whole request <= 1.05, streamed <= 1.05 of
@@ -35,8 +40,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 from benchlib import (Started, edge_config, emit, env_for_bench, gemma_path, llama_cpp_server,  # noqa: E402
                       llama_server, novel_prompts, start_edge, start_peer, summary)
 from edge.serve.client import request as http  # noqa: E402
+from edge.serve.openai import grammar as edge_grammar  # noqa: E402
 
-TARGETS = {"decode_ms_per_token": 1.03, "prefill_s": 1.03, "request_s": 1.05}
+TARGETS = {"decode_ms_per_token": 1.03, "prefill_s": 1.03, "request_s": 1.05, "schema_decode_ms_per_token": 1.05}
+SCHEMA = {"type": "array", "minItems": 40, "maxItems": 60,
+          "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                                     "age": {"type": "integer"}},
+                    "required": ["name", "age"], "additionalProperties": False}}
+# Gemma 3's turn format. llama-server gets the text edge's template renders (llama-cpp-python's
+# Jinja2 formatter: the template's last newline is Jinja's to drop), its BOS left to llama-server
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>user\n{{ m['content'] }}<end_of_turn>\n"
+                 "{% endfor %}<start_of_turn>model\n")
+SCHEMA_ASK = "\nThe people above, as a JSON list:"
+SCHEMA_SERVERS = ("edge", "llama-server")
+
+
+def rendered(prompt: str) -> str:
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    text = Jinja2ChatFormatter(template=CHAT_TEMPLATE, eos_token="<eos>", bos_token="<bos>")(
+        messages=[{"role": "user", "content": prompt + SCHEMA_ASK}]).prompt
+    return text.removeprefix("<bos>")
+
+
+def schema_body(server: str, prompt: str, max_tokens: int, bias: dict[str, float], gbnf: str) -> tuple[str, dict[str, Any]]:
+    """(path, body) of one greedy request under SCHEMA's grammar, as `server` takes it."""
+    common = {"max_tokens": max_tokens, "temperature": 0, "logit_bias": bias, "cache_prompt": False}
+    if server == "edge":
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": prompt + SCHEMA_ASK}],
+                                        "response_format": {"type": "json_schema",
+                                                            "json_schema": {"name": "people", "schema": SCHEMA}}}
+    return "/v1/completions", {**common, "prompt": rendered(prompt), "grammar": gbnf}
 STREAM_TARGET = 1.05
 
 
@@ -53,11 +87,11 @@ def banned_tokens(model: Path) -> dict[str, float]:
         vocab.close()
 
 
-def timed(address: tuple[str, int], body: dict[str, Any]) -> tuple[float, int]:
+def timed(address: tuple[str, int], body: dict[str, Any], path: str = "/v1/completions") -> tuple[float, int]:
     """(seconds, completion tokens) of one request on its own connection; streamed bodies are
     read to the end ([DONE])."""
     t0 = time.perf_counter()
-    status, payload = http(address, "POST", "/v1/completions", body, timeout=600)
+    status, payload = http(address, "POST", path, body, timeout=600)
     took = time.perf_counter() - t0
     if status != 200:
         raise RuntimeError(f"HTTP {status} from {address}: {payload[:300]!r}")
@@ -79,16 +113,25 @@ class Prompts:
 
     def __init__(self, model: Path, rounds: int) -> None:
         seeds = iter(range(1, 10_000))
-        need = {32: 4 * (rounds + 1), 300: rounds + 1, 100: rounds + 1, 64: 8 * 3}
+        need = {32: 6 * (rounds + 1), 300: rounds + 1, 100: rounds + 1, 64: 8 * 3}
         self.by_len = {n: novel_prompts(model, n, [next(seeds) for _ in range(k)]) for n, k in need.items()}
 
     def take(self, n: int) -> str:
         return self.by_len[n].pop()
 
 
-def one_round(s: Started, p: dict[int, list[str]], decode_n: int, bias: dict[str, float]) -> dict[str, float]:
+def one_round(s: Started, p: dict[int, list[str]], decode_n: int, bias: dict[str, float],
+              gbnf: str | None = None) -> dict[str, float]:
     a = s.address
     out = {}
+    if gbnf is not None and s.name in SCHEMA_SERVERS:
+        path, short = schema_body(s.name, p[32][4], 1, bias, gbnf)
+        g1, _ = timed(a, short, path)
+        path, long = schema_body(s.name, p[32][5], 1 + decode_n, bias, gbnf)
+        gn, n = timed(a, long, path)
+        if n != 1 + decode_n:
+            raise RuntimeError(f"{s.name} generated {n} tokens under the schema, not {1 + decode_n}")
+        out["schema_decode_ms_per_token"] = 1000 * (gn - g1) / decode_n
     t1, _ = timed(a, body(p[32][0], 1, bias))
     tn, n = timed(a, body(p[32][1], 1 + decode_n, bias))
     if n != 1 + decode_n:
@@ -121,6 +164,7 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, help="llama-server binary (scripts/build-llama-server)")
     ap.add_argument("--llama-server-skipped", default="", help="why there is no llama-server")
     ap.add_argument("--only", nargs="*", help="servers to run (edge, llama-server, llama_cpp.server)")
+    ap.add_argument("--no-schema", action="store_true", help="leave out the schema decode case")
     ap.add_argument("--fallback", action="store_true", help="also edge with safe mode's first step "
                     "(use_extra_bufts = false): what the fallback costs, as server edge-no-extra-bufts")
     args = ap.parse_args()
@@ -129,7 +173,9 @@ def main() -> None:
     bias = banned_tokens(model)
     prompts = Prompts(model, args.rounds)
     tmp = Path(tempfile.mkdtemp(prefix="edge-bench-steady-"))
-    cfg = edge_config(tmp / "edge", model, args.n_ctx, n_threads=args.threads)
+    template = f"chat_template = {json.dumps(CHAT_TEMPLATE)}\n"
+    cfg = edge_config(tmp / "edge", model, args.n_ctx, n_threads=args.threads, extra_model=template)
+    gbnf = None if args.no_schema else edge_grammar(SCHEMA, "response_format.json_schema")
     launchers = {"edge": lambda: start_edge(cfg, env_for_bench())}
     if args.fallback:
         safe = edge_config(tmp / "edge-safe", model, args.n_ctx, n_threads=args.threads,
@@ -144,15 +190,15 @@ def main() -> None:
     runs: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     with ExitStack() as stack:
         servers = {n: stack.enter_context(launchers[n]()) for n in names}
-        first = {32: [prompts.take(32) for _ in range(4)], 300: [prompts.take(300)], 100: [prompts.take(100)]}
+        first = {32: [prompts.take(32) for _ in range(6)], 300: [prompts.take(300)], 100: [prompts.take(100)]}
         for s in servers.values():
             s.ready_at()
-            one_round(s, first, 8, bias)  # each server's own first requests, not measured
+            one_round(s, first, 8, bias, gbnf)  # each server's own first requests, not measured
         for r in range(args.rounds):
-            p = {32: [prompts.take(32) for _ in range(4)], 300: [prompts.take(300)], 100: [prompts.take(100)]}
+            p = {32: [prompts.take(32) for _ in range(6)], 300: [prompts.take(300)], 100: [prompts.take(100)]}
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
-                for k, v in one_round(servers[n], p, args.decode_tokens, bias).items():
+                for k, v in one_round(servers[n], p, args.decode_tokens, bias, gbnf).items():
                     runs[n].setdefault(k, []).append(v)
         conc = []
         if "edge" in servers:
@@ -184,11 +230,12 @@ def report(runs: dict[str, dict[str, list[float]]], conc: list[dict[str, float]]
 
 def table(result: dict[str, Any]) -> None:
     servers = result["servers"]
-    keys = ["decode_ms_per_token", "stream_decode_ms_per_token", "prefill_s", "request_s"]
+    keys = ["decode_ms_per_token", "stream_decode_ms_per_token", "prefill_s", "request_s", "schema_decode_ms_per_token"]
     err = sys.stderr
     print(f"\n{'median':28}" + "".join(f"{n:>18}" for n in servers), file=err)
     for k in keys:
-        print(f"{k:28}" + "".join(f"{servers[n][k]['median']:>18.4f}" for n in servers), file=err)
+        print(f"{k:28}" + "".join(f"{servers[n][k]['median']:>18.4f}" if k in servers[n] else f"{'-':>18}"
+                                  for n in servers), file=err)
     for peer, r in result["ratios_edge_over_peer"].items():
         print(f"edge / {peer}: " + ", ".join(f"{k} {v}" for k, v in r.items()), file=err)
     print(f"edge streamed / non-streamed decode: {result['edge_stream_over_nonstream']}", file=err)

@@ -183,7 +183,8 @@ class Loader:
                 model = load_gguf_model(m, f.validate() if f.info is None else f.info)
                 ph.bytes = model.info.size
             made[m.name] = workers[m.name] = ModelWorker(model, self.config.server.max_queue,
-                                                         self.config.server.stream_interval_ms / 1000)
+                                                         self.config.server.stream_interval_ms / 1000,
+                                                         self.config.server.request_timeout_s)
             with self.timer.phase(Phases.MLOCK_VERIFY, model=m.name) as ph:
                 ph.detail.update(model.mlock.as_dict())
                 enforce(m, model.mlock)

@@ -262,11 +262,12 @@ class _Run:
             raise
 
     def switch(self, new: Loaded) -> Route:
-        for name in new.kept:  # a kept model takes the new queue bound (and stream interval) once it is the new set's
+        for name in new.kept:  # a kept model takes the new queue bound (stream interval, request limit) once it is the new set's
             worker = new.state.workers.get(name)
             if worker is not None:
                 worker.max_queue = self.config.server.max_queue
                 worker.stream_interval_s = self.config.server.stream_interval_ms / 1000
+                worker.request_timeout_s = self.config.server.request_timeout_s
         at = self.timer.now()
         old = self.r.dispatcher.switch(new)
         self.timer.add(Phases.SWITCH, at, at)

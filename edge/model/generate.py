@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import codecs
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from edge.model.candidates import Candidates
+
 if TYPE_CHECKING:
+    from edge.model.grammar import CompiledGrammar
     from edge.model.native import Native
     from edge.model.promptcache import Marks, PromptCache
 
-__all__ = ["GenParams", "Job", "Piece", "SamplerChain", "TokenLogprob", "generate", "MIN_P",
+__all__ = ["GenParams", "Hold", "Job", "Piece", "SamplerChain", "TokenLogprob", "generate", "MIN_P",
            "PENALTY_LAST_N"]
 
 MIN_P = 0.05  # llama.cpp's (and llama-server's) default; OpenAI has no min-p field
@@ -42,7 +46,7 @@ class GenParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    grammar: str | None = None  # GBNF, already checked with GGUFModel.check_grammar
+    grammar: CompiledGrammar | str | None = None  # compiled off the worker (edge.model.grammar), cloned per job
     logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the k likeliest
 
 
@@ -62,6 +66,36 @@ class Piece:
 
 
 @dataclass
+class Hold:
+    """How long one request may hold its model (`[server] request_timeout_s`), shared by the jobs
+    of its choices: the clock starts when the first of them reaches the model's thread (time
+    in the queue does not count) and is read after every token."""
+
+    limit_s: float | None = None
+    since: float | None = None
+
+    def start(self) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+
+    def check(self, job: Job) -> None:
+        """Raise the documented 422 `generation_timeout` once the request has held its model
+        longer than its limit: the generation ends here, and the model takes the next request."""
+        if self.limit_s is None or self.since is None:
+            return
+        held = time.monotonic() - self.since
+        if held <= self.limit_s:
+            return
+        from edge.errors import RequestError
+
+        per = f", {1000 * held / job.completion_tokens:.0f} ms per token" if job.completion_tokens else ""
+        raise RequestError(f"the request held its model for {held:.1f} s, longer than server.request_timeout_s "
+                           f"= {self.limit_s:g} s allows ({job.completion_tokens} tokens of this choice{per}): "
+                           "it was ended there, and the model serves the next request", status=422,
+                           code="generation_timeout")
+
+
+@dataclass
 class Job:
     tokens: list[int]
     params: GenParams
@@ -72,38 +106,80 @@ class Job:
     remember: bool = True  # False (warm-up): leave the prompt cache as it was found
     cached_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
     marks: Marks = ()  # where later prompts may part from this one (chat turns): prefill checkpoints
+    hold: Hold = field(default_factory=Hold)  # the request's time limit on the model, shared by its choices
 
 
 class SamplerChain:
-    """A request's sampler chain in llama.cpp: built once from its parameters, one native call
-    per token, freed after the request."""
+    """A request's sampler chain in llama.cpp: built once from its parameters, freed after the
+    request. Without a grammar, one native call per token (llama_sampler_sample).
 
-    def __init__(self, native: Native, p: GenParams) -> None:
+    With a grammar, llama.cpp's own common sampler's way (common/sampling.cpp): the token is
+    first sampled without the grammar and checked against it alone; only a token the grammar
+    rejects makes the grammar go over the candidates (262k on Gemma 3, most of a token's
+    sampling time), and the token is sampled again from what it allows. Greedy asks it about
+    the likeliest candidates first (edge.model.candidates), and the whole vocabulary only where
+    they do not decide. The chain's order stays logit bias, penalties, grammar, the rest:
+    greedy gives the tokens of the grammar applied to every candidate (tested); with
+    temperature the draw is llama.cpp's (truncation first, then the grammar), as in
+    llama-server. `lazy=False`: the grammar over every candidate for every token (the
+    reference the tests compare with)."""
+
+    def __init__(self, native: Native, p: GenParams, lazy: bool = True) -> None:
         lib = native.lib
-        self._lib, self._ctx = lib, native.ctx
-        self.chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        self._lib, self._ctx, self.lazy = lib, native.ctx, lazy
+        self.chain = self.pre = self.grammar = None
+        self.resampled = 0  # tokens the grammar rejected and that were sampled again (tests, profiles)
+        self.full_passes = 0  # of those, the ones the grammar went over the whole vocabulary for
         try:
-            for sampler in self._samplers(native, p):
-                if not sampler:
-                    raise ValueError("llama.cpp returned no sampler (grammar that does not compile?)")
-                lib.llama_sampler_chain_add(self.chain, sampler)
+            if not p.grammar:
+                self.chain = self._chain(self._bias(native, p), self._rest(lib, p))
+                return
+            bias = list(self._bias(native, p))
+            self.pre = self._chain(bias) if bias else None
+            self.grammar = self._need(_grammar_sampler(native, p.grammar))
+            self.chain = self._chain(self._rest(lib, p))
+            self._cur = Candidates(native, _bias_values(p.logit_bias))
+            # greedy without penalties: the first choice straight from the (biased) logits
+            self._direct = p.temperature <= 0 and not (p.presence_penalty or p.frequency_penalty)
+            self._greedy = p.temperature <= 0
         except BaseException:
             self.close()
             raise
 
+    def _chain(self, *groups: Iterable[Any]) -> Any:
+        lib = self._lib
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        try:
+            for group in groups:
+                for sampler in group:
+                    lib.llama_sampler_chain_add(chain, self._need(sampler))
+        except BaseException:
+            lib.llama_sampler_free(chain)
+            raise
+        return chain
+
     @staticmethod
-    def _samplers(native: Native, p: GenParams) -> Iterator[Any]:
+    def _need(sampler: Any) -> Any:
+        if not sampler:
+            raise ValueError("llama.cpp returned no sampler (grammar that does not compile?)")
+        return sampler
+
+    @staticmethod
+    def _bias(native: Native, p: GenParams) -> Iterator[Any]:
+        """Logit bias and penalties: what changes the logits before the grammar sees them."""
         lib = native.lib
         if p.logit_bias:
             # OpenAI: -100 "should result in a ban": make it one, whatever the logits' scale
             arr = (lib.llama_logit_bias * len(p.logit_bias))(
-                *[lib.llama_logit_bias(t, float("-inf") if b <= -100 else b) for t, b in p.logit_bias])
+                *[lib.llama_logit_bias(t, b) for t, b in _bias_values(p.logit_bias)])
             yield lib.llama_sampler_init_logit_bias(native.n_vocab, len(p.logit_bias), arr)
         if p.presence_penalty or p.frequency_penalty:
             yield lib.llama_sampler_init_penalties(native.n_vocab, PENALTY_LAST_N, 1.0,
                                                    p.frequency_penalty, p.presence_penalty)
-        if p.grammar:
-            yield lib.llama_sampler_init_grammar(native.vocab, p.grammar.encode("utf-8"), b"root")
+
+    @staticmethod
+    def _rest(lib: Any, p: GenParams) -> Iterator[Any]:
+        """What picks the token, after the grammar."""
         if p.temperature <= 0:
             yield lib.llama_sampler_init_greedy()
             return
@@ -115,14 +191,74 @@ class SamplerChain:
         # no seed: llama.cpp's default seed means "a fresh random one"
         yield lib.llama_sampler_init_dist(lib.LLAMA_DEFAULT_SEED if p.seed is None else p.seed)
 
-    def sample(self) -> int:
-        """The next token from the last decoded logits; the chain accepts it (penalties, grammar)."""
-        return self._lib.llama_sampler_sample(self.chain, self._ctx, -1)
+    def sample(self) -> int | None:
+        """The next token from the last decoded logits, which the chain accepts (penalties,
+        grammar); None when the grammar allows no token the bias leaves (a grammar whose end
+        can only be an end-of-generation token that `logit_bias` bans): the generation stops."""
+        lib = self._lib
+        if self.grammar is None:
+            return lib.llama_sampler_sample(self.chain, self._ctx, -1)
+        cur, tok, logits = self._cur, None, None
+        if self.lazy and self._direct:  # the (biased) logits' argmax: no array to fill
+            logits = cur.biased(lib.llama_get_logits_ith(self._ctx, -1))
+            tok = int(logits.argmax())  # the first of equal logits, as llama.cpp's greedy sampler
+        elif self.lazy:  # lazy=False: the grammar over every candidate at once (the reference)
+            ref = cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
+            if self.pre is not None:
+                lib.llama_sampler_apply(self.pre, ref)
+            lib.llama_sampler_apply(self.chain, ref)
+            tok, logits = cur.selected(), cur.filled() if self._greedy else None
+        if tok is None or not cur.allows(self.grammar, tok):
+            self.resampled += 1
+            # greedy: the likeliest candidates first (edge.model.candidates)
+            tok = cur.greedy_allowed(self.grammar, logits) if logits is not None else None
+            if tok is None:
+                tok = self._resample()
+            if tok is None:
+                return None
+        if self.pre is not None:
+            lib.llama_sampler_accept(self.pre, tok)
+        lib.llama_sampler_accept(self.grammar, tok)
+        lib.llama_sampler_accept(self.chain, tok)
+        return tok
+
+    def _resample(self) -> int | None:
+        """The token from every candidate under the grammar: logit bias and penalties, the
+        grammar over the whole vocabulary, the rest of the chain."""
+        lib, cur = self._lib, self._cur
+        self.full_passes += 1
+        ref = cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
+        if self.pre is not None:
+            lib.llama_sampler_apply(self.pre, ref)
+        lib.llama_sampler_apply(self.grammar, ref)
+        lib.llama_sampler_apply(self.chain, ref)
+        return cur.selected()
 
     def close(self) -> None:
-        if self.chain:
-            self._lib.llama_sampler_free(self.chain)  # frees every sampler in the chain
-            self.chain = None
+        for name in ("chain", "pre", "grammar"):
+            sampler = getattr(self, name)
+            if sampler:
+                self._lib.llama_sampler_free(sampler)  # a chain frees every sampler in it
+                setattr(self, name, None)
+
+
+def _bias_values(bias: tuple[tuple[int, float], ...]) -> list[tuple[int, float]]:
+    """logit_bias as the chain's sampler applies it: -100 and below, a ban (-inf)."""
+    return [(t, float("-inf") if b <= -100 else b) for t, b in bias]
+
+
+def _grammar_sampler(native: Native, grammar: CompiledGrammar | str) -> Any:
+    """A grammar sampler for one generation: a clone of the request's compiled grammar (it parses
+    nothing on this thread's stack); GBNF text is compiled on the grammar thread all the same."""
+    if isinstance(grammar, str):
+        from edge.model.grammar import compile_grammar
+
+        grammar = compile_grammar(native.lib, native.vocab, grammar, "grammar")
+        try:
+            return grammar.clone()
+        finally:
+            grammar.close()
+    return grammar.clone()
 
 
 def _logprob_entry(native: Native, tok: int, k: int) -> TokenLogprob:
@@ -142,6 +278,7 @@ def generate(native: Native, cache: PromptCache, job: Job) -> Iterator[Piece]:
     """Pieces of text for `job`; the last one has the finish reason ("stop" or "length"), unless
     the job is cancelled, which ends the pieces at the next token."""
     p = job.params
+    job.hold.start()
     chain = SamplerChain(native, p)
     try:
         job.cached_tokens = cache.prefill(job.tokens, use_cache=job.cache_prompt, remember=job.remember,
@@ -161,10 +298,10 @@ def _decode_loop(native: Native, cache: PromptCache, chain: SamplerChain, job: J
     held = ""  # text that may still turn out to be the start of a stop string
     hold = max((len(s) for s in p.stop), default=0)
     lps: list[TokenLogprob] = []
-    pos, cancel, is_eog, piece = len(job.tokens), job.cancel, native.is_eog, native.piece
+    pos, cancel, is_eog, piece, limit = len(job.tokens), job.cancel, native.is_eog, native.piece, job.hold
     while True:
         tok = chain.sample()
-        if is_eog(tok):
+        if tok is None or is_eog(tok):
             yield Piece(held + decoder.decode(b"", final=True), "stop", lps)
             return
         job.completion_tokens += 1
@@ -181,6 +318,7 @@ def _decode_loop(native: Native, cache: PromptCache, chain: SamplerChain, job: J
             return
         if cancel.is_set():
             return
+        limit.check(job)
         if len(held) > hold:
             keep = len(held) - hold
             yield Piece(held[:keep], None, lps)

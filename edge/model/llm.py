@@ -16,6 +16,7 @@ from edge.config import ModelConfig
 from edge.errors import BackendError, ModelError, RequestError, require
 from edge.model.generate import GenParams, Job, Piece, generate
 from edge.model.gguf import GGUFInfo
+from edge.model.grammar import CompiledGrammar, compile_grammar
 from edge.model.native import ContextSettings, DecodeError, Native
 from edge.model.mlock import MlockStatus, mlock_status, vm_locked_bytes
 from edge.model.memory import kv_bytes, prompt_cache_bytes
@@ -123,14 +124,10 @@ class GGUFModel:
     def token_bytes(self, tok: int) -> bytes:
         return self.native.piece(tok)
 
-    def check_grammar(self, gbnf: str, param: str) -> None:
-        """Compile a grammar the way generation will: llama.cpp answers NULL for one it cannot
-        parse, and a NULL sampler in the chain would crash the worker."""
-        lib = self.native.lib
-        sampler = lib.llama_sampler_init_grammar(self.native.vocab, gbnf.encode("utf-8"), b"root")
-        if not sampler:
-            raise RequestError(f"{param}: llama.cpp cannot compile the grammar made from it", param=param)
-        lib.llama_sampler_free(sampler)
+    def compile_grammar(self, gbnf: str, param: str) -> CompiledGrammar:
+        """Compile a grammar on the grammar thread (edge.model.grammar), not the worker: a 400
+        naming `param` for one llama.cpp refuses. Blocks: call it from a thread pool."""
+        return compile_grammar(self.native.lib, self.native.vocab, gbnf, param)
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
         if n_prompt + max_tokens > self.n_ctx:

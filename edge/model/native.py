@@ -54,10 +54,13 @@ class ContextSettings:
 @functools.cache
 def _lib() -> Any:
     """llama_cpp's bindings, the backend initialised once per process, llama.cpp's own log
-    quiet below errors (edge logs what matters itself)."""
+    through edge's callback: errors only, capped and rate-limited (edge.model.nativelog)."""
     import llama_cpp
 
+    from edge.model.nativelog import install_log_callback
+
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    install_log_callback()
     llama_cpp.llama_backend_init()
     return llama_cpp
 

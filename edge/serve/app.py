@@ -26,7 +26,7 @@ from starlette.routing import Route
 from edge.errors import BackendError, EdgeError, RequestError
 from edge.serve.jsoncheck import check_json_depth
 from edge.serve.limits import check_prompt_text
-from edge.model.generate import GenParams, Job
+from edge.model.generate import GenParams, Hold, Job
 from edge.model.llm import GGUFModel
 from edge.model.promptcache import Marks
 from edge.serve.metrics import Metrics, MetricsMiddleware, in_warmup
@@ -166,9 +166,10 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
     ask = parse(body, chat, Limits(m.n_ctx, m.n_vocab, m.cfg.max_choices, m.supports_tools))
     if ask.who:
         log.info("request from %s", ", ".join(f"{k} {v!r}" for k, v in ask.who.items()))
-    gbnf = grammar(*ask.schema) if ask.schema else None
-    if gbnf is not None and ask.schema is not None:
-        await worker.call(m.check_grammar, gbnf, ask.schema[1])
+    compiled = None
+    if ask.schema is not None:  # converted and compiled off the loop and off the model's worker
+        gbnf = await asyncio.to_thread(grammar, *ask.schema)
+        compiled = await asyncio.to_thread(m.compile_grammar, gbnf, ask.schema[1])
     _check_bytes(m, ask)  # before tokenizing: a prompt that cannot fit never holds the worker
     prompts = await worker.call(_tokenize, m, ask)
     if len(prompts) * ask.n > m.cfg.max_choices:
@@ -176,6 +177,9 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
                            f"{m.cfg.max_choices} choices this model allows per request "
                            "(models[].max_choices)", param="n")
     jobs, echoes, starts = [], [], []
+    # one limit for the request, whatever its choices; none for warm-up's own requests, which a
+    # start makes on a model that is not warm yet (and calibration times on purpose)
+    hold = Hold(None if in_warmup() else worker.request_timeout_s)
     for tokens, stops, echo, marks in prompts:
         if not tokens:  # a model that adds no BOS: nothing to compute the first token from
             raise RequestError("the prompt is empty: it has no token to generate from (this model "
@@ -184,12 +188,13 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
         if max_tokens is None:  # the configured default, but never more than the context has left
             max_tokens = min(m.cfg.max_tokens_default, max(1, m.n_ctx - len(tokens)))
         m.check_fits(len(tokens), max_tokens)
-        params = GenParams(max_tokens=max_tokens, grammar=gbnf,
+        params = GenParams(max_tokens=max_tokens, grammar=compiled,
                            **{**ask.sampling, "stop": ask.sampling["stop"] + stops})
         # n choices from one seed: seed, seed+1, ... (the same seed would give n equal choices)
         jobs += [Job(tokens=tokens, params=params if params.seed is None else
                      replace(params, seed=(params.seed + j) % (2**32 - 1)),
-                     cache_prompt=ask.cache_prompt, remember=not in_warmup(), marks=marks) for j in range(ask.n)]
+                     cache_prompt=ask.cache_prompt, remember=not in_warmup(), marks=marks, hold=hold)
+                 for j in range(ask.n)]
         echoes += [echo if ask.echo else ""] * ask.n
         starts += [0 if ask.echo else len(echo)] * ask.n  # echo: the prompt is in the choice's text
     shape = Shape(chat, m.cfg.name, ask.sampling["logprobs"] is not None, starts)
@@ -295,7 +300,7 @@ async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
         finished = True
     except EdgeError as exc:  # headers are gone: report in-band, as OpenAI does
         finished = True
-        yield b"data: " + json.dumps({"error": {"message": str(exc)}}).encode() + b"\n\n"
+        yield b"data: " + json.dumps({"error": {"message": str(exc), "code": getattr(exc, "code", None)}}).encode() + b"\n\n"
     except Exception as exc:  # never a cut chunked body: the error in-band too, logged once
         log.exception("internal error in a stream of model %r", shape.model)
         finished = True

@@ -43,9 +43,18 @@ def _tensor(t: Any, i: int) -> tuple[str, np.ndarray]:
         raise RequestError(f"{where} ({name}): datatype must be one of {sorted(KSERVE_DTYPES)}, "
                            f"found {dtype!r}", param="inputs")
     try:
-        arr = np.asarray(data, dtype=KSERVE_DTYPES[dtype])
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is checked below, by value
+            arr = np.asarray(data, dtype=KSERVE_DTYPES[dtype])
+    except OverflowError:  # integers past the datatype's range, or an infinity for an INT type
+        raise RequestError(f"{where} ({name}): data holds a number outside the range of {dtype}",
+                           param="inputs") from None
     except (TypeError, ValueError):
         raise RequestError(f"{where} ({name}): data is not a list of {dtype} numbers", param="inputs") from None
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        # Python's JSON parser reads NaN, Infinity, -Infinity, and 1e400 as infinity; a finite
+        # number past the datatype's range (3.4e38 * 10 in FP32, 70000 in FP16) becomes one here
+        raise RequestError(f"{where} ({name}): data holds {_first_bad(arr)}; every value must be a "
+                           f"finite number within the range of {dtype}", param="inputs")
     count = math.prod(shape)  # exact: numpy's product wraps around at 2**63
     if count > MAX_ELEMENTS or any(d > MAX_ELEMENTS for d in shape):
         raise RequestError(f"{where} ({name}): shape {shape} holds {count} values, more than any "
@@ -54,6 +63,28 @@ def _tensor(t: Any, i: int) -> tuple[str, np.ndarray]:
         raise RequestError(f"{where} ({name}): {arr.size} values do not fill shape {shape} "
                            f"({count} values)", param="inputs")
     return name, arr.reshape(shape)
+
+
+def _first_bad(arr: np.ndarray) -> str:
+    i = int(np.flatnonzero(~np.isfinite(arr.ravel()))[0])
+    v = float(arr.ravel()[i])
+    what = "NaN" if v != v else "a number outside the range of the datatype (or Infinity)"
+    return f"{what} at flat index {i}"
+
+
+def _outputs(outputs: dict[str, np.ndarray], specs: dict[str, TensorSpec]) -> list[dict[str, Any]]:
+    """The outputs as KServe JSON. JSON has no NaN or infinity: an output holding one (inputs
+    that overflow inside the model) is the documented error `output_not_finite`, a 400 naming
+    the output; never a 500 from the serialiser."""
+    out = []
+    for n, a in outputs.items():
+        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+            bad = int(a.size - np.isfinite(a).sum())
+            raise RequestError(f"outputs ({n}): the engine's output holds {bad} of {a.size} values that are "
+                               "not finite (NaN or Infinity: the inputs overflow inside the model), which "
+                               "JSON cannot carry", param="inputs", code="output_not_finite")
+        out.append({"name": n, "shape": list(a.shape), "datatype": specs[n].datatype, "data": a.ravel().tolist()})
+    return out
 
 
 def _meta(name: str, worker: Any) -> dict[str, Any]:
@@ -114,8 +145,7 @@ def kserve_routes(state: Any, guarded: Any) -> list[Route]:
             outputs = await _run(state, name, worker, feeds)
             specs = {t.name: t for t in worker.session.outputs}
             resp = {"model_name": name, "model_version": worker.stored.key.model_sha256[:16],
-                    "outputs": [{"name": n, "shape": list(a.shape), "datatype": specs[n].datatype,
-                                 "data": a.ravel().tolist()} for n, a in outputs.items()],
+                    "outputs": _outputs(outputs, specs),
                     "parameters": {"infer_seconds": round(time.perf_counter() - t0, 6)}}
             if "id" in body:
                 resp["id"] = body["id"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge.errors import RequestError
-from edge.serve.jsoncheck import check_schema_repeats
+from edge.serve.jsonschema import check_schema, schema_grammar
 
 __all__ = ["Ask", "Limits", "IGNORED", "REFUSED", "parse"]
 
@@ -145,6 +145,9 @@ def _logit_bias(body: dict[str, Any], n_vocab: int) -> tuple[tuple[int, float], 
     for key, val in bias.items():
         if not (key.isascii() and key.lstrip("-").isdigit()):  # int() also takes "1_0", " 1", "١"
             raise _bad("logit_bias", f"logit_bias keys must be token ids (decimal digits), found {key!r}")
+        if len(key.lstrip("-")) > 12:  # past any vocabulary; and int() refuses past 4,300 digits
+            raise _bad("logit_bias", f"logit_bias: token {key[:12]}... ({len(key)} characters) is not in "
+                                     f"the vocabulary (0..{n_vocab - 1})")
         tok = int(key)
         if not 0 <= tok < n_vocab:
             raise _bad("logit_bias", f"logit_bias: token {tok} is not in the vocabulary (0..{n_vocab - 1})")
@@ -298,7 +301,10 @@ def _tools(body: dict[str, Any], ask: Ask, limits: Limits) -> None:
     ask.tools, ask.tool_choice = tools, choice
     ask.forced_tool = choice == "required" or isinstance(choice, dict)
     ask.parallel_tool_calls = _get(body, "parallel_tool_calls", (bool,), True)
-    if ask.forced_tool:
+    if ask.forced_tool:  # each tool's parameters named as the client wrote them, then the call's schema
+        for t in tools:
+            where = f"tools[{names.index(t['function']['name'])}].function.parameters"
+            check_schema(t["function"].get("parameters") or {"type": "object"}, "tools", where)
         ask.schema = (_call_schema(tools), "tool_choice")
 
 
@@ -352,15 +358,8 @@ def _chat_fields(body: dict[str, Any], ask: Ask, limits: Limits) -> None:
 
 
 def grammar(schema: dict[str, Any], param: str) -> str:
-    """GBNF for a JSON schema, by llama-cpp-python's converter (llama.cpp's own, ported)."""
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
-    check_schema_repeats(schema, param)  # before the converter writes the repetitions out
-    try:
-        return json_schema_to_gbnf(json.dumps(schema))
-    except Exception as exc:  # the converter raises ValueError/KeyError/... on what it cannot do
-        raise _bad(param, f"{param}: llama.cpp cannot turn this JSON schema into a grammar: "
-                          f"{type(exc).__name__}: {exc}") from None
+    """GBNF for a JSON schema (edge.serve.jsonschema: llama-cpp-python's converter, bounded)."""
+    return schema_grammar(schema, param)
 
 
 def parse(body: dict[str, Any], chat: bool, limits: Limits) -> Ask:

@@ -45,11 +45,13 @@ class Worker:
 class ModelWorker(Worker):
     """Runs one model's jobs on its own thread, in order, with a bounded queue."""
 
-    def __init__(self, model: GGUFModel, max_queue: int, stream_interval_s: float = 0.0) -> None:
+    def __init__(self, model: GGUFModel, max_queue: int, stream_interval_s: float = 0.0,
+                 request_timeout_s: float | None = None) -> None:
         super().__init__(model.cfg.name)
         self.model = model
         self.max_queue = max_queue
         self.stream_interval_s = stream_interval_s  # a stream's events: at most one per interval
+        self.request_timeout_s = request_timeout_s  # how long one request may hold the model (None: no limit)
 
     def admit(self) -> None:
         """Take a place in the queue, or refuse with 503 -- before any response byte is sent."""

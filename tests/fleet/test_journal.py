@@ -4,6 +4,7 @@ on journals written by real processes that end the ways a service can end."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,27 @@ def test_stop_says_the_signal_only_when_systemd_says_it_was_killed() -> None:
     assert Stop.from_env(env).signal == "SEGV"
     assert Stop.from_env({**env, "SERVICE_RESULT": "signal", "EXIT_CODE": "killed", "EXIT_STATUS": "KILL"}).signal == "KILL"
     assert Stop.from_env({"SERVICE_RESULT": "exit-code", "EXIT_CODE": "exited", "EXIT_STATUS": "78"}).signal is None
+
+
+def test_lines_are_synced_by_the_thread_and_no_child_inherits_the_journal(tmp_path: Path) -> None:
+    from edge.fleet.journal import Journal
+
+    j = Journal(tmp_path)
+    j.enter("model_load", model="m")
+    held = [int(fd.name) for fd in Path("/proc/self/fd").iterdir() if _points_to(fd, j.path)]
+    # the writer's descriptor and the syncer's: a child spawned with them (a handover's new process)
+    # would hold the journal's lock, and this process would look alive after its death
+    assert len(held) == 2 and not any(os.get_inheritable(fd) for fd in held)
+    j.close()  # what was asked is synced before the syncer's descriptor closes
+    cost = j.cost()
+    assert cost["lines"] == 2 and cost["syncs"] >= 1 and cost["sync_seconds"] > 0
+    assert not [fd for fd in Path("/proc/self/fd").iterdir() if _points_to(fd, j.path)]
+    [read] = journals(tmp_path)
+    assert read.entered[-1]["enter"] == "model_load" and read.end is None and not read.alive()
+
+
+def _points_to(fd: Path, path: Path) -> bool:
+    try:
+        return os.readlink(fd) == str(path)
+    except OSError:
+        return False

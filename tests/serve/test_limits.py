@@ -253,6 +253,112 @@ def test_lone_surrogate_is_400_naming_the_field(tiny_config, service, path, body
     _answers(pid1.address)
 
 
+def test_raw_surrogates_utf16_bodies_and_huge_logit_bias_keys_are_400_never_500(tiny_config, service) -> None:
+    """Issue 33's last 500s: a surrogate's own bytes in a UTF-8 body, a UTF-16 body with a lone
+    surrogate (json.loads decodes both with "surrogatepass"), a logit_bias key of 5,000 digits
+    (past Python's int() digit limit)."""
+    pid1 = service(tiny_config)
+    chat = '{"messages": [{"role": "user", "content": "a \ud800 b"}], "max_tokens": 2}'
+    cases = [
+        ("/v1/completions", b'{"prompt": "a \xed\xa0\x80 b", "max_tokens": 2}', "prompt"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a \xed\xb0\x80"}]}', "messages"),
+        ("/v1/chat/completions", chat.encode("utf-16", "surrogatepass"), "messages"),  # with a BOM
+        ("/v1/chat/completions", chat.encode("utf-16-le", "surrogatepass"), "messages"),
+        ("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "logit_bias": {"7" * 5000: 1}}).encode(),
+         "logit_bias"),
+    ]
+    for path, body, field in cases:
+        status, _, answer = _post_bytes(pid1.address, path, body)
+        assert status == 400, (path, body[:60], answer)
+        assert answer["error"]["param"] == field and answer["error"]["message"].startswith(field), answer
+    # a UTF-16 body without a lone surrogate (an emoji is a surrogate pair there) is served
+    ok = '{"messages": [{"role": "user", "content": "hi \U0001F600"}], "max_tokens": 2}'
+    assert _post_bytes(pid1.address, "/v1/chat/completions", ok.encode("utf-16"))[0] == 200
+    assert metric(pid1.address, "edge_requests_total", status="400") == len(cases)
+    assert metric(pid1.address, "edge_requests_total", status="500") == 0
+    assert "Traceback" not in pid1.log_tail(100_000)
+
+
+def test_a_request_that_samples_too_slowly_is_ended_at_the_request_limit_and_the_next_is_served(
+        tmp_path, tiny_gguf, service) -> None:
+    """The limit on the tiny model: a request under a grammar of 256 alternatives asking for
+    2,000 tokens holds the model longer than `request_timeout_s = 0.2`. It ends at the token that
+    passes the limit with the documented 422 `generation_timeout` (streamed: an error event, then
+    [DONE]), and a request that queued behind it is answered. (The tiny vocabulary keeps even a
+    wide grammar cheap per token; Gemma's test below makes the sampling itself slow.)"""
+    # one thread: a decode never waits for a second one that a busy machine has not scheduled
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, n_ctx=2048, extra_model="n_threads = 1")
+    cfg.write_text(cfg.read_text().replace("[server]\n", "[server]\nrequest_timeout_s = 0.2\n", 1))
+    pid1 = service(cfg)
+    schema = {"type": "array", "items": {"enum": [f"w{i:05d}" for i in range(256)]}, "minItems": 700}
+    slow = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2000, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}
+    status, answer = post(pid1.address, "/v1/chat/completions", slow)
+    assert status == 422 and answer["error"]["code"] == "generation_timeout", answer
+    assert "server.request_timeout_s = 0.2 s" in answer["error"]["message"], answer
+    told = int(re.search(r"\((\d+) tokens of this choice", answer["error"]["message"])[1])
+    assert 0 < told < 2000
+    # streamed, with a normal request sent once the slow one is admitted (its first event, the
+    # role, comes as its generation is handed to the model's thread): it waits its turn
+    c = http.client.HTTPConnection(*pid1.address, timeout=120)
+    c.request("POST", "/v1/chat/completions", body=json.dumps({**slow, "stream": True}),
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"data: {")
+    queued: dict[str, object] = {}
+    normal = threading.Thread(target=lambda: queued.update(answer=post(pid1.address, "/v1/completions", NORMAL)))
+    normal.start()
+    rest = r.read().decode()
+    c.close()
+    normal.join(120)
+    errors = [json.loads(e[6:]) for e in rest.splitlines() if e.startswith('data: {"error"')]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "generation_timeout", rest[-500:]
+    assert rest.rstrip().endswith("data: [DONE]")
+    assert queued["answer"][0] == 200, queued
+    assert metric(pid1.address, "edge_requests_total", route="/v1/chat/completions", status="422") == 1
+    assert metric(pid1.address, "edge_requests_total", status="500") == 0
+    assert "Traceback" not in pid1.log_tail(100_000)
+
+
+@pytest.mark.gemma
+def test_gemma_sampling_made_slow_by_a_wide_grammar_is_ended_at_the_request_limit(tmp_path, gemma_path,
+                                                                                  service) -> None:
+    """What really makes a token's sampling slow: a grammar of 256 alternatives at once (the widest
+    a JSON schema may ask for) over Gemma 3's 262,144 candidates, each time the token drawn
+    (temperature 1) is one the grammar rejects; a tenth of a second and more per such token. The
+    request ends at `request_timeout_s` with 422 `generation_timeout`, and the request queued
+    behind it is answered."""
+    template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>user\\n{{ m['content'] }}"
+                "<end_of_turn>\\n{% endfor %}<start_of_turn>model\\n")
+    cfg = write_config(tmp_path / "edge.toml", gemma_path, n_ctx=1024, extra_model=f'chat_template = "{template}"')
+    cfg.write_text(cfg.read_text().replace("[server]\n", "[server]\nrequest_timeout_s = 3.0\n", 1))
+    pid1 = service(cfg, timeout=300)
+    keys = [f"{chr(97 + i % 26)}{i:03d}" for i in range(256)]
+    schema = {"type": "array", "minItems": 100, "items": {"anyOf": [
+        {"type": "object", "properties": {k: {"type": "integer"}}, "required": [k]} for k in keys]}}
+    slow = {"messages": [{"role": "user", "content": "Write a poem about the sea."}], "max_tokens": 400,
+            "temperature": 1.0, "seed": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}
+    queued: dict[str, object] = {}
+    c = http.client.HTTPConnection(*pid1.address, timeout=300)
+    c.request("POST", "/v1/chat/completions", body=json.dumps({**slow, "stream": True}),
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"data: {")
+    normal = threading.Thread(target=lambda: queued.update(answer=post(
+        pid1.address, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})))
+    normal.start()
+    rest = r.read().decode()
+    c.close()
+    normal.join(300)
+    errors = [json.loads(e[6:])["error"] for e in rest.splitlines() if e.startswith('data: {"error"')]
+    assert len(errors) == 1 and errors[0]["code"] == "generation_timeout", rest[-500:]
+    assert "server.request_timeout_s = 3 s" in errors[0]["message"]
+    assert queued["answer"][0] == 200, queued
+    assert metric(pid1.address, "edge_requests_total", status="500") == 0
+    assert "Traceback" not in pid1.log_tail(100_000)
+
+
 def _post_bytes(address: tuple[str, int], path: str, body: bytes) -> tuple[int, str, object]:
     c = http.client.HTTPConnection(*address, timeout=60)
     try:
@@ -390,6 +496,34 @@ def test_kserve_shape_overflow_is_400_naming_the_input(ort_service, shape, words
     status, _ = post(pid1.address, "/v2/models/mlp/infer",
                      {"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": [0.0] * 16}]})
     assert status == 200
+
+
+def test_kserve_non_finite_data_and_overflowing_outputs_are_400_never_500(ort_service) -> None:
+    """NaN, Infinity, -Infinity (which Python's JSON parser takes), 1e400 (infinity once parsed)
+    and integers past INT64 are a 400 naming the input; finite inputs that overflow inside the
+    model give outputs JSON cannot carry: the documented `output_not_finite`, never a 500."""
+    pid1, _ = ort_service
+    before = metric(pid1.address, "edge_requests_total", status="500")
+
+    def infer(data: str, datatype: str = "FP32") -> tuple[int, dict]:
+        body = f'{{"inputs": [{{"name": "x", "shape": [1, 16], "datatype": "{datatype}", "data": {data}}}]}}'
+        status, _, answer = _post_bytes(pid1.address, "/v2/models/mlp/infer", body.encode())
+        return status, answer
+
+    for bad in ("NaN", "Infinity", "-Infinity", "1e400", "1e39"):
+        status, answer = infer("[" + ", ".join(["0.5"] * 15 + [bad]) + "]")
+        assert status == 400, (bad, answer)
+        assert answer["error"]["param"] == "inputs", answer
+        assert answer["error"]["message"].startswith("inputs[0] (x): data holds"), answer
+        assert "at flat index 15" in answer["error"]["message"], answer
+    status, answer = infer("[" + ", ".join(["3.4e38"] * 16) + "]")
+    assert status == 400, answer
+    assert answer["error"]["code"] == "output_not_finite" and "not finite" in answer["error"]["message"], answer
+    status, answer = infer("[" + ", ".join(["1"] * 15 + ["1" + "0" * 30]) + "]", datatype="INT64")
+    assert status == 400 and "outside the range of INT64" in answer["error"]["message"], answer
+    assert infer("[" + ", ".join(["0.5"] * 16) + "]")[0] == 200
+    assert metric(pid1.address, "edge_requests_total", status="500") == before  # the service is shared
+    assert "Traceback" not in pid1.log_tail(100_000)
 
 
 def test_file_descriptor_limit_fits_max_connections(tmp_path, tiny_gguf) -> None:

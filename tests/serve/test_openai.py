@@ -216,6 +216,29 @@ def test_json_schema_output_parses_and_matches(tiny: Service) -> None:
         model="tiny", messages=HI, response_format={"type": "xml"}), "response_format.type")
 
 
+def test_a_schema_answer_with_its_end_tokens_banned_stops_and_the_service_serves_on(tiny: Service,
+                                                                                  tiny_gguf: Path) -> None:
+    """Once the JSON is whole, the grammar allows only an end-of-generation token; logit_bias
+    bans them all. llama.cpp's grammar aborts the process when made to accept any other token:
+    the answer ends there instead ("stop"), and the service serves on."""
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(model_path=str(tiny_gguf), vocab_only=True, verbose=False)
+    try:
+        v = vocab._model.vocab
+        ends = [t for t in range(llama_cpp.llama_vocab_n_tokens(v)) if llama_cpp.llama_vocab_is_eog(v, t)]
+    finally:
+        vocab.close()
+    for temperature in (0, 0.8):
+        r = tiny.client.chat.completions.create(
+            model="tiny", messages=HI, temperature=temperature, seed=3, max_tokens=200,
+            logit_bias={str(t): -100 for t in ends},
+            response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": CITY_SCHEMA}})
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 200
+        assert set(json.loads(r.choices[0].message.content)) == {"city", "sunny"}
+    assert greedy(tiny).choices[0].text
+
+
 def test_include_usage_sends_a_last_usage_chunk(tiny: Service) -> None:
     chunks = list(tiny.client.chat.completions.create(
         model="tiny", messages=HI, max_tokens=6, temperature=0, stream=True,
@@ -350,9 +373,9 @@ def test_a_schema_that_would_repeat_past_the_limit_is_a_400_and_the_service_serv
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     message = bad_request(lambda: tiny.client.chat.completions.create(
         model="tiny", messages=HI, max_tokens=2, response_format=fmt), "response_format.json_schema")
-    assert f"response_format.json_schema{where}: asks for more than 10000 repetitions" in message
+    assert f"response_format.json_schema{where}: " in message and "10000" in message
     ok = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "string", "minLength": 2, "pattern": "^(a{3}b){4}$"}}}
+        "type": "string", "pattern": "^(a{3}b){4}$"}}}
     r = tiny.client.chat.completions.create(model="tiny", messages=HI, max_tokens=40, response_format=ok)
     assert r.choices[0].finish_reason in ("stop", "length")
 

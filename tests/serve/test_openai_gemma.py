@@ -71,6 +71,19 @@ def test_gemma_json_object_and_schema_outputs_parse(gemma: Gemma) -> None:
     assert set(obj) == {"capital", "population_millions"} and isinstance(obj["population_millions"], int)
 
 
+def test_gemma_integer_bounds_hold_where_the_model_would_answer_outside(gemma: Gemma) -> None:
+    """The audit's repro: without the range, Gemma answered "age": 1900000000000000."""
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["age"], "additionalProperties": False}
+    ask = [{"role": "user", "content": "How many years ago was the universe born? Answer as JSON with key age."}]
+    for seed in range(3):
+        r = gemma.client.chat.completions.create(
+            model="gemma", messages=ask, temperature=1.0, seed=seed, max_tokens=30,
+            response_format={"type": "json_schema", "json_schema": {"name": "age", "schema": schema}})
+        assert r.choices[0].finish_reason == "stop"
+        assert 0 <= json.loads(r.choices[0].message.content)["age"] <= 120
+
+
 def test_gemma_logit_bias_bans_the_answer_and_logprobs_spell_the_text(gemma: Gemma,
                                                                       gemma_path: Path) -> None:
     import gguf

@@ -1,0 +1,133 @@
+"""The candidate arrays llama.cpp's samplers work on (`llama_token_data_array`), for sampling
+under a grammar (edge.model.generate.SamplerChain).
+
+- The whole vocabulary with its logits, refilled from the last decoded logits in two numpy
+  copies per token, as llama.cpp's own sampling fills it.
+- One candidate, to ask the grammar about the token the chain picked without it (llama.cpp's
+  common sampler does the same). Greedy without penalties picks it from the model's logits
+  themselves (a view; one copy where there is a logit bias to add), with no array to fill.
+- The likeliest candidates alone, to find greedy's token under the grammar when the grammar
+  rejected its first choice: the grammar's verdict on a token does not depend on the other
+  candidates, so if an allowed token among the k likeliest is likelier than every token
+  outside them, it is the one the grammar over the whole vocabulary leads greedy to (of equal
+  logits, the lowest id: greedy's first in vocabulary order). k is each of TOPS in turn; the
+  whole vocabulary is asked only where none decides.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from edge.model.native import Native
+
+__all__ = ["Candidates", "TOPS"]
+
+# how many of the likeliest candidates the grammar is asked about, in turn, when greedy's own
+# choice was rejected: JSON's next token is mostly among the first 64; digits after a key, or
+# a string's closing quote, can lie further down
+TOPS = (64, 1024, 16384)
+
+
+class Candidates:
+    def __init__(self, native: Native, bias: list[tuple[int, float]] | None = None) -> None:
+        import numpy as np
+
+        lib, n = native.lib, native.n_vocab
+        self._bias_ids = np.array([t for t, _ in bias or ()], dtype=np.int64)
+        self._bias = np.array([b for _, b in bias or ()], dtype=np.float32)
+        self._biased = np.empty(n, dtype=np.float32) if bias else None
+        self._np, self._n, self._apply, self._lib = np, n, lib.llama_sampler_apply, lib
+        self._data = (lib.llama_token_data * n)()
+        words = np.ctypeslib.as_array(self._data).view(np.int32).reshape(n, 3)  # id, logit, p
+        words[:, 0] = np.arange(n, dtype=np.int32)
+        self._pristine = words.copy()  # ids, and p = 0: copied back whole before every fill
+        self._words, self._logits = words, words[:, 1].view(np.float32)
+        self._array = lib.llama_token_data_array(self._data, n, -1, False)
+        self._ref = ctypes.byref(self._array)
+        self._data_ptr = ctypes.cast(self._data, ctypes.c_void_p).value
+        self._tops = [k for k in TOPS if k < n]
+        big = max(self._tops, default=1)
+        self._top = (lib.llama_token_data * big)()
+        self._top_words = np.ctypeslib.as_array(self._top).view(np.int32).reshape(big, 3)
+        self._top_array = lib.llama_token_data_array(self._top, big, -1, False)
+        self._top_ref = ctypes.byref(self._top_array)
+        self._one = lib.llama_token_data(0, 0.0, 0.0)
+        self._one_array = lib.llama_token_data_array(ctypes.pointer(self._one), 1, -1, False)
+        self._one_ref = ctypes.byref(self._one_array)
+
+    def fill(self, logits_ptr: Any) -> Any:
+        """Every token with its logit, in vocabulary order; a reference for llama_sampler_apply."""
+        np, a = self._np, self._array
+        self._words[...] = self._pristine  # samplers reorder and shrink the array: ids back in place
+        self._logits[...] = np.ctypeslib.as_array(logits_ptr, shape=(self._n,))
+        a.data = ctypes.cast(self._data_ptr, type(a.data))
+        a.size, a.selected, a.sorted = self._n, -1, False
+        return self._ref
+
+    def selected(self) -> int | None:
+        """The token the chain picked; None where it could pick only a banned one (-inf)."""
+        a = self._array
+        if not 0 <= a.selected < a.size:
+            return None
+        chosen = a.data[a.selected]
+        return None if chosen.logit == float("-inf") else int(chosen.id)
+
+    def allows(self, grammar: Any, tok: int) -> bool:
+        """Whether the grammar, as it stands, allows `tok` next."""
+        one, a = self._one, self._one_array
+        one.id, one.logit, one.p = tok, 1.0, 0.0
+        a.size, a.selected, a.sorted = 1, -1, False
+        self._apply(grammar, self._one_ref)
+        return one.logit != float("-inf")
+
+    def biased(self, logits_ptr: Any) -> Any:
+        """The model's logits with the logit bias added, as llama.cpp's logit-bias sampler adds
+        it (in order, float32; a token named twice gets both): a numpy view of the model's own
+        logits where there is no bias, else one copy."""
+        np = self._np
+        raw = np.ctypeslib.as_array(logits_ptr, shape=(self._n,))
+        if self._biased is None:
+            return raw
+        self._biased[...] = raw
+        np.add.at(self._biased, self._bias_ids, self._bias)
+        return self._biased
+
+    def filled(self) -> Any:
+        """The filled array's logits (bias and penalties applied) while it is as fill() left it
+        (greedy only sets `selected`); else None."""
+        a = self._array
+        intact = a.size == self._n and ctypes.cast(a.data, ctypes.c_void_p).value == self._data_ptr
+        return self._logits if intact else None
+
+    def greedy_allowed(self, grammar: Any, logits: Any) -> int | None:
+        """Greedy's token under the grammar from `logits` (every token's, in vocabulary
+        order), asking the grammar about the likeliest first; None where none of TOPS decides
+        it (no allowed one, or the best allowed one no likelier than a token outside them)."""
+        for k in self._tops:
+            tok = self._greedy_among(grammar, logits, k)
+            if tok is not None:
+                return tok
+        return None
+
+    def _greedy_among(self, grammar: Any, all_logits: Any, k: int) -> int | None:
+        np = self._np
+        ids = np.sort(np.argpartition(all_logits, -k)[-k:])  # vocabulary order: greedy's tie-break
+        logits = all_logits[ids]
+        floor = logits.min()  # no token outside `ids` has a larger logit
+        words = self._top_words[:k]
+        words[:, 0], words[:, 2] = ids, 0
+        top_logits = words[:, 1].view(np.float32)
+        top_logits[...] = logits
+        t = self._top_array
+        t.data = ctypes.cast(ctypes.addressof(self._top), type(t.data))
+        t.size, t.selected, t.sorted = k, -1, False
+        self._apply(grammar, self._top_ref)
+        allowed = top_logits != float("-inf")  # the grammar's verdict: rejected ones are -inf
+        if not allowed.any():
+            return None
+        best = logits[allowed].max()
+        if not best > floor:
+            return None
+        return int(ids[np.flatnonzero(allowed & (logits == best))[0]])
