@@ -287,6 +287,8 @@ def _plan_lines(plan: dict[str, Any]) -> list[str]:
 def format_reload_report(report: dict[str, Any]) -> str:
     """A reload report: outcome, mode, what was kept and loaded, switch and drain, then phases."""
     head = f"last reload: {report['started_at']}  pid {report['pid']}  config {report.get('config')}"
+    if report.get("reload_kind") == "process":
+        return _format_handover(head, report)
     if report.get("error"):
         outcome = f"FAILED after {report['ready_s']:.3f} s: {report['error']} (the old set kept serving)"
     else:
@@ -303,6 +305,29 @@ def format_reload_report(report: dict[str, Any]) -> str:
     for p in report["phases"]:
         detail = ", ".join(f"{k}={v}" for k, v in p["detail"].items() if not isinstance(v, (list, dict)))
         lines.append(f"{p['name']:<19}{p['start_s']:>9.3f}{p['seconds']:>9.3f}  {detail}")
+    return "\n".join(lines)
+
+
+def _format_handover(head: str, report: dict[str, Any]) -> str:
+    """A reload by a new process: why, the memory decision, both processes' phases."""
+    new = report.get("successor") or {}
+    if report.get("error"):
+        outcome = f"HANDOVER FAILED after {report['ready_s']:.3f} s: {report['error']}"
+    else:
+        drain = report.get("drain_s")
+        outcome = (f"handed over to pid {new.get('pid')} (edge {new.get('edge_version', '?')}) at "
+                   f"{report.get('switch_s', 0):.3f} s; old process drained in "
+                   + (f"{drain:.3f} s" if drain is not None else "(still draining)"))
+    lines = [head.replace("last reload", "last reload (new process)"), outcome,
+             f"why: {'; '.join(report.get('why') or [])}",
+             f"mode {report.get('mode')}: {(report.get('memory') or {}).get('reason', '')}", "",
+             f"{'phase':<19}{'start s':>9}{'seconds':>9}  detail"]
+    for p in report["phases"]:
+        detail = ", ".join(f"{k}={v}" for k, v in p["detail"].items() if not isinstance(v, (list, dict)))
+        lines.append(f"{p['name']:<19}{p['start_s']:>9.3f}{p['seconds']:>9.3f}  {detail}")
+    if new.get("phases"):
+        lines += ["", f"new process (pid {new.get('pid')}), offsets from its exec; ready at {new.get('ready_s')} s"]
+        lines += [f"{p['name']:<19}{p['start_s']:>9.3f}{p['seconds']:>9.3f}" for p in new["phases"]]
     return "\n".join(lines)
 
 

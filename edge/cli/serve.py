@@ -27,9 +27,12 @@ def serve(config: Optional[str] = ConfigOpt) -> None:
     # a native fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) writes every thread's Python stack to
     # stderr, which is the journal under systemd, and then dies by the signal as before
     faulthandler.enable(all_threads=True)
+    from edge.lifecycle.handover import Successor, SuccessorNotifier
     from edge.lifecycle.start import ColdStart
 
-    start = ColdStart(config, timer=timer)
+    successor = Successor.from_env()  # started by a running edge to take over from it
+    start = ColdStart(config, timer=timer, notifier=SuccessorNotifier(successor) if successor else None,
+                      takes_over=successor is not None)
     code = start.run()  # however it ends, its journal and reports say so (edge.lifecycle.recovery)
     if start.gpu_lost:  # not even the finalizers at exit may touch the lost CUDA context
         _exit_now(code)
@@ -85,10 +88,16 @@ def reload(config: Optional[str] = typer.Option(
                                          help="give up (the old set keeps serving) after this many seconds"),
            socket_path: Optional[str] = typer.Option(None, "--socket", help="the service's control "
                                                      "socket (default: <state_dir>/control.sock)"),
+           process: Optional[bool] = typer.Option(None, "--process/--in-place", help="hand over to a new "
+                                                  "process / reload in place (default: a new process only "
+                                                  "when the installed edge, llama.cpp or unit environment "
+                                                  "is not what runs)"),
            as_json: bool = JsonOpt) -> None:
     """Reload the running service without a gap: the new set is loaded and warmed beside the old
-    one, then takes the traffic. Exit 0 once it serves; else the error's exit code and why (the
-    old set keeps serving)."""
+    one (in the same process, or in a new one that takes over), then takes the traffic. Exit 0
+    once it serves; else the error's exit code and why (the old set keeps serving)."""
+    import os
+
     from edge.lifecycle.control import control_path, request_reload
     from edge.errors import ConfigError
 
@@ -96,15 +105,18 @@ def reload(config: Optional[str] = typer.Option(
         raise ConfigError(config, "", "config file does not exist")
     target = str(Path(config).resolve()) if config else None
     path = Path(socket_path) if socket_path else control_path(_config_for_state(config))
-    answer = request_reload(path, target, timeout)
+    answer = request_reload(path, target, timeout, process, dict(os.environ))
     if as_json:
         typer.echo(json.dumps(answer, indent=2))
     if not answer.get("ok"):
         if not as_json:
             typer.echo(f"edge: reload failed: {answer.get('error')}", err=True)
         raise typer.Exit(int(answer.get("exit_code") or 70))
-    if not as_json:
-        r = answer.get("report") or {}
+    r = answer.get("report") or {}
+    if not as_json and r.get("reload_kind") == "process":
+        typer.echo(f"{answer.get('status')}\nhanded over to pid {(r.get('successor') or {}).get('pid')} "
+                   f"({'; '.join(r.get('why') or [])}); mode: {r.get('mode')} ({(r.get('memory') or {}).get('reason', '')})")
+    elif not as_json:
         typer.echo(f"{answer.get('status')}\nkept: {', '.join(r.get('kept') or []) or '-'}; "
                    f"loaded: {', '.join(r.get('loaded') or []) or '-'}; mode: {r.get('mode')} "
                    f"({(r.get('memory') or {}).get('reason', '')})")
@@ -148,8 +160,8 @@ def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Opti
         typer.echo(f"no start report yet in {folder / REPORT_NAME}: has `edge serve` run?", err=True)
         raise typer.Exit(1)
     reload_report = _read_report(folder, "reload", damaged) if report is not None else None
-    if reload_report is not None and reload_report.get("pid") != report.get("pid"):
-        reload_report = None  # a reload of an earlier run of the service, not of this one
+    if reload_report is not None and report.get("pid") not in (reload_report.get("pid"), _successor(reload_report)):
+        reload_report = None  # a reload of an earlier run of the service, not of this one (nor its handover to it)
     if as_json:  # the start report as before, the last reload (and a later failed start) beside it
         typer.echo(json.dumps({**(report or {}), "last_reload": reload_report, "last_failed_start": failed,
                                "crashed_starts": crashes, "safe_mode": safe}, indent=2))
@@ -163,6 +175,11 @@ def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Opti
         _write_svg(svg, drawn)
     if damaged:
         raise typer.Exit(1)
+
+
+def _successor(reload_report: dict[str, Any]) -> Any:
+    """The process a handover (a reload by a new process) handed the service to."""
+    return (reload_report.get("successor") or {}).get("pid") if isinstance(reload_report.get("successor"), dict) else None
 
 
 def _state_folder(cfg: Any) -> Path:

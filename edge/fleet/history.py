@@ -74,6 +74,10 @@ def _counted(kind: str, report: dict[str, Any]) -> list[tuple[str, str]]:
     """(family, key) counters one report adds to: a start's result; a reload's; and every crash,
     before READY or after, under "crash" by "<phase>/<signal>"."""
     if kind == "reload":
+        if report.get("reload_kind") == "process":  # a handover to a new process: a reload too
+            result = reload_result(report)
+            how = "restart" if result == "ok" and report.get("mode") == "restart" else result
+            return [("reload", result), ("handover", how)]
         return [("reload", reload_result(report))]
     if kind == "start":
         return [("start", "ok")]

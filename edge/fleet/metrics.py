@@ -41,7 +41,11 @@ COUNTERS = (("edge_starts", "start", START_RESULTS, "Starts of the service on th
              "systemd's TimeoutStartSec=), across restarts."),
             ("edge_reloads", "reload", ("ok", "failed", "rolled_back"), "Reloads on this device by "
              "result (ok; failed: the old set kept serving; rolled_back: the previous config was "
-             "loaded again), across restarts."))
+             "loaded again), across restarts."),
+            ("edge_handovers", "handover", ("ok", "restart", "failed"), "Reloads done by a new process "
+             "taking over (edge reload --process, or a new edge, llama.cpp or unit environment installed) "
+             "by result (ok: both ran, no gap; restart: memory did not allow both, the old one drained "
+             "first; failed: the old process served on), across restarts."))
 GGML_DEVICE_TYPE_GPU = 1  # enum ggml_backend_dev_type: CPU, GPU, then (by version) IGPU or ACCEL
 
 

@@ -143,7 +143,7 @@ def chart_of(report: dict[str, Any], kind: str = "start") -> Chart:
         chart = Chart(f"edge reload · {report.get('started_at', '?')} · pid {report.get('pid', '?')}",
                       f"mode {report.get('mode') or 'not decided'} · kept {', '.join(report.get('kept') or []) or '-'}"
                       f" · loaded {', '.join(report.get('loaded') or []) or '-'} · config {report.get('config')}")
-        chart.bars += _old_set(report, phases)
+        chart.bars += _old_set(report, phases) + _new_process(report, phases)
     else:
         failed = report.get("result") == "failed"
         what = ("rehearsal (edge warmup, nothing served)" if report.get("rehearsal") else
@@ -177,6 +177,18 @@ def _old_set(report: dict[str, Any], phases: list[dict[str, Any]]) -> list[Bar]:
     end = held if held is not None else float(switch) if switch is not None else float(report.get("ready_s", 0))
     return [Bar("old set", 0.0, end, "old set serving", {"data-phase": "serving"},
                 f"the old set serves every request until {end:.3f} s")]
+
+
+def _new_process(report: dict[str, Any], phases: list[dict[str, Any]]) -> list[Bar]:
+    """A handover's new process: its start's phases, from its spawn on the reload's axis."""
+    new = report.get("successor")
+    spawn = next((float(p["start_s"]) for p in phases if p["name"] == "spawn"), None)
+    if not isinstance(new, dict) or spawn is None:
+        return []
+    lane = f"new process {new.get('pid', '?')}"
+    return [Bar(lane, spawn + float(p.get("start_s", 0)), float(p.get("seconds", 0)), _phase_label(p),
+                {"data-phase": str(p["name"]), "data-process": "new"}, f"new process: {p['name']}")
+            for p in new.get("phases") or [] if isinstance(p, dict) and "name" in p]
 
 
 # -- SVG --------------------------------------------------------------------------------------------

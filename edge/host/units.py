@@ -113,7 +113,7 @@ StartLimitBurst=$limit_burst
 
 [Service]
 Type=notify
-NotifyAccess=main
+NotifyAccess=all
 ExecStart=$edge serve --config $config
 ExecReload=$edge reload --config $config --timeout $reload_timeout
 ExecStopPost=$edge record-stop --config $config
@@ -158,6 +158,8 @@ Also=edge.socket
 """)
 # Why some lines are as they are (comments in the rendered unit would be read by every device):
 # - ExecReload=: below TimeoutStartSec=, which systemd also applies to reloads.
+# - NotifyAccess=all: a handover's new process (edge.lifecycle.handover) is the old one's child; the
+#   old one sends MAINPID=<new> and the new one's watchdog pings count before it is the main process.
 # - RestartPreventExitStatus=: config error, bad model or engine file, mlock refused, no GPU for
 #   offloaded layers, safe mode exhausted: a restart cannot fix these.
 # - ExecStopPost=: `edge record-stop` records how the main process ended ($SERVICE_RESULT,

@@ -2,10 +2,14 @@
 running service: a Unix socket in the service's state directory that only its user (and root)
 can connect to; one JSON request per connection, one JSON answer once the reload is done.
 
-    request: {"op": "reload", "config": str | null, "timeout": number | null}
+    request: {"op": "reload", "config": str | null, "timeout": number | null,
+              "process": bool | null, "env": {str: str} | null}
     answer:  {"ok": bool, "exit_code": int, "status"/"error": str, "report": {...}}
 
-The service's side is a `ControlServer` that hands each request to the reloader (edge.lifecycle.reload);
+`process`: true forces a handover to a new process, null lets the service choose
+(edge.lifecycle.installed); `env` is the environment `edge reload` runs in (the unit's, when
+systemd runs it as ExecReload=). The service's side is a `ControlServer` that hands each request
+to the reloader (edge.lifecycle.reload);
 `request_reload` is the client's side, and needs nothing of the service's modules.
 """
 
@@ -26,8 +30,8 @@ __all__ = ["CONTROL_NAME", "ControlServer", "control_path", "request_reload"]
 
 CONTROL_NAME = "control.sock"
 
-# (config, timeout) -> the answer
-Handler = Callable[[str | None, float | None], Awaitable[dict[str, Any]]]
+# (config, timeout, process, env) -> the answer
+Handler = Callable[[str | None, float | None, "bool | None", "dict[str, str] | None"], Awaitable[dict[str, Any]]]
 
 
 def control_path(cfg: Config) -> Path:
@@ -42,23 +46,44 @@ class ControlServer:
     def __init__(self, path: Path, handler: Handler) -> None:
         self.path, self.handler = path, handler
         self._server: asyncio.AbstractServer | None = None
+        self._inode: int | None = None
+        self._answering: set[asyncio.Task[Any]] = set()
 
     async def open(self) -> None:
-        self._server = await asyncio.start_unix_server(self._handle, sock=_bind_private(self.path))
+        sock = _bind_private(self.path)
+        self._inode = self.path.stat().st_ino
+        self._server = await asyncio.start_unix_server(self._handle, sock=sock)
 
     def close(self) -> None:
+        """Stop listening; the socket file removed unless it is another process's by now (a
+        handover's new process bound its own at the same path)."""
         if self._server is not None:
             self._server.close()
-            self.path.unlink(missing_ok=True)
+            try:
+                if self.path.stat().st_ino == self._inode:
+                    self.path.unlink()
+            except OSError:
+                pass
+
+    async def answered(self, timeout: float = 10.0) -> None:
+        """Until every request being handled has had its answer written (at most `timeout`)."""
+        if self._answering:
+            await asyncio.wait(set(self._answering), timeout=timeout)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
         try:
             req = json.loads(await asyncio.wait_for(reader.readline(), 10))
-            config, timeout = req.get("config"), req.get("timeout")
+            config, timeout, process, env = req.get("config"), req.get("timeout"), req.get("process"), req.get("env")
             if req.get("op") != "reload" or not isinstance(config, (str, type(None))) \
-                    or not isinstance(timeout, (int, float, type(None))):
-                raise ValueError(f"expected {{op: reload, config: str|null, timeout: number|null}}, found {req}")
-            result = await self.handler(config, timeout)
+                    or not isinstance(timeout, (int, float, type(None))) or not isinstance(process, (bool, type(None))) \
+                    or not (env is None or isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
+                raise ValueError("expected {op: reload, config: str|null, timeout: number|null, process: "
+                                 f"bool|null, env: {{str: str}}|null}}, found {req}")
+            result = await self.handler(config, timeout, process, env)
         except (ValueError, AttributeError, asyncio.TimeoutError) as exc:
             result = {"ok": False, "error": f"bad control request: {exc}", "exit_code": 64}
         try:
@@ -87,7 +112,8 @@ def _bind_private(path: Path) -> socket.socket:
     return sock
 
 
-def request_reload(path: Path, config: str | None, timeout: float | None) -> dict[str, Any]:
+def request_reload(path: Path, config: str | None, timeout: float | None, process: bool | None = None,
+                   env: dict[str, str] | None = None) -> dict[str, Any]:
     """`edge reload`'s side: one request on the control socket, the service's answer."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(None if timeout is None else timeout + 60)
@@ -101,7 +127,8 @@ def request_reload(path: Path, config: str | None, timeout: float | None) -> dic
     except OSError as exc:
         raise EdgeError(f"cannot reach the service at {path}: {exc}") from None
     with sock:
-        sock.sendall(json.dumps({"op": "reload", "config": config, "timeout": timeout}).encode() + b"\n")
+        sock.sendall(json.dumps({"op": "reload", "config": config, "timeout": timeout, "process": process,
+                                 "env": env}).encode() + b"\n")
         raw = b""
         try:
             while not raw.endswith(b"\n"):

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     Validation = concurrent.futures.Future[tuple[float, float, GGUFInfo]]
 
-__all__ = ["Loaded", "LoadPlan", "close_worker", "model_key"]
+__all__ = ["Loaded", "LoadPlan", "close_worker", "model_key", "set_threads", "split_cores", "threads_of"]
 
 
 @dataclass
@@ -99,3 +99,27 @@ def model_key(m: ModelConfig) -> tuple[Any, ...]:
         ident = ()
     same = dataclasses.replace(m, path="" if ident else m.path, prefetch=True, prefetch_threads=1)
     return ("model", same, ident)
+
+
+def split_cores() -> tuple[int, int]:
+    """While a new set warms up beside a serving one: (its threads, the serving ones'): a quarter
+    of the cores (at least one) and the rest. ggml's threads spin at their barriers, so two full
+    thread pools on the same few cores slow serving far more than their share."""
+    cores = os.cpu_count() or 1
+    warm = max(1, cores // 4)
+    return warm, max(1, cores - warm)
+
+
+def set_threads(model: Any, n: int | None) -> None:
+    """On the model's worker thread: at most n threads for decode and batch, or (None) its own."""
+    s = model.native.settings
+    model.native.set_threads(n or s.n_threads, n or s.n_threads_batch)
+
+
+async def threads_of(workers: list[Any], n: int | None) -> None:
+    """Every model worker's thread count set (None: back to its own), each on its own thread,
+    queued behind the requests it is running."""
+    import asyncio
+
+    await asyncio.gather(*(w.control(set_threads, w.model, n) for w in workers if hasattr(w, "model")),
+                         return_exceptions=True)

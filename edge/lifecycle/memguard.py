@@ -19,7 +19,9 @@ What the device has is edge.device.memory's reading; what one model needs is edg
 from __future__ import annotations
 
 from collections.abc import Sequence
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from edge.config import Config, EngineConfig, ModelConfig
@@ -27,7 +29,7 @@ from edge.device.memory import MIB, MemoryReading, unified_memory
 from edge.model.gguf import GGUFInfo
 from edge.model.memory import model_need
 
-__all__ = ["Decision", "Need", "decide", "engine_sizes", "estimate"]
+__all__ = ["Decision", "Need", "decide", "engine_sizes", "estimate", "handover_decision"]
 
 
 @dataclass
@@ -126,3 +128,43 @@ def _bound(reading: MemoryReading) -> str:
     """What bounded the reading, in the words a person fixes it with."""
     cg = reading.bound_by
     return f"the room under {cg.setting} of cgroup {cg.cgroup}" if cg else "MemAvailable"
+
+
+def handover_decision(cfg: Config) -> dict[str, Any]:
+    """Whether both processes fit: the new one needs about this process's private memory (the
+    interpreter, the KV caches and compute buffers of the same models) plus the model files it
+    maps that this process does not (a file mapped by both is one page cache)."""
+    from edge.device.memory import read_memory
+    from edge.lifecycle.installed import mapped_files
+
+    if cfg.server.reload in ("sequential", "overlap"):
+        mode = "restart" if cfg.server.reload == "sequential" else "handover"
+        return {"mode": mode, "reason": f"server.reload = \"{cfg.server.reload}\"", "need_mib": None}
+    mapped = mapped_files()
+    new_files = 0
+    for m in cfg.models:
+        try:
+            st = os.stat(m.path)
+        except OSError:
+            continue  # a builtin or missing file: the new start resolves (or refuses) it
+        if (st.st_dev, st.st_ino) not in mapped:
+            new_files += st.st_size
+    need = _rss_anon() + new_files
+    reading = read_memory(gpu=any(m.n_gpu_layers != 0 for m in cfg.models))
+    room = reading.available - reserve_bytes(reading)
+    fits = need <= room
+    why = (f"the new process needs ~{need / MIB:.0f} MiB beside this one ({new_files / MIB:.0f} MiB of it "
+           f"model files not mapped here), {max(room, 0) / MIB:.0f} MiB available ({reading.source} less a "
+           f"reserve)")
+    return {"mode": "handover" if fits else "restart", "reason": why, "need_mib": round(need / MIB, 1),
+            "available_mib": round(reading.available / MIB, 1)}
+
+
+def _rss_anon() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

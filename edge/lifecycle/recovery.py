@@ -102,9 +102,10 @@ class FaultInjector:
 class Recovery:
     """One process's journal and safe mode, from before its config is read to its end."""
 
-    def __init__(self, config_path: str | None, timer: StartTimer) -> None:
+    def __init__(self, config_path: str | None, timer: StartTimer, kind: str = "start") -> None:
         self.state_dir = early_state_dir(config_path)
-        self.journal = Journal(self.state_dir)
+        self.kind = kind  # "handover": started by a running edge to take over (edge.lifecycle.handover)
+        self.journal = Journal(self.state_dir, kind=kind)
         self.fault = FaultInjector.from_env()
         self.observers: list[Callable[[str, str, dict[str, Any]], None]] = [self.journal.observe]
         if self.fault is not None:
@@ -145,13 +146,18 @@ class Recovery:
         if self.safe_mode is not None:
             self.safe_mode.healthy()
 
-    def ended(self, code: int) -> None:
-        """Served and stopped: exit `code` (0, or a fatal reload's)."""
-        self.journal.end("ok" if code == 0 else "failed", code)
+    def ended(self, code: int, **detail: Any) -> None:
+        """Served and stopped: exit `code` (0, or a fatal reload's); `handed_over_to` a new process."""
+        self.journal.end("ok" if code == 0 else "failed", code, **detail)
 
     def failed(self, report: dict[str, Any], result: str) -> None:
         """Ended before READY by itself: an error (failed) or SIGTERM (stopped); the report kept
-        and counted, the journal closed with its name."""
+        and counted, the journal closed with its name. A process started to take over that ended
+        before it was ready is no failed start: the old process serves on, and its handover report
+        says why (from this journal)."""
+        if self.kind == "handover":
+            self.journal.end(result, int(report.get("exit_code") or 0), error=str(report.get("error") or ""))
+            return
         path = record_failed_start(self.state_dir, {**report, "result": result}, count=result != "stopped")
         self.journal.end(result, int(report.get("exit_code") or 0), report=path.name if path else None)
 

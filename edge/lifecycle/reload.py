@@ -31,11 +31,12 @@ from edge.config import Config, state_dir
 from edge.lifecycle.control import ControlServer, control_path
 from edge.errors import EdgeError
 from edge.lifecycle.loader import Loader, read_config
-from edge.lifecycle.loadset import Loaded, LoadPlan
+from edge.lifecycle.loadset import Loaded, LoadPlan, set_threads as _set_threads
 from edge.lifecycle.systemd import Notifier
 from edge.timing import PhaseObserver, Phases, ReloadTimer, write_report
 
 if TYPE_CHECKING:
+    from edge.lifecycle.handover import Handover
     from edge.lifecycle.memguard import Decision
     from edge.lifecycle.safemode import SafeMode
     from edge.lifecycle.serving import Dispatcher, Route
@@ -58,7 +59,7 @@ class Reloader:
 
     def __init__(self, dispatcher: Dispatcher, current: Config, notifier: Notifier, *,
                  started_from: str | None, stop_server: Callable[[], None], safe_mode: SafeMode | None = None,
-                 observers: list[PhaseObserver] | None = None) -> None:
+                 observers: list[PhaseObserver] | None = None, handover: Handover | None = None) -> None:
         self.dispatcher, self.current, self.notifier = dispatcher, current, notifier
         self.started_from, self.stop_server = started_from, stop_server
         # safe mode's steps apply to every set a reload makes; each reload's phases go to the
@@ -69,6 +70,7 @@ class Reloader:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._control: ControlServer | None = None
         self._making: asyncio.Task[Any] | None = None  # the reload now loading/warming, if any
+        self.handover = handover  # to a new process (edge.lifecycle.handover), where one is needed
 
     @property
     def in_force(self) -> Config:
@@ -94,8 +96,11 @@ class Reloader:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # shutting down: a late SIGHUP is not a kill
         if self._control is not None:
             self._control.close()
+            await self._control.answered()  # a handover's answer, written after this process drained
         if self._making is not None:  # stopping: a set that never served is not worth waiting for
             self._making.cancel()
+        if self.handover is not None:  # nor a new process that has not taken over
+            self.handover.abandon()
         for task in list(self._tasks):
             await asyncio.gather(task, return_exceptions=True)  # drains end (nothing is served now)
 
@@ -106,9 +111,11 @@ class Reloader:
         task.add_done_callback(self._tasks.discard)
 
     # -- one reload --------------------------------------------------------------------------
-    async def reload(self, config: str | None, timeout: float | None) -> dict[str, Any]:
+    async def reload(self, config: str | None, timeout: float | None, process: bool | None = None,
+                     env: dict[str, str] | None = None) -> dict[str, Any]:
         """Reload from `config` (None: the path the service was started with); the answer for
-        `edge reload`, given once the new set serves (or the reload failed)."""
+        `edge reload`, given once the new set serves (or the reload failed). A handover to a new
+        process instead when `process`, or (None) when what is installed is not what runs."""
         loop = asyncio.get_running_loop()
         end = None if timeout is None else loop.time() + timeout
         try:
@@ -119,7 +126,11 @@ class Reloader:
         try:
             if self.dispatcher.stopping:
                 return _failed(EdgeError("the service is stopping: no reload"))
-            run = _Run(self, config if config is not None else self.started_from)
+            path = config if config is not None else self.started_from
+            why = self.handover.reasons(env) if self.handover is not None and process is not False else []
+            if self.handover is not None and (process or why):
+                return await self.handover.run(path, timeout, env, why or ["edge reload --process"])
+            run = _Run(self, path)
             self._making = asyncio.current_task()
             try:
                 new = await asyncio.wait_for(run.make(), None if end is None else max(0.0, end - loop.time()))
@@ -347,12 +358,6 @@ def _guard(cfg: Config, plan: LoadPlan, old: Loaded) -> Decision:
     if cfg.server.reload == "auto":
         reading = read_memory(gpu=any(f.cfg.n_gpu_layers != 0 for f in plan.files))
     return decide(cfg.server.reload, need, reading)
-
-
-def _set_threads(model: Any, n: int | None) -> None:
-    """On the model's worker thread: at most n threads for decode and batch, or (None) its own."""
-    s = model.native.settings
-    model.native.set_threads(n or s.n_threads, n or s.n_threads_batch)
 
 
 def _collect() -> None:

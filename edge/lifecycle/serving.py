@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import logging
 import os
 import signal
 import socket
@@ -27,6 +28,8 @@ from edge.errors import ConfigError, EdgeError
 from edge.serve.connections import ConnectionGuard
 from edge.serve.limits import LimitsMiddleware, RequestLimits, connection_limit
 from edge.lifecycle.systemd import Notifier, watchdog_interval_s
+
+log = logging.getLogger("edge")
 
 if TYPE_CHECKING:
     from edge.lifecycle.loadset import Loaded
@@ -224,12 +227,17 @@ class Drain:
             return
         self.begin(server)
 
-    def begin(self, server: Any, status: str = "draining in-flight requests") -> None:
-        """Stop accepting and drain, STOPPING=1 with `status` (a signal's, or a fatal error's)."""
+    def begin(self, server: Any, status: str = "draining in-flight requests", stopping: bool = True) -> None:
+        """Stop accepting and drain, STOPPING=1 with `status` (a signal's, or a fatal error's);
+        not `stopping`: a handover (edge.lifecycle.handover), where the service goes on in
+        another process and systemd must not hear of a stop."""
         if self.dispatcher.stopping:
             return
         self.dispatcher.stopping = True
-        self.notifier.stopping(status)
+        if stopping:
+            self.notifier.stopping(status)
+        else:
+            log.info("%s", status)
         self.loop.call_soon_threadsafe(self._stop_accepting, server)
 
     def _stop_accepting(self, server: Any) -> None:

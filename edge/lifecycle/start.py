@@ -34,8 +34,9 @@ from typing import Any
 
 from edge.config import Config, state_dir
 from edge.errors import EX_SOFTWARE, EdgeError, StoppedDuringStart
+from edge.lifecycle.installed import Running
 from edge.lifecycle.loader import Loader, read_config, save_learned
-from edge.lifecycle.loadset import Loaded
+from edge.lifecycle.loadset import Loaded, split_cores, threads_of
 from edge.lifecycle.recovery import Recovery
 from edge.lifecycle.safemode import SafeMode
 from edge.lifecycle.systemd import Notifier, listen_sockets
@@ -50,10 +51,13 @@ class ColdStart:
     """One start of the service: the config, the timer, the notifier, the sockets, what was loaded."""
 
     def __init__(self, config_path: str | None = None, *, timer: StartTimer | None = None,
-                 notifier: Notifier | None = None) -> None:
+                 notifier: Notifier | None = None, takes_over: bool = False) -> None:
         self.timer = timer or StartTimer()  # offsets from exec, whenever it is made
         self.config_path = config_path
         self.notifier = notifier or Notifier()
+        self.running = Running.now()  # what this process runs, before anything changes its environment
+        self.takes_over = takes_over  # started by a running edge to take over (edge.lifecycle.handover)
+        self.handed_over_to: int | None = None  # the process this one handed the service to
         self._loader: Loader | None = None  # made from the config, once it is read
         self.sockets: list[socket.socket] = []
         self.loaded: Loaded | None = None
@@ -68,7 +72,7 @@ class ColdStart:
     def run(self) -> int:
         """Start, warm up, serve until SIGTERM/SIGINT, drain; the exit code. However it ends by
         itself, its journal says so (and a start that never reached READY leaves its report)."""
-        self.recovery = Recovery(self.config_path, self.timer)
+        self.recovery = Recovery(self.config_path, self.timer, kind="handover" if self.takes_over else "start")
         try:
             code = self._run()
         except StoppedDuringStart:
@@ -84,7 +88,7 @@ class ColdStart:
             else:
                 self._ended_before_ready("failed", code, str(exc) or type(exc).__name__)
             raise
-        self.recovery.ended(code)
+        self.recovery.ended(code, **({"handed_over_to": self.handed_over_to} if self.handed_over_to else {}))
         return code
 
     def _run(self) -> int:
@@ -108,6 +112,7 @@ class ColdStart:
             self.recovery.failed(report, result)
 
     async def _warm_and_serve(self, loaded: Loaded) -> int:
+        from edge.lifecycle.handover import Handover
         from edge.lifecycle.reload import Reloader
         from edge.lifecycle.serving import Dispatcher, build_server, serve_http
 
@@ -116,9 +121,11 @@ class ColdStart:
             dispatcher = Dispatcher(loaded)  # a reload swaps the set behind it
             server = build_server(dispatcher, self.config.server, self.notifier)
             dispatcher.on_fatal = lambda reason: _leave(server, reason)
+            handover = Handover(server, self.sockets, self.notifier, self.running, self.loader.read,
+                                serving=lambda: list(dispatcher.loaded.state.workers.values()))
             reloader = Reloader(dispatcher, self.loader.read, self.notifier, started_from=self.config_path,
                                 stop_server=lambda: server.handle_exit(signal.SIGTERM, None),
-                                safe_mode=self.loader.safe_mode,
+                                safe_mode=self.loader.safe_mode, handover=handover,
                                 observers=self.recovery.observers if self.recovery else [])
             gc.collect()
             gc.freeze()  # warm-up garbage is gone; what lives now is never scanned again
@@ -132,6 +139,10 @@ class ColdStart:
                 reloader.spawn(None, None)
             await serve_http(server, self.sockets, self.notifier, ready_text, stop,
                              on_ready=lambda: self.recovery.serving(self.config) if self.recovery else None)
+            if handover.restart is not None:  # the memory fallback: drained; now the new start
+                await handover.after_drain(dispatcher.loaded)
+        if handover.restart is not None or handover.successor_pid is not None:
+            return self._handed_over(handover, dispatcher.loaded)
         if dispatcher.fatal:  # no prefix saved, nothing closed: each would be work on the lost context
             self.gpu_lost = dispatcher.fatal
             if self.recovery is not None:  # a crash of the serving phase, by its own word
@@ -140,6 +151,20 @@ class ColdStart:
         save_learned(dispatcher.loaded, reloader.in_force)
         dispatcher.loaded.close()
         return reloader.fatal.exit_code if reloader.fatal else 0
+
+    def _handed_over(self, handover: Any, loaded: Loaded) -> int:
+        """After a handover: drained, the report's drain written, this set freed (learned prefix
+        states are not saved: the new process restored them at its start already); 0, or 70
+        when the restart that memory made of it failed (the unit restarts edge)."""
+        if handover.successor_pid is None:
+            log.error("the new process did not take over after this one freed its models: exiting %d",
+                      EX_SOFTWARE)
+            return EX_SOFTWARE
+        self.handed_over_to = handover.successor_pid
+        handover.finished()
+        if handover.restart is None:
+            loaded.close()
+        return 0
 
     def _hup_during_start(self, sig: int, frame: Any) -> None:
         log.info("SIGHUP during the start: reloading once ready")
@@ -152,7 +177,7 @@ class ColdStart:
         loop, stop = asyncio.get_running_loop(), asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        warming = asyncio.ensure_future(self.loader.warm(loaded))
+        warming = asyncio.ensure_future(self._warm(loaded))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({warming, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not stop.is_set():
@@ -162,6 +187,18 @@ class ColdStart:
         warming.cancel()
         await asyncio.wait({warming})
         raise StoppedDuringStart("SIGTERM during warm-up")
+
+    async def _warm(self, loaded: Loaded) -> None:
+        """The warm-up; a new process taking over warms up on a quarter of the cores, as a reload's
+        new set does, beside the old process that serves on the rest (edge.lifecycle.handover)."""
+        if not self.takes_over:
+            return await self.loader.warm(loaded)
+        workers = list(loaded.state.workers.values())
+        await threads_of(workers, split_cores()[0])
+        try:
+            await self.loader.warm(loaded)
+        finally:
+            await threads_of(workers, None)
 
     def rehearse(self, recalibrate: bool = False) -> dict[str, Any]:
         """Everything a start does up to READY, with no socket and no report written: what a

@@ -56,7 +56,7 @@ def test_security_exposure_is_at_most_2_5(tmp_path: Path) -> None:
 
 def test_service_has_what_cold_start_needs() -> None:
     text = render_service(UnitOptions(edge="/opt/edge/venv/bin/edge"))
-    for line in ("Type=notify", "NotifyAccess=main", "LimitMEMLOCK=infinity", "WatchdogSec=30",
+    for line in ("Type=notify", "NotifyAccess=all", "LimitMEMLOCK=infinity", "WatchdogSec=30",
                  "Restart=on-failure",
                  f"RestartPreventExitStatus={EX_DATAERR} {EX_SAFE_MODE_EXHAUSTED} {EX_NOPERM} {EX_CONFIG}",
                  "ExecStart=/opt/edge/venv/bin/edge serve --config /etc/edge/edge.toml",

@@ -7,6 +7,11 @@ to $$ and then execs the service), and receives sd_notify datagrams on its own N
 the sender's pid (SCM_CREDENTIALS). Stopping and starting the service again on the same socket
 is exactly a systemd restart: connections made meanwhile wait in the socket's backlog.
 
+It follows `MAINPID=` as systemd does under `NotifyAccess=all`: a notification naming another
+pid makes that process the service (`proc`), as a handover's old process says of the new one it
+started (edge.lifecycle.handover). So that the new process, orphaned when the old one exits, is
+reaped here, the test process is a child subreaper (PR_SET_CHILD_SUBREAPER), as systemd is.
+
 A death is noticed at once: a reaper thread per child blocks in waitpid() and wakes every waiter,
 so `wait_for`, `wait_count` and `while_running` (a request sent to the service) fail within
 milliseconds with `ServiceExited`: the exit status or signal and the tail of the service's log,
@@ -19,8 +24,10 @@ close() kills. `dies_with_us(argv)` gives any other command the same death signa
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
+import select
 import shutil
 import signal
 import socket
@@ -95,6 +102,9 @@ class PidOne:
         self._closed = False
         threading.Thread(target=self._receive, name="pid1-notify", daemon=True).start()
         self.proc: Child | None = None
+        self.mainpids: list[int] = []  # every pid MAINPID= named, in order
+        self._pgid: int | None = None  # the first child's process group: what it starts is in it too
+        _become_subreaper()
         self._spawns: queue.Queue = queue.Queue()  # (argv, env, file actions, reply queue) | None
         self._spawner = threading.Thread(target=self._spawn_loop, name="pid1-spawner", daemon=True)
         self._spawner.start()
@@ -114,7 +124,15 @@ class PidOne:
             fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
             with self._cond:
                 self.notifications.append(Notification(time.monotonic(), pid, fields))
+                self._follow(fields.get("MAINPID"))
                 self._cond.notify_all()
+
+    def _follow(self, mainpid: str | None) -> None:
+        """MAINPID=<pid> naming another process than the current one: that one is the service now."""
+        if not mainpid or not mainpid.isdigit() or self.proc is None or int(mainpid) == self.proc.pid:
+            return
+        self.mainpids.append(int(mainpid))
+        self.proc = Child(int(mainpid), self._cond, adopted_from=self.proc)
 
     def wait_for(self, key: str, value: str | None = None, *, pid: int | None = None,
                  timeout: float = 120.0) -> Notification:
@@ -223,7 +241,13 @@ class PidOne:
         if isinstance(pid, OSError):
             raise pid
         self.proc = Child(pid, self._cond)
+        self._pgid = pid
         return self.proc
+
+    @property
+    def pgid(self) -> int | None:
+        """The process group of the service's processes (the first one's, which those it starts share)."""
+        return self._pgid
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         """Signal the service and reap it; SIGKILL after `timeout`. Returns the exit status."""
@@ -246,7 +270,7 @@ class PidOne:
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the service's group: what it started too
+                os.killpg(self._pgid or self.proc.pid, signal.SIGKILL)  # the service's group: what it started too
             except ProcessLookupError:
                 pass
             self.stop(signal.SIGKILL, timeout=10)
@@ -264,12 +288,19 @@ class PidOne:
         self.close()
 
 
+def _become_subreaper() -> None:
+    """Orphaned descendants are re-parented to this process rather than to init (prctl)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
 class Child:
     """A spawned process: poll, wait with a timeout, signal (what Popen offers, for posix_spawn).
     A reaper thread waits for its exit and wakes everyone waiting on `cond` at once."""
 
-    def __init__(self, pid: int, cond: threading.Condition | None = None) -> None:
+    def __init__(self, pid: int, cond: threading.Condition | None = None, adopted_from: "Child | None" = None) -> None:
         self.pid = pid
+        self.adopted_from = adopted_from  # MAINPID=: another process's child, ours once that one exits
         self.returncode: int | None = None
         self.exited_at: float | None = None  # time.monotonic() when it was reaped
         self._exited = threading.Event()
@@ -277,13 +308,33 @@ class Child:
         threading.Thread(target=self._reap, name=f"pid1-reaper-{pid}", daemon=True).start()
 
     def _reap(self) -> None:
-        _, status = os.waitpid(self.pid, 0)
-        self.returncode = os.waitstatus_to_exitcode(status)
+        self.returncode = self._wait_adopted() if self.adopted_from is not None else \
+            os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
         self.exited_at = time.monotonic()
         self._exited.set()
         if self._cond is not None:
             with self._cond:
                 self._cond.notify_all()
+
+    def _wait_adopted(self) -> int:
+        """A process another one started: its end seen through a pidfd; its status once it is our
+        child (the one that started it exited: this process is their subreaper). 255 when its
+        parent reaped it first."""
+        try:
+            fd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            return 255
+        try:
+            select.select([fd], [], [])
+        finally:
+            os.close(fd)
+        for _ in range(2):
+            try:
+                return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            except ChildProcessError:  # still the old process's child: ours once it has exited
+                if self.adopted_from is not None:
+                    self.adopted_from._exited.wait(60)
+        return 255
 
     def poll(self) -> int | None:
         return self.returncode if self._exited.is_set() else None

@@ -335,4 +335,4 @@ def test_unit_reloads_through_edge_reload() -> None:
                                       start_timeout_s=300))
     reload_line = next(line for line in text.splitlines() if line.startswith("ExecReload="))
     assert reload_line == "ExecReload=/opt/edge/venv/bin/edge reload --config /etc/edge/edge.toml --timeout 285"
-    assert "NotifyAccess=main" in text  # RELOADING=1/READY=1 come from the main process itself
+    assert "NotifyAccess=all" in text  # a handover: MAINPID= names the new process, its watchdog pings count

@@ -204,7 +204,8 @@ def test_connection_while_starting_is_answered(tiny: Machine) -> None:
     assert m.show("edge.service", "ActiveState")["ActiveState"] == "active"
 
 
-def _restart_under_load(m: Machine, new: int, keep: int, restarts: int) -> dict:
+def _restart_under_load(m: Machine, new: int, keep: int, restarts: int,
+                        command: str = "systemctl restart edge.service") -> dict:
     load = m.net([sys.executable, str(ROOT / "tests" / "system" / "load.py"), str(PORT), str(new), str(keep)],
                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert load.stdout is not None and load.stdin is not None
@@ -217,7 +218,7 @@ def _restart_under_load(m: Machine, new: int, keep: int, restarts: int) -> dict:
     try:
         for _ in range(restarts):
             before = answered()
-            m.run("systemctl restart edge.service", timeout=180)
+            m.run(command, timeout=300)
             wait_for("answers after the restart", lambda: answered() >= before + 40, 120, step=0)
         load.stdin.close()
         result = json.loads(load.stdout.read().strip().splitlines()[-1])
@@ -414,3 +415,50 @@ def test_ten_restarts_in_a_minute_then_traffic(tiny: Machine) -> None:
     s = m.show("edge.service", "ActiveState", "Result")
     assert s == {"ActiveState": "active", "Result": "success"}, s
     print(f"\n10 restarts in {took:.1f} s, then answered")
+
+
+def _installed_version(m: Machine, version: str) -> None:
+    """What a package update leaves on disk: the same code with another `__version__`."""
+    m.run("f=$(/opt/edge/venv/bin/python -c 'import edge; print(edge.__file__)') && "
+          f"sed -i 's/^__version__ = .*/__version__ = \"{version}\"/' \"$f\"")
+
+
+def test_handover_moves_the_main_pid_under_load(tiny: Machine) -> None:
+    m = tiny
+    _serving(m)
+    before = m.show("edge.service", "MainPID")["MainPID"]
+    result = _restart_under_load(m, 4, 4, 1, command=f"{EDGE} reload --process")
+    assert result["failed"] == 0 and result["ok"] > 0, result
+    after = m.show("edge.service", "MainPID", "ActiveState", "NRestarts")
+    assert after["MainPID"] not in (before, "0") and after["ActiveState"] == "active", after
+    wait_for("the old process gone", lambda: m.run(f"kill -0 {before}", check=False).returncode != 0, 60)
+    assert after["MainPID"] == str(json.loads(m.run(f"{EDGE} status --json").stdout)["pid"])
+    m.run("systemctl stop edge.service")  # ExecStopPost= for the new main process: a clean stop
+    status = json.loads(m.run(f"{EDGE} status --json").stdout)
+    assert status["crashed_starts"] == [], _recovery_state(m)
+    _serving(m)
+
+
+def test_systemctl_reload_hands_over_after_the_installed_version_changed(tiny: Machine) -> None:
+    m = tiny
+    _serving(m)
+    m.run("systemctl reload edge.service", timeout=300)  # nothing new on disk: in place
+    before = m.show("edge.service", "MainPID")["MainPID"]
+    status = json.loads(m.run(f"{EDGE} status --json").stdout)
+    assert "reload_kind" not in status["last_reload"] and str(status["pid"]) == before
+    running = status["edge_version"]
+    _installed_version(m, "99.0.0")
+    try:
+        result = _restart_under_load(m, 8, 0, 1, command="systemctl reload edge.service")
+        assert result["failed"] == 0 and result["ok"] > 0, result
+        after = m.show("edge.service", "MainPID", "ActiveState")
+        assert after["MainPID"] not in (before, "0") and after["ActiveState"] == "active", after
+        status = json.loads(m.run(f"{EDGE} status --json").stdout)
+        assert status["edge_version"] == "99.0.0" and str(status["pid"]) == after["MainPID"], status
+        assert status["last_reload"]["why"][0].startswith("edge 99.0.0 is installed"), status["last_reload"]
+        assert status["crashed_starts"] == [], _recovery_state(m)
+    finally:
+        _installed_version(m, running)
+        m.run("systemctl restart edge.service", timeout=180)  # the running version is the installed one again
+        _serving(m)
+

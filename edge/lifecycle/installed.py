@@ -1,0 +1,133 @@
+"""What is installed on disk against what this process runs: the three things only a new process
+picks up, and so the reasons `edge reload` hands the service over to a new process
+(edge.lifecycle.handover) rather than reloading in place.
+
+- edge itself: `__version__` of the package's `__init__.py` on disk (where this process imported
+  it from; a package update replaces it there) against the one in memory;
+- llama.cpp: the libraries this process has mapped (/proc/self/maps: device and inode) against
+  the files now at those paths (an update writes new files: new inodes; a removed one shows
+  " (deleted)");
+- the unit's environment: systemd starts ExecReload= (`edge reload`) in the unit's environment as
+  it is *now* (after `systemctl daemon-reload`), so the environment `edge reload` sends is the
+  unit's; it is compared with the one this process started with, and only when both belong to
+  the same unit invocation ($INVOCATION_ID): a shell's environment says nothing about the unit.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["PER_PROCESS", "Running", "installed_version", "mapped_files", "mapped_libraries", "unit_environment"]
+
+# Set by systemd (or a shell, or edge) for one process: never a difference between two of them.
+PER_PROCESS = frozenset({
+    "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID",
+    "MAINPID", "MANAGERPID", "SYSTEMD_EXEC_PID", "JOURNAL_STREAM", "INVOCATION_ID", "PIDFILE",
+    "MONITOR_SERVICE_RESULT", "MONITOR_EXIT_CODE", "MONITOR_EXIT_STATUS", "MONITOR_INVOCATION_ID",
+    "MONITOR_UNIT", "SERVICE_RESULT", "EXIT_CODE", "EXIT_STATUS", "EDGE_HANDOVER_FD", "_", "PWD",
+    "OLDPWD", "SHLVL"})
+
+
+def unit_environment(env: dict[str, str]) -> dict[str, str]:
+    """`env` without what belongs to one process only."""
+    return {k: v for k, v in env.items() if k not in PER_PROCESS}
+
+
+def installed_version(package_dir: Path) -> str | None:
+    """`__version__` as `<package_dir>/__init__.py` assigns it now (None: unreadable)."""
+    try:
+        tree = ast.parse((package_dir / "__init__.py").read_text(errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__version__"
+                                                for t in node.targets):
+            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                return node.value.value
+    return None
+
+
+def mapped_libraries(prefixes: tuple[str, ...] = ("libllama", "libggml", "libmtmd")) -> dict[str, tuple[int, int]]:
+    """The libraries this process has mapped whose names start with `prefixes`: path → (device,
+    inode) of what was mapped; a path whose file is gone since ends in " (deleted)"."""
+    found: dict[str, tuple[int, int]] = {}
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not Path(parts[5].removesuffix(" (deleted)")).name.startswith(prefixes):
+            continue
+        major, _, minor = parts[3].partition(":")
+        try:
+            found[parts[5]] = (os.makedev(int(major, 16), int(minor, 16)), int(parts[4]))
+        except ValueError:
+            continue
+    return found
+
+
+@dataclass
+class Running:
+    """What this process runs: taken as `edge serve` begins (the environment before anything
+    changes it), compared with what is on disk at each reload."""
+
+    version: str
+    package_dir: Path
+    environment: dict[str, str] = field(default_factory=dict)
+    invocation: str | None = None
+
+    @classmethod
+    def now(cls) -> "Running":
+        import edge
+
+        return cls(edge.__version__, Path(edge.__file__).resolve().parent, unit_environment(dict(os.environ)),
+                   os.environ.get("INVOCATION_ID"))
+
+    def differences(self, client_env: dict[str, str] | None = None) -> list[str]:
+        """Why a new process would run something else than this one: one line per difference."""
+        why = []
+        on_disk = installed_version(self.package_dir)
+        if on_disk is not None and on_disk != self.version:
+            why.append(f"edge {on_disk} is installed ({self.package_dir}), {self.version} runs")
+        for path, (dev, ino) in mapped_libraries().items():
+            if path.endswith(" (deleted)"):
+                why.append(f"llama.cpp: {path.removesuffix(' (deleted)')} was replaced since it was loaded")
+                continue
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                why.append(f"llama.cpp: {path} was replaced since it was loaded")
+        if client_env is not None and client_env.get("INVOCATION_ID") and \
+                client_env.get("INVOCATION_ID") == self.invocation:
+            new = unit_environment(client_env)
+            changed = sorted(k for k in set(new) | set(self.environment) if new.get(k) != self.environment.get(k))
+            if changed:
+                why.append(f"the unit's environment changed: {', '.join(changed)}")
+        return why
+
+    def successor_environment(self, client_env: dict[str, str] | None) -> dict[str, str]:
+        """The environment a new process gets: the unit's as `edge reload` sent it (same
+        invocation), else this process's own."""
+        if client_env is not None and client_env.get("INVOCATION_ID") == self.invocation and self.invocation:
+            return unit_environment(client_env)
+        return dict(self.environment)
+
+
+def mapped_files() -> set[tuple[int, int]]:
+    """(device, inode) of every file this process has mapped."""
+    found = set()
+    try:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[4] != "0":
+                major, _, minor = parts[3].partition(":")
+                found.add((os.makedev(int(major, 16), int(minor, 16)), int(parts[4])))
+    except (OSError, ValueError):
+        pass
+    return found
