@@ -161,9 +161,13 @@ def write_report(report: dict[str, Any], state_dir: Path, kind: str = "start") -
     reports = state_dir / "reports"
     reports.mkdir(parents=True, exist_ok=True)
     data = json.dumps(report, indent=2, sort_keys=False) + "\n"
-    now = time.time()  # to the millisecond: reloads of one process may share a second
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}"
-    path = reports / f"{kind}-{stamp}-{report['pid']}.json"
+    micros = int(time.time() * 1_000_000)  # failed reloads of one process come a few µs apart
+    while True:  # a name of its own: an earlier report of this process is never replaced
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(micros // 1_000_000)) + f".{micros % 1_000_000:06d}"
+        path = reports / f"{kind}-{stamp}-{report['pid']}.json"
+        if not path.exists():
+            break
+        micros += 1
     atomic_write(path, data)
     atomic_write(state_dir / f"last-{kind}.json", data)
     _prune(reports, kind, keep=50)
