@@ -500,9 +500,11 @@ def test_a_client_leaving_a_queued_request_is_an_abort_and_never_runs(tiny: Serv
     before_first = tiny.metric("edge_time_to_first_token_seconds_count")
     long = {}
 
-    def occupy() -> None:  # keeps the worker busy while the second request waits in the queue
+    def occupy() -> None:  # keeps the worker busy while the second request waits in the queue: four
+        # choices of 500 tokens, so that on a loaded machine it is still generating when the server
+        # reads the second request and its close (one choice was done first, now and then)
         long["r"] = httpx.post(tiny.base + "/completions", timeout=120,
-                               json={"prompt": "Hello", "max_tokens": 500, "temperature": 0})
+                               json={"prompt": "Hello", "max_tokens": 500, "temperature": 0, "n": 4})
     t = threading.Thread(target=occupy)
     t.start()
     for _ in range(400):  # bounded polling: the long request is generating, so it holds the worker
