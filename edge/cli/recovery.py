@@ -1,10 +1,13 @@
-"""`edge record-stop` (the unit's ExecStopPost=) and `edge safe-mode`: how the service's
-processes ended, and the safe-mode steps that crashes made it take."""
+"""`edge stop` (the unit's ExecStop=), `edge record-stop` (its ExecStopPost=) and `edge safe-mode`:
+how the service's processes end, and the safe-mode steps that crashes made it take."""
 
 from __future__ import annotations
 
 import json
 import os
+import select
+import signal
+import time
 from typing import Optional
 
 import typer
@@ -15,6 +18,37 @@ __all__ = ["register"]
 
 safe_mode_app = typer.Typer(no_args_is_help=False, invoke_without_command=True, rich_markup_mode=None,
                             help="Safe mode: the fallbacks that crashes made the service take.")
+
+
+def stop(pid: Optional[int] = typer.Option(None, "--pid", help="the process to stop (default: $MAINPID, "
+                                             "which systemd sets for ExecStop=)"),
+         timeout: float = typer.Option(0.0, "--timeout", help="seconds to wait for it (0: until it is "
+                                       "gone; under systemd, TimeoutStopSec= bounds it)")) -> None:
+    """SIGTERM to the service's main process, then wait until it is gone: it stops accepting,
+    drains its in-flight requests and exits. The unit's ExecStop=: after a handover the main
+    process is not systemd's own child, and systemd (249-252) would not wait for it after its
+    SIGTERM but kill it at once; systemd waits for ExecStop= instead."""
+    if pid is None:
+        raw = os.environ.get("MAINPID", "")
+        if not raw.isdigit() or int(raw) <= 1:
+            typer.echo("edge stop: no process to stop: --pid not given and $MAINPID (set by systemd for "
+                       f"ExecStop=) is {raw or 'not set'}", err=True)
+            raise typer.Exit(2)
+        pid = int(raw)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # gone already
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+        t0 = time.monotonic()
+        if not select.select([pidfd], [], [], timeout or None)[0]:
+            typer.echo(f"edge stop: pid {pid} still runs {time.monotonic() - t0:.1f} s after SIGTERM", err=True)
+            raise typer.Exit(1)
+    except ProcessLookupError:
+        return
+    finally:
+        os.close(pidfd)
 
 
 def record_stop(config: Optional[str] = ConfigOpt) -> None:
@@ -75,5 +109,6 @@ def clear(config: Optional[str] = ConfigOpt) -> None:
 
 
 def register(app: typer.Typer) -> None:
+    app.command(name="stop")(stop)
     app.command(name="record-stop")(record_stop)
     app.add_typer(safe_mode_app, name="safe-mode")

@@ -104,6 +104,11 @@ SERVICE = string.Template("""\
 #                            inside a user namespace on L4T
 #   ProcSubset=pid           device identity reads /proc/device-tree and the CUDA driver /proc
 #   SystemCallFilter=~@resources  ggml thread pools may set affinity and priority
+# ExecStop=edge stop: after a handover the main process was started by the old one, not by systemd
+# ("not our child"), and systemd 249-252 does not wait for such a main process after its SIGTERM:
+# it SIGKILLs it at once, in-flight requests and all, and the stop is recorded as a crash. `edge
+# stop` sends the SIGTERM itself and waits until the process is gone (the drain), which systemd
+# waits for (up to TimeoutStopSec=); KillMode=control-group then ends anything left.
 [Unit]
 Description=edge inference service (paged-in, locked and warmed up before READY)
 Requires=edge.socket
@@ -116,6 +121,7 @@ Type=notify
 NotifyAccess=all
 ExecStart=$edge serve --config $config
 ExecReload=$edge reload --config $config --timeout $reload_timeout
+ExecStop=$edge stop
 ExecStopPost=$edge record-stop --config $config
 Restart=on-failure
 RestartSec=2
@@ -123,7 +129,7 @@ RestartPreventExitStatus=$no_restart
 TimeoutStartSec=$start_timeout
 TimeoutStopSec=$stop_timeout
 WatchdogSec=$watchdog
-KillMode=mixed
+KillMode=control-group
 LimitMEMLOCK=infinity
 Environment=CUDA_CACHE_PATH=%C/edge/cuda
 LimitNOFILE=$nofile

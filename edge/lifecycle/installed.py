@@ -4,9 +4,12 @@ picks up, and so the reasons `edge reload` hands the service over to a new proce
 
 - edge itself: `__version__` of the package's `__init__.py` on disk (where this process imported
   it from; a package update replaces it there) against the one in memory;
-- llama.cpp: the libraries this process has mapped (/proc/self/maps: device and inode) against
-  the files now at those paths (an update writes new files: new inodes; a removed one shows
-  " (deleted)");
+- llama.cpp: the libraries this process has mapped (/proc/self/maps) against the files now at
+  those paths: a file removed or replaced by rename shows " (deleted)"; one written anew or in
+  place at the same path has another stat() identity (device, inode, size, mtime) than it had
+  when the start noted it. stat() is compared with stat(), never with the maps' device and
+  inode: on overlayfs (every container) those name the layer's file, stat() the overlay's, and
+  every reload would look like an upgrade;
 - the unit's environment: systemd starts ExecReload= (`edge reload`) in the unit's environment as
   it is *now* (after `systemctl daemon-reload`), so the environment `edge reload` sends is the
   unit's; it is compared with the one this process started with, and only when both belong to
@@ -79,6 +82,16 @@ class Running:
     package_dir: Path
     environment: dict[str, str] = field(default_factory=dict)
     invocation: str | None = None
+    libraries: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)  # path -> stat identity
+
+    def note_libraries(self) -> None:
+        """What the llama.cpp libraries this process has mapped are on disk now (once they are
+        loaded: the start calls it after its models are)."""
+        for path in mapped_libraries():
+            if not path.endswith(" (deleted)") and path not in self.libraries:
+                identity = _identity(path)
+                if identity is not None:
+                    self.libraries[path] = identity
 
     @classmethod
     def now(cls) -> "Running":
@@ -93,15 +106,10 @@ class Running:
         on_disk = installed_version(self.package_dir)
         if on_disk is not None and on_disk != self.version:
             why.append(f"edge {on_disk} is installed ({self.package_dir}), {self.version} runs")
-        for path, (dev, ino) in mapped_libraries().items():
+        for path in mapped_libraries():
             if path.endswith(" (deleted)"):
                 why.append(f"llama.cpp: {path.removesuffix(' (deleted)')} was replaced since it was loaded")
-                continue
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) != (dev, ino):
+            elif path in self.libraries and _identity(path) not in (None, self.libraries[path]):
                 why.append(f"llama.cpp: {path} was replaced since it was loaded")
         if client_env is not None and client_env.get("INVOCATION_ID") and \
                 client_env.get("INVOCATION_ID") == self.invocation:
@@ -119,15 +127,27 @@ class Running:
         return dict(self.environment)
 
 
-def mapped_files() -> set[tuple[int, int]]:
-    """(device, inode) of every file this process has mapped."""
-    found = set()
+def _identity(path: str) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def mapped_files() -> set[tuple[int, int] | str]:
+    """Every file this process has mapped, as (device, inode) and as its path: on overlayfs
+    (containers) the maps' device and inode are the layer's file, which stat() of the path does
+    not give, so a file counts as mapped when either matches."""
+    found: set[tuple[int, int] | str] = set()
     try:
         for line in Path("/proc/self/maps").read_text().splitlines():
             parts = line.split(maxsplit=5)
             if len(parts) == 6 and parts[4] != "0":
                 major, _, minor = parts[3].partition(":")
                 found.add((os.makedev(int(major, 16), int(minor, 16)), int(parts[4])))
+                if not parts[5].endswith(" (deleted)"):
+                    found.add(parts[5])
     except (OSError, ValueError):
         pass
     return found

@@ -147,7 +147,7 @@ def handover_decision(cfg: Config) -> dict[str, Any]:
             st = os.stat(m.path)
         except OSError:
             continue  # a builtin or missing file: the new start resolves (or refuses) it
-        if (st.st_dev, st.st_ino) not in mapped:
+        if (st.st_dev, st.st_ino) not in mapped and os.path.realpath(m.path) not in mapped:
             new_files += st.st_size
     need = _rss_anon() + new_files
     reading = read_memory(gpu=any(m.n_gpu_layers != 0 for m in cfg.models))

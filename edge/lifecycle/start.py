@@ -118,6 +118,7 @@ class ColdStart:
 
         stop = await self._warm_unless_stopped(loaded)
         with self.timer.phase(Phases.HTTP_SETUP):
+            self.running.note_libraries()  # llama.cpp's libraries as they are on disk, now that they are loaded
             dispatcher = Dispatcher(loaded)  # a reload swaps the set behind it
             server = build_server(dispatcher, self.config.server, self.notifier)
             dispatcher.on_fatal = lambda reason: _leave(server, reason)

@@ -47,3 +47,45 @@ def test_the_unit_environment_counts_only_within_one_invocation(tmp_path: Path) 
     assert env_reasons({"A": "2", "INVOCATION_ID": "y"}) == []  # a shell's, or another invocation's
     assert running.successor_environment({**same, "A": "2"}) == {"A": "2"}
     assert running.successor_environment({"A": "2", "INVOCATION_ID": "y"}) == {"A": "1"}
+
+
+def test_a_library_rewritten_at_its_path_is_a_difference_once_noted(tmp_path: Path) -> None:
+    lib = next(p for p in mapped_libraries() if "(deleted)" not in p)
+    copy = tmp_path / Path(lib).name
+    shutil.copy(lib, copy)
+    ctypes.CDLL(str(copy))
+    running = Running("0", tmp_path, {}, None)
+    running.note_libraries()  # as a start does once its models are loaded
+    assert str(copy) in running.libraries and not any(str(copy) in why for why in running.differences())
+    with open(copy, "ab") as f:  # written in place: the same inode, another size and mtime
+        f.write(b"\0" * 16)
+    assert f"llama.cpp: {copy} was replaced since it was loaded" in running.differences()
+
+
+def test_maps_naming_another_device_than_stat_is_no_difference(tmp_path: Path, monkeypatch) -> None:
+    """On overlayfs (a container) /proc/self/maps gives the layer's device and inode, stat() the
+    overlay's: a library that did not change must not make every reload a handover. The maps
+    reading is replaced here (a test double of the kernel's file) by one with another device."""
+    import edge.lifecycle.installed as installed
+
+    running = Running("0", tmp_path, {}, None)
+    running.note_libraries()
+    real = installed.mapped_libraries()
+    assert real, "llama_cpp's libraries are mapped in the test process"
+    monkeypatch.setattr(installed, "mapped_libraries", lambda: {p: (dev + 1, ino + 7) for p, (dev, ino) in real.items()})
+    noted = set(running.libraries)
+    assert noted and not [why for why in running.differences() if any(f"{p} was replaced" in why for p in noted)]
+
+
+def test_a_model_file_is_mapped_by_its_path_as_well_as_by_its_inode(tmp_path: Path) -> None:
+    import mmap
+
+    from edge.lifecycle.installed import mapped_files
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + b"\0" * 8192)
+    with open(model, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as _:
+        mapped = mapped_files()
+        st = model.stat()
+        assert (st.st_dev, st.st_ino) in mapped and str(model) in mapped
+    assert str(model) not in mapped_files()
