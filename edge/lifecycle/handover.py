@@ -29,7 +29,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -191,10 +190,7 @@ class _Run:
         self.switched_at = 0.0
         self.timeout: float | None = None  # for the new process to be ready (edge reload --timeout)
         self.held: list[socket.socket] = []  # the memory fallback: the sockets, kept across the drain
-        mono_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-        h.notifier.send(f"RELOADING=1\nMONOTONIC_USEC={mono_usec}\nSTATUS=handing over to a new process: "
-                        f"{'; '.join(why)}")
-        log.info("handover to a new process: %s", "; ".join(why))
+        h.notifier.reloading(f"handing over to a new process: {'; '.join(why)}")
 
     def listening(self) -> list[Any]:
         """The sockets uvicorn accepts on (the connection guard took the originals over)."""

@@ -176,10 +176,7 @@ class _Run:
         self.cleared = False  # sequential: the old set was drained and freed before the load
         self.extra: dict[str, Any] = {"kept": [], "loaded": [], "freed": []}
         self.status = ""
-        mono_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
-        reloader.notifier.send(f"RELOADING=1\nMONOTONIC_USEC={mono_usec}\n"
-                               f"STATUS=reloading {path or 'the start config'}")
-        log.info("reload from %s", path or "the start config")
+        reloader.notifier.reloading(f"reloading {path or 'the start config'}")
 
     @property
     def loader(self) -> Loader:

@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import threading
+import time
 
 __all__ = ["listen_sockets", "Notifier", "setup_logging", "watchdog_interval_s"]
 
@@ -54,6 +55,12 @@ class Notifier:
     def status(self, text: str) -> bool:
         log.info("%s", text)
         return self.send(f"STATUS={text}")
+
+    def reloading(self, text: str) -> bool:
+        """RELOADING=1 with the monotonic clock systemd asks for (Type=notify-reload) and `text`."""
+        log.info("%s", text)
+        mono_usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        return self.send(f"RELOADING=1\nMONOTONIC_USEC={mono_usec}\nSTATUS={text}")
 
     def ready(self, text: str) -> bool:
         self.stop_extending()
