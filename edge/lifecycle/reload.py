@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from edge.config import Config, state_dir
 from edge.lifecycle.control import ControlServer, control_path
 from edge.errors import EdgeError
 from edge.lifecycle.loader import Loader, read_config
-from edge.lifecycle.loadset import Loaded, LoadPlan, set_threads as _set_threads
+from edge.lifecycle.loadset import Loaded, LoadPlan, split_cores, threads_of
 from edge.lifecycle.systemd import Notifier
 from edge.timing import PhaseObserver, Phases, ReloadTimer, write_report
 
@@ -212,28 +211,23 @@ class _Run:
         return new
 
     async def _warm(self, new: Loaded) -> None:
-        """The start's warm-up. Overlapping, the cores are split for its duration: the new models
-        warm up on a quarter of them (at least one), the serving ones run on the rest, and every
-        thread count is back before the switch. ggml's threads spin at their barriers, so two
-        full thread pools on the same few cores slow serving far more than their share."""
+        """The start's warm-up. Overlapping, the cores are split for its duration
+        (edge.lifecycle.loadset.split_cores): the new models warm up on a quarter of them, the
+        serving ones run on the rest, and every thread count is back before the switch."""
         if self.decision is None or self.decision.mode != "overlap":
             return await self.loader.warm(new)
-        cores = os.cpu_count() or 1
-        warm_n = max(1, cores // 4)
+        warm_n, serve_n = split_cores()
         fresh = [w for n, w in new.state.workers.items() if n not in new.kept]
         serving = list(self.old.state.workers.values())
         self.extra["warmup_threads"] = warm_n
-        self.extra["serving_threads_while_warming"] = max(1, cores - warm_n)
-        # queued behind the serving requests on each worker's thread; not waited for here
-        split = [asyncio.ensure_future(w.control(_set_threads, w.model, max(1, cores - warm_n))) for w in serving]
+        self.extra["serving_threads_while_warming"] = serve_n
+        split = asyncio.ensure_future(threads_of(serving, serve_n))  # queued behind the serving requests
         try:
-            for w in fresh:
-                await w.control(_set_threads, w.model, warm_n)
+            await threads_of(fresh, warm_n)
             await self.loader.warm(new)
         finally:
-            await asyncio.gather(*split, return_exceptions=True)
-            await asyncio.gather(*(w.control(_set_threads, w.model, None) for w in fresh + serving),
-                                 return_exceptions=True)
+            await split
+            await threads_of(fresh + serving, None)
 
     async def _clear_room(self, plan: LoadPlan) -> None:
         """Sequential: park new requests in the dispatcher, let the old set finish what it has,
