@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,24 +54,29 @@ def installed_version(package_dir: Path) -> str | None:
     return None
 
 
-def mapped_libraries(prefixes: tuple[str, ...] = ("libllama", "libggml", "libmtmd")) -> dict[str, tuple[int, int]]:
-    """The libraries this process has mapped whose names start with `prefixes`: path → (device,
-    inode) of what was mapped; a path whose file is gone since ends in " (deleted)"."""
-    found: dict[str, tuple[int, int]] = {}
+def _maps() -> Iterator[tuple[str, int, int]]:
+    """(path, device, inode) of every file this process has mapped, from /proc/self/maps (a path
+    whose file is gone since ends in " (deleted)")."""
     try:
         lines = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
-        return found
+        return
     for line in lines:
         parts = line.split(maxsplit=5)
-        if len(parts) < 6 or not Path(parts[5].removesuffix(" (deleted)")).name.startswith(prefixes):
+        if len(parts) < 6 or parts[4] == "0":
             continue
         major, _, minor = parts[3].partition(":")
         try:
-            found[parts[5]] = (os.makedev(int(major, 16), int(minor, 16)), int(parts[4]))
+            yield parts[5], os.makedev(int(major, 16), int(minor, 16)), int(parts[4])
         except ValueError:
             continue
-    return found
+
+
+def mapped_libraries(prefixes: tuple[str, ...] = ("libllama", "libggml", "libmtmd")) -> dict[str, tuple[int, int]]:
+    """The libraries this process has mapped whose names start with `prefixes`: path → (device,
+    inode) of what was mapped; a path whose file is gone since ends in " (deleted)"."""
+    return {path: (dev, ino) for path, dev, ino in _maps()
+            if Path(path.removesuffix(" (deleted)")).name.startswith(prefixes)}
 
 
 @dataclass
@@ -140,14 +146,8 @@ def mapped_files() -> set[tuple[int, int] | str]:
     (containers) the maps' device and inode are the layer's file, which stat() of the path does
     not give, so a file counts as mapped when either matches."""
     found: set[tuple[int, int] | str] = set()
-    try:
-        for line in Path("/proc/self/maps").read_text().splitlines():
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[4] != "0":
-                major, _, minor = parts[3].partition(":")
-                found.add((os.makedev(int(major, 16), int(minor, 16)), int(parts[4])))
-                if not parts[5].endswith(" (deleted)"):
-                    found.add(parts[5])
-    except (OSError, ValueError):
-        pass
+    for path, dev, ino in _maps():
+        found.add((dev, ino))
+        if not path.endswith(" (deleted)"):
+            found.add(path)
     return found
