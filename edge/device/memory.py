@@ -22,7 +22,7 @@ from typing import Any
 
 from edge.device.cgroup import TEST_CGROUP_ROOT_ENV, CgroupLimit, memory_limit
 
-__all__ = ["MIB", "MemoryReading", "TEST_MEMINFO_ENV", "read_memory", "unified_memory"]
+__all__ = ["MIB", "MemoryReading", "TEST_MEMINFO_ENV", "process_status", "read_memory", "unified_memory"]
 
 MEMINFO = Path("/proc/meminfo")
 TEGRA_RELEASE = "etc/nv_tegra_release"
@@ -52,6 +52,12 @@ class MemoryReading:
         return {"available_mib": self.available // MIB, "total_mib": self.total // MIB,
                 "gpu_free_mib": None if self.gpu_free is None else self.gpu_free // MIB,
                 "source": self.source, "cgroup": self.cgroup.as_dict() if self.cgroup else None}
+
+
+def process_status() -> dict[str, str]:
+    """This process's /proc/self/status, field -> its text ("VmLck" -> "   1024 kB")."""
+    with open("/proc/self/status") as f:
+        return dict(line.split(":", 1) for line in f if ":" in line)
 
 
 def read_memory(gpu: bool = False, pid: int | str = "self") -> MemoryReading:

@@ -21,11 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from edge.config import Config, EngineConfig, ModelConfig
-from edge.device.memory import MIB, MemoryReading, unified_memory
+from edge.device.memory import MIB, MemoryReading, process_status, unified_memory
 from edge.model.gguf import GGUFInfo
 from edge.model.memory import model_need
 
@@ -162,9 +161,6 @@ def handover_decision(cfg: Config) -> dict[str, Any]:
 
 def _rss_anon() -> int:
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
+        return int(process_status().get("RssAnon", "0 kB").split()[0]) * 1024
     except (OSError, ValueError, IndexError):
-        pass
-    return 0
+        return 0

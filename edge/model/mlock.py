@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.config import BUILTIN_PREFIX, Config, ModelConfig
+from edge.device.memory import process_status
 from edge.errors import MlockError
 from edge.model.gguf import GGUFInfo, offload_split
 
@@ -63,14 +64,9 @@ class MlockStatus:
                 "gpu_bytes": self.gpu_bytes, "duplicated_bytes": self.duplicated_bytes}
 
 
-def _status_fields() -> dict[str, str]:
-    with open("/proc/self/status") as f:
-        return dict(line.split(":", 1) for line in f if ":" in line)
-
-
 def vm_locked_bytes() -> int:
     """VmLck of this process in bytes."""
-    return int(_status_fields().get("VmLck", "0 kB").split()[0]) * 1024
+    return int(process_status().get("VmLck", "0 kB").split()[0]) * 1024
 
 
 def mlock_status(requested: bool, locked_bytes: int, info: GGUFInfo, *, use_mmap: bool,
@@ -84,7 +80,7 @@ def mlock_status(requested: bool, locked_bytes: int, info: GGUFInfo, *, use_mmap
     (edge.model.gguf.offload_split; `output_first`: that rule's version, by default read from
     the installed llama.cpp)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    cap_eff = int(_status_fields().get("CapEff", "0").strip(), 16)
+    cap_eff = int(process_status().get("CapEff", "0").strip(), 16)
     share = 0.98 if use_mmap else 0.9
     expected, gpu, duplicated = info.data_bytes, 0, 0
     if n_gpu_layers != 0:
