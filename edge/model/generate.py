@@ -202,11 +202,8 @@ class SamplerChain:
         if self.lazy and self._direct:  # the (biased) logits' argmax: no array to fill
             logits = cur.biased(lib.llama_get_logits_ith(self._ctx, -1))
             tok = int(logits.argmax())  # the first of equal logits, as llama.cpp's greedy sampler
-        elif self.lazy:  # lazy=False: the grammar over every candidate at once (the reference)
-            ref = cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
-            if self.pre is not None:
-                lib.llama_sampler_apply(self.pre, ref)
-            lib.llama_sampler_apply(self.chain, ref)
+        elif self.lazy:  # (lazy=False: neither; the grammar over every candidate at once, the reference)
+            self._apply(grammar=False)
             tok, logits = cur.selected(), cur.filled() if self._greedy else None
         if tok is None or not cur.allows(self.grammar, tok):
             self.resampled += 1
@@ -225,14 +222,20 @@ class SamplerChain:
     def _resample(self) -> int | None:
         """The token from every candidate under the grammar: logit bias and penalties, the
         grammar over the whole vocabulary, the rest of the chain."""
-        lib, cur = self._lib, self._cur
         self.full_passes += 1
-        ref = cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
+        self._apply(grammar=True)
+        return self._cur.selected()
+
+    def _apply(self, grammar: bool) -> None:
+        """Every candidate of the last logits through logit bias and penalties, with `grammar` the
+        grammar, then the rest of the chain."""
+        lib = self._lib
+        ref = self._cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
         if self.pre is not None:
             lib.llama_sampler_apply(self.pre, ref)
-        lib.llama_sampler_apply(self.grammar, ref)
+        if grammar:
+            lib.llama_sampler_apply(self.grammar, ref)
         lib.llama_sampler_apply(self.chain, ref)
-        return cur.selected()
 
     def close(self) -> None:
         for name in ("chain", "pre", "grammar"):
