@@ -296,19 +296,14 @@ def format_reload_report(report: dict[str, Any]) -> str:
     if report.get("error"):
         outcome = f"FAILED after {report['ready_s']:.3f} s: {report['error']} (the old set kept serving)"
     else:
-        drain = report.get("drain_s")
-        outcome = (f"switched at {report.get('switch_s', 0):.3f} s; old set drained in "
-                   + (f"{drain:.3f} s" if drain is not None else "(still draining)"))
+        outcome = f"switched at {report.get('switch_s', 0):.3f} s; old set drained {_drained(report)}"
     mem = report.get("memory") or {}  # null: the reload failed before the memory guard decided
     mode = f"mode {report['mode']}: {mem.get('reason', '')}" if report.get("mode") else "mode: not decided"
     lines = [head, outcome, mode,
              f"kept: {', '.join(report.get('kept', [])) or '-'}   "
              f"loaded: {', '.join(report.get('loaded', [])) or '-'}   "
              f"freed: {', '.join(report.get('freed', [])) or '-'}", "",
-             f"{'phase':<19}{'start s':>9}{'seconds':>9}  detail"]
-    for p in report["phases"]:
-        detail = ", ".join(f"{k}={v}" for k, v in p["detail"].items() if not isinstance(v, (list, dict)))
-        lines.append(f"{p['name']:<19}{p['start_s']:>9.3f}{p['seconds']:>9.3f}  {detail}")
+             *_phase_rows(report["phases"])]
     return "\n".join(lines)
 
 
@@ -318,21 +313,30 @@ def _format_handover(head: str, report: dict[str, Any]) -> str:
     if report.get("error"):
         outcome = f"HANDOVER FAILED after {report['ready_s']:.3f} s: {report['error']}"
     else:
-        drain = report.get("drain_s")
         outcome = (f"handed over to pid {new.get('pid')} (edge {new.get('edge_version', '?')}) at "
-                   f"{report.get('switch_s', 0):.3f} s; old process drained in "
-                   + (f"{drain:.3f} s" if drain is not None else "(still draining)"))
+                   f"{report.get('switch_s', 0):.3f} s; old process drained {_drained(report)}")
     lines = [head.replace("last reload", "last reload (new process)"), outcome,
              f"why: {'; '.join(report.get('why') or [])}",
              f"mode {report.get('mode')}: {(report.get('memory') or {}).get('reason', '')}", "",
-             f"{'phase':<19}{'start s':>9}{'seconds':>9}  detail"]
-    for p in report["phases"]:
-        detail = ", ".join(f"{k}={v}" for k, v in p["detail"].items() if not isinstance(v, (list, dict)))
-        lines.append(f"{p['name']:<19}{p['start_s']:>9.3f}{p['seconds']:>9.3f}  {detail}")
+             *_phase_rows(report["phases"])]
     if new.get("phases"):
         lines += ["", f"new process (pid {new.get('pid')}), offsets from its exec; ready at {new.get('ready_s')} s"]
         lines += [f"{p['name']:<19}{p['start_s']:>9.3f}{p['seconds']:>9.3f}" for p in new["phases"]]
     return "\n".join(lines)
+
+
+def _phase_rows(phases: list[dict[str, Any]]) -> list[str]:
+    """A reload report's phase table: its header, then a row per phase with its plain details."""
+    rows = [f"{'phase':<19}{'start s':>9}{'seconds':>9}  detail"]
+    for p in phases:
+        detail = ", ".join(f"{k}={v}" for k, v in p["detail"].items() if not isinstance(v, (list, dict)))
+        rows.append(f"{p['name']:<19}{p['start_s']:>9.3f}{p['seconds']:>9.3f}  {detail}")
+    return rows
+
+
+def _drained(report: dict[str, Any]) -> str:
+    drain = report.get("drain_s")
+    return f"in {drain:.3f} s" if drain is not None else "(still draining)"
 
 
 def _warm_detail(w: dict[str, Any]) -> str:
