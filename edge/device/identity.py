@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DeviceInfo", "GpuInfo", "GpuProbe", "SOC_SM", "cpu_flags", "detect", "module_of", "probe_gpu",
+__all__ = ["DeviceInfo", "assigned_version", "GpuInfo", "GpuProbe", "SOC_SM", "cpu_flags", "detect", "module_of", "probe_gpu",
            "sm_for_soc", "tensorrt_version", "slug", "version_tuple"]
 
 # Jetson SoC (device-tree "compatible") -> SM arch of its integrated GPU
@@ -247,16 +247,22 @@ def _module_version(module: str) -> str | None:
         spec = None
     if spec is None or not spec.origin:
         return None
+    return assigned_version(Path(spec.origin)) or _dist_version(TRT_MODULES.get(module, ()))
+
+
+def assigned_version(path: Path) -> str | None:
+    """The string a Python file assigns to `__version__` at its top level, read without running it
+    (None: the file is unreadable, or assigns no literal)."""
     try:
-        tree = ast.parse(Path(spec.origin).read_text(errors="replace"))
-    except (OSError, SyntaxError):
-        return _dist_version(TRT_MODULES.get(module, ()))
+        tree = ast.parse(path.read_text(errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return None
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__version__"
                                                 for t in node.targets):
             if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
                 return node.value.value
-    return _dist_version(TRT_MODULES.get(module, ()))
+    return None
 
 
 def tensorrt_version() -> str | None:

@@ -18,7 +18,6 @@ picks up, and so the reasons `edge reload` hands the service over to a new proce
 
 from __future__ import annotations
 
-import ast
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,16 +41,9 @@ def unit_environment(env: dict[str, str]) -> dict[str, str]:
 
 def installed_version(package_dir: Path) -> str | None:
     """`__version__` as `<package_dir>/__init__.py` assigns it now (None: unreadable)."""
-    try:
-        tree = ast.parse((package_dir / "__init__.py").read_text(errors="replace"))
-    except (OSError, SyntaxError, ValueError):
-        return None
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__version__"
-                                                for t in node.targets):
-            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-                return node.value.value
-    return None
+    from edge.device.identity import assigned_version  # at a reload only: not on the start's path
+
+    return assigned_version(package_dir / "__init__.py")
 
 
 def _maps() -> Iterator[tuple[str, int, int]]:
