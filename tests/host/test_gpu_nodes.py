@@ -96,3 +96,17 @@ def test_jetpack_7_2s_igpu_nodes_under_their_pci_address_are_gpu_nodes(tmp_path:
     found = [n for n in present_nodes(tmp_path / "thor") if n.startswith("/dev/nvgpu/")]
     assert len(found) == 4 and set(found) <= set(platform_policy(tmp_path / "thor").devices)
     assert "/dev/nvhost-ctrl-pva0" not in present_nodes(tmp_path / "thor")  # the PVA's, no GPU node
+
+
+def test_a_live_tree_without_a_gpu_platform_names_no_node_path(tmp_path: Path) -> None:
+    """Every missing DeviceAllow= path costs a warning at each start on older systemd: a running
+    system with no GPU nodes gets the driver classes only (they resolve to nothing); an image that
+    says no platform, and the shipped unit, keep every platform's nodes (the device is unknown)."""
+    live = tmp_path / "live"
+    (live / "dev").mkdir(parents=True)
+    (live / "dev" / "null").touch()
+    policy = platform_policy(live)
+    assert policy.platform == "any" and not [d for d in policy.devices if d.startswith("/dev/")]
+    assert "char-nvidia-uvm" in policy.devices
+    image = platform_policy(FIX / "spr-vm")  # no dev/
+    assert image.platform == "any" and {"/dev/nvmap", "/dev/nvidia0", "/dev/nvgpu/igpu0/ctrl"} <= set(image.devices)
