@@ -34,7 +34,7 @@ import numpy as np
 
 from edge.errors import EngineError, GpuContextLost, MissingDependency
 
-__all__ = ["CudaApi", "ContextLost", "CudaError", "DriverMissing", "PrimaryContext", "PinnedBuffer",
+__all__ = ["CUINIT_HINTS", "CudaApi", "ContextLost", "CudaError", "DriverMissing", "PrimaryContext", "PinnedBuffer",
            "STICKY_ERRORS", "cuda_api", "driver_module", "first_work", "hint", "integrated_gpu"]
 
 # CUresults after which "any further CUDA work will return the same error. To continue using
@@ -51,8 +51,9 @@ STICKY_ERRORS = frozenset({
     "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA_ERROR_NVLINK_UNCORRECTABLE",
 })
 
-# What a failing cuInit most often means on the devices edge runs on (CUresult names).
-_HINTS = {
+# What a failing cuInit most often means on the devices edge runs on: driver-API CUresult names,
+# each one in every cuda-python the `trt` extra admits (tests/device/test_fakecuda.py checks).
+CUINIT_HINTS = {
     "CUDA_ERROR_NOT_SUPPORTED": "on JetPack 6 cuInit needs the GPU's render node /dev/dri/renderD*: "
                                 "under edge.service DeviceAllow= must allow it (`edge doctor` checks)",
     "CUDA_ERROR_NO_DEVICE": "no GPU is visible: CUDA_VISIBLE_DEVICES (in the environment or the unit's "
@@ -64,16 +65,17 @@ _HINTS = {
                           "(edge-nvidia-uvm.service does it before edge.service starts)",
     "CUDA_ERROR_OPERATING_SYSTEM": "the driver's kernel module refused the process: check the device "
                                    "nodes' permissions and the unit's DeviceAllow=",
-    "CUDA_ERROR_INSUFFICIENT_DRIVER": "the kernel driver is older than its libcuda (a half-upgraded "
-                                      "driver): reboot, or reinstall one driver version",
-    "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH": "the kernel driver and libcuda are different versions: reboot, "
-                                         "or reinstall one driver version",
+    "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH": "the kernel driver and libcuda are different versions (a "
+                                         "half-upgraded driver): reboot, or reinstall one driver version",
+    "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE": "a forward-compatibility libcuda (the cuda-compat package, "
+                                                 "e.g. on LD_LIBRARY_PATH) was loaded for a GPU it does not "
+                                                 "support: use the driver's own libcuda",
 }
 
 
 def hint(error_name: str) -> str:
     """What to check for a CUresult name, or ""."""
-    return _HINTS.get(error_name, "")
+    return CUINIT_HINTS.get(error_name, "")
 
 
 class CudaError(EngineError):
@@ -103,7 +105,7 @@ class DriverMissing(EngineError):
 
 
 def driver_module() -> Any:
-    """cuda-python's driver module: `cuda.bindings.driver` (>= 12.6), or `cuda.cuda` before."""
+    """cuda-python's driver module: `cuda.bindings.driver` (12.6.1 and later), or `cuda.cuda` (12.6.0)."""
     try:
         from cuda.bindings import driver
     except ImportError:
