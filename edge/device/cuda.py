@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from edge.errors import EngineError, GpuContextLost, MissingDependency
+# The errors live in edge.errors' tree; imported here too, where callers have always found them.
+from edge.errors import ContextLost, CudaError, DriverMissing, EngineError, MissingDependency
 
 __all__ = ["CUINIT_HINTS", "CudaApi", "ContextLost", "CudaError", "DriverMissing", "PrimaryContext", "PinnedBuffer",
            "STICKY_ERRORS", "cuda_api", "driver_module", "first_work", "hint", "integrated_gpu"]
@@ -78,30 +79,9 @@ def hint(error_name: str) -> str:
     return CUINIT_HINTS.get(error_name, "")
 
 
-class CudaError(EngineError):
-    """A CUDA driver call returned an error."""
-
-    def __init__(self, call: str, name: str) -> None:
-        self.call, self.name = call, name
-        why = hint(name) if call in ("cuInit", "cuDeviceGet") else ""
-        super().__init__(f"CUDA {call} failed: {name}" + (f" ({why})" if why else ""))
-
-
-class ContextLost(CudaError, GpuContextLost):
-    """A sticky error (`STICKY_ERRORS`): this process's CUDA context is unusable from now on."""
-
-
 def _error(call: str, name: str) -> CudaError:
-    return (ContextLost if name in STICKY_ERRORS else CudaError)(call, name)
-
-
-class DriverMissing(EngineError):
-    """cuda-python is installed but the NVIDIA driver library (libcuda.so.1) cannot be loaded."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__("the NVIDIA driver library libcuda.so.1 cannot be loaded, so no CUDA call can "
-                         "run (install the NVIDIA driver; on a Jetson it comes with JetPack's "
-                         f"nvidia-l4t-cuda): {' '.join(detail.split())}")
+    why = hint(name) if call in ("cuInit", "cuDeviceGet") else ""
+    return (ContextLost if name in STICKY_ERRORS else CudaError)(call, name, why)
 
 
 def driver_module() -> Any:

@@ -254,8 +254,9 @@ def test_a_trt_session_without_a_driver_fails_before_holding_anything(tmp_path: 
 
 
 def test_a_cuda_error_names_the_call_and_the_error() -> None:
-    exc = CudaError("cuInit", "CUDA_ERROR_NOT_SUPPORTED")
-    assert "renderD" in str(exc) and exc.exit_code == 65
+    with pytest.raises(CudaError) as info:  # cuInit's error with what it most often means
+        CudaApi(FakeGpu(fail={"cuInit": "CUDA_ERROR_NOT_SUPPORTED"}).driver).call("cuInit", 0)
+    assert "renderD" in str(info.value) and info.value.exit_code == 65 and info.value.name == "CUDA_ERROR_NOT_SUPPORTED"
     assert str(CudaError("cuMemAlloc", "CUDA_ERROR_OUT_OF_MEMORY")) == \
         "CUDA cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY"
 
