@@ -69,7 +69,7 @@ class UnitOptions:
     groups: tuple[str, ...] = ("video", "render")  # GPU device access on L4T and desktop distros
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # the config's server.max_connections
     devices: tuple[str, ...] | None = None  # DeviceAllow= entries; None: every platform's
-    modprobe: str | None = None  # nvidia-modprobe the oneshot edge-nvidia-uvm.service runs first (dGPU)
+    modprobe: str | None = None  # nvidia-modprobe, which the oneshot edge-nvidia-uvm.service runs first (dGPU)
 
     @property
     def loopback_only(self) -> bool:
@@ -191,8 +191,8 @@ def _system_lines(o: UnitOptions) -> str:
 
 
 def _uvm_lines(o: UnitOptions) -> str:
-    """A system unit on a host with nvidia-modprobe pulls in the oneshot that loads nvidia-uvm
-    (edge.host.gpu_nodes.render_uvm) and starts after it."""
+    """A system unit on a host with nvidia-modprobe pulls in the oneshot that makes the NVIDIA
+    driver's nodes (edge.host.gpu_nodes.render_uvm) and starts after it."""
     return f"Wants={UVM_UNIT}\nAfter={UVM_UNIT}\n" if o.modprobe and not o.user else ""
 
 
