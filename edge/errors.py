@@ -5,6 +5,10 @@
     ├── ConfigError               78  the config file, or one field of it, is invalid
     ├── ModelError                65  a model file is missing, truncated, not GGUF, or fails its sha256
     ├── EngineError               65  no engine for this device's key, or it fails its sha256
+    │   ├── CudaError             65  a CUDA driver call failed (edge.device.cuda): the call, the
+    │   │   │                         CUresult's name, for cuInit what it most often means
+    │   │   └── ContextLost       70  ...with a sticky error (also a GpuContextLost)
+    │   ├── DriverMissing         65  cuda-python is there, the driver library libcuda.so.1 is not
     │   └── GpuContextLost        70  a sticky CUDA error (illegal address, launch failure, ECC...):
     │                                 the process's CUDA context is lost; only a restart recovers
     ├── MlockError                77  require_mlock = true and the lock did not take
@@ -45,6 +49,9 @@ __all__ = [
     "ConfigError",
     "ModelError",
     "EngineError",
+    "CudaError",
+    "ContextLost",
+    "DriverMissing",
     "GpuContextLost",
     "MlockError",
     "GpuOffloadUnavailable",
@@ -104,6 +111,29 @@ class GpuContextLost(EngineError):
     "sticky" errors: every later call returns the same error until the process exits). The
     service stops taking work and exits 70, which the unit restarts (edge.device.cuda says which
     errors these are)."""
+
+
+class CudaError(EngineError):
+    """A CUDA driver call returned an error: the call, the CUresult's name, and `why` (what it
+    most often means, edge.device.cuda.hint) where there is one."""
+
+    def __init__(self, call: str, name: str, why: str = "") -> None:
+        self.call, self.name = call, name
+        super().__init__(f"CUDA {call} failed: {name}" + (f" ({why})" if why else ""))
+
+
+class ContextLost(CudaError, GpuContextLost):
+    """A sticky error (edge.device.cuda.STICKY_ERRORS): this process's CUDA context is unusable
+    from now on."""
+
+
+class DriverMissing(EngineError):
+    """cuda-python is installed but the NVIDIA driver library (libcuda.so.1) cannot be loaded."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("the NVIDIA driver library libcuda.so.1 cannot be loaded, so no CUDA call can "
+                         "run (install the NVIDIA driver; on a Jetson it comes with JetPack's "
+                         f"nvidia-l4t-cuda): {' '.join(detail.split())}")
 
 
 class MlockError(EdgeError):

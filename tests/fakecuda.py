@@ -44,7 +44,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from cuda.bindings import driver as real  # the real module: its enums and handle types
+from edge.device.cuda import driver_module
+
+real = driver_module()  # the real module, as edge imports it (cuda.cuda in 12.6.0): its enums and handle types
 
 R = real.CUresult
 ATTR = real.CUdevice_attribute

@@ -135,3 +135,27 @@ def test_readme_exit_code_table_is_the_errors_table() -> None:
     for code, (_, restarted) in documented.items():
         if code:
             assert restarted.startswith("no") == (code in prevented), (code, restarted)
+
+
+def test_every_error_class_is_drawn_in_the_tree_with_its_exit_code() -> None:
+    """edge.errors' docstring draws the tree: every EdgeError class of edge (edge.device.cuda's
+    included; the OTA's have their own, edge/ota/errors.py) is a class of edge.errors, drawn with
+    the exit code it ends a command with."""
+    import inspect
+
+    import edge.device.cuda  # noqa: F401  (its errors must be edge.errors' own)
+    import edge.errors as errors
+
+    drawn = {m.group(1): int(m.group(2)) for m in re.finditer(r"── (\w+)\s+(\d+)\s", errors.__doc__ or "")}
+
+    def walk(cls: type) -> list[type]:
+        return [cls, *(c for sub in cls.__subclasses__() for c in walk(sub))]
+
+    classes = {c for c in walk(errors.EdgeError) if not c.__module__.startswith(("edge.ota", "tests", "kit"))
+               and c.__module__.startswith("edge")}
+    assert {c.__module__ for c in classes} == {"edge.errors"}, {c: c.__module__ for c in classes}
+    for cls in classes - {errors.EdgeError, errors.RequestError}:
+        assert cls.__name__ in drawn, cls
+        code = next(code for base, code in EXIT_CODES.items() if issubclass(cls, base))
+        assert drawn[cls.__name__] == code, cls
+    assert inspect.getmodule(edge.device.cuda.ContextLost) is errors

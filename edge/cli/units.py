@@ -70,13 +70,13 @@ def units_print(edge: Optional[str] = EdgeOpt, config: str = UnitConfigOpt, list
                 user: bool = UserOpt, root: str = RootOpt) -> None:
     """Print edge.socket and edge.service (and edge-nvidia-uvm.service where nvidia-modprobe is) as
     they would be installed on the device at --root."""
-    from edge.host.gpu_nodes import UVM_UNIT, render_uvm
+    from edge.host.gpu_nodes import UVM_UNIT, nvidia_minors, render_uvm
     from edge.host.units import render_service, render_socket
 
     o = _options(edge, config, listen, unix_socket, socket_group, user, root)
     typer.echo(f"# edge.socket\n{render_socket(o)}\n# edge.service\n{render_service(o)}")
     if o.modprobe and not o.user:
-        typer.echo(f"\n# {UVM_UNIT}\n{render_uvm(o.modprobe)}")
+        typer.echo(f"\n# {UVM_UNIT}\n{render_uvm(o.modprobe, nvidia_minors(o.devices))}")
 
 
 @units_app.command("install")

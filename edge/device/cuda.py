@@ -32,9 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from edge.errors import EngineError, GpuContextLost, MissingDependency
+# The errors live in edge.errors' tree; imported here too, where callers have always found them.
+from edge.errors import ContextLost, CudaError, DriverMissing, EngineError, MissingDependency
 
-__all__ = ["CudaApi", "ContextLost", "CudaError", "DriverMissing", "PrimaryContext", "PinnedBuffer",
+__all__ = ["CUINIT_HINTS", "CudaApi", "ContextLost", "CudaError", "DriverMissing", "PrimaryContext", "PinnedBuffer",
            "STICKY_ERRORS", "cuda_api", "driver_module", "first_work", "hint", "integrated_gpu"]
 
 # CUresults after which "any further CUDA work will return the same error. To continue using
@@ -51,8 +52,9 @@ STICKY_ERRORS = frozenset({
     "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA_ERROR_NVLINK_UNCORRECTABLE",
 })
 
-# What a failing cuInit most often means on the devices edge runs on (CUresult names).
-_HINTS = {
+# What a failing cuInit most often means on the devices edge runs on: driver-API CUresult names,
+# each one in every cuda-python the `trt` extra admits (tests/device/test_fakecuda.py checks).
+CUINIT_HINTS = {
     "CUDA_ERROR_NOT_SUPPORTED": "on JetPack 6 cuInit needs the GPU's render node /dev/dri/renderD*: "
                                 "under edge.service DeviceAllow= must allow it (`edge doctor` checks)",
     "CUDA_ERROR_NO_DEVICE": "no GPU is visible: CUDA_VISIBLE_DEVICES (in the environment or the unit's "
@@ -64,46 +66,26 @@ _HINTS = {
                           "(edge-nvidia-uvm.service does it before edge.service starts)",
     "CUDA_ERROR_OPERATING_SYSTEM": "the driver's kernel module refused the process: check the device "
                                    "nodes' permissions and the unit's DeviceAllow=",
-    "CUDA_ERROR_INSUFFICIENT_DRIVER": "the kernel driver is older than its libcuda (a half-upgraded "
-                                      "driver): reboot, or reinstall one driver version",
-    "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH": "the kernel driver and libcuda are different versions: reboot, "
-                                         "or reinstall one driver version",
+    "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH": "the kernel driver and libcuda are different versions (a "
+                                         "half-upgraded driver): reboot, or reinstall one driver version",
+    "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE": "a forward-compatibility libcuda (the cuda-compat package, "
+                                                 "e.g. on LD_LIBRARY_PATH) was loaded for a GPU it does not "
+                                                 "support: use the driver's own libcuda",
 }
 
 
 def hint(error_name: str) -> str:
     """What to check for a CUresult name, or ""."""
-    return _HINTS.get(error_name, "")
-
-
-class CudaError(EngineError):
-    """A CUDA driver call returned an error."""
-
-    def __init__(self, call: str, name: str) -> None:
-        self.call, self.name = call, name
-        why = hint(name) if call in ("cuInit", "cuDeviceGet") else ""
-        super().__init__(f"CUDA {call} failed: {name}" + (f" ({why})" if why else ""))
-
-
-class ContextLost(CudaError, GpuContextLost):
-    """A sticky error (`STICKY_ERRORS`): this process's CUDA context is unusable from now on."""
+    return CUINIT_HINTS.get(error_name, "")
 
 
 def _error(call: str, name: str) -> CudaError:
-    return (ContextLost if name in STICKY_ERRORS else CudaError)(call, name)
-
-
-class DriverMissing(EngineError):
-    """cuda-python is installed but the NVIDIA driver library (libcuda.so.1) cannot be loaded."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__("the NVIDIA driver library libcuda.so.1 cannot be loaded, so no CUDA call can "
-                         "run (install the NVIDIA driver; on a Jetson it comes with JetPack's "
-                         f"nvidia-l4t-cuda): {' '.join(detail.split())}")
+    why = hint(name) if call in ("cuInit", "cuDeviceGet") else ""
+    return (ContextLost if name in STICKY_ERRORS else CudaError)(call, name, why)
 
 
 def driver_module() -> Any:
-    """cuda-python's driver module: `cuda.bindings.driver` (>= 12.6), or `cuda.cuda` before."""
+    """cuda-python's driver module: `cuda.bindings.driver` (12.6.1 and later), or `cuda.cuda` (12.6.0)."""
     try:
         from cuda.bindings import driver
     except ImportError:

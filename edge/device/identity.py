@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from edge.device.memory import unified
+
 __all__ = ["DeviceInfo", "assigned_version", "GpuInfo", "GpuProbe", "SOC_SM", "cpu_flags", "detect", "module_of", "probe_gpu",
            "sm_for_soc", "tensorrt_version", "slug", "version_tuple"]
 
@@ -104,9 +106,9 @@ class DeviceInfo:
         dGPU its CPU arch and product name (plans are not portable across host platforms: an
         H100 PCIe in an x86 and in an aarch64 server are two platforms). A Jetson whose device
         tree names no module is its board."""
-        if self.jetson_module:
+        if self.jetson_module and self.jetson_gpu:
             return f"jetson-{self.jetson_module}"
-        if self.jetson_model:
+        if self.jetson_model and self.jetson_gpu:
             return self.board
         return slug(f"{self.cpu_arch} {self.gpu_name}") if self.gpu_name else None
 
@@ -123,9 +125,15 @@ class DeviceInfo:
         return bool(self.soc or self.l4t_release)
 
     @property
+    def jetson_gpu(self) -> bool:
+        """GPU 0 is the Jetson's own iGPU: a Jetson whose driver does not call GPU 0 discrete (an
+        IGX board with a dGPU as device 0 is a dGPU host for its engines and its memory)."""
+        return self.jetson and self.gpu_integrated is not False
+
+    @property
     def unified_memory(self) -> bool:
-        """The GPU's buffers are the CPU's DRAM: a Jetson, or a GPU the driver calls integrated."""
-        return self.jetson or bool(self.gpu_integrated)
+        """The GPU's buffers are the CPU's DRAM, by edge.device.memory.unified's one rule."""
+        return unified(self.gpu_integrated, self.jetson)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -22,7 +22,7 @@ from typing import Any
 
 from edge.device.cgroup import TEST_CGROUP_ROOT_ENV, CgroupLimit, memory_limit
 
-__all__ = ["MIB", "MemoryReading", "TEST_MEMINFO_ENV", "process_status", "read_memory", "unified_memory"]
+__all__ = ["MIB", "MemoryReading", "TEST_MEMINFO_ENV", "process_status", "read_memory", "unified", "unified_memory"]
 
 MEMINFO = Path("/proc/meminfo")
 TEGRA_RELEASE = "etc/nv_tegra_release"
@@ -89,8 +89,14 @@ def unified_memory(root: str | Path = "/", integrated: Callable[[], bool | None]
     driver's answer (a test passes a double at that boundary)."""
     if integrated is None:
         from edge.device.cuda import integrated_gpu as integrated
-    said = integrated()
-    return said if said is not None else (Path(root) / TEGRA_RELEASE).exists()
+    return unified(integrated(), (Path(root) / TEGRA_RELEASE).exists())
+
+
+def unified(integrated: bool | None, jetson: bool) -> bool:
+    """The one rule for unified memory (this function and DeviceInfo.unified_memory): what the
+    driver says of GPU 0 (an IGX board's dGPU as device 0 is not, although the board is a
+    Jetson), else whether this is a Jetson."""
+    return integrated if integrated is not None else jetson
 
 
 def _gpu_free() -> int | None:

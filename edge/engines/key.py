@@ -182,8 +182,8 @@ def device_fields(backend: str, device: DeviceInfo) -> dict[str, Any]:
 
 def host_platform(device: DeviceInfo) -> str:
     """TensorRT's notion of a platform (plans are not portable across them): a Jetson, or the CPU
-    arch of a host with a discrete GPU."""
-    return "jetson" if device.jetson else slug(device.cpu_arch)
+    arch of a host with a discrete GPU (an IGX board's dGPU included)."""
+    return "jetson" if device.jetson_gpu else slug(device.cpu_arch)
 
 
 def profile_label(recipe: "Recipe") -> str:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # (name, level ok|warn|fail, message, fix): edge.host.doctor makes its Check of each
 Check = tuple[str, str, str, str]
 
-__all__ = ["cuda_runtime_check", "device_check", "gpu_offload_checks", "probe_command", "unit_device_checks"]
+__all__ = ["char_majors", "cuda_runtime_check", "device_check", "gpu_offload_checks", "probe_command", "unit_device_checks"]
 
 PROBE = ("import json\nfrom edge.device.identity import probe_gpu\np = probe_gpu(work=True)\n"
          "print(json.dumps({'gpu': p.gpu.name if p.gpu else None, 'error': p.error}))")
@@ -96,7 +96,7 @@ def _allowed(unit_text: str) -> list[str]:
     return re.findall(r"^DeviceAllow=(\S+)", unit_text, re.M)
 
 
-def _majors(proc_devices: str) -> dict[str, set[int]]:
+def char_majors(proc_devices: str) -> dict[str, set[int]]:
     """Driver name -> char majors, from /proc/devices."""
     out: dict[str, set[int]] = {}
     char = proc_devices.split("Block devices:")[0]
@@ -125,7 +125,7 @@ def unit_device_checks(unit_text: str | None, dev: Path = Path("/dev"), proc_dev
         return []
     allowed = _allowed(unit_text)
     try:
-        majors = _majors(proc_devices.read_text())
+        majors = char_majors(proc_devices.read_text())
     except OSError:
         majors = {}
     nodes = sorted({p for g in GPU_NODE_GLOBS for p in dev.glob(g) if p.is_char_device()})

@@ -17,7 +17,7 @@ from pathlib import Path
 from edge.config import DEFAULT_MAX_CONNECTIONS
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM, EX_SAFE_MODE_EXHAUSTED
 from edge.fsutil import atomic_write, fsync_dir
-from edge.host.gpu_nodes import GPU_DEVICE_CLASSES, GPU_DEVICES, UVM_UNIT, render_uvm
+from edge.host.gpu_nodes import GPU_DEVICE_CLASSES, GPU_DEVICES, UVM_UNIT, nvidia_minors, render_uvm
 from edge.serve.limits import nofile_for
 
 __all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "install_starter_config", "reclaim_config_dir",
@@ -69,7 +69,7 @@ class UnitOptions:
     groups: tuple[str, ...] = ("video", "render")  # GPU device access on L4T and desktop distros
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # the config's server.max_connections
     devices: tuple[str, ...] | None = None  # DeviceAllow= entries; None: every platform's
-    modprobe: str | None = None  # nvidia-modprobe the oneshot edge-nvidia-uvm.service runs first (dGPU)
+    modprobe: str | None = None  # nvidia-modprobe, which the oneshot edge-nvidia-uvm.service runs first (dGPU)
 
     @property
     def loopback_only(self) -> bool:
@@ -191,8 +191,8 @@ def _system_lines(o: UnitOptions) -> str:
 
 
 def _uvm_lines(o: UnitOptions) -> str:
-    """A system unit on a host with nvidia-modprobe pulls in the oneshot that loads nvidia-uvm
-    (edge.host.gpu_nodes.render_uvm) and starts after it."""
+    """A system unit on a host with nvidia-modprobe pulls in the oneshot that makes the NVIDIA
+    driver's nodes (edge.host.gpu_nodes.render_uvm) and starts after it."""
     return f"Wants={UVM_UNIT}\nAfter={UVM_UNIT}\n" if o.modprobe and not o.user else ""
 
 
@@ -278,7 +278,7 @@ def install_units(o: UnitOptions, prefix: str = "/") -> list[Path]:
     written = []
     units = [("edge.socket", render_socket(o)), ("edge.service", render_service(o)), (REARM_UNIT, render_rearm(o))]
     if _uvm_lines(o):
-        units.append((UVM_UNIT, render_uvm(str(o.modprobe))))
+        units.append((UVM_UNIT, render_uvm(str(o.modprobe), nvidia_minors(o.devices))))
     for name, text in units:
         atomic_write(folder / name, text, mode=0o644)
         written.append(folder / name)

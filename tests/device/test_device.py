@@ -153,3 +153,24 @@ def test_a_lean_only_install_reports_the_lean_modules_version(tmp_path: Path, mo
     for m in ("tensorrt", "tensorrt_lean"):
         monkeypatch.delitem(__import__("sys").modules, m, raising=False)
     assert tensorrt_version() == "10.3.0.30"
+
+
+def test_unified_memory_has_one_source_and_an_igx_dgpu_is_a_dgpu() -> None:
+    """DeviceInfo.unified_memory and memory.unified_memory() answer alike for every tree and
+    driver answer; on an IGX board (a Jetson module's tree) whose CUDA device 0 is a dGPU, both
+    say discrete memory, and the engine key is that dGPU's, not the module's with the dGPU's SM."""
+    from edge.device.memory import unified_memory
+    from edge.engines.key import host_platform
+
+    a6000 = GpuProbe(GpuInfo("NVIDIA RTX A6000", "sm_86", integrated=False), "12.6")
+    answers = {"integrated": ORIN, "discrete": a6000, "no driver": GpuProbe(None, None, "no libcuda")}
+    for tree in ("orin-agx", "orin-nano-jp6", "dgpu-x86", "dgpu-pip-x86"):
+        for what, probe in answers.items():
+            d = detect(FIX / tree, gpu=lambda: probe, cpu_arch="aarch64", trt=no_trt, dists=no_dists)
+            said = probe.gpu.integrated if probe.gpu else None
+            assert d.unified_memory == unified_memory(FIX / tree, integrated=lambda: said), (tree, what)
+    igx = detect(FIX / "orin-agx", gpu=lambda: a6000, cpu_arch="aarch64", trt=no_trt, dists=no_dists)
+    assert igx.jetson and not igx.unified_memory and not igx.jetson_gpu
+    assert (igx.platform, host_platform(igx), igx.sm) == ("aarch64-nvidia-rtx-a6000", "aarch64", "sm_86")
+    orin = detect(FIX / "orin-agx", gpu=lambda: ORIN, cpu_arch="aarch64", trt=no_trt, dists=no_dists)
+    assert (orin.platform, host_platform(orin), orin.unified_memory) == ("jetson-p3701-0005", "jetson", True)

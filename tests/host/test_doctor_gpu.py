@@ -104,3 +104,37 @@ def test_the_probe_names_what_fails_after_cuinit() -> None:
     p = probe_gpu(nvmap_closed.driver, work=True)
     assert p.gpu is None and "cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY" in p.error and nvmap_closed.retained == 0
     assert probe_gpu(FakeGpu(fail={"cuMemAlloc": "CUDA_ERROR_OUT_OF_MEMORY"}).driver).gpu is not None  # cuInit only
+
+
+def _mknod_tree(dev: Path, nodes: tuple[tuple[str, int, int], ...]) -> None:
+    for rel, major, minor in nodes:
+        (dev / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.mknod(dev / rel, stat.S_IFCHR | 0o600, os.makedev(major, minor))
+
+
+# Char devices as on the device (NVIDIA's r36 list for an Orin, its r38 list for Thor), with
+# majors as their drivers register them; no /proc/devices: only paths can allow these.
+ORIN_R36 = (("nvmap", 10, 125), ("host1x-fence", 507, 0), ("nvgpu/igpu0/ctrl", 508, 0), ("nvhost-ctrl-gpu", 508, 1),
+            ("dri/renderD128", 226, 128), ("nvidiactl", 195, 255), ("nvidia0", 195, 0), ("nvidia-modeset", 195, 254),
+            ("dri/card0", 226, 0), ("fb0", 29, 0), ("nvsciipc", 490, 0))
+THOR_R38 = (("nvmap", 10, 125), ("host1x-fence", 507, 0), ("nvidiactl", 195, 255), ("nvidia0", 195, 0),
+            ("nvidia1", 195, 1), ("nvidia-modeset", 195, 254), ("nvidia-uvm", 511, 0), ("nvidia-uvm-tools", 511, 1),
+            ("dri/renderD128", 226, 128), ("dri/renderD129", 226, 129), ("dri/renderD130", 226, 130),
+            ("dri/card1", 226, 1), ("fb0", 29, 0), ("nvsciipc", 490, 0), ("nvhost-ctrl-pva0", 492, 0))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making device nodes (mknod) needs root")
+@pytest.mark.parametrize("tree, nodes, gpu_nodes", [("orin-agx", ORIN_R36, 8), ("thor-jp7", THOR_R38, 11)])
+def test_doctor_agrees_with_a_unit_rendered_from_the_devices_image(tmp_path: Path, tree: str, nodes, gpu_nodes) -> None:
+    """The unit `edge units install --prefix <rootfs>` writes from an image (no dev/) allows every
+    GPU node NVIDIA's list gives the running device, so doctor finds none blocked; the display,
+    PVA and NvSciIpc nodes are no GPU nodes for either."""
+    import shutil
+
+    image = tmp_path / "rootfs"
+    shutil.copytree(FIX / tree, image, ignore=shutil.ignore_patterns("dev", "proc"))
+    _mknod_tree(tmp_path / "dev", nodes)
+    (tmp_path / "devices").write_text("Character devices:\n195 nvidia\n226 drm\n\nBlock devices:\n")
+    unit = render_service(UnitOptions(devices=platform_policy(image).devices))
+    (_, level, msg, _), = unit_device_checks(unit, tmp_path / "dev", tmp_path / "devices", probe=False)
+    assert level == "ok" and f"({gpu_nodes} found)" in msg, msg

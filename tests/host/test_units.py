@@ -82,26 +82,47 @@ def _printed_units(stdout: str) -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2]))
 
 
+# What each platform's unit must allow, by NVIDIA's lists (edge/host/gpu_nodes.py says which)
+MUST_ALLOW = {
+    "jetpack6": {"/dev/nvmap", "/dev/nvhost-ctrl-gpu", "/dev/nvgpu/igpu0/ctrl", "/dev/host1x-fence",
+                 "/dev/dri/renderD128", "/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-modeset"},
+    "jetpack7": {"/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
+                 "/dev/nvmap", "/dev/host1x-fence", "/dev/dri/renderD128", "/dev/dri/renderD129",
+                 "/dev/dri/renderD130", "char-nvidia-uvm"},
+    "dgpu": {"/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "char-nvidia-uvm"},
+}
+NEVER_ALLOW = {  # another platform's nodes; display, PVA and NvSciIpc nodes on every one
+    "jetpack6": ("/dev/nvidia-uvm", "char-nvidia"),
+    "jetpack7": ("/dev/nvgpu", "/dev/nvhost", "char-nvgpu"),
+    "dgpu": ("/dev/nvgpu", "/dev/nvhost", "/dev/nvmap", "/dev/host1x-fence"),
+}
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["live", "image"])
 @pytest.mark.parametrize("tree, platform", [("orin-agx", "jetpack6"), ("orin-nano-jp6", "jetpack6"),
                                             ("thor-jp7", "jetpack7"), ("dgpu-x86", "dgpu")])
 def test_units_print_on_a_device_tree_names_every_gpu_node_it_has_and_systemd_accepts_them(
-        tmp_path: Path, tree: str, platform: str) -> None:
-    r = subprocess.run([*EDGE, "units", "print", "--root", str(FIX / tree)],  # this edge: verify runs it
+        tmp_path: Path, tree: str, platform: str, image: bool) -> None:
+    """From a live tree (its dev/ and proc/) and from an image of it (a rootfs without either, as
+    `edge units install --prefix <rootfs>` sees one) alike."""
+    root = FIX / tree
+    if image:
+        root = tmp_path / "rootfs"
+        shutil.copytree(FIX / tree, root, ignore=shutil.ignore_patterns("dev", "proc"))
+    r = subprocess.run([*EDGE, "units", "print", "--root", str(root)],  # this edge: verify runs it
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     units = _printed_units(r.stdout)
     allowed = re.findall(r"^DeviceAllow=(\S+) rw$", units["edge.service"], re.M)
     nodes = present_nodes(FIX / tree)
-    assert nodes and [n for n in nodes if n not in allowed] == [n for n in nodes if "/dri/card" in n]
-    assert not [a for a in allowed if a == "char-drm" or "/dri/card" in a]  # KMS nodes never
-    assert platform_policy(FIX / tree).platform == platform
-    if platform == "jetpack6":
-        assert {"/dev/nvmap", "/dev/nvhost-ctrl-gpu", "/dev/nvgpu/igpu0/ctrl", "/dev/host1x-fence",
-                "/dev/dri/renderD128"} <= set(allowed)
-        assert not [d for d in allowed if d.startswith(("/dev/nvidia", "char-nvidia"))]
-    else:
-        assert {"/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-uvm", "char-nvidia-uvm"} <= set(allowed)
-        assert not [d for d in allowed if d.startswith(("/dev/nvgpu", "/dev/nvhost", "/dev/nvmap"))]
+    by_class = [n for n in nodes if n.startswith("/dev/nvidia-caps/") and "char-nvidia-caps" in allowed]  # MIG's
+    assert nodes and [n for n in nodes if n not in allowed + by_class] == [n for n in nodes if "/dri/card" in n]
+    assert not [a for a in allowed if a == "char-drm" or re.search(r"/dri/card|/fb0|pva|nvsciipc", a)]
+    assert platform_policy(root).platform == platform
+    assert MUST_ALLOW[platform] - set(allowed) == set()
+    assert not [d for d in allowed if d.startswith(NEVER_ALLOW[platform])]
+    if not image:  # only what the device has, and the driver nodes made on demand (no warning per path)
+        assert [a for a in allowed if a.startswith("/dev/") and a not in nodes and not a.startswith("/dev/nvidia")] == []
     assert (UVM_UNIT in units) == (platform == "dgpu") and "ExecStartPre=" not in units["edge.service"]
     if not shutil.which("systemd-analyze"):
         print("systemd-analyze is not installed: the rendered units were not verified")
@@ -125,6 +146,7 @@ def test_a_dgpu_unit_loads_nvidia_uvm_in_a_oneshot_outside_the_device_policy(tmp
     uvm = (tmp_path / "etc" / "systemd" / "system" / UVM_UNIT).read_text()
     assert tmp_path / "etc" / "systemd" / "system" / UVM_UNIT in written
     for line in ("Before=edge.service", "Type=oneshot", "RemainAfterExit=yes",
+                 "ExecStart=-/usr/bin/nvidia-modprobe -c=255", "ExecStart=-/usr/bin/nvidia-modprobe -c=1",
                  "ExecStart=-/usr/bin/nvidia-modprobe -u -c=0", "ConditionPathExists=/usr/bin/nvidia-modprobe"):
         assert re.search(rf"^{re.escape(line)}$", uvm, re.M), line
     generic = render_service(UnitOptions())  # the shipped unit: every platform, ordered after the daemon
@@ -165,7 +187,7 @@ def test_units_install_writes_atomically_and_tells_what_to_run(tmp_path: Path) -
                        timeout=60)
     assert r.returncode == 0 and f"kept {starter}" in r.stdout
     assert starter.read_text() == "# mine\n"  # never overwritten
-    printed = subprocess.run([*EDGE, "units", "print", "--listen", "127.0.0.1:9999"], capture_output=True,
+    printed = subprocess.run([*EDGE, "units", "print", "--listen", "127.0.0.1:9999", "--root", str(tmp_path)], capture_output=True,
                              text=True, timeout=60).stdout
     assert (d / "edge.service").read_text() in printed
 

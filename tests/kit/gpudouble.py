@@ -4,8 +4,12 @@ CLI runs, cuda-python's driver module is replaced by `FakeDriver` (edge.device.c
 the one place edge gets it) and the `tensorrt` module by `FakeTensorRT`; everything else (device
 detection, the engine key, the store, the worker thread, the HTTP path, sd_notify) is edge's own.
 
+`serve_on_real_gpu` leaves the driver real and replaces `tensorrt` alone, by kit.ptxtrt's double
+whose engine is a PTX kernel the real GPU runs (scripts/gpu-check, on a GPU host without TensorRT).
+
 `engine_in_store` puts a TensorRT engine of the double's format in a store under the key this
-machine has with the double's GPU, so that `edge serve` finds it as it would a built one.
+machine has with the double's GPU (or with `device`, the real one), so that `edge serve` finds it
+as it would a built one.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["DOUBLE_PROFILES", "engine_in_store", "serve_on_fake_gpu"]
+__all__ = ["DOUBLE_PROFILES", "engine_in_store", "serve_on_fake_gpu", "serve_on_real_gpu"]
 
 TESTS = Path(__file__).resolve().parents[1]
 DOUBLE_PROFILES = [{"x": {"min": [1, 4], "opt": [2, 4], "max": [8, 4]}}]
@@ -41,7 +46,23 @@ def serve_on_fake_gpu(config: Path, fault: tuple[str, float] | None = None) -> l
     return [sys.executable, "-c", code]
 
 
-def engine_in_store(store: Path, name: str, onnx_sha256: str, precision: str = "fp16") -> Path:
+_RUN_REAL = """\
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+from kit.ptxtrt import PtxTensorRT
+sys.modules["tensorrt"] = PtxTensorRT()
+sys.argv = ["edge", "serve", "--config", {config!r}]
+from edge.cli import main
+main()
+"""
+
+
+def serve_on_real_gpu(config: Path) -> list[str]:
+    """argv of `edge serve --config CONFIG` on the real driver, TensorRT being kit.ptxtrt's double."""
+    return [sys.executable, "-c", _RUN_REAL.format(root=str(TESTS.parent), tests=str(TESTS), config=str(config))]
+
+
+def engine_in_store(store: Path, name: str, onnx_sha256: str, precision: str = "fp16", device: Any = None) -> Path:
     """A y = 2x + 1 engine of the double's format, stored under this machine's key with the
     double's GPU (an Orin, TensorRT 10.3) for a config entry {name, tensorrt, onnx_sha256, precision}."""
     sys.path.insert(0, str(TESTS))
@@ -52,7 +73,7 @@ def engine_in_store(store: Path, name: str, onnx_sha256: str, precision: str = "
     from edge.engines.key import key_for
     from edge.engines.store import EngineStore
 
-    device = detect(gpu=lambda: probe_gpu(FakeGpu().driver), trt=lambda: FakeTensorRT.__version__)
+    device = device or detect(gpu=lambda: probe_gpu(FakeGpu().driver), trt=lambda: FakeTensorRT.__version__)
     key = key_for(EngineConfig(name=name, backend="tensorrt", onnx_sha256=onnx_sha256, precision=precision), device)
     st = EngineStore(store)
     tmp = st.tmp_path(key)
