@@ -10,10 +10,10 @@ config error (exit 78) naming it.
 `AuthMiddleware` (in front of the server's request limits, edge.lifecycle.serving) answers a
 request without a valid key (`Authorization: Bearer <key>` or `x-api-key: <key>`) with OpenAI's
 401 (`invalid_api_key`, `WWW-Authenticate: Bearer`) from its head alone, before the body is
-read and before any handler runs: a flood of bad keys costs one SHA-256 and a
-comparison per key each, and never reaches a model's queue. Only `/healthz`, `/readyz` and
-KServe's `/v2/health/ready` are always open (systemd, load balancers); `/metrics` is keyed unless `metrics_auth = "open"`.
-Warm-up's own requests (marked by their private transport, never by anything a client sends)
+read and before any handler runs: a flood of bad keys costs one SHA-256 and a comparison per
+key each, and never reaches a model's queue. Only `/healthz`, `/readyz` and KServe's
+`/v2/health/ready` are always open (systemd, load balancers); `/metrics` is keyed unless
+`metrics_auth = "open"`. Warm-up's own requests (marked by their private transport, never by anything a client sends)
 pass. No key ever appears in a log line, a metric label or an error message.
 
 `check_exposure` refuses to serve a non-loopback socket without keys (`no open port by accident`).
@@ -38,7 +38,8 @@ from edge.config import ServerConfig
 from edge.errors import ConfigError
 
 __all__ = ["ApiKeys", "AuthMiddleware", "CREDENTIAL", "OPEN_PATHS", "check_exposure", "credential_path",
-           "exposure_problem", "is_loopback", "key_file", "load_api_keys", "parse_keys", "socket_address"]
+           "exposure_problem", "is_loopback", "key_file", "load_api_keys", "parse_keys", "read_private", "resolve",
+           "socket_address"]
 
 CREDENTIAL = "edge-api-keys"
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/ready"})  # probes: no work, no data
