@@ -78,7 +78,7 @@ class ServerConfig:
     # the systemd credential edge-api-keys; a non-loopback socket without keys refuses to start
     # unless allow_unauthenticated. TLS (edge.serve.tls): uvicorn's own, on the same sockets.
     api_key_file: str | None = None
-    metrics_auth: str = field(default="key", metadata={"choices": ("open", "key")})
+    metrics_auth: str = field(default="open", metadata={"choices": ("open", "key")})  # open: scrapers send no key
     allow_unauthenticated: bool = False
     tls_cert_file: str | None = None
     tls_key_file: str | None = None

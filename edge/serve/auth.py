@@ -56,7 +56,7 @@ class ApiKeys:
 
     digests: tuple[bytes, ...]
     origin: str
-    metrics_keyed: bool = True
+    metrics_keyed: bool = False
 
     def __repr__(self) -> str:  # never the keys, whatever prints this
         return f"ApiKeys({len(self.digests)} keys from {self.origin})"

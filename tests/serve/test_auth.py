@@ -77,7 +77,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Iterator
     d = tmp_path_factory.mktemp("keyed")
     build_engine(load_recipe(RECIPE), "onnxruntime", EngineStore(d / "store"), detect(), log=lambda s: None)
     keys = write_keys(d / "api-keys", f"# edge's keys\n\n{KEY}\n  # rotated in:\n{OTHER_KEY}\n")
-    cfg = write_config(d / "edge.toml", tiny_gguf, server=f'api_key_file = "{keys.name}"',  # relative: to the config
+    cfg = write_config(d / "edge.toml", tiny_gguf, server=f'api_key_file = "{keys.name}"\nmetrics_auth = "key"',
                        extra=f'[[engines]]\nname = "mlp"\nbackend = "onnxruntime"\nrecipe = "{RECIPE}"\n'
                              f'store = "{d / "store"}"\n')
     with PidOne([*EDGE, "serve", "--config", str(cfg)], host="0.0.0.0") as pid1:
@@ -103,6 +103,13 @@ def test_every_route_family_needs_a_key(keyed: Keyed, family: str, case: str) ->
     assert status == expected, answer
     if expected == 401:
         assert answer["error"]["code"] == "invalid_api_key"
+
+
+def test_metrics_stay_open_by_default_with_keys(tmp_path: Path) -> None:
+    keys = write_keys(tmp_path / "k", f"{KEY}\n")
+    assert load_api_keys(ServerConfig(api_key_file=str(keys)), "edge.toml").keyed("/metrics") is False
+    keyed = load_api_keys(ServerConfig(api_key_file=str(keys), metrics_auth="key"), "edge.toml")
+    assert keyed.keyed("/metrics") and keyed.keyed("/v1/models") and not keyed.keyed("/healthz")
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/readyz", "/v2/health/ready"])
