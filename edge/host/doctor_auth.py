@@ -6,6 +6,7 @@ and a port opened on purpose (`allow_unauthenticated = true`) a warning."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,11 +66,15 @@ def _keys(cfg: Config, unit_text: str | None) -> tuple[ApiKeys | None, str, Chec
                              "" if level == "warn" else "fix the key file as the message says")
 
 
-def _tls(cfg: Config) -> list[Check]:
-    from edge.serve.tls import tls_files
+def _tls(cfg: Config, unit_text: str | None) -> list[Check]:
+    """The certificate and key a start would load: the unit's credentials, else the config's."""
+    from edge.serve.tls import CERT_CREDENTIAL, KEY_CREDENTIAL, tls_files
 
+    creds = dict(re.findall(r"^LoadCredential=(edge-tls-\w+):(\S+)", unit_text or "", re.M))
+    server = dataclasses.replace(cfg.server, tls_cert_file=creds.get(CERT_CREDENTIAL, cfg.server.tls_cert_file),
+                                 tls_key_file=creds.get(KEY_CREDENTIAL, cfg.server.tls_key_file))
     try:
-        found = tls_files(cfg.server, cfg.source)
+        found = tls_files(server, cfg.source)
     except ConfigError as exc:
         return [("tls", "fail", str(exc), "point tls_cert_file/tls_key_file at PEM files that match")]
     return [("tls", "ok", f"serves TLS with {found.cert}", "")] if found else []
@@ -94,4 +99,4 @@ def access_checks(cfg: Config, unit_dirs: list[Path], unit_text: str | None) -> 
         else:
             out.append((NAME, "warn", f"{', '.join(wide)} is open to anyone who can reach it, with no API key "
                         "(allow_unauthenticated = true)", FIX))
-    return out + _tls(cfg)
+    return out + _tls(cfg, unit_text)

@@ -62,3 +62,14 @@ def test_loopback_only_from_the_config_when_no_unit_is_installed(tmp_path: Path)
     assert checks == [("access", "ok", "listens on 127.0.0.1:8088: this machine only", "")]
     wide = parse_config('[server]\nhost = "0.0.0.0"\n' + MODEL)
     assert access_checks(wide, [tmp_path / "none"], None)[0][1] == "fail"
+
+
+def test_tls_files_from_the_units_credentials_are_checked(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_text("not a certificate\n")
+    key.write_text("not a key\n")
+    key.chmod(0o600)
+    line = f"LoadCredential=edge-tls-cert:{cert}\nLoadCredential=edge-tls-key:{key}\n"
+    tls = [c for c in access_checks(parse_config(MODEL), [tmp_path / "none"], line) if c[0] == "tls"]
+    assert len(tls) == 1 and tls[0][1] == "fail" and str(cert) in tls[0][2] and "tls_cert_file" in tls[0][2]
+    assert not [c for c in access_checks(parse_config(MODEL), [tmp_path / "none"], None) if c[0] == "tls"]

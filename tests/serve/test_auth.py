@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from edge.config import ServerConfig
 from edge.errors import ConfigError
-from edge.serve.auth import ApiKeys, key_file, load_api_keys, parse_keys
+from edge.serve.auth import ApiKeys, check_exposure, key_file, load_api_keys, parse_keys, socket_address
 from kit import EDGE, PidOne, call, write_config
 
 KEY = "sk-edge-" + secrets.token_hex(16)
@@ -289,3 +289,25 @@ def test_keys_are_read_again_at_a_reload_which_may_not_drop_them(tmp_path: Path,
         assert call(address, "GET", "/v1/models")[0] == 401  # still keyed, with the keys it had
         assert call(address, "GET", "/v1/models", headers={"x-api-key": OTHER_KEY})[0] == 200
         assert pid1.stop() == 0
+
+
+@pytest.mark.parametrize("family, host, local", [
+    (socket.AF_INET, "127.0.0.1", True), (socket.AF_INET, "127.0.0.2", True), (socket.AF_INET, "0.0.0.0", False),
+    (socket.AF_INET6, "::1", True), (socket.AF_INET6, "::", False),
+])
+def test_socket_address_reads_getsockname(family: int, host: str, local: bool) -> None:
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+    except OSError as exc:
+        pytest.skip(f"cannot bind {host} here: {exc}")
+    with sock:
+        shown, is_local = socket_address(sock)
+        assert is_local is local and shown.endswith(f":{sock.getsockname()[1]}") and host in shown
+
+
+def test_a_unix_socket_is_local_and_never_needs_keys(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(tmp_path / "edge.sock"))
+        assert socket_address(sock) == (f"unix:{tmp_path / 'edge.sock'}", True)
+        assert check_exposure([sock], None, ServerConfig(), "edge.toml") == []
