@@ -74,6 +74,14 @@ class ServerConfig:
     request_timeout_s: float = field(default=600.0, metadata=_range(0.1, 86400.0))
     # safe mode (edge.lifecycle.safemode): a start that serves this long clears the crash count
     healthy_after_s: float = field(default=300.0, metadata=_range(1.0, 86400.0))
+    # Who may ask (edge.serve.auth; README "Exposing edge beyond the device"): keys one per line, or
+    # the systemd credential edge-api-keys; a non-loopback socket without keys refuses to start
+    # unless allow_unauthenticated. TLS (edge.serve.tls): uvicorn's own, on the same sockets.
+    api_key_file: str | None = None
+    metrics_auth: str = field(default="open", metadata={"choices": ("open", "key")})  # open: scrapers send no key
+    allow_unauthenticated: bool = False
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
 
 
 @dataclass(frozen=True)

@@ -263,6 +263,13 @@ def _safe_mode(cfg: Config) -> list[Check]:
     return checks
 
 
+def _access(cfg: Config, unit_dirs: list[Path], unit_text: str | None) -> list[Check]:
+    """Who may use the service: listen addresses, API keys, TLS (edge/host/doctor_auth.py)."""
+    from edge.host.doctor_auth import access_checks
+
+    return [Check(*c) for c in access_checks(cfg, unit_dirs, unit_text)]
+
+
 def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
     """Check `config`, or — when none is given and edge.service is installed — the config the
     unit's ExecStart= runs, so that doctor tests what systemd will start."""
@@ -288,6 +295,7 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
         lambda: unit_checks,
         lambda: _dirs(cfg),
         lambda: _safe_mode(cfg),
+        lambda: _access(cfg, unit_dirs, unit_text),
     ]
     for step in steps:
         checks += step()

@@ -135,6 +135,11 @@ Environment=CUDA_CACHE_PATH=%C/edge/cuda
 LimitNOFILE=$nofile
 StateDirectory=edge
 CacheDirectory=edge
+# API keys and TLS (README "Exposing edge beyond the device"): each file root's, mode 0600;
+# uncomment what you use, then systemctl daemon-reload && systemctl restart edge.service
+#LoadCredential=edge-api-keys:/etc/edge/api-keys
+#LoadCredential=edge-tls-cert:/etc/edge/tls/cert.pem
+#LoadCredential=edge-tls-key:/etc/edge/tls/key.pem
 UMask=0077
 NoNewPrivileges=yes
 ProtectSystem=strict

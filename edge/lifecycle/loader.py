@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from edge.lifecycle.safemode import SafeMode
     from edge.model.gguf import GGUFInfo
     from edge.lifecycle.loadset import Validation
+    from edge.serve.auth import ApiKeys
     from edge.serve.metrics import Metrics
     from edge.model.file import ModelFile
     from edge.lifecycle.warmplan import WarmTarget
@@ -68,6 +69,14 @@ class Loader:
         self.timer = timer
         self.notifier = notifier
         self.recalibrate = recalibrate  # `edge warmup --calibrate`: measure anew whatever is stored
+
+    @functools.cached_property
+    def auth(self) -> ApiKeys | None:
+        """The API keys the config (or the unit's credential) gives, read once per loader: at
+        the start's sockets phase, and for each reload's new set. A rehearsal sets None."""
+        from edge.serve.auth import load_api_keys
+
+        return load_api_keys(self.read.server, self.read.source)
 
     # -- prepare ------------------------------------------------------------------------------------
     def prepare(self, previous: Loaded | None = None) -> LoadPlan:
@@ -228,7 +237,7 @@ class Loader:
         by_name = {**infos, **{n: {**i, "kept": True} for n, i in plan.kept_infos.items()}}
         state = ServiceState(workers={m.name: pick[m.name] for m in self.config.models},
                              engines={e.name: pick[e.name] for e in self.config.engines}, left_out=self.left_out,
-                             safe_mode=self.safe_mode.describe() if self.safe_mode else [])
+                             safe_mode=self.safe_mode.describe() if self.safe_mode else [], auth=self.auth)
         if metrics is not None:
             state.metrics = metrics
         return Loaded(build_app(state), state, [by_name[n] for n in [*state.workers, *state.engines]],

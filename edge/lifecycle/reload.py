@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, state_dir
 from edge.lifecycle.control import ControlServer, control_path
-from edge.errors import EdgeError
+from edge.errors import ConfigError, EdgeError
 from edge.lifecycle.loader import Loader, read_config
 from edge.lifecycle.loadset import Loaded, LoadPlan, split_cores, threads_of
 from edge.lifecycle.systemd import Notifier
@@ -47,7 +47,8 @@ log = logging.getLogger("edge")
 QUIET_S, QUIET_MAX_S = 0.25, 5.0  # the old set is freed after this long without requests (at most)
 
 # [server] fields a reload cannot apply: they shape the sockets and the uvicorn server itself.
-RESTART_ONLY = ("host", "port", "unix_socket", "unix_socket_mode", "backlog", "drain_timeout_s")
+RESTART_ONLY = ("host", "port", "unix_socket", "unix_socket_mode", "backlog", "drain_timeout_s", "tls_cert_file",
+                "tls_key_file")
 
 
 class Reloader:
@@ -194,6 +195,7 @@ class _Run:
         self.extra["config"] = cfg.source
         self.extra["needs_restart"] = [f"server.{f}" for f in RESTART_ONLY
                                        if getattr(cfg.server, f) != getattr(self.r.current.server, f)]
+        self._check_exposure(cfg)
         plan = await asyncio.to_thread(self.loader.prepare, self.old)
         self.extra["kept"] = list(plan.kept)
         self.extra["loaded"] = [f.cfg.name for f in plan.files] + [e.name for e in plan.engines]
@@ -209,6 +211,17 @@ class _Run:
             await asyncio.to_thread(new.close, self.old)
             raise
         return new
+
+    def _check_exposure(self, cfg: Config) -> None:
+        """The new keys (read now: a rotation takes effect with this reload) must still cover
+        every socket others can reach, as at the start; else the reload fails (78) and the old
+        set keeps serving with its keys."""
+        from edge.serve.auth import exposure_problem
+
+        for address in self.r.dispatcher.exposed:
+            problem = exposure_problem(f"the listening socket {address}", self.loader.auth, cfg.server)
+            if problem:
+                raise ConfigError(cfg.source, "server.api_key_file", problem)
 
     async def _warm(self, new: Loaded) -> None:
         """The start's warm-up. Overlapping, the cores are split for its duration

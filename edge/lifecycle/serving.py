@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge.config import ServerConfig
 from edge.errors import ConfigError, EdgeError
+from edge.serve.auth import AuthMiddleware
 from edge.serve.connections import ConnectionGuard
 from edge.serve.limits import LimitsMiddleware, RequestLimits, connection_limit
 from edge.lifecycle.systemd import Notifier, watchdog_interval_s
@@ -33,6 +34,7 @@ log = logging.getLogger("edge")
 
 if TYPE_CHECKING:
     from edge.lifecycle.loadset import Loaded
+    from edge.serve.tls import TlsFiles
 
 __all__ = ["bind_sockets", "describe_socket", "build_server", "listen_backlog", "serve_http", "Dispatcher",
            "Route", "ACCEPT_GRACE_MIN_S", "ACCEPT_GRACE_MAX_S", "DRAIN_IDLE_S"]
@@ -139,6 +141,7 @@ class Dispatcher:
         self._stopping = False
         self.fatal: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
+        self.exposed: list[str] = []  # sockets others can reach (edge.serve.auth): every reload keeps them keyed
         loaded.state.on_fatal = self._fatal
 
     def _fatal(self, reason: str) -> None:
@@ -322,9 +325,10 @@ def listen_backlog(sock: socket.socket) -> int:
 _TCP_LISTEN = 10
 
 
-def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier) -> Any:
+def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier, tls: TlsFiles | None = None) -> Any:
     """The uvicorn server, loaded (protocol modules imported) before READY, not on first accept;
-    the dispatcher wrapped in the request limits and the drain's `Connection: close`."""
+    the dispatcher wrapped in the request limits and the drain's `Connection: close`; with
+    `tls`, uvicorn's own TLS on the same sockets (edge.serve.tls)."""
     import uvicorn
 
     metrics = dispatcher.loaded.state.metrics  # carried over by every reload
@@ -339,12 +343,15 @@ def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier) 
 
     # the limits layer's own answers are counted by the current set's metrics middleware
     limited = LimitsMiddleware(dispatcher, RequestLimits.of(cfg), lambda *a: dispatcher.loaded.app.observe(*a))
-    wrapped = _close_when_draining(limited, dispatcher)
+    # API keys before the limits: a refused request's body is never read (edge.serve.auth)
+    keyed = AuthMiddleware(limited, lambda: dispatcher.loaded.state, lambda *a: dispatcher.loaded.app.observe(*a))
+    wrapped = _close_when_draining(keyed, dispatcher)
     # h11: ConnectionGuard and Drain read its protocol objects. The drain has waited for the
     # in-flight requests already when uvicorn's graceful shutdown begins: 1 s is its last word.
     config = uvicorn.Config(wrapped, loop="asyncio", http="h11", lifespan="off", access_log=False,
                             log_config=None, log_level="warning", timeout_keep_alive=cfg.keepalive_timeout_s,
-                            timeout_graceful_shutdown=1)
+                            timeout_graceful_shutdown=1, **({"ssl_certfile": str(tls.cert),
+                                                             "ssl_keyfile": str(tls.key)} if tls else {}))
     config.load()
     server = Server(config)
     server.guard = guard

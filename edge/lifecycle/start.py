@@ -30,7 +30,7 @@ import signal
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, state_dir
 from edge.errors import EX_SOFTWARE, EdgeError, StoppedDuringStart
@@ -41,6 +41,9 @@ from edge.lifecycle.recovery import Recovery
 from edge.lifecycle.safemode import SafeMode
 from edge.lifecycle.systemd import Notifier, listen_sockets
 from edge.timing import Phases, StartTimer, write_report
+
+if TYPE_CHECKING:
+    from edge.serve.tls import TlsFiles
 
 __all__ = ["ColdStart"]
 
@@ -60,6 +63,8 @@ class ColdStart:
         self.handed_over_to: int | None = None  # the process this one handed the service to
         self._loader: Loader | None = None  # made from the config, once it is read
         self.sockets: list[socket.socket] = []
+        self.tls: TlsFiles | None = None  # the certificate and key the sockets serve TLS with
+        self.exposed: list[str] = []  # the sockets others can reach (edge.serve.auth.check_exposure)
         self.loaded: Loaded | None = None
         # Test hook: called with the loaded set just before the warm-up, so that a test can put a
         # double at the backend boundary (a wrapper around a model's native object); None in service.
@@ -120,7 +125,8 @@ class ColdStart:
         with self.timer.phase(Phases.HTTP_SETUP):
             self.running.note_libraries()  # llama.cpp's libraries as they are on disk, now that they are loaded
             dispatcher = Dispatcher(loaded)  # a reload swaps the set behind it
-            server = build_server(dispatcher, self.config.server, self.notifier)
+            dispatcher.exposed = self.exposed
+            server = build_server(dispatcher, self.config.server, self.notifier, tls=self.tls)
             dispatcher.on_fatal = lambda reason: _leave(server, reason)
             handover = Handover(server, self.sockets, self.notifier, self.running, self.loader.read,
                                 serving=lambda: list(dispatcher.loaded.state.workers.values()))
@@ -207,6 +213,7 @@ class ColdStart:
         stored anew)."""
         self.notifier.enabled = False
         self.read_config()
+        self.loader.auth = None  # no client is served: the key file is not read (it may be root's)
         self.loader.recalibrate = recalibrate
         loaded = self.loader.load()
 
@@ -247,14 +254,25 @@ class ColdStart:
         return self._loader.config
 
     def open_sockets(self) -> list[socket.socket]:
-        """Inherited from systemd (LISTEN_FDS), else bound now from the [server] table."""
+        """Inherited from systemd (LISTEN_FDS), else bound now from the [server] table; then who
+        may use them (edge.serve.auth): a socket others can reach (as getsockname() shows) needs
+        API keys or allow_unauthenticated, else the start ends here (78); and TLS, if set."""
         from edge.lifecycle.serving import bind_sockets
+        from edge.serve.auth import check_exposure
+        from edge.serve.tls import tls_files
 
         with self.timer.phase(Phases.SOCKETS) as ph:
             self.sockets = listen_sockets()
             ph.detail["inherited"] = bool(self.sockets)
             if not self.sockets:
                 self.sockets = bind_sockets(self.config.server, self.config.source)
+            server, keys = self.config.server, self.loader.auth
+            self.exposed = check_exposure(self.sockets, keys, server, self.config.source)
+            if self.exposed and keys is None:
+                log.warning("serving %s with no API key (server.allow_unauthenticated = true): anyone who "
+                            "can reach it may use every model", ", ".join(self.exposed))
+            self.tls = tls_files(server, self.config.source)
+            ph.detail.update(api_keys=keys is not None, tls=self.tls is not None)
         return self.sockets
 
     def mark_ready(self, loaded: Loaded) -> str:

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -33,6 +33,9 @@ from edge.serve.metrics import Metrics, MetricsMiddleware, in_warmup
 from edge.serve.openai import Ask, Limits, grammar, parse
 from edge.serve.openai_shapes import Choice, Shape, parse_tool_calls
 from edge.serve.worker import ModelWorker
+
+if TYPE_CHECKING:
+    from edge.serve.auth import ApiKeys
 
 __all__ = ["ServiceState", "build_app"]
 
@@ -53,6 +56,7 @@ class ServiceState:
     safe_mode: list[dict[str, Any]] = field(default_factory=list)
     fatal_reason: str | None = None  # why this set can serve no more (a lost CUDA context): the exit's cause
     on_fatal: Callable[[str], None] | None = None  # the lifecycle's: stop accepting, STOPPING=1, exit 70
+    auth: ApiKeys | None = None  # the keys a request needs (edge.serve.auth, checked by the server); None: none
 
     def fatal(self, reason: str) -> None:
         """This set can do no more work and the process must go (a sticky CUDA error lost the

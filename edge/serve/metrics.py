@@ -75,6 +75,11 @@ class Metrics:
         self.shed = Counter("edge_connections_shed", "Connections closed at server.max_connections "
                             "to admit new ones: those that had waited longest for a request head "
                             "(idle keep-alive ones included).", registry=reg)
+        self.refused = Counter("edge_http_unauthorized", "Requests refused with 401 before any work "
+                               "(edge.serve.auth): no API key sent (reason=missing) or one not "
+                               "accepted (reason=invalid).", ["reason"], registry=reg)
+        for reason in ("missing", "invalid"):
+            self.refused.labels(reason)  # both series exist from the start, at 0
         self._state = _StateCollector()
         reg.register(self._state)
         self._fleet: Any = None  # edge.fleet.metrics.FleetCollector, once the state dir is known
@@ -109,6 +114,9 @@ class Metrics:
         """The client went away before its answer was whole (queued, generating or streaming)."""
         if not _IN_WARMUP.get():
             self.aborts.labels(model).inc()
+
+    def unauthorized(self, reason: str) -> None:
+        self.refused.labels(reason).inc()
 
     def connections_shed(self, n: int) -> None:
         self.shed.inc(n)

@@ -310,3 +310,13 @@ def test_install_gives_a_config_dir_owned_by_a_dynamic_uid_back_to_root(tmp_path
     assert reclaim_config_dir(etc) is True
     assert {p.stat().st_uid for p in (etc, etc / "ota.pub")} == {0}
     assert reclaim_config_dir(etc) is False
+
+
+def test_the_credential_lines_are_rendered_commented_out() -> None:
+    """Keys and TLS by systemd credential (README "Exposing edge beyond the device"): rendered for a
+    person to uncomment, never in force by default (a missing file would fail every start)."""
+    text = render_service(UnitOptions())
+    for name, path in (("edge-api-keys", "/etc/edge/api-keys"), ("edge-tls-cert", "/etc/edge/tls/cert.pem"),
+                       ("edge-tls-key", "/etc/edge/tls/key.pem")):
+        assert re.search(rf"^#LoadCredential={name}:{re.escape(path)}$", text, re.M), name
+    assert not re.search(r"^LoadCredential=", text, re.M)

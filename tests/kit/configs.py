@@ -13,11 +13,12 @@ EDGE = [sys.executable, "-m", "edge.cli"]
 
 
 def write_config(path: Path, model: Path, *, port: int = 0, extra_model: str = "",
-                 extra: str = "", n_ctx: int = 256) -> Path:
+                 extra: str = "", n_ctx: int = 256, server: str = "", host: str = "127.0.0.1") -> Path:
     path.write_text(f"""
 [server]
-host = "127.0.0.1"
+host = "{host}"
 port = {port}
+{server}
 
 [paths]
 state_dir = "{path.parent / 'state'}"

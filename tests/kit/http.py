@@ -10,11 +10,11 @@ __all__ = ["call", "post", "get", "metric"]
 
 
 def call(address: tuple[str, int], method: str, path: str, body: dict[str, Any] | None = None,
-         timeout: float = 60) -> tuple[int, Any]:
+         timeout: float = 60, headers: dict[str, str] | None = None) -> tuple[int, Any]:
     c = http.client.HTTPConnection(*address, timeout=timeout)
     try:
         c.request(method, path, body=None if body is None else json.dumps(body),
-                  headers={"Content-Type": "application/json"})
+                  headers={"Content-Type": "application/json", **(headers or {})})
         r = c.getresponse()
         raw = r.read().decode()
     finally:

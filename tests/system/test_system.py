@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -321,6 +322,32 @@ def test_doctor_checks_what_the_unit_runs(tiny: Machine) -> None:
     r = m.run(f"{EDGE} doctor", check=False)
     assert r.returncode == 1 and "[FAIL] config" in r.stdout and "/etc/edge/edge.toml" in r.stdout, r.stdout
     m.run("mv /etc/edge/edge.toml.off /etc/edge/edge.toml")
+
+
+def test_the_api_key_credential_reaches_the_service_and_never_the_journal(tiny: Machine) -> None:
+    """README "Exposing edge beyond the device": the key file root's, passed by LoadCredential=;
+    requests with the key are served, without it refused; the key is nowhere in the journal."""
+    m = tiny
+    _serving(m)
+    key = "sk-systest-" + secrets.token_hex(16)
+    m.run(f"install -m 0600 /dev/null /etc/edge/api-keys && printf '# edge\\n{key}\\n' > /etc/edge/api-keys")
+    since = m.run("date +%s.%N").stdout.strip()
+    _drop_in(m, "[Service]\nLoadCredential=edge-api-keys:/etc/edge/api-keys")
+    m.run("systemctl restart edge.service")
+    assert m.show("edge.service", "ActiveState")["ActiveState"] == "active"
+    code = ("import http.client,sys\nfor h in ({}, {'x-api-key': 'wrong'}, {'Authorization': 'Bearer '+sys.argv[1]}):\n"
+            " c=http.client.HTTPConnection('127.0.0.1',%d,timeout=120);c.request('GET','/v1/models',headers=h)\n"
+            " r=c.getresponse();r.read();print(r.status)" % PORT)
+    p = m.net([sys.executable, "-c", code, key], stdout=subprocess.PIPE)
+    assert p.communicate(timeout=180)[0].split() == ["401", "401", "200"]
+    pid = m.show("edge.service", "MainPID")["MainPID"]
+    uid = m.run(f"stat -c %u /proc/{pid}").stdout.strip()
+    r = m.run(f"nsenter -t {pid} -m -S {uid} -G {uid} -- cat /etc/edge/api-keys", check=False)
+    assert r.returncode != 0 and key not in r.stdout  # the service reads its credential, never the file
+    journal = m.run(f"journalctl --no-pager -o verbose --since @{since}").stdout
+    assert journal and key not in journal
+    m.run("rm -f /etc/edge/api-keys")
+    _serving(m)
 
 
 def _ask(m: Machine, timeout: float = 300) -> subprocess.Popen[str]:

@@ -1,0 +1,115 @@
+"""TLS (edge.serve.tls): uvicorn's own, on the socket systemd hands over. A self-signed
+certificate for 127.0.0.1 made here with `cryptography`; a socket-activated `edge serve` with
+API keys; real TLS clients (httpx, the `openai` client) over 127.0.0.1 that trust only that
+certificate. Then the config errors of a certificate and key that do not go together."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import secrets
+import socket
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from edge.config import ServerConfig
+from edge.errors import ConfigError
+from edge.serve.tls import tls_files
+from kit import EDGE, PidOne, write_config
+
+KEY = "sk-edge-" + secrets.token_hex(16)
+
+
+def self_signed(folder: Path, name: str = "edge") -> tuple[Path, Path]:
+    """(certificate, private key) PEM files for 127.0.0.1, the key mode 0600."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = folder / f"{name}.crt", folder / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    key_path.chmod(0o600)
+    return cert_path, key_path
+
+
+@pytest.fixture(scope="module")
+def tls_service(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Iterator[tuple[PidOne, Path]]:
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = self_signed(d)
+    keys = d / "api-keys"
+    keys.write_text(KEY + "\n")
+    keys.chmod(0o600)
+    cfg = write_config(d / "edge.toml", tiny_gguf, server=f'api_key_file = "{keys}"\ntls_cert_file = "{cert}"\n'
+                                                          f'tls_key_file = "{key}"')
+    with PidOne([*EDGE, "serve", "--config", str(cfg)]) as pid1:
+        pid1.start()
+        pid1.wait_for("READY", "1", timeout=120)
+        yield pid1, cert
+        assert pid1.stop() == 0
+
+
+def trusting(cert: Path) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(cert))  # this certificate only, hostname checked
+
+
+def test_https_with_the_key_is_served_over_the_inherited_socket(tls_service: tuple[PidOne, Path]) -> None:
+    pid1, cert = tls_service
+    base = f"https://127.0.0.1:{pid1.address[1]}"
+    with httpx.Client(verify=trusting(cert), timeout=60) as client:
+        assert client.get(f"{base}/healthz").status_code == 200
+        assert client.get(f"{base}/v1/models").status_code == 401
+        r = client.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                        headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+        assert r.extensions["http_version"] == b"HTTP/1.1"
+
+
+def test_the_openai_client_over_tls(tls_service: tuple[PidOne, Path]) -> None:
+    openai = pytest.importorskip("openai")
+    pid1, cert = tls_service
+    with httpx.Client(verify=trusting(cert), timeout=60) as http:
+        client = openai.OpenAI(base_url=f"https://127.0.0.1:{pid1.address[1]}/v1", api_key=KEY,
+                               max_retries=0, http_client=http)
+        answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=2)
+        assert answer.choices[0].finish_reason in ("length", "stop")
+
+
+def test_plain_http_and_an_untrusted_certificate_get_nothing(tls_service: tuple[PidOne, Path], tmp_path: Path) -> None:
+    pid1, _ = tls_service
+    with socket.create_connection(("127.0.0.1", pid1.address[1]), timeout=30) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")
+        assert not s.recv(4096).startswith(b"HTTP/1.1 200")  # a TLS alert or a close, never an answer
+    other, _ = self_signed(tmp_path, "other")
+    with httpx.Client(verify=trusting(other), timeout=30) as client, pytest.raises(httpx.ConnectError):
+        client.get(f"https://127.0.0.1:{pid1.address[1]}/healthz")
+
+
+def test_tls_config_errors_name_the_field(tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    other_cert, _ = self_signed(tmp_path, "other")
+    assert tls_files(ServerConfig(), "edge.toml") is None
+    found = tls_files(ServerConfig(tls_cert_file=str(cert), tls_key_file=str(key)), "edge.toml")
+    assert found is not None and found.cert == cert and found.key == key
+    with pytest.raises(ConfigError, match="server.tls_key_file: tls_cert_file is set but tls_key_file is not"):
+        tls_files(ServerConfig(tls_cert_file=str(cert)), "edge.toml")
+    with pytest.raises(ConfigError, match="server.tls_cert_file: cannot serve TLS with the certificate"):
+        tls_files(ServerConfig(tls_cert_file=str(other_cert), tls_key_file=str(key)), "edge.toml")
+    key.chmod(0o644)
+    with pytest.raises(ConfigError, match="server.tls_key_file: .* is readable by every user"):
+        tls_files(ServerConfig(tls_cert_file=str(cert), tls_key_file=str(key)), "edge.toml")
