@@ -147,18 +147,14 @@ class WarmupConfig:
 
 @dataclass(frozen=True)
 class BatchingConfig:
-    """Dynamic batching of an engine's KServe requests (edge.serve.batcher), as Triton's dynamic
-    batcher does: queued requests whose shapes concatenate run as one execution."""
+    """An engine's KServe requests batched as Triton's dynamic batcher does (edge.serve.batcher,
+    which checks these against the engine's profiles): enabled ("auto": where it has a batch dim),
+    the oldest request's longest wait for company (0: a batch is what queued while the engine was
+    busy), the most rows (0: what the profiles take), rows that run without waiting (0: the most)."""
 
-    # "auto": where the engine has a batch dimension (every input's and output's first dim
-    # dynamic, and a profile taking more than one row); true insists on it (a start without one
-    # names this field), false runs one request at a time
     enabled: bool | str = field(default="auto", metadata={"choices": ("auto", True, False)})
-    # how long the oldest queued request may wait for others before its batch runs; 0: a batch is
-    # whatever queued while the engine was busy (no request ever waits for company)
     max_queue_delay_us: int = field(default=0, metadata=_range(0, 1_000_000))
-    max_batch_size: int = field(default=0, metadata=_range(0, 1 << 16))  # rows; 0: the profiles' most
-    # a batch this many rows runs at once, without waiting out the delay; 0: max_batch_size
+    max_batch_size: int = field(default=0, metadata=_range(0, 1 << 16))
     preferred_batch_size: int = field(default=0, metadata=_range(0, 1 << 16))
 
 
@@ -336,10 +332,6 @@ def _check_engines(cfg: Config, source: str, base_dir: Path | None) -> None:
         seen.add(e.name)
         if (e.recipe is None) == (e.onnx_sha256 is None):
             raise ConfigError(source, where, "expected exactly one of recipe or onnx_sha256")
-        b = e.batching
-        if b.max_batch_size and b.preferred_batch_size > b.max_batch_size:
-            raise ConfigError(source, f"{where}.batching.preferred_batch_size",
-                              f"expected at most max_batch_size ({b.max_batch_size}), found {b.preferred_batch_size}")
         if e.onnx_sha256 is not None and e.precision not in ("fp32", "fp16", "int8"):
             raise ConfigError(source, f"{where}.precision", "with onnx_sha256, expected fp32, fp16 or int8, "
                               f"found {e.precision!r}")
