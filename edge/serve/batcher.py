@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from edge.config import BatchingConfig
-from edge.engines.tensors import EngineSession, Profiles, profile_for
+from edge.engines.tensors import EngineSession, profile_for
 from edge.errors import ConfigError, EngineError, GpuContextLost
 from edge.serve.metrics import in_warmup
 
@@ -162,11 +162,11 @@ def _split(outputs: Feeds, rows: list[int]) -> list[Feeds]:
 class Batcher:
     """One engine's queue and its batches, run on the engine's thread through `submit`."""
 
-    def __init__(self, name: str, run: Callable[[Feeds], Feeds], policy: BatchPolicy, profiles: Profiles,
+    def __init__(self, name: str, session: EngineSession, policy: BatchPolicy,
                  submit: Callable[[Callable[[], None]], concurrent.futures.Future[None]]) -> None:
         self.name, self.policy, self.stats = name, policy, BatchStats()
         self.executions = 0  # every execution, warm-up included: what tests compare with requests
-        self._run, self._profiles, self._submit = run, profiles, submit
+        self._session, self._profiles, self._submit = session, session.profiles, submit
         self._cond = threading.Condition()
         self._queue: deque[_Request] = deque()
         self._draining = False  # a drain job is queued or running on the engine's thread
@@ -244,15 +244,14 @@ class Batcher:
     def _alone(self, req: _Request) -> Outcome:
         self.executions += 1
         try:
-            return self._run(req.feeds)
+            return self._session.infer(req.feeds)
         except Exception as exc:  # the request's own answer: an error like any other
             return exc
 
     def _together(self, batch: list[_Request]) -> list[Outcome]:
         self.executions += 1
         try:
-            feeds = {n: np.concatenate([r.feeds[n] for r in batch]) for n in batch[0].feeds}
-            return list(_split(self._run(feeds), [r.rows for r in batch]))
+            return _split(self._stacked([r.feeds for r in batch]), [r.rows for r in batch])
         except GpuContextLost as exc:  # each member raises its own instance (tracebacks differ)
             return [GpuContextLost(str(exc)) for _ in batch]
         except _Unsplittable as exc:
@@ -263,6 +262,14 @@ class Batcher:
             log.warning("engine %s: a batch of %d requests failed (%s); each runs alone",
                         self.name, len(batch), exc)
         return [self._alone(r) for r in batch]
+
+    def _stacked(self, parts: list[Feeds]) -> Feeds:
+        """One execution of the requests stacked along dim 0: a session that stages rows itself
+        (TensorRT: straight into its pinned buffers) gets them as they are, else one array each."""
+        rows = getattr(self._session, "infer_rows", None)
+        if rows is not None:
+            return rows(parts)
+        return self._session.infer({n: np.concatenate([p[n] for p in parts]) for n in parts[0]})
 
     def _record(self, batch: list[_Request], started: float) -> None:
         prod = [r for r in batch if not r.warm]

@@ -237,8 +237,7 @@ class EngineWorker(Worker):
 
             policy = batch_policy(self.session, self.batching, *where)
             if policy is not None:
-                self.batcher = Batcher(self.name, self.session.infer, policy, self.session.profiles,
-                                       self._pool.submit)
+                self.batcher = Batcher(self.name, self.session, policy, self._pool.submit)
         return self.session
 
     def close(self) -> None:

@@ -167,6 +167,41 @@ def test_a_setting_the_engine_cannot_honour_names_its_field(engines, name, batch
         w.close()
 
 
+def test_on_tensorrt_a_batch_is_one_copy_in_and_one_execution_within_the_profile(tmp_path: Path) -> None:
+    """The TensorRT path on the CUDA and TensorRT test doubles (tests/fakecuda.py: y = 2x + 1, the
+    hardware boundary only): the requests' rows staged into one pinned buffer, one host-to-device
+    copy, one execute_async_v3 with the batch's shape set within the profile's min/max."""
+    import hashlib
+    import json
+
+    from edge.device.cuda import CudaApi
+    from edge.engines.key import EngineKey
+    from edge.engines.store import StoredEngine
+    from edge.engines.trt_session import TrtSession
+    from fakecuda import FakeGpu, FakeTensorRT
+
+    gpu = FakeGpu()
+    data = json.dumps({"inputs": {"x": "FLOAT"}, "outputs": {"y": "FLOAT"}, "profiles": [{"x": [1, 8]}]}).encode()
+    key = EngineKey(model="m", model_sha256="ab" * 32, backend="tensorrt", target="sm_87", precision="fp16")
+    stored = StoredEngine(key, tmp_path / "m.engine", hashlib.sha256(data).hexdigest(), len(data),
+                          {"build": {"profiles": [{"x": {"min": [1, 4], "opt": [2, 4], "max": [8, 4]}}]}})
+    trt, copies = FakeTensorRT(gpu), []
+    real_copy = gpu.driver.cuMemcpyHtoDAsync
+    gpu.driver.cuMemcpyHtoDAsync = lambda *a: (copies.append(a[2]), real_copy(*a))[1]
+    w = EngineWorker("m", stored, BatchingConfig(max_queue_delay_us=SLOW, preferred_batch_size=7))
+    w.open(data, make=lambda s, d: TrtSession(s, d, api=CudaApi(gpu.driver), trt=trt))
+    try:
+        requests = [{"x": rows(n, seed=n, width=4)} for n in (3, 1, 3)]  # 7 rows: within max 8
+        copies.clear()
+        got = run_all(w, requests)
+        for r, out in zip(requests, got):
+            np.testing.assert_array_equal(out["y"], 2 * r["x"] + 1)
+        assert w.batcher.executions == 1 and copies == [7 * 4 * 4]  # one copy-in: 7 rows of 4 FP32
+        assert trt.contexts[0].shapes["x"] == (7, 4)
+    finally:
+        w.close()
+
+
 # -- over real sockets ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
