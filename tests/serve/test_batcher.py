@@ -287,6 +287,38 @@ def test_over_sockets_a_request_the_engine_fails_on_fails_alone(batching_service
     assert metric(address, "edge_engine_batch_size_sum", engine="gather") == 3
 
 
+def test_a_reload_that_changes_the_batching_table_reloads_the_engine_with_it(engines, tmp_path: Path, service) -> None:
+    import signal
+    import time
+
+    recipe, stored = engines["mlp"]
+    head = (f'[server]\nport = 0\n[paths]\nstate_dir = "{tmp_path / "s"}"\ncache_dir = "{tmp_path / "c"}"\n'
+            f'[[engines]]\nname = "rowsum"\nbackend = "onnxruntime"\nrecipe = "{engines["rowsum"][0]}"\n'
+            f'store = "{engines["rowsum"][1].path.parents[2]}"\n'
+            f'[[engines]]\nname = "mlp"\nbackend = "onnxruntime"\nrecipe = "{recipe}"\n'
+            f'store = "{stored.path.parents[2]}"\nwarmup = false\n[engines.batching]\n')
+    cfg = tmp_path / "edge.toml"
+    cfg.write_text(head + "enabled = false\n")
+    pid1 = service(cfg)
+    bodies = [{"inputs": [tensor("x", rows(1, seed=i))]} for i in range(4)]
+    assert [s for s, _ in at_once(pid1.address, "/v2/models/mlp/infer", bodies)] == [200] * 4
+    assert metric(pid1.address, "edge_engine_batch_size_count", engine="mlp") == 0  # no batcher
+    cfg.write_text(head + f"max_queue_delay_us = {SLOW}\npreferred_batch_size = 4\n")
+    after = time.monotonic()
+    pid1.proc.send_signal(signal.SIGHUP)
+    pid1.wait_count("READY", 1, after=after)
+    assert [s for s, _ in at_once(pid1.address, "/v2/models/mlp/infer", bodies)] == [200] * 4
+    assert metric(pid1.address, "edge_engine_batch_size_count", engine="mlp") == 1  # all four in one batch
+    # a setting the reloaded engine's profiles refuse names its field, index and all; the set serves on
+    cfg.write_text(head + "max_batch_size = 33\n")
+    after = time.monotonic()
+    pid1.proc.send_signal(signal.SIGHUP)
+    pid1.wait_count("READY", 1, after=after)
+    assert "engines[1].batching.max_batch_size: expected at most 32" in pid1.log_tail(20000)
+    assert post(pid1.address, "/v2/models/mlp/infer", bodies[0])[0] == 200
+    assert pid1.stop() == 0
+
+
 def test_a_batch_size_the_profiles_refuse_stops_the_start_naming_the_field(engines, tmp_path: Path) -> None:
     import subprocess
 
