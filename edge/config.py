@@ -28,8 +28,8 @@ _HOST = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9]([A-Za-z0-9-]*[A-Z
 __all__ = ["BUILTIN_PREFIX", "DEFAULT_LISTEN", "DEFAULT_MAX_CONNECTIONS", "LOG_LEVELS", "DEFAULT_URL",
            "SYSTEM_CONFIG", "load", "Config", "MessageConfig", "ModelConfig", "PrefixConfig", "PathsConfig",
            "ServerConfig", "WarmupConfig", "BatchingConfig", "EngineConfig", "default_config", "find_config",
-           "load_config", "read_config_text", "parse_config", "build_dataclass", "state_dir", "cache_dir", "check_writable",
-           "write_probe"]
+           "load_config", "read_config_text", "parse_config", "build_dataclass", "state_dir", "cache_dir",
+           "check_writable", "write_probe"]
 
 BUILTIN_PREFIX = "builtin:"
 # Defaults written once: the CLI, the unit renderer and the [server] table take them from here.

@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
               # the service's CPU time per request: what the load on a shared machine does not change
               "batched_cpu_ms_per_request": summary([c * 1e3 for c in cpu["batched"]]),
               "single_cpu_ms_per_request": summary([c * 1e3 for c in cpu["single"]]),
-              "cpu_ratio_single_over_batched": round(statistics.median(cpu["single"]) / statistics.median(cpu["batched"]), 3),
+              "cpu_ratio_single_over_batched":
+                  round(statistics.median(cpu["single"]) / statistics.median(cpu["batched"]), 3),
               "mean_batch_size": round(batched / executions, 2) if executions else None,
               "wrong_answers": wrong, "loadavg_before": load[0], "loadavg_after": load[1]}
     print(f"batched {statistics.median(rps['batched']):.1f} req/s vs one at a time "

@@ -200,7 +200,11 @@ class Batcher:
                     self._draining = False
                     return
                 batch = self._take()
-            self._execute(batch)
+            try:
+                self._execute(batch)
+            except Exception as exc:  # never a request left waiting, whatever went wrong here
+                log.exception("engine %s: a batch could not be run", self.name)
+                _settle(batch, [EngineError(f"engine {self.name!r}: the batch failed: {exc}") for _ in batch])
 
     def _take(self) -> list[_Request]:
         """The next batch (lock held, queue not empty): the oldest request's group, once it is
