@@ -27,9 +27,9 @@ _HOST = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9]([A-Za-z0-9-]*[A-Z
 
 __all__ = ["BUILTIN_PREFIX", "DEFAULT_LISTEN", "DEFAULT_MAX_CONNECTIONS", "LOG_LEVELS", "DEFAULT_URL",
            "SYSTEM_CONFIG", "load", "Config", "MessageConfig", "ModelConfig", "PrefixConfig", "PathsConfig",
-           "ServerConfig", "WarmupConfig", "EngineConfig", "default_config", "find_config", "load_config",
-           "read_config_text", "parse_config", "build_dataclass", "state_dir", "cache_dir", "check_writable",
-           "write_probe"]
+           "ServerConfig", "WarmupConfig", "BatchingConfig", "EngineConfig", "default_config", "find_config",
+           "load_config", "read_config_text", "parse_config", "build_dataclass", "state_dir", "cache_dir",
+           "check_writable", "write_probe"]
 
 BUILTIN_PREFIX = "builtin:"
 # Defaults written once: the CLI, the unit renderer and the [server] table take them from here.
@@ -154,6 +154,19 @@ class WarmupConfig:
 
 
 @dataclass(frozen=True)
+class BatchingConfig:
+    """An engine's KServe requests batched as Triton's dynamic batcher does (edge.serve.batcher,
+    which checks these against the engine's profiles): enabled ("auto": where it has a batch dim),
+    the oldest request's longest wait for company (0: a batch is what queued while the engine was
+    busy), the most rows (0: what the profiles take), rows that run without waiting (0: the most)."""
+
+    enabled: bool | str = field(default="auto", metadata={"choices": ("auto", True, False)})
+    max_queue_delay_us: int = field(default=0, metadata=_range(0, 1_000_000))
+    max_batch_size: int = field(default=0, metadata=_range(0, 1 << 16))
+    preferred_batch_size: int = field(default=0, metadata=_range(0, 1 << 16))
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """A TensorRT or ONNX Runtime engine served from the store, found by this device's key."""
 
@@ -165,6 +178,7 @@ class EngineConfig:
     profile: str = ""
     store: str | None = None  # default: <cache_dir>/engines
     warmup: bool = True  # run every profile's min/opt/max shapes before READY
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
 
 
 @dataclass(frozen=True)

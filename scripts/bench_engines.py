@@ -1,4 +1,5 @@
-"""Start from a prebuilt engine vs. building it at start, in one run, as a ratio (JSON).
+"""Start from a prebuilt engine vs. building it at start, in one run, as a ratio (JSON); with
+`--batching`, KServe throughput at 8 clients batched vs one at a time (scripts/bench_batching.py).
 
 ONNX Runtime everywhere: load the ORT-format engine from the store (read, sha256, session with
 optimization off) vs. optimizing the ONNX into a session at start. TensorRT too where a GPU and
@@ -52,6 +53,10 @@ def build_at_start(backend: str, device: Any) -> float:
 
 
 def main() -> int:
+    if "--batching" in sys.argv[1:]:
+        from bench_batching import main as batching
+
+        return batching([a for a in sys.argv[1:] if a != "--batching"])
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()

@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,6 +73,31 @@ def service() -> Iterator[Callable[..., PidOne]]:
     yield start
     for pid1 in started:
         pid1.close()
+
+
+@pytest.fixture(scope="session")
+def build_ort_engine() -> Callable[..., tuple[Path, Any]]:
+    """`build(folder, onnx, profile)`: a recipe for the ONNX file (one profile, input ->
+    (min, opt, max)) written beside it and its ONNX Runtime engine built into `folder/store`:
+    (the recipe, the StoredEngine)."""
+    pytest.importorskip("onnxruntime")
+    from edge.device.identity import detect
+    from edge.engines.build import build_engine
+    from edge.engines.recipe import load_recipe
+    from edge.engines.store import EngineStore
+
+    def build(folder: Path, onnx: Path, profile: dict[str, tuple[list[int], list[int], list[int]]]
+              ) -> tuple[Path, Any]:
+        inputs = "".join(f'[[profiles.inputs]]\nname = "{n}"\nmin = {lo}\nopt = {opt}\nmax = {hi}\n'
+                         for n, (lo, opt, hi) in profile.items())
+        recipe = folder / f"{onnx.stem}.toml"
+        recipe.write_text(f'name = "{onnx.stem}"\nonnx = "{onnx.name}"\nprecision = "fp32"\n'
+                          f'[[profiles]]\nname = "default"\n{inputs}')
+        stored = build_engine(load_recipe(recipe), "onnxruntime", EngineStore(folder / "store"), detect(),
+                              log=lambda s: None)
+        return recipe, stored
+
+    return build
 
 
 @pytest.fixture(scope="session")

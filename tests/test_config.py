@@ -100,6 +100,30 @@ def test_more_bad_fields(text: str, field: str, words: str) -> None:
     assert (e.source, e.field) == ("edge.toml", field) and words in e.message, e.message
 
 
+ENGINE = '[[engines]]\nname = "e"\nbackend = "onnxruntime"\nonnx_sha256 = "ab"\nprecision = "fp32"\n'
+
+
+@pytest.mark.parametrize("table, field, words", [
+    ('enabled = "yes"', "enabled", "expected one of ['auto', True, False], found 'yes'"),
+    ("max_queue_delay_us = -1", "max_queue_delay_us", "expected a value in [0, 1000000], found -1"),
+    ("max_queue_delay_us = 0.5", "max_queue_delay_us", "expected an integer, found a float 0.5"),
+    ("max_batch_size = 70000", "max_batch_size", "[0, 65536]"),
+    ("preferred_batch_size = -2", "preferred_batch_size", "[0, 65536]"),
+    ("max_delay_us = 100", "max_delay_us", "unknown key; expected one of ['enabled', 'max_batch_size'"),
+])
+def test_bad_batching_fields_name_the_engines_field(table: str, field: str, words: str) -> None:
+    e = err(ENGINE + "[engines.batching]\n" + table + "\n")
+    assert (e.source, e.field) == ("edge.toml", f"engines[0].batching.{field}") and words in e.message, e.message
+
+
+def test_batching_defaults_batch_where_the_engine_can_without_waiting() -> None:
+    b = parse_config(ENGINE, source="x").engines[0].batching
+    assert (b.enabled, b.max_queue_delay_us, b.max_batch_size, b.preferred_batch_size) == ("auto", 0, 0, 0)
+    b = parse_config(ENGINE + "[engines.batching]\nenabled = false\nmax_queue_delay_us = 500\n",
+                     source="x").engines[0].batching
+    assert (b.enabled, b.max_queue_delay_us) == (False, 500)
+
+
 def test_unwritable_state_or_cache_dir_is_a_config_error(tmp_path: Path) -> None:
     from edge.config import check_writable
 

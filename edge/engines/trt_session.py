@@ -8,7 +8,8 @@ a data-dependent output shape is refused here by name, not at the first request)
 context, one stream, and per tensor one device + pinned host buffer sized to the largest shape
 any profile allows. A request then only picks the profile (`profile_for`, the same rule as
 validation), sets shapes (checked), queues copy in, run, copy out on the stream and waits for
-it. Every TensorRT call goes through `_trt`, the one place its exceptions become an EngineError
+it; a batch of requests (`infer_rows`) is the same with more rows, each request's staged at its
+offset in the pinned buffer. Every TensorRT call goes through `_trt`, the one place its exceptions become an EngineError
 naming the engine. `close()` tears down in reverse and runs every step even when one fails:
 stream drained, context, engine, runtime, buffers, stream, primary context. A load that fails
 tears down only once the failure's traceback no longer holds the engine (its frames' locals are
@@ -210,28 +211,45 @@ class TrtSession:
                 raise EngineError(f"{self._where}: TensorRT refused the device address of tensor {name!r}")
 
     def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self._guarded({n: [a] for n, a in feeds.items()})
+
+    def infer_rows(self, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """Requests stacked along dim 0 (the batcher's, edge.serve.batcher: the same dims after
+        the first) straight into the pinned input buffers, so the batch costs one host-to-device
+        copy per input and one execution, with no concatenated array between; the outputs are the
+        batch's (the batcher splits them by rows)."""
+        return self._guarded({n: [p[n] for p in parts] for n in parts[0]})
+
+    def _guarded(self, stacks: dict[str, list[np.ndarray]]) -> dict[str, np.ndarray]:
         if self.lost:  # nothing more goes to the GPU
             raise GpuContextLost(f"{self._where}: the CUDA context was lost ({self.lost}): no more GPU work")
         try:
-            return self._infer(feeds)
+            return self._infer(stacks)
         except ContextLost as exc:
             self.lost = str(exc)
             raise
 
-    def _infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _infer(self, stacks: dict[str, list[np.ndarray]]) -> dict[str, np.ndarray]:
         if threading.get_ident() != self._thread:  # a new thread has no current context yet
             self._primary.make_current()
             self._thread = threading.get_ident()
-        idx = profile_for(self.profiles, {n: a.shape for n, a in feeds.items()})
+        shapes = {n: arrs[0].shape if len(arrs) == 1 else (sum(len(a) for a in arrs), *arrs[0].shape[1:])
+                  for n, arrs in stacks.items()}
+        idx = profile_for(self.profiles, shapes)
         if idx is None:
             raise EngineError(f"{self._where}: no optimization profile holds these shapes")
         self._use_profile(idx)
-        self._set_shapes({n: a.shape for n, a in feeds.items()})
+        self._set_shapes(shapes)  # a batch is more rows within the profile's min/max
         api, stream = self._api, self._stream
         for spec in self.inputs:
-            buf = self._buffers[spec.name]
-            host = buf.host_view(feeds[spec.name].shape, spec.dtype)
-            host[...] = feeds[spec.name]
+            buf, arrs = self._buffers[spec.name], stacks[spec.name]
+            host = buf.host_view(shapes[spec.name], spec.dtype)
+            if len(arrs) == 1:
+                host[...] = arrs[0]
+            else:
+                ends = np.cumsum([len(a) for a in arrs])
+                for a, end in zip(arrs, ends):
+                    host[end - len(a):end] = a
             api.copy_async(buf.device, buf.host, host.nbytes, True, stream)
         if not self._trt("execute_async_v3", self._context.execute_async_v3, int(stream)):
             api.call("cuStreamSynchronize", stream)  # a lost context says so here (ContextLost)

@@ -34,8 +34,11 @@ def read_verified(stored: StoredEngine) -> bytes:
     return data
 
 
-def load_engines(cfg: Config, timer: StartTimer) -> tuple[dict[str, EngineWorker], list[dict[str, Any]]]:
-    if not cfg.engines:
+def load_engines(cfg: Config, timer: StartTimer, only: list[EngineConfig] | None = None
+                 ) -> tuple[dict[str, EngineWorker], list[dict[str, Any]]]:
+    """The engines of `cfg` (or the `only` ones of them: a reload's changed ones), each on its worker."""
+    engines = cfg.engines if only is None else only
+    if not engines:
         return {}, []
     with timer.phase(Phases.DEVICE) as ph:
         device = detect()
@@ -43,7 +46,7 @@ def load_engines(cfg: Config, timer: StartTimer) -> tuple[dict[str, EngineWorker
     workers: dict[str, EngineWorker] = {}
     infos: list[dict[str, Any]] = []
     try:
-        for e in cfg.engines:
+        for e in engines:
             infos.append(_load_one(cfg, e, device, timer, workers))
     except BaseException:
         for w in workers.values():  # engines already up are torn down on their threads
@@ -61,10 +64,11 @@ def _load_one(cfg: Config, e: EngineConfig, device: DeviceInfo, timer: StartTime
         data = read_verified(stored)
         ph.bytes = len(data)
         ph.detail["sha256"] = "verified"
-    worker = EngineWorker(e.name, stored)
+    worker = EngineWorker(e.name, stored, e.batching)
+    where = (cfg.source, f"engines[{cfg.engines.index(e)}].batching")  # a setting its profiles refuse
     with timer.phase(Phases.ENGINE_DESERIALIZE, engine=e.name, backend=e.backend):
         try:
-            worker.open(data)
+            worker.open(data, where=where)
         except BaseException:
             worker.close()
             raise

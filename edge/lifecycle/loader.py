@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import importlib
 import json
@@ -207,7 +206,7 @@ class Loader:
             return {}, {}
         from edge.lifecycle.engines import load_engines
 
-        workers, infos = load_engines(dataclasses.replace(self.config, engines=engines), self.timer)
+        workers, infos = load_engines(self.config, self.timer, only=engines)
         return workers, dict(zip(workers, infos))
 
     def restore_prefixes(self, workers: dict[str, ModelWorker]) -> None:

@@ -109,9 +109,10 @@ def served_engine(state: Any, name: str) -> tuple[str, Any]:
 
 
 async def _run(state: Any, name: str, worker: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The engine's work, on its thread; a lost CUDA context ends the service (ServiceState.fatal)."""
+    """The engine's work, on its thread (in a batch where the engine batches); a lost CUDA
+    context ends the service (ServiceState.fatal)."""
     try:
-        return await worker.call(worker.session.infer, feeds)
+        return await worker.infer(feeds)
     except GpuContextLost as exc:
         state.fatal(f"engine {name}: {exc}")
         raise state.leaving() from None

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 __all__ = ["Metrics", "MetricsMiddleware", "UNMATCHED", "WARMUP_SCOPE_KEY", "in_warmup",
            "warmup_transport"]
@@ -200,6 +200,7 @@ class _StateCollector:
                 depth.add_metric([name, kind], float(getattr(worker, "pending", 0)))
         yield depth
         yield from _prompt_cache_families(getattr(st, "workers", {}))
+        yield from _batch_families(getattr(st, "engines", {}))
         phases = GaugeMetricFamily("edge_start_phase_seconds", "Duration of each phase of the last "
                                    "start (event=start) or reload, per model or engine (empty for "
                                    "process-wide phases).", labels=["event", "phase", "model", "kind"])
@@ -230,6 +231,24 @@ def _prompt_cache_families(workers: dict[str, Any]) -> Iterator[Metric]:
         misses.add_metric([name], float(cache.stats.misses))
         reused.add_metric([name], float(cache.stats.reused_tokens))
     yield from (held, limit, hits, misses, reused)
+
+
+def _batch_families(engines: dict[str, Any]) -> Iterator[Metric]:
+    """Each batching engine's batches (edge.serve.batcher), read at the scrape: requests per
+    execution, and each request's wait for its batch (warm-up excluded)."""
+    size = HistogramMetricFamily("edge_engine_batch_size", "Requests per execution of an engine that "
+                                 "batches ([engines.batching]).", labels=["engine"])
+    delay = HistogramMetricFamily("edge_engine_queue_delay_seconds", "Time from a request's arrival at "
+                                  "an engine's batcher to the start of its batch's execution.",
+                                  labels=["engine"])
+    for name, worker in engines.items():
+        stats = getattr(getattr(worker, "batcher", None), "stats", None)
+        if stats is None:
+            continue
+        with stats.lock:
+            size.add_metric([name], stats.batch_size.cumulative(), stats.batch_size.sum)
+            delay.add_metric([name], stats.queue_delay.cumulative(), stats.queue_delay.sum)
+    yield from (size, delay)
 
 
 class MetricsMiddleware:

@@ -17,10 +17,14 @@ from typing import TYPE_CHECKING, Any
 from edge.errors import RequestError
 
 if TYPE_CHECKING:  # types only: importing the worker module stays free of the backends
+    import numpy as np
+
+    from edge.config import BatchingConfig
     from edge.engines.runtime import EngineSession
     from edge.engines.store import StoredEngine
     from edge.model.generate import Job, Piece
     from edge.model.llm import GGUFModel
+    from edge.serve.batcher import Batcher
 
 __all__ = ["Worker", "ModelWorker", "EngineWorker"]
 
@@ -191,13 +195,16 @@ def _merged(pieces: list[Piece]) -> Piece:
 
 class EngineWorker(Worker):
     """One engine's thread: its session is created, called and closed there (a CUDA context is
-    current per thread)."""
+    current per thread). Requests go through `infer`: batched (edge.serve.batcher) where the
+    engine has a batch dimension and `[engines.batching]` allows it, else one at a time."""
 
     session: EngineSession
 
-    def __init__(self, name: str, stored: StoredEngine) -> None:
+    def __init__(self, name: str, stored: StoredEngine, batching: BatchingConfig | None = None) -> None:
         super().__init__(name)
         self.stored = stored
+        self.batching = batching
+        self.batcher: Batcher | None = None
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         self.pending += 1  # queued or running: the queue depth that /metrics shows
@@ -206,15 +213,36 @@ class EngineWorker(Worker):
         finally:
             self.pending -= 1
 
-    def open(self, data: bytes,
-             make: Callable[[StoredEngine, bytes], EngineSession] | None = None) -> EngineSession:
+    async def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One request's outputs: in a batch with whatever else is queued, or alone."""
+        if self.batcher is None or not self.batcher.enabled:
+            return await self.call(self.session.infer, feeds)
+        self.pending += 1
+        try:
+            return await self.batcher.infer(feeds)
+        finally:
+            self.pending -= 1
+
+    def open(self, data: bytes, make: Callable[[StoredEngine, bytes], EngineSession] | None = None,
+             where: tuple[str, str] = ("<config>", "engines[0].batching")) -> EngineSession:
+        """The session, made on the engine's thread; then its batcher, where `self.batching`
+        asks for one (`where`: the config file and the table, named by a setting the engine's
+        profiles cannot honour)."""
         if make is None:
             from edge.engines.runtime import session_from_engine as make
 
         self.session = self._pool.submit(make, self.stored, data).result()
+        if self.batching is not None:
+            from edge.serve.batcher import Batcher, batch_policy
+
+            policy = batch_policy(self.session, self.batching, *where)
+            if policy is not None:
+                self.batcher = Batcher(self.name, self.session, policy, self._pool.submit)
         return self.session
 
     def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()  # a drain waiting for company runs what it holds now
         session = getattr(self, "session", None)
         if session is not None:
             self._pool.submit(session.close).result()  # GPU objects go on the thread that made them
