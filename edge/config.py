@@ -18,6 +18,7 @@ from typing import Any
 
 from edge import toml as tomllib
 from edge.builtin_models import BUILTINS  # light: the table, not the model
+from edge.engineconfig import BatchingConfig, EngineConfig, check_engines, check_name
 from edge.errors import ConfigError
 from edge.prefixconfig import MessageConfig, PrefixConfig, check_prefixes
 from edge.toml import build_dataclass  # also the engine recipes' builder (edge.engines.recipe)
@@ -154,34 +155,6 @@ class WarmupConfig:
 
 
 @dataclass(frozen=True)
-class BatchingConfig:
-    """An engine's KServe requests batched as Triton's dynamic batcher does (edge.serve.batcher,
-    which checks these against the engine's profiles): enabled ("auto": where it has a batch dim),
-    the oldest request's longest wait for company (0: a batch is what queued while the engine was
-    busy), the most rows (0: what the profiles take), rows that run without waiting (0: the most)."""
-
-    enabled: bool | str = field(default="auto", metadata={"choices": ("auto", True, False)})
-    max_queue_delay_us: int = field(default=0, metadata=_range(0, 1_000_000))
-    max_batch_size: int = field(default=0, metadata=_range(0, 1 << 16))
-    preferred_batch_size: int = field(default=0, metadata=_range(0, 1 << 16))
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """A TensorRT or ONNX Runtime engine served from the store, found by this device's key."""
-
-    name: str
-    backend: str = "tensorrt"  # tensorrt | onnxruntime
-    recipe: str | None = None  # its ONNX's sha256, precision and profiles name the engine
-    onnx_sha256: str | None = None  # instead of recipe, on devices that hold no ONNX
-    precision: str | None = None  # with onnx_sha256: fp32 | fp16 | int8
-    profile: str = ""
-    store: str | None = None  # default: <cache_dir>/engines
-    warmup: bool = True  # run every profile's min/opt/max shapes before READY
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
-
-
-@dataclass(frozen=True)
 class OtaConfig:
     """Defaults of `edge ota install` on this device; flags override them."""
 
@@ -266,12 +239,12 @@ def parse_config(text: str, *, source: str = "<string>", base_dir: Path | None =
 def _check_models(cfg: Config, source: str, base_dir: Path | None) -> None:
     if not cfg.models and not cfg.engines:
         raise ConfigError(source, "models", "expected at least one [[models]] or [[engines]] table, found none")
-    _check_engines(cfg, source, base_dir)
+    object.__setattr__(cfg, "engines", check_engines(cfg.engines, source, base_dir))
     seen: set[str] = {e.name for e in cfg.engines}
     resolved = []
     for i, m in enumerate(cfg.models):
         where = f"models[{i}]"
-        _check_name(m.name, source, f"{where}.name")
+        check_name(m.name, source, f"{where}.name")
         if m.kind not in MODEL_KINDS:
             raise ConfigError(source, f"{where}.kind", f"expected one of {list(MODEL_KINDS)}, found {m.kind!r}")
         if m.name in seen:
@@ -319,36 +292,6 @@ def _check_cache(m: ModelConfig, source: str, where: str, base_dir: Path | None)
         raise ConfigError(source, f"{where}.prompt_cache_mb", f"0 turns the prompt cache off, but {what} "
                           "needs it: remove prompt_cache_mb (sized automatically) or set it above 0")
     return dataclasses.replace(m, prefixes=check_prefixes(m.prefixes, source, where, base_dir))
-
-
-def _check_name(name: str, source: str, key: str) -> None:
-    # Names are path segments of the API (/v2/models/{name}) and labels of the metrics.
-    if not name or name != name.strip() or any(c in name for c in "/?#%\"\\") or not name.isprintable():
-        raise ConfigError(source, key, f"expected a name without spaces around it, '/', '?', '#', '%', "
-                          f"quotes or backslashes, found {name!r}")
-
-
-def _check_engines(cfg: Config, source: str, base_dir: Path | None) -> None:
-    resolved, seen = [], set()
-    for i, e in enumerate(cfg.engines):
-        where = f"engines[{i}]"
-        _check_name(e.name, source, f"{where}.name")
-        if e.backend not in ("tensorrt", "onnxruntime"):
-            raise ConfigError(source, f"{where}.backend", f"expected 'tensorrt' or 'onnxruntime', found {e.backend!r}")
-        if e.name in seen:
-            raise ConfigError(source, f"{where}.name", f"duplicate engine name {e.name!r}")
-        seen.add(e.name)
-        if (e.recipe is None) == (e.onnx_sha256 is None):
-            raise ConfigError(source, where, "expected exactly one of recipe or onnx_sha256")
-        if e.onnx_sha256 is not None and e.precision not in ("fp32", "fp16", "int8"):
-            raise ConfigError(source, f"{where}.precision", "with onnx_sha256, expected fp32, fp16 or int8, "
-                              f"found {e.precision!r}")
-        recipe, store = e.recipe, e.store
-        if base_dir is not None:  # relative to the config file: an OTA version dir holds both
-            recipe = str((base_dir / recipe).resolve()) if recipe and not os.path.isabs(recipe) else recipe
-            store = str((base_dir / store).resolve()) if store and not os.path.isabs(store) else store
-        resolved.append(dataclasses.replace(e, recipe=recipe, store=store))
-    object.__setattr__(cfg, "engines", resolved)
 
 
 def state_dir(cfg: Config) -> Path:
