@@ -196,28 +196,23 @@ def recovery_chart(crashes: list[dict[str, Any]], safe: list[dict[str, Any]], no
     axis, from the first of them to `now` (unix seconds); None when there are neither."""
     from edge.fleet.history import timestamp
 
-    times = [float(c["started_unix"]) for c in crashes if isinstance(c.get("started_unix"), (int, float))]
-    since = [(s, timestamp(s.get("since"))) for s in safe]
-    t0 = min(times + [t for _, t in since if t is not None], default=now)
     if not crashes and not safe:
         return None
+    when = {id(c): float(c["started_unix"]) if isinstance(c.get("started_unix"), (int, float)) else now for c in crashes}
+    since = [(s, timestamp(s.get("since")) or now) for s in safe]
+    t0 = min([*when.values(), *(t for _, t in since)])
+    first = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))
     chart = Chart(f"edge crashes and safe mode · {len(crashes)} crash record(s), the first at "
-                  f"{crashes[0].get('at') if crashes else '-'}",
-                  f"offsets from {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(t0))} · safe mode: "
-                  f"{len(safe)} step(s) in force")
+                  f"{crashes[0].get('at') if crashes else '-'}", f"offsets from {first} · safe mode: {len(safe)} step(s)")
     for c in crashes:
-        at = float(c["started_unix"]) - t0 if isinstance(c.get("started_unix"), (int, float)) else 0.0
-        on = c.get("model") or c.get("engine") or ""
-        chart.bars.append(Bar("crashes", at, 0.0, f"{c.get('signal') or '?'} {c.get('phase') or '?'}",
-                              {"data-crash": str(c.get("phase") or "unknown")},
-                              f"{c.get('result')} at {c.get('at')}, pid {c.get('pid')}: phase {c.get('phase')}, "
-                              f"signal {c.get('signal')}{f', {on}' if on else ''}"))
+        on = f", {c.get('model') or c.get('engine')}" if c.get("model") or c.get("engine") else ""
+        chart.bars.append(Bar("crashes", when[id(c)] - t0, 0.0, f"{c.get('signal') or '?'} {c.get('phase') or '?'}",
+                              {"data-crash": str(c.get("phase") or "unknown")}, f"{c.get('result')} at {c.get('at')}, "
+                              f"pid {c.get('pid')}: phase {c.get('phase')}, signal {c.get('signal')}{on}"))
     for s, t in since:
-        at = (t if t is not None else now) - t0
-        chart.bars.append(Bar("safe mode", at, max(now - t0 - at, 0.0), f"{s.get('target')}: {s.get('fallback')}",
+        chart.bars.append(Bar("safe mode", t - t0, now - t, f"{s.get('target')}: {s.get('fallback')}",
                               {"data-safe-mode": str(s.get("target"))},
-                              f"safe mode since {s.get('since')}: {s.get('target')}: {s.get('fallback')} "
-                              f"({s.get('reason')})"))
+                              f"safe mode since {s.get('since')}: {s.get('target')}: {s.get('fallback')} ({s.get('reason')})"))
     chart.markers.append((max(now - t0, chart.end), "NOW", "now"))
     return chart
 

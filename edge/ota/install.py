@@ -250,23 +250,17 @@ class Ota:
         return {**self._commit(), **staged, **report}
 
     def _already_current(self, bundle: Bundle, activate: ActivatorLike) -> dict[str, Any]:
-        """The same content is installed: the bundle's own bytes are checked (a tampered copy is
-        refused as on any other device), then the installed version against the bundle, repaired
-        in place (each file, edge.toml, manifest.json and .sig by one atomic rename); where a file
-        the service reads changed, the service is activated again (a reload takes the new bytes)."""
-        from edge.ota.extract import scan
+        """The same content is installed: the bundle's bytes are checked, then the installed version
+        against the bundle and repaired in place (each file by one atomic rename); where a file the
+        service reads changed, the service is activated again (a reload takes the new bytes)."""
+        from edge.ota.recheck import refuse_tampered
 
-        bad = [f"{f.path} ({problem})" for f, problem in scan(bundle) if problem]
-        if bad:
-            raise BundleError(f"{bundle.path}: {len(bad)} file(s) fail their check: {'; '.join(bad)} "
-                              f"(version {bundle.version} is installed and stays)")
+        refuse_tampered(bundle)
         checked = self._recheck(bundle.version, bundle)
-        repaired = checked.get("repaired") or []
-        if not repaired:
+        if not (repaired := checked.get("repaired") or []):
             return {"result": "already-current", "version": bundle.version, "checked": checked,
                     "verified": "the bundle's files match its signed manifest, and so do the installed ones"}
-        st = self.state()
-        self._event(st, bundle.version, "repaired", "; ".join(repaired))
+        self._event(st := self.state(), bundle.version, "repaired", "; ".join(repaired))
         self._save(st)
         result = {"result": "repaired", "version": bundle.version, "checked": checked}
         served = [r for r in repaired if not r.startswith("manifest.json")]

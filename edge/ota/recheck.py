@@ -28,7 +28,7 @@ from edge.ota.manifest import FileEntry, check_files, content_digest
 from edge.ota.store import Store
 from edge.ota.verify import file_problem, signature_note
 
-__all__ = ["recheck"]
+__all__ = ["recheck", "refuse_tampered"]
 
 REPAIR = ".staging-repair"  # versions/.staging-repair-PID: garbage that recover deletes after a kill
 
@@ -80,6 +80,17 @@ def recheck(vdir: Path, store: Store, fs: Fs, *, pubkey: Path | None = None,
     sizes = {f.sha256: f.size for f in files}
     return {"files": len(files), "bytes": sum(sizes.values()), "seconds": round(time.monotonic() - t0, 3),
             "signature": note, **({"repaired": repaired} if repaired else {})}
+
+
+def refuse_tampered(bundle: Bundle) -> None:
+    """A bundle of the installed version: its own bytes hashed against its signed manifest first,
+    so that a tampered copy is refused as it would be on any other device."""
+    from edge.ota.extract import scan
+
+    bad = [f"{f.path} ({problem})" for f, problem in scan(bundle) if problem]
+    if bad:
+        raise BundleError(f"{bundle.path}: {len(bad)} file(s) fail their check: {'; '.join(bad)} "
+                          f"(version {bundle.version} is installed and stays)")
 
 
 def _manifest_ok(vdir: Path, bundle: Bundle) -> bool:
