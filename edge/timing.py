@@ -21,11 +21,24 @@ from typing import Any
 
 from edge.fsutil import atomic_write
 
-__all__ = ["Phase", "PhaseObserver", "Phases", "StartTimer", "ReloadTimer", "format_report", "write_report", "read_last_report",
+__all__ = ["BIDI_CONTROLS", "visible", "Phase", "PhaseObserver", "Phases", "StartTimer", "ReloadTimer", "format_report", "write_report", "read_last_report",
            "process_age_s", "REPORT_NAME", "RELOAD_REPORT_NAME", "format_reload_report", "UnreadableReport"]
 
 REPORT_NAME = "last-start.json"
 RELOAD_REPORT_NAME = "last-reload.json"
+
+
+# Unicode's bidirectional controls (marks, embeddings, overrides, isolates): in a model, host or
+# path name they reorder the text around them on screen (U+202E writes what follows backwards),
+# so a report shown to a person (edge status, the SVG timeline) prints their code points instead
+BIDI_CONTROLS = "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+_SHOWN = {ord(c): f"<U+{ord(c):04X}>" for c in BIDI_CONTROLS}
+
+
+def visible(text: str) -> str:
+    """`text` with every bidirectional control written as its code point (<U+202E>): shown in
+    the order it is stored."""
+    return text.translate(_SHOWN)
 
 
 def process_age_s() -> float:

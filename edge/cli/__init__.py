@@ -5,6 +5,7 @@ needs it, so `edge --help` stays fast and imports no native or HTTP stack."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import traceback
 
@@ -28,10 +29,11 @@ app.add_typer(ota_app, name="ota")
 
 
 def main() -> None:
+    _hold_std_fds()
     try:
         app()
     except EdgeError as exc:
-        print(f"edge: error: {exc}", file=sys.stderr)
+        _stderr(f"edge: error: {exc}")
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
@@ -40,11 +42,37 @@ def main() -> None:
         sys.exit(EX_SOFTWARE)
 
 
+def _hold_std_fds() -> None:
+    """A descriptor 0, 1 or 2 the caller closed (`>&-`) gets /dev/null: a file the command opens
+    must not take its number and receive what a library writes to stdout or stderr. Python saw it
+    closed at startup (sys.stdout is None), so a command's answer still says stdout is closed."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
+def _stderr(line: str) -> None:
+    """One line on stderr; none where stderr is closed or cannot take it (the exit code remains)."""
+    if sys.stderr is None:
+        return
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 def _internal_error() -> None:
     log = logging.getLogger("edge")
     if log.handlers:  # `edge serve` set up logging (the journal under systemd): the traceback goes there
         log.critical("internal error; exiting %d", EX_SOFTWARE, exc_info=True)
-    else:
-        traceback.print_exc()
-        print(f"edge: internal error (a bug: please report the traceback above); exiting {EX_SOFTWARE}",
-              file=sys.stderr)
+    elif sys.stderr is not None:
+        try:
+            traceback.print_exc()
+        except OSError:
+            pass
+        _stderr(f"edge: internal error (a bug: please report the traceback above); exiting {EX_SOFTWARE}")

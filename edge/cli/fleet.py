@@ -1,5 +1,6 @@
-"""`edge fleet rules|agent`: what a fleet's Prometheus needs from edge: the rules file to load,
-and a Prometheus agent on the device that pushes its metrics out (no inbound connection)."""
+"""`edge fleet rules|agent|dashboard`: what a fleet's Prometheus and Grafana need from edge: the
+rules file to load, a Prometheus agent on the device that pushes its metrics out (no inbound
+connection), and the dashboard with its provisioning file."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ from edge.cli.options import ConfigOpt, config_of, http_url
 __all__ = ["register"]
 
 fleet_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                        help="Fleet monitoring: Prometheus rules and a Prometheus agent that pushes.")
+                        help="Fleet monitoring: Prometheus rules, a Prometheus agent that pushes, a Grafana dashboard.")
 
 
 @fleet_app.command("rules")
 def rules() -> None:
     """Print the Prometheus rules shipped with edge (p50/p95 ready time by module and model;
-    alerts: not ready, device silent, starts failing, slow start, OTA rolled back, mlock not taken,
+    alerts: not ready, device silent, starts failing, crash loop, slow start, OTA rolled back, mlock not taken,
     model on the CPU, prompt-cache hit-rate collapse). Drop the output into the fleet Prometheus' rule_files."""
     from edge.fleet.agent import rules_text
 
@@ -81,6 +82,19 @@ def agent(remote_write: str = typer.Option(..., "--remote-write", callback=http_
     setup = AgentSetup(remote_write=remote_write, instance=instance or socket.gethostname(),
                        target=target, interval=interval, binary=prometheus)
     typer.echo(setup.unit(prometheus_major(prometheus)) if unit else setup.config(), nl=False)
+
+
+@fleet_app.command("dashboard")
+def dashboard(provisioning: bool = typer.Option(False, "--provisioning", help="print Grafana's dashboard "
+                                                "provider file instead (provisioning/dashboards/edge.yaml)"),
+              path: str = typer.Option("/var/lib/grafana/dashboards/edge", "--path",
+                                       help="with --provisioning: the folder that holds edge.json")) -> None:
+    """Print the fleet's Grafana dashboard (JSON; `edge fleet dashboard > edge.json`): time to READY
+    by module, model and edge version, starts by result, crashes, safe mode, OTA, mlock, devices not
+    scraped, and every shipped alert's expression. Needs the `dashboard` extra (Python 3.11+)."""
+    from edge.fleet.dashboard import dashboard_json, provisioning as provider
+
+    typer.echo(provider(path) if provisioning else dashboard_json(), nl=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -89,9 +89,14 @@ def _echo(result: Any) -> None:
 
 def _say(text: str) -> None:
     """The command's answer on stdout. Written after the command did its work: where stdout cannot
-    take it (a full file system), one line says so with exit 74, and the work stands."""
+    take it (closed: `>&-`; a full file system; a reader gone), one line says so with exit 74, and
+    the work stands. edge.cli.main put /dev/null on a closed descriptor, so no file the command
+    opened took its number."""
     from edge.ota.errors import OtaIOError
 
+    done = "the command completed, but its answer could not be written (`edge ota status` shows the state)"
+    if sys.stdout is None:
+        raise OtaIOError(f"stdout is closed: {done}")
     try:
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
@@ -99,8 +104,7 @@ def _say(text: str) -> None:
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, sys.stdout.fileno())  # what is left in the buffer goes nowhere, not into a traceback at exit
         os.close(null)
-        raise OtaIOError(f"stdout: {exc.strerror or exc}: the command completed, but its answer could not be "
-                         "written (`edge ota status` shows the state)") from None
+        raise OtaIOError(f"stdout: {exc.strerror or exc}: {done}") from None
 
 
 def _output_file(value: Path) -> Path:
@@ -168,7 +172,7 @@ def keygen(out: Path = typer.Option(Path("signing.key"), "-o", "--out", callback
                                  param_hint="'-o' / '--out'") from None
     except OSError as exc:
         raise EdgeError(f"{exc.filename or out}: cannot write the key: {exc.strerror or exc}") from None
-    typer.echo(f"wrote {out} (keep it secret) and {pub} (install it on devices as /etc/edge/ota.pub)")
+    _say(f"wrote {out} (keep it secret) and {pub} (install it on devices as /etc/edge/ota.pub)")
 
 
 def _bundle_files(model: list[Path], engines: Optional[Path],
@@ -239,7 +243,7 @@ def build(version: str = typer.Option(..., "--version", callback=_version,
         raise EdgeError(f"{exc.filename or out}: cannot build the bundle: {exc.strerror or exc}") from None
     carried = [f for f in manifest["files"] if f.get("carried", True)]
     thin = f", thin on {manifest['base']['bundle_version']}: carries {len(carried)}" if base else ""
-    typer.echo(f"wrote {out}: version {version}, {len(manifest['files'])} files{thin}, "
+    _say(f"wrote {out}: version {version}, {len(manifest['files'])} files{thin}, "
                f"{out.stat().st_size} bytes")
 
 
@@ -256,16 +260,16 @@ def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey"
     the checks install makes that do not depend on the device, with install's verdict."""
     from edge.ota.bundle import open_bundle
     from edge.ota.checks import check_bundle
-    from edge.ota.errors import BundleError
+    from edge.ota.errors import BundleError, OtaIOError
     from edge.ota.extract import scan
 
     b = open_bundle(bundle, pubkey, insecure=pubkey is None)
     if field is not None:
-        return typer.echo(FIELDS[field](b))
+        return _say(FIELDS[field](b))
     thin = f", thin on {b.base['bundle_version']} (content {b.base['content_digest'][:16]}…)" if b.base else ""
-    typer.echo(f"bundle {bundle}: version {b.version}{thin}, created {b.manifest.get('created')}, "
-               f"needs edge >= {b.manifest.get('min_edge_version')}, "
-               f"signature {'verified with ' + str(pubkey) if pubkey else 'NOT checked (no --pubkey)'}")
+    lines = [f"bundle {bundle}: version {b.version}{thin}, created {b.manifest.get('created')}, "
+             f"needs edge >= {b.manifest.get('min_edge_version')}, "
+             f"signature {'verified with ' + str(pubkey) if pubkey else 'NOT checked (no --pubkey)'}"]
     check_bundle(b)
     bad = 0
     for f, problem in scan(b):
@@ -273,8 +277,13 @@ def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey"
         key = f" for {f.key['target']}" if f.key else ""
         state = "ok " if problem is None else "BAD"
         state = "dev" if not f.carried else state  # a thin bundle's file the device must have
-        typer.echo(f"  {state} {f.kind:<7} {f.size:>12}  {f.path}{key}" + (f"  ({problem})" if problem else ""))
-    typer.echo("config:\n" + "\n".join("  " + line for line in b.manifest["config"].splitlines()))
+        lines.append(f"  {state} {f.kind:<7} {f.size:>12}  {f.path}{key}" + (f"  ({problem})" if problem else ""))
+    lines.append("config:\n" + "\n".join("  " + line for line in b.manifest["config"].splitlines()))
+    try:
+        _say("\n".join(lines))
+    except OtaIOError:
+        if not bad:
+            raise  # the verdict is the exit code: a bad bundle's 65 goes before stdout's 74
     if bad:
         raise BundleError(f"{bad} file(s) in {bundle} do not match the manifest")
 

@@ -67,15 +67,17 @@ def warmup(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt,
     report = ColdStart(config).rehearse(recalibrate=calibrate)
     typer.echo(json.dumps(report, indent=2) if as_json else format_report(report))
     if svg is not None:
-        _write_svg(svg, [(report, "start")])
+        from edge.fleet.timeline import chart_of
+
+        _write_svg(svg, [chart_of(report)])
 
 
-def _write_svg(path: Path, reports: list[tuple[dict[str, Any], str]]) -> None:
+def _write_svg(path: Path, charts: list[Any]) -> None:
     from edge.fsutil import atomic_write
-    from edge.fleet.timeline import chart_of, render_svg
+    from edge.fleet.timeline import render_svg
 
     try:
-        atomic_write(path, render_svg([chart_of(r, kind) for r, kind in reports]))
+        atomic_write(path, render_svg(charts))
     except OSError as exc:
         raise EdgeError(f"--svg {path}: cannot write it: {exc.strerror or exc}") from None
     typer.echo(f"timeline written to {path}", err=True)
@@ -144,7 +146,7 @@ def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Opti
     and a start that failed after it, if one did. A damaged report is named (exit 1), the others
     are still shown."""
     from edge.fleet.history import FAILED_START
-    from edge.timing import REPORT_NAME
+    from edge.timing import REPORT_NAME, visible
 
     from edge.fleet.crashes import recent_crashes
     from edge.lifecycle.safemode import SafeMode
@@ -164,15 +166,19 @@ def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Opti
         reload_report = None  # a reload of an earlier run of the service, not of this one (nor its handover to it)
     if as_json:  # the start report as before, the last reload (and a later failed start) beside it
         typer.echo(json.dumps({**(report or {}), "last_reload": reload_report, "last_failed_start": failed,
-                               "crashed_starts": crashes, "safe_mode": safe}, indent=2))
+                               "crashed_starts": crashes, "safe_mode": safe}, indent=2))  # ASCII: \u202e
     else:
         _print_reports(folder, report, reload_report, failed, damaged)
-        typer.echo(_format_recovery(crashes, safe), nl=False)
+        typer.echo(visible(_format_recovery(crashes, safe)), nl=False)
     for why in damaged:
-        typer.echo(f"edge: {why}", err=True)
+        typer.echo(visible(f"edge: {why}"), err=True)
     if svg is not None:
-        drawn = [(r, k) for r, k in ((report, "start"), (reload_report, "reload"), (failed, "start")) if r]
-        _write_svg(svg, drawn)
+        import time
+
+        from edge.fleet.timeline import chart_of, recovery_chart
+
+        drawn = [chart_of(r, k) for r, k in ((report, "start"), (reload_report, "reload"), (failed, "start")) if r]
+        _write_svg(svg, drawn + [c for c in [recovery_chart(crashes, safe, time.time())] if c])
     if damaged:
         raise typer.Exit(1)
 
@@ -206,7 +212,7 @@ def _read_report(folder: Path, kind: str, damaged: list[str]) -> Optional[dict[s
 def _print_reports(folder: Path, report: Any, reload_report: Any, failed: Any, damaged: list[str]) -> None:
     """Each report as a table; one whose fields cannot be shown is named in `damaged` instead."""
     from edge.fleet.history import FAILED_START
-    from edge.timing import format_reload_report, format_report
+    from edge.timing import format_reload_report, format_report, visible
 
     shown = False
     for r, kind, render in ((report, "start", format_report), (reload_report, "reload", format_reload_report),
@@ -218,7 +224,7 @@ def _print_reports(folder: Path, report: Any, reload_report: Any, failed: Any, d
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             damaged.append(f"report {folder / f'last-{kind}.json'} is unreadable: {type(exc).__name__}: {exc}")
             continue
-        typer.echo(("\n" if shown else "") + text)
+        typer.echo(("\n" if shown else "") + visible(text))
         shown = True
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +30,7 @@ from typing import Any
 from edge.fsutil import atomic_write
 from edge.timing import write_report
 
-__all__ = ["CRASH", "FAILED_START", "LEDGER", "START_RESULTS", "Ledger", "OtaView", "read_json", "read_ota", "record_failed_start",
+__all__ = ["AFTER_READY", "CRASH", "FAILED_START", "LEDGER", "START_RESULTS", "Ledger", "OtaView", "read_json", "read_ota", "record_failed_start",
            "reload_result", "timestamp"]
 
 log = logging.getLogger("edge")
@@ -40,6 +42,9 @@ CRASH = "crash"  # the report kind of a process that died after READY (edge.flee
 # how a start ended: READY, or before it by an error, a SIGTERM, a signal, systemd's timeout
 START_RESULTS = ("ok", "failed", "stopped", "crashed", "timeout")
 _KINDS = ("start", FAILED_START, "reload", CRASH)  # report kinds (file prefixes under reports/)
+AFTER_READY = "after_ready"  # the events' family of a crash while serving (a crashed start is a "start")
+RECENT_S = 24 * 3600  # how long history.json keeps each counted event's time (edge.fleet.metrics' windows)
+MAX_EVENTS = 2000  # at most this many of them (a boot loop restarting every second is past any alert)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -106,6 +111,8 @@ class Ledger:
     state_dir: Path
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     seen: dict[str, str] = field(default_factory=dict)  # report file name -> its identity
+    # (unix time, family, key) of what was counted in the last RECENT_S: the windows of recent()
+    events: list[tuple[float, str, str]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _loaded: bool = False
     _warned: bool = False
@@ -128,17 +135,33 @@ class Ledger:
                     continue  # half-gone (pruned meanwhile) or foreign: not counted, looked at again
                 ident = _identity(kind, name, report)
                 if ident not in known:
+                    at = _happened(report, self.state_dir / "reports" / name)
                     for family, key in _counted(kind, report):
                         counts = self.counts.setdefault(family, {})
                         counts[key] = counts.get(key, 0) + 1
+                        self.events.append((at, AFTER_READY if kind == CRASH else family, key))
                     known.add(ident)
                 self.seen[name] = ident
             gone = [n for n in self.seen if n not in on_disk]
             for n in gone:
                 del self.seen[n]  # pruned: it cannot come back, so it need not be remembered
-            if new or gone:
+            horizon = time.time() - RECENT_S
+            old = len(self.events)
+            self.events = sorted(e for e in self.events if e[0] >= horizon)[-MAX_EVENTS:]
+            if new or gone or len(self.events) != old:
                 self._save()
             return {k: dict(v) for k, v in self.counts.items()}
+
+    def recent(self, window_s: float, now: float | None = None) -> dict[str, dict[str, int]]:
+        """What was counted in the last `window_s` seconds (as of the last update()), by when it
+        happened on this device: family -> key -> n. A scrape gap, a new Prometheus, a recount
+        of the reports or a device back from offline changes none of it."""
+        since = (time.time() if now is None else now) - window_s
+        out: dict[str, dict[str, int]] = {}
+        for at, family, key in self.events:
+            if at >= since:
+                out.setdefault(family, {})[key] = out.setdefault(family, {}).get(key, 0) + 1
+        return out
 
     def _reports(self) -> Iterator[tuple[str, str]]:
         try:
@@ -161,10 +184,14 @@ class Ledger:
         self.counts = {str(k): {str(r): int(n) for r, n in v.items() if isinstance(n, int)}
                        for k, v in (counts or {}).items() if isinstance(v, dict)}
         self.seen = {str(k): str(v) for k, v in (seen or {}).items()}
+        events = data.get("events") if isinstance(data, dict) and counts else None
+        self.events = [(float(e[0]), str(e[1]), str(e[2])) for e in events or []
+                       if isinstance(e, list) and len(e) == 3 and isinstance(e[0], (int, float))]
         self._loaded = True
 
     def _save(self) -> None:
-        data = {"format": LEDGER_FORMAT, "counts": self.counts, "seen": self.seen}
+        data = {"format": LEDGER_FORMAT, "counts": self.counts, "seen": self.seen,
+                "events": [list(e) for e in self.events]}
         try:
             atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
         except OSError as exc:  # the counts still serve from memory; the next update tries again
@@ -172,6 +199,22 @@ class Ledger:
                 log.warning("cannot write %s (%s): start and reload counts will not survive a restart",
                             self.path, exc)
                 self._warned = True
+
+
+def _happened(report: dict[str, Any], path: Path) -> float:
+    """When a report's event happened on this device: its start plus how long it ran (the
+    failure, the crash), else its file's time; never the time it was counted (a recount of old
+    reports must not look like new failures)."""
+    start = report.get("started_unix")
+    if not isinstance(start, (int, float)):
+        start = timestamp(report.get("started_at"))
+    if isinstance(start, (int, float)):
+        ran = report.get("ready_s")
+        return float(start) + (float(ran) if isinstance(ran, (int, float)) and ran > 0 else 0.0)
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return time.time()
 
 
 def record_failed_start(state_dir: Path, report: dict[str, Any], count: bool = True) -> Path | None:
@@ -202,23 +245,63 @@ class OtaView:
     last_at: float | None  # unix seconds
 
 
-def read_ota(state_dir: Path) -> OtaView | None:
-    """`<state_dir>/ota/state.json`, read only; None where there is none or it is not one."""
-    path = state_dir / "ota" / "state.json"
-    st = read_json(path)
-    if st is None:
-        if path.exists():
-            log.debug("%s is not readable JSON: no OTA metrics", path)
-        return None
+# history events that end no install (edge.ota.install writes them beside the install events)
+_NOT_INSTALLS = ("state rebuilt", "repaired")
+# a version's .complete marker state -> the install event it stands for (edge.ota.rebuild's reading;
+# committed is one only after a history: without one, a rollback after it may have pruned it)
+_MARKER_EVENTS = {"failed": "rolled back", "staged": "staged"}
 
+
+def read_ota(state_dir: Path) -> OtaView | None:
+    """`<state_dir>/ota/state.json`, read only; None where there is no OTA. Where it is damaged
+    or lost, what `edge ota recover` will rebuild: state.json.prev (the state before the last
+    write), then the `.complete` markers newer than its last event, so the last result stays
+    shown until then (edge.ota.rebuild makes the same reading and writes it)."""
+    root = state_dir / "ota"
+    st = read_json(root / "state.json")
+    if st is not None:
+        return _view(st, None)
+    prev, marker = read_json(root / "state.json.prev"), _newest_marker(root)
+    if prev is None and marker is None:
+        if (root / "state.json").exists():
+            log.debug("%s is not readable JSON: no OTA metrics", root / "state.json")
+        return None
+    link = os.readlink(root / "current") if (root / "current").is_symlink() else ""
+    return _view(prev or {"current": link.rpartition("/")[2]}, marker)  # no slot left: the link says it
+
+
+def _view(st: dict[str, Any], marker: tuple[str, bool, str, str] | None) -> OtaView:
     def text(v: Any) -> str | None:
         return v if isinstance(v, str) and v else None
 
     pending = st.get("pending")
     history = st.get("history") if isinstance(st.get("history"), list) else []
-    # the last install event: a state rebuild's own note is none (edge/ota/rebuild.py derives one)
-    last = next((e for e in reversed(history) if isinstance(e, dict) and e.get("event") != "state rebuilt"), {})
+    # the last install event: a state rebuild's note and a repair in place are none
+    last = next((e for e in reversed(history) if isinstance(e, dict) and e.get("event") not in _NOT_INSTALLS), {})
+    if marker is not None and marker[0] >= str(last.get("at") or ""):
+        at, _, version, state = marker  # a marker written after the last event it has: the newer one
+        event = _MARKER_EVENTS.get(state, "committed" if last else "unknown")  # no history: no proof
+        if (version, event) != (last.get("version"), last.get("event")):
+            last = {"version": version if event != "unknown" else None, "event": event,
+                    "at": at if event != "unknown" else None}
+            if event != "staged" and isinstance(pending, dict) and pending.get("version") == version:
+                pending = None  # that install ended after the slot was written
     return OtaView(current=text(st.get("current")), previous=text(st.get("previous")),
                    pending=text(pending.get("version")) if isinstance(pending, dict) else None,
                    highest=text(st.get("highest")), last_event=text(last.get("event")),
                    last_version=text(last.get("version")), last_at=timestamp(last.get("at")))
+
+
+def _newest_marker(root: Path) -> tuple[str, bool, str, str] | None:
+    """(at, failed, version, state) of the newest `.complete` marker (a failure first within one
+    second, as the rebuild orders them); None without one that says when."""
+    markers = []
+    for marker in sorted(root.glob("versions/*/.complete")):
+        try:
+            lines = marker.read_text().split("\n")
+        except (OSError, UnicodeDecodeError):
+            continue
+        version, state, at = ((lines + ["", "", ""])[:3])
+        if at.strip():
+            markers.append((at.strip(), state.strip() == "failed", version.strip(), state.strip()))
+    return max(markers, default=None)

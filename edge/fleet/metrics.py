@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
-from edge.fleet.history import START_RESULTS, Ledger, OtaView, read_json, read_ota, reload_result, timestamp
+from edge.fleet.history import AFTER_READY, START_RESULTS, Ledger, OtaView, read_json, read_ota, reload_result, timestamp
 from edge.model.gpu import llama_lib_dir
 
 __all__ = ["DEVICE_LABELS", "FleetCollector", "build_labels", "device_labels", "ggml_gpu_devices",
@@ -46,6 +46,8 @@ COUNTERS = (("edge_starts", "start", START_RESULTS, "Starts of the service on th
              "taking over (edge reload --process, or a new edge, llama.cpp or unit environment installed) "
              "by result (ok: both ran, no gap; restart: memory did not allow both, the old one drained "
              "first; failed: the old process served on), across restarts."))
+# the windows of edge_recent_starts and edge_recent_crashes (label, seconds): the alerts' own
+STARTS_WINDOW, CRASHES_WINDOW = ("30m", 1800.0), ("1h", 3600.0)
 GGML_DEVICE_TYPE_GPU = 1  # enum ggml_backend_dev_type: CPU, GPU, then (by version) IGPU or ACCEL
 
 
@@ -232,6 +234,7 @@ class FleetCollector:
             phase, _, sig = key.partition("/")
             crashes.add_metric([phase, sig], float(n))
         yield crashes
+        yield from self._recent()
         report = read_json(self.state_dir / "last-start.json") or {}
         phases: dict[str, float] = {}
         for p in report.get("phases") or []:
@@ -245,6 +248,22 @@ class FleetCollector:
         at = timestamp(report.get("started_at"))
         yield _gauge("edge_last_start_timestamp_seconds", "When the last successful start began "
                      "(unix time).", [], [([], at)] if at is not None else [])
+
+    def _recent(self) -> Iterator[Metric]:
+        """What the alerts need, counted here from the device's own history (each event by when it
+        happened): no scrape gap, counter reset, recount or new Prometheus changes these."""
+        starts = self.ledger.recent(STARTS_WINDOW[1]).get("start", {})
+        yield _gauge("edge_recent_starts", "Starts on this device in the last `window` by result (as "
+                     "edge_starts_total), by when they happened: EdgeStartsFailing counts failed, crashed "
+                     "and timeout (stopped is an operator's).", ["result", "window"],
+                     [([r, STARTS_WINDOW[0]], float(starts.get(r, 0))) for r in START_RESULTS])
+        crashes: dict[str, int] = {}
+        for key, n in self.ledger.recent(CRASHES_WINDOW[1]).get(AFTER_READY, {}).items():
+            phase = key.partition("/")[0]
+            crashes[phase] = crashes.get(phase, 0) + n
+        yield _gauge("edge_recent_crashes", "Processes that died by a signal after READY (serving, or "
+                     "in a reload) in the last `window`, by phase: EdgeCrashLoop.", ["phase", "window"],
+                     [([p, CRASHES_WINDOW[0]], float(n)) for p, n in sorted({"serving": 0, **crashes}.items())])
 
     def _safe_mode(self, steps: list[dict[str, Any]]) -> Iterator[Metric]:
         yield _gauge("edge_safe_mode_info", "1 for each safe-mode step in force (edge safe-mode): the "

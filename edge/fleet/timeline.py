@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import math
 import textwrap
+import time
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
-from xml.sax.saxutils import escape, quoteattr
+from xml.sax.saxutils import escape as _escape
+from xml.sax.saxutils import quoteattr as _quoteattr
 
-__all__ = ["Bar", "Chart", "chart_of", "render_svg"]
+from edge.timing import visible
+
+__all__ = ["Bar", "Chart", "chart_of", "recovery_chart", "render_svg"]
 
 WIDTH = 1100
 PLOT_X = 180  # lane labels to the left of it (24 characters: "page-in · gemma3-270m")
@@ -54,13 +58,13 @@ LANES = {"config": "process", "sockets": "process", "resolve_models": "process",
          "engine_deserialize": "engines", "warmup": "warm-up",
          "drain_old": "old set", "drain": "old set"}
 LANE_ORDER = ("old set", "process", "page-in", "validation", "imports", "load + mlock", "HTTP imports",
-              "engines", "warm-up")
+              "engines", "warm-up", "crashes", "safe mode")
 PER_TARGET = ("page-in",)
 MARKERS = {"ready": "READY", "switch": "SWITCH"}
 COLORS = {"process": "#7f7f7f", "page-in": "#4e79a7", "validation": "#59a14f", "imports": "#b07aa1",
           "load + mlock": "#f28e2b", "HTTP imports": "#9c755f", "engines": "#e15759",
-          "warm-up": "#c9a227", "old set": "#76b7b2"}
-MARKER_COLOR = {"READY": "#2ca02c", "SWITCH": "#2ca02c", "FAILED": "#d62728"}
+          "warm-up": "#c9a227", "old set": "#76b7b2", "crashes": "#d62728", "safe mode": "#ff7f0e"}
+MARKER_COLOR = {"READY": "#2ca02c", "SWITCH": "#2ca02c", "FAILED": "#d62728", "NOW": "#555"}
 
 
 @dataclass
@@ -72,6 +76,9 @@ class Bar:
     attrs: dict[str, str]
     tooltip: str = ""
     band: bool = False  # a background band (a warm-up phase behind its steps)
+
+    def __post_init__(self) -> None:
+        self.label = visible(self.label)  # measured as it is drawn
 
 
 @dataclass
@@ -145,27 +152,68 @@ def chart_of(report: dict[str, Any], kind: str = "start") -> Chart:
                       f" · loaded {', '.join(report.get('loaded') or []) or '-'} · config {report.get('config')}")
         chart.bars += _old_set(report, phases) + _new_process(report, phases)
     else:
-        failed = report.get("result") == "failed"
+        end = _end_of(report)
         what = ("rehearsal (edge warmup, nothing served)" if report.get("rehearsal") else
-                "start that FAILED" if failed else "start")
-        outcome = (f"exit {report.get('exit_code')} after" if failed else "ready after")
+                f"start that {end[0]}" if end else "start")
         chart = Chart(f"edge {what} · {report.get('host', '?')} · {report.get('started_at', '?')} · "
                       f"pid {report.get('pid', '?')} · edge {report.get('edge_version', '?')}",
-                      f"{outcome} {float(report.get('ready_s', 0)):.3f} s (offsets from exec) · "
-                      f"sockets {', '.join(report.get('sockets') or []) or '-'}")
+                      f"{end[1] if end else 'ready after'} {float(report.get('ready_s', 0)):.3f} s (offsets "
+                      f"from exec) · sockets {', '.join(report.get('sockets') or []) or '-'}")
     for p in phases:
         if p["name"] in MARKERS:
             at = float(p.get("start_s", 0))
             chart.markers.append((at, MARKERS[p["name"]], f"{MARKERS[p['name']]} {at:.2f} s"))
         else:
             chart.bars += list(_phase_bars(p))
-    if report.get("error"):
+    end = _end_of(report) if kind != "reload" else (("FAILED", "", "FAILED") if report.get("error") else None)
+    if end:  # a start that did not reach READY (or a failed reload): where it ended, never READY
         at = float(report.get("ready_s", chart.end))
-        chart.markers.append((at, "FAILED", f"FAILED {at:.2f} s"))
-        chart.error = f"error: {report['error']}"
+        chart.markers.append((at, end[2], f"{end[2]} {at:.2f} s"))
+        chart.error = f"error: {report['error']}" if report.get("error") else ""
     elif report.get("rehearsal"):  # nothing was served: where READY=1 would have come
         at = float(report.get("ready_s", chart.end))
         chart.markers.append((at, "READY", f"would be READY {at:.2f} s"))
+    return chart
+
+
+def _end_of(report: dict[str, Any]) -> tuple[str, str, str] | None:
+    """How a start that did not reach READY ended: (title word, subtitle's outcome, marker); None
+    for a start that did (or a rehearsal). Every result but ok, and an error without a result."""
+    result = report.get("result")
+    if result in (None, "ok") and not report.get("error") or report.get("rehearsal"):
+        return None
+    if result == "crashed":
+        return "CRASHED", f"killed by signal {report.get('signal') or 'unknown'} after", "CRASHED"
+    if result == "timeout":
+        return "TIMED OUT", "stopped by systemd's TimeoutStartSec= after", "TIMEOUT"
+    if result == "stopped":
+        return "was STOPPED", "stopped (SIGTERM) before it was ready, after", "STOPPED"
+    return "FAILED", f"exit {report.get('exit_code')} after", "FAILED"
+
+
+def recovery_chart(crashes: list[dict[str, Any]], safe: list[dict[str, Any]], now: float) -> Chart | None:
+    """Crash records (edge.fleet.crashes.recent_crashes) and safe mode's steps in force on one
+    axis, from the first of them to `now` (unix seconds); None when there are neither."""
+    from edge.fleet.history import timestamp
+
+    if not crashes and not safe:
+        return None
+    when = {id(c): float(c["started_unix"]) if isinstance(c.get("started_unix"), (int, float)) else now for c in crashes}
+    since = [(s, timestamp(s.get("since")) or now) for s in safe]
+    t0 = min([*when.values(), *(t for _, t in since)])
+    first = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))
+    chart = Chart(f"edge crashes and safe mode · {len(crashes)} crash record(s), the first at "
+                  f"{crashes[0].get('at') if crashes else '-'}", f"offsets from {first} · safe mode: {len(safe)} step(s)")
+    for c in crashes:
+        on = f", {c.get('model') or c.get('engine')}" if c.get("model") or c.get("engine") else ""
+        chart.bars.append(Bar("crashes", when[id(c)] - t0, 0.0, f"{c.get('signal') or '?'} {c.get('phase') or '?'}",
+                              {"data-crash": str(c.get("phase") or "unknown")}, f"{c.get('result')} at {c.get('at')}, "
+                              f"pid {c.get('pid')}: phase {c.get('phase')}, signal {c.get('signal')}{on}"))
+    for s, t in since:
+        chart.bars.append(Bar("safe mode", t - t0, now - t, f"{s.get('target')}: {s.get('fallback')}",
+                              {"data-safe-mode": str(s.get("target"))},
+                              f"safe mode since {s.get('since')}: {s.get('target')}: {s.get('fallback')} ({s.get('reason')})"))
+    chart.markers.append((max(now - t0, chart.end), "NOW", "now"))
     return chart
 
 
@@ -192,6 +240,16 @@ def _new_process(report: dict[str, Any], phases: list[dict[str, Any]]) -> list[B
 
 
 # -- SVG --------------------------------------------------------------------------------------------
+def escape(text: str) -> str:
+    """Text for the SVG: XML-escaped, its bidirectional controls shown as code points (a name with
+    U+202E must not reorder the line it is drawn in)."""
+    return _escape(visible(text))
+
+
+def quoteattr(text: str) -> str:
+    return _quoteattr(visible(text))
+
+
 def _ticks(end: float) -> list[float]:
     """Axis ticks at 1, 2 or 5 x 10^k seconds, about eight of them."""
     raw = end / 8
@@ -219,6 +277,7 @@ def _elided(text: str, room: float, size: float) -> str:
 def _text(x: float, y: float, text: str, *, size: int = 11, fill: str = "#222", anchor: str = "start",
           weight: str = "normal", halo: bool = False, room: float | None = None) -> str:
     """One line; with `room`, elided to that many pixels, the whole text in its <title>."""
+    text = visible(text)  # measured as drawn
     shown = text if room is None else _elided(text, room, size)
     # a halo (white stroke painted under the glyphs) keeps text legible over grid and marker lines
     ring = ' stroke="#fff" stroke-width="3" paint-order="stroke"' if halo else ""
@@ -235,7 +294,7 @@ class _Canvas:
         self.scale = (WIDTH - PLOT_X - PLOT_RIGHT) / (chart.end * 1.02)
         self.lanes = chart.lanes
         self.lanes_top = top + LANES_TOP
-        lines = textwrap.wrap(chart.error, int((WIDTH - 16) / (11 * ADVANCE)), break_on_hyphens=False)
+        lines = textwrap.wrap(visible(chart.error), int((WIDTH - 16) / (11 * ADVANCE)), break_on_hyphens=False)
         lines = lines[:ERROR_LINES - 1] + [" ".join(lines[ERROR_LINES - 1:])] if len(lines) > ERROR_LINES else lines
         self.error = [_elided(line, WIDTH - 16, 11) for line in lines]  # wide characters: still inside
         self.height = LANES_TOP + LANE_H * len(self.lanes) + 18 + LINE_H * len(self.error)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from edge.errors import EdgeError, ServiceUnreachable
 
 __all__ = ["BundleError", "VersionError", "PolicyError", "OtaStateError", "OtaIOError", "OtaBusy",
-           "ServiceUnreachable", "RolledBackUnhealthy"]
+           "ServiceUnreachable", "RolledBackUnhealthy", "RepairedUnhealthy"]
 
 
 class BundleError(EdgeError):
@@ -47,5 +47,13 @@ class OtaBusy(EdgeError):
 class RolledBackUnhealthy(EdgeError):
     """A version was rolled back, and the one it went back to fails its health check too: the
     device serves nothing healthy. Exit 1, as every rollback; the message says both reasons."""
+
+    exit_code = 1
+
+
+class RepairedUnhealthy(EdgeError):
+    """The current version's bundle pushed again repaired files the service reads, and the service
+    activated on them fails its health check: the version stays (there is nothing to roll back:
+    it was current before). Exit 1, as an install that did not end healthy."""
 
     exit_code = 1

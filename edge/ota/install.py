@@ -42,7 +42,8 @@ from edge.errors import EdgeError
 from edge.ota import links
 from edge.ota.activate import Activator
 from edge.ota.bundle import Bundle
-from edge.ota.errors import BundleError, OtaBusy, OtaIOError, OtaStateError, RolledBackUnhealthy
+from edge.ota.errors import (BundleError, OtaBusy, OtaIOError, OtaStateError, RepairedUnhealthy,
+                             RolledBackUnhealthy)
 from edge.ota.fsops import Fs
 from edge.ota.policy import refuse
 from edge.ota.rebuild import EMPTY, rebuild_state
@@ -228,7 +229,7 @@ class Ota:
         st = self.state()
         refuse(self.versions, self.store, bundle, st, allow_downgrade)  # again: a rollback may have pruned
         if st["current"] == bundle.version:
-            return self._already_current(bundle)
+            return self._already_current(bundle, activate)
         self._first_install(st)
         staged = self._stage(bundle, st)
         st["pending"] = {"version": bundle.version, "previous": st["previous"]}
@@ -248,17 +249,29 @@ class Ota:
                     "pending: `edge ota commit` makes it permanent; a reboot or `edge ota recover` rolls it back"}
         return {**self._commit(), **staged, **report}
 
-    def _already_current(self, bundle: Bundle) -> dict[str, Any]:
-        """The same content is installed; the bundle's own bytes are still checked, so that a
-        tampered copy is refused as it would be on any other device."""
-        from edge.ota.extract import scan
+    def _already_current(self, bundle: Bundle, activate: ActivatorLike) -> dict[str, Any]:
+        """The same content is installed: the bundle's bytes are checked, then the installed version
+        against the bundle and repaired in place (each file by one atomic rename); where a file the
+        service reads changed, the service is activated again (a reload takes the new bytes)."""
+        from edge.ota.recheck import refuse_tampered
 
-        bad = [f"{f.path} ({problem})" for f, problem in scan(bundle) if problem]
-        if bad:
-            raise BundleError(f"{bundle.path}: {len(bad)} file(s) fail their check: {'; '.join(bad)} "
-                              f"(version {bundle.version} is installed and stays)")
-        return {"result": "already-current", "version": bundle.version, "verified": "the bundle's files "
-                "match its signed manifest; `edge ota verify` checks the installed ones"}
+        refuse_tampered(bundle)
+        checked = self._recheck(bundle.version, bundle)
+        if not (repaired := checked.get("repaired") or []):
+            return {"result": "already-current", "version": bundle.version, "checked": checked,
+                    "verified": "the bundle's files match its signed manifest, and so do the installed ones"}
+        self._event(st := self.state(), bundle.version, "repaired", "; ".join(repaired))
+        self._save(st)
+        result = {"result": "repaired", "version": bundle.version, "checked": checked}
+        served = [r for r in repaired if not r.startswith("manifest.json")]
+        if activate is None or not served:
+            return {**result, **({"note": "not activated (--no-activate): restart or reload the service to "
+                                          "serve the repaired files"} if served else {})}
+        ok, why = _activate(activate)
+        if not ok:
+            raise RepairedUnhealthy(f"{bundle.version} was repaired in place ({'; '.join(served)}), but the "
+                                    f"service is not healthy on it: {why}")
+        return {**result, **_report(activate)}
 
     def _first_install(self, st: dict[str, Any]) -> bool:
         """Before OTA takes over: record the config the service runs as the factory state."""

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from edge.ota.bundle import Bundle
+from edge.ota.bundle import Bundle, signature_ok
 from edge.ota.errors import BundleError, PolicyError
 from edge.ota.manifest import content_digest
 from edge.ota.statefile import read_marker
@@ -19,16 +19,30 @@ from edge.ota.version import highest, parse_version
 __all__ = ["check_policy", "check_content", "refuse"]
 
 
-def _installed_digest(versions: Path, version: str, st: dict[str, Any]) -> str | None:
+def _installed_digest(versions: Path, bundle: Bundle, st: dict[str, Any]) -> str | None:
+    """What this device installed as the bundle's version: the state's record first; the version's
+    own manifest only where no record is kept and its manifest.sig verifies it with the key that
+    verified the bundle (a damaged or unsigned manifest is data the install repairs, never an
+    authority that locks the version's own signed bundle out)."""
+    if bundle.version in st["digests"]:
+        return str(st["digests"][bundle.version])
+    vdir = versions / bundle.version
     try:
-        return content_digest(json.loads((versions / version / "manifest.json").read_text()))
+        raw = (vdir / "manifest.json").read_bytes()
+        manifest = json.loads(raw)
+        sig = (vdir / "manifest.sig").read_bytes() if bundle.signed_by else b""
     except (OSError, ValueError):
-        return st["digests"].get(version)
+        return None
+    if not isinstance(manifest, dict):
+        return None
+    if bundle.signed_by and not signature_ok(Path(bundle.signed_by), sig, raw):
+        return None
+    return content_digest(manifest)
 
 
 def check_policy(versions: Path, bundle: Bundle, st: dict[str, Any], allow_downgrade: bool) -> None:
     v = bundle.parsed_version
-    known = _installed_digest(versions, bundle.version, st)
+    known = _installed_digest(versions, bundle, st)
     if known is not None and known != bundle.content_digest:
         raise PolicyError(f"{bundle.path}: version {v} was installed on this device before with "
                           "other content: a new content needs a new version")

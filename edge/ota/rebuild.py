@@ -15,8 +15,8 @@ what the disk still says, and the rebuild says what it found and what it assumed
                      marker says rolled back, and a commit proves nothing (the rollback after it
                      may have pruned its version): `unknown`, never a success;
   the rest           content digests, history and the factory entry come from state.json.prev
-                     (the state before the last write) where it is readable, the digests also
-                     from every installed manifest.
+                     (the state before the last write) where it is readable, the digests of
+                     versions it does not name from their installed manifests.
 """
 
 from __future__ import annotations
@@ -112,8 +112,9 @@ def rebuild_state(root: Path, problem: str) -> dict[str, Any]:
     st["highest"] = highest(st.get("highest"), *committed, *(m.highest for m in installed.values()))
     for v in installed:
         try:
-            st["digests"][v] = content_digest(json.loads((root / "versions" / v / "manifest.json").read_text()))
-        except (OSError, ValueError):
+            manifest = json.loads((root / "versions" / v / "manifest.json").read_text())
+            st["digests"].setdefault(v, content_digest(manifest))  # the record before the disk
+        except (OSError, ValueError, AttributeError, TypeError):
             pass
     event = _derived(st, prev, installed)
     if event:

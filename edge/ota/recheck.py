@@ -7,7 +7,9 @@ version's bytes (README "OTA updates" gives the seconds for the 253 MB Gemma).
 A damaged file is rewritten from an intact copy of its content: the store's object, another
 version's copy (hashed first), or the bundle being installed (a full bundle carries every file,
 written into the store anew); the version's file is then replaced by a link to it in one atomic
-rename, and the version's edge.toml by the config of its signed manifest. Where no intact copy
+rename, and the version's edge.toml by the config of its signed manifest. With a bundle, the
+version's manifest.json and manifest.sig are rewritten from it unless they are a signed pair of
+the same content: the on-disk manifest is data to check, never an authority. Where no intact copy
 exists, the switch is refused, naming the file; the OTA state is not changed.
 """
 
@@ -19,14 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edge.ota.bundle import Bundle
+from edge.ota.bundle import Bundle, signature_ok
 from edge.ota.errors import BundleError
 from edge.ota.fsops import Fs
-from edge.ota.manifest import FileEntry, check_files
+from edge.ota.manifest import FileEntry, check_files, content_digest
 from edge.ota.store import Store
 from edge.ota.verify import file_problem, signature_note
 
-__all__ = ["recheck"]
+__all__ = ["recheck", "refuse_tampered"]
 
 REPAIR = ".staging-repair"  # versions/.staging-repair-PID: garbage that recover deletes after a kill
 
@@ -71,9 +73,43 @@ def recheck(vdir: Path, store: Store, fs: Fs, *, pubkey: Path | None = None,
     if not toml_ok:
         fs.atomic_write(vdir / "edge.toml", config.encode())
         repaired.append("edge.toml (from the config of its signed manifest)")
+    if bundle is not None and not _manifest_ok(vdir, bundle):
+        fs.atomic_write(vdir / "manifest.json", bundle.raw_manifest)
+        fs.atomic_write(vdir / "manifest.sig", bundle.signature)
+        repaired.append("manifest.json and manifest.sig (from the bundle: its signed manifest)")
     sizes = {f.sha256: f.size for f in files}
     return {"files": len(files), "bytes": sum(sizes.values()), "seconds": round(time.monotonic() - t0, 3),
             "signature": note, **({"repaired": repaired} if repaired else {})}
+
+
+def refuse_tampered(bundle: Bundle) -> None:
+    """A bundle of the installed version: its own bytes hashed against its signed manifest first,
+    so that a tampered copy is refused as it would be on any other device."""
+    from edge.ota.extract import scan
+
+    bad = [f"{f.path} ({problem})" for f, problem in scan(bundle) if problem]
+    if bad:
+        raise BundleError(f"{bundle.path}: {len(bad)} file(s) fail their check: {'; '.join(bad)} "
+                          f"(version {bundle.version} is installed and stays)")
+
+
+def _manifest_ok(vdir: Path, bundle: Bundle) -> bool:
+    """The version's own manifest.json and manifest.sig are a signed pair of the bundle's content
+    (the bundle's bytes, or another build of the same content verified by the same key). Data to
+    check, never an authority: a pair that is not is rewritten from the bundle."""
+    try:
+        raw, sig = (vdir / "manifest.json").read_bytes(), (vdir / "manifest.sig").read_bytes()
+    except OSError:
+        return False
+    if (raw, sig) == (bundle.raw_manifest, bundle.signature):
+        return True
+    try:
+        manifest = json.loads(raw)
+    except ValueError:
+        return False
+    if not isinstance(manifest, dict) or content_digest(manifest) != bundle.content_digest:
+        return False
+    return bundle.signed_by is not None and signature_ok(Path(bundle.signed_by), sig, raw)
 
 
 def _repair(vdir: Path, entry: FileEntry, why: str, store: Store, fs: Fs, bundle: Bundle | None) -> str:

@@ -138,7 +138,8 @@ class Store:
 
     def source(self, entry: FileEntry, avoid: frozenset[tuple[int, int]] = frozenset()) -> Path:
         """The content for a file a thin bundle does not carry (or a damaged file): an object, or
-        an installed version's copy after hashing it (then adopted into the store where links work)."""
+        an installed version's copy after hashing it (then adopted into the store where links work,
+        in place of a damaged object: the repair reaches the store too)."""
         found = self.locate(entry, avoid)
         if found is None:
             raise BundleError(f"{entry.path}: its content (sha256 {entry.sha256[:16]}…) is no longer on "
@@ -151,13 +152,23 @@ class Store:
                               f"its manifest says {entry.sha256[:16]}…): run `edge ota verify`; a full "
                               "bundle installs anyway")
         self.fs.mkdir(self.objects)
+        obj = self.object(entry.sha256)
         try:
-            self.fs.link(found, self.object(entry.sha256))
-            return self.object(entry.sha256)
+            if os.path.lexists(obj):  # damaged (locate found it not intact): replaced, never kept
+                self.fs.mkdir(self.tmp)
+                tmp = self.tmp / f"{entry.sha256}.{os.getpid()}"
+                if os.path.lexists(tmp):
+                    self.fs.unlink(tmp)
+                self.fs.link(found, tmp)
+                self.fs.replace(tmp, obj)
+            else:
+                self.fs.link(found, obj)
         except OSError as exc:
             if exc.errno not in NO_LINK + (errno.EEXIST,):
                 raise
             return found
+        self._intact[entry.sha256] = True
+        return obj
 
     def missing(self, files: list[FileEntry]) -> list[FileEntry]:
         """The files of a thin bundle whose content this device does not have."""

@@ -24,7 +24,10 @@ def signature_note(vdir: Path, raw: bytes, pubkey: Path | None) -> str | None:
         return "manifest signature not checked: no key ([ota] pubkey or --pubkey)"
     sig = vdir / "manifest.sig"
     if not sig.is_file():
-        return "manifest signature not checked: no manifest.sig (installed by an older edge)"
+        # never clean: an older edge's install, or a deleted signature, reads the same; the
+        # version's bundle installed again signs it (edge.ota.recheck writes its manifest.sig)
+        return (f"DAMAGED: no manifest.sig: the manifest is unsigned and cannot be checked with {pubkey} "
+                f"(install {vdir.name}'s bundle again: it signs the version)")
     from edge.ota.bundle import signature_ok
 
     return None if signature_ok(pubkey, sig.read_bytes(), raw) else f"DAMAGED: does not verify with {pubkey}"
@@ -81,6 +84,21 @@ def _one(vdir: Path, pubkey: Path | None, hashed: dict[tuple[int, int], str]) ->
     return result, bad
 
 
+def _objects(objects: Path, hashed: dict[tuple[int, int], str]) -> list[str]:
+    """The content store's objects whose bytes do not hash to their name (a version's link to one
+    was hashed already: read once)."""
+    bad = []
+    for obj in sorted(objects.iterdir()) if objects.is_dir() else []:
+        try:
+            size = obj.stat().st_size
+        except OSError:
+            continue
+        if file_problem(obj, size, obj.name, hashed):
+            bad.append(f"objects/sha256/{obj.name}: its bytes do not hash to its name (a version's repair "
+                       "or a full bundle with this content writes it anew)")
+    return bad
+
+
 def verify_installed(root: Path, pubkey: Path | None) -> dict[str, Any]:
     """{versions: {V: {files, ok, note?}}, problems: [...], hashed_files, result}; problems name
     files; result: ok, damaged, or nothing installed (no complete version to check)."""
@@ -92,6 +110,7 @@ def verify_installed(root: Path, pubkey: Path | None) -> dict[str, Any]:
         result, bad = _one(vdir, pubkey, hashed)
         report["versions"][vdir.name] = result
         report["problems"] += bad
+    report["problems"] += _objects(root / "objects" / "sha256", hashed)
     report["hashed_files"] = len(hashed)
     report["result"] = "damaged" if report["problems"] else "ok" if dirs else "nothing installed"
     return report

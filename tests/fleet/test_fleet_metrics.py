@@ -169,6 +169,60 @@ def test_ota_families_follow_the_ota_state(kit) -> None:
     assert one(found, "edge_ota_last_result", version=B, result="rolled_back").value == 1
     assert one(found, "edge_ota_info").labels["pending"] == ""
     assert one(found, "edge_ota_last_result_timestamp_seconds").value > 0
-    (state / "ota" / "state.json").write_text("[1, 2")  # torn or foreign: no OTA families, no error
+    (state / "ota" / "state.json").write_text("[1, 2")  # torn or foreign: the spare slot says it
+    found = _collect(collector)
+    assert one(found, "edge_ota_last_result", version=B, result="rolled_back").value == 1
+    (state / "ota" / "state.json.prev").write_text("")  # both slots lost: the markers say it
+    found = _collect(collector)
+    assert one(found, "edge_ota_last_result", version=B, result="rolled_back").value == 1
+    assert one(found, "edge_ota_info").labels["current"] == A
+    r = edge_ota(kit, "recover", "--boot")  # the rebuild records what the markers said: no gap
+    assert r.returncode == 0, r.stderr
+    assert one(_collect(collector), "edge_ota_last_result", version=B, result="rolled_back").value == 1
+    for slot in ("state.json", "state.json.prev"):
+        (state / "ota" / slot).unlink()
+    shutil.rmtree(state / "ota" / "versions")  # no version left: no OTA families, no error
     found = _collect(collector)
     assert "edge_ota_info" not in found and "edge_ota_last_result" not in found
+
+
+def _event(state: Path, kind: str, ago_s: float, pid: int, **fields) -> None:
+    import time
+
+    from edge.timing import write_report
+
+    write_report({"started_unix": time.time() - ago_s, "ready_s": 1.0, "pid": pid, **fields}, state, kind=kind)
+
+
+def _recent(found: dict) -> tuple[dict, dict]:
+    starts = {s.labels["result"]: s.value for s in found["edge_recent_starts"] if s.labels["window"] == "30m"}
+    crashes = {s.labels["phase"]: s.value for s in found["edge_recent_crashes"] if s.labels["window"] == "1h"}
+    return starts, crashes
+
+
+def test_recent_starts_and_crashes_are_what_the_device_history_says_of_the_window(tmp_path: Path) -> None:
+    """The gauges the alerts use (issue 45): each event counted by when it happened on the
+    device, so old failures, operator stops, a recount and a first scrape add nothing new."""
+    from edge.fleet.history import CRASH, FAILED_START, LEDGER
+
+    for i, ago in enumerate((7200, 5400, 3000, 3000)):  # long ago: a device back from offline
+        _event(tmp_path, FAILED_START, ago, 200 + i, result="failed")
+    for i in range(3):
+        _event(tmp_path, FAILED_START, 60 * (i + 1), 300 + i, result="stopped")  # an operator's
+    _event(tmp_path, FAILED_START, 120, 400, result="crashed", phase="model_load", signal="SEGV")
+    for i, ago in enumerate((4000, 1500, 900, 300)):  # crashes while serving, every ~10 minutes
+        _event(tmp_path, CRASH, ago, 500 + i, phase="serving", signal="SEGV")
+    collector = FleetCollector(tmp_path, lambda: None, device=dict)
+    found = _collect(collector)  # the first scrape a fleet Prometheus ever makes of this device
+    assert one(found, "edge_starts_total", result="failed").value == 4  # lifetime: what increase() misread
+    starts, crashes = _recent(found)
+    assert starts == {"ok": 0, "failed": 0, "stopped": 3, "crashed": 1, "timeout": 0}
+    assert crashes == {"serving": 3}  # the one 4000 s ago is out of the hour
+    (tmp_path / LEDGER).write_text('{"format": 1, "counts": [], "seen": 7}')  # damaged: recounted
+    again = _collect(FleetCollector(tmp_path, lambda: None, device=dict))
+    assert _recent(again) == (starts, crashes)
+    _event(tmp_path, FAILED_START, 10, 600, result="timeout")
+    _event(tmp_path, FAILED_START, 5, 601, result="failed")
+    assert _recent(_collect(collector))[0] == {"ok": 0, "failed": 1, "stopped": 3, "crashed": 1, "timeout": 1}
+    saved = json.loads((tmp_path / LEDGER).read_text())["events"]
+    assert len(saved) == 15  # 13 reports and 2 new; a crashed start is a start and a crash; all within a day

@@ -188,14 +188,10 @@ def _prompt_cache_test() -> dict:
 
 def _silence_test() -> dict:
     """a pushes for 10 minutes, then nothing (power or uplink gone); b pushes throughout, not ready
-    for a while (EdgeNotReady's case, not this one). a restarts failing every 5 minutes for half an
-    hour (a loop), b failed once a long time ago."""
+    for a while (EdgeNotReady's case, not this one)."""
     dev = {"job": "edge"}
-    failed = {**dev, "result": "failed"}
     series = [_series("edge_ready", {**dev, "instance": "a"}, "1x10"),
-              _series("edge_ready", {**dev, "instance": "b"}, "1x10 0x10 1x40"),
-              _series("edge_starts_total", {**failed, "instance": "a"}, "0 0 0 0 0 1 1 1 1 1 2 2 2 2 2 3x45"),
-              _series("edge_starts_total", {**failed, "instance": "b"}, "1x60")]
+              _series("edge_ready", {**dev, "instance": "b"}, "1x10 0x10 1x40")]
     silent = ("The device or its agent is down, or its uplink is: nothing reaches the fleet (a pushing "
               "device cannot report up == 0).")
     return {"interval": "1m", "input_series": series, "alert_rule_test": [
@@ -204,51 +200,123 @@ def _silence_test() -> dict:
             {"exp_labels": {**dev, "instance": "a", "severity": "critical"},
              "exp_annotations": {"summary": "edge on a has sent no metrics for 15 minutes",
                                  "description": silent}}]},
-        {"eval_time": "10m", "alertname": "EdgeStartsFailing", "exp_alerts": []},  # 2 so far
-        {"eval_time": "20m", "alertname": "EdgeStartsFailing", "exp_alerts": [_starts_failing("a")]},
-        {"eval_time": "59m", "alertname": "EdgeStartsFailing", "exp_alerts": []},  # the loop ended
     ]}
 
 
-def _starts_failing(instance: str) -> dict:
+def _fired(alert: str, instance: str, n: int) -> dict:
+    what = {"EdgeStartsFailing": (f"failed to start {n} times in 30 minutes", "A restart loop: `edge status` on "
+                                  "the device shows the last failed start's report and exit code."),
+            "EdgeCrashLoop": (f"crashed {n} times after READY in the last hour", "A crash loop while serving: "
+                              "`edge status` on the device lists the crashes (phase, signal) and `journalctl "
+                              "-u edge` has their stacks.")}[alert]
     return {"exp_labels": {"job": "edge", "instance": instance, "severity": "critical"},
-            "exp_annotations": {"summary": f"edge on {instance} failed to start about 3 times in 30 minutes",
-                                "description": "A restart loop: `edge status` on the device shows the last "
-                                               "failed start's report and exit code."}}
+            "exp_annotations": {"summary": f"edge on {instance} {what[0]}", "description": what[1]}}
 
 
-def _first_sample_test() -> dict:
-    """Counters first seen at 3 or more: `new` boot-loops from its first boot (`_x10 3x20`: nothing
-    for 10 minutes, then 3 failed starts at once; increase() alone saw nothing), `mixed` counts
-    every result but ok over every label (phase); `old` failed 3 times before the fleet's
-    Prometheus first saw it (it fires while that is within 30 minutes), `good` only started well."""
-    dev = {"job": "edge"}
-    series = [_series("edge_starts_total", {**dev, "instance": "new", "result": "failed"}, "_x10 3x20"),
-              _series("edge_starts_total", {**dev, "instance": "mixed", "result": "crashed", "phase": "model_load"},
-                      "_x10 2x40"),
-              _series("edge_starts_total", {**dev, "instance": "mixed", "result": "timeout", "phase": "warmup"},
-                      "_x10 1x40"),
-              _series("edge_starts_total", {**dev, "instance": "mixed", "result": "ok"}, "_x10 9x40"),
-              _series("edge_starts_total", {**dev, "instance": "good", "result": "ok"}, "_x10 9x40"),
-              _series("edge_starts_total", {**dev, "instance": "old", "result": "failed"}, "3x60")]
-    return {"interval": "1m", "input_series": series, "alert_rule_test": [
-        {"eval_time": "9m", "alertname": "EdgeStartsFailing", "exp_alerts": [_starts_failing("old")]},  # first seen
-        {"eval_time": "12m", "alertname": "EdgeStartsFailing",
-         "exp_alerts": [_starts_failing("mixed"), _starts_failing("new"), _starts_failing("old")]},
-        {"eval_time": "36m", "alertname": "EdgeStartsFailing",  # new: gone since 31m; old: seen 30 m ago, no increase
-         "exp_alerts": [_starts_failing("mixed")]},
-        {"eval_time": "45m", "alertname": "EdgeStartsFailing", "exp_alerts": []},  # no start failed since
-    ]}
+def _recent(instance: str, result: str, values: str) -> dict[str, str]:
+    return _series("edge_recent_starts", {"job": "edge", "instance": instance, "result": result, "window": "30m"},
+                   values)
+
+
+def _total(instance: str, result: str, values: str) -> dict[str, str]:
+    return _series("edge_starts_total", {"job": "edge", "instance": instance, "result": result}, values)
+
+
+# case -> (its series: what the device reports, lifetime counters beside its own window; when the
+# alert must fire: [(from, to)] minutes). A device's gauge is what its history says of the last 30
+# minutes, so each case is what the device would report in that story.
+STARTS_CASES: dict[str, tuple[list[dict[str, str]], list[tuple[int, int]]]] = {
+    # a restart loop: 1, 2, 3 failures in 30 minutes, then 30 minutes after the last one, none
+    "loop": ([_recent("loop", "failed", "0x4 1x5 2x5 3x20 0x63"), _total("loop", "failed", "0x4 1x5 2x5 3x83")],
+             [(17, 37)]),
+    # lifetime failed=5 long ago; offline for an hour (no samples), back with nothing new
+    "back": ([_recent("back", "failed", "0x10 _x60 0x29"), _total("back", "failed", "5x10 _x60 5x29")], []),
+    # a fleet Prometheus that has just started, over a device with failed=4, stopped=6 from before
+    "fresh": ([_recent("fresh", "failed", "0x99"), _recent("fresh", "stopped", "0x99"),
+               _total("fresh", "failed", "4x99"), _total("fresh", "stopped", "6x99")], []),
+    # history.json damaged and recounted from the reports on disk: 10 -> 4; a state dir wiped: 7 -> 0
+    "recount": ([_recent("recount", "failed", "0x99"), _total("recount", "failed", "10x10 4x88")], []),
+    "reset": ([_recent("reset", "failed", "0x99"), _total("reset", "failed", "7x10 0x88")], []),
+    # an operator stops the service 4 times in 20 minutes: no start failed
+    "stops": ([_recent("stops", "stopped", "1 2 3 4x96"), _recent("stops", "failed", "0x99"),
+               _total("stops", "stopped", "1 2 3 4x96")], []),
+    # a boot loop from the first scrape (first seen at 3), and one of crashed and timed-out starts
+    "boot": ([_recent("boot", "failed", "_x5 3x94"), _total("boot", "failed", "_x5 3x94")], [(5, 99)]),
+    "mixed": ([_recent("mixed", "crashed", "_x5 2x94"), _recent("mixed", "timeout", "_x5 1x94"),
+               _recent("mixed", "ok", "_x5 9x94")], [(5, 99)]),
+    # a device removed from the fleet while it failed: its series end, the alert resolves
+    "gone": ([_recent("gone", "failed", "3x10")], [(0, 10)]),
+}
+CRASHES_CASES: dict[str, tuple[list[dict[str, str]], list[tuple[int, int]]]] = {
+    # crashes while serving every 6 minutes (past healthy_after_s: safe mode never engages)
+    "serving": ([_series("edge_recent_crashes", {"job": "edge", "instance": "serving", "phase": "serving",
+                                                 "window": "1h"}, " ".join(f"{k}x5" for k in range(10)) + " 10x39")],
+                [(18, 99)]),
+    # first seen with 15 crashes in its lifetime, none in the last hour
+    "old": ([_series("edge_crashes_total", {"job": "edge", "instance": "old", "phase": "serving", "signal": "SEGV"},
+                     "15x99"),
+             _series("edge_recent_crashes", {"job": "edge", "instance": "old", "phase": "serving", "window": "1h"},
+                     "0x99")], []),
+    # first seen with 15 crashes in the last hour (serving and in a reload)
+    "first": ([_series("edge_recent_crashes", {"job": "edge", "instance": "first", "phase": p, "window": "1h"},
+                       f"_x3 {n}x96") for p, n in (("serving", 12), ("reload", 3))], [(3, 99)]),
+    # two crashes in an hour: no loop
+    "two": ([_series("edge_recent_crashes", {"job": "edge", "instance": "two", "phase": "serving", "window": "1h"},
+                     "0x9 1x9 2x79")], []),
+    "gone": ([_series("edge_recent_crashes", {"job": "edge", "instance": "gone", "phase": "serving",
+                                              "window": "1h"}, "5x10")], [(0, 10)]),
+}
+EVAL_MINUTES = (0, 3, 5, 16, 17, 18, 20, 37, 40, 60, 75, 85, 99)
+
+
+def _value_at(series: list[dict[str, str]], minute: int, alert: str) -> int:
+    """The alert's sum at `minute` from the cases' own values (promtool's expansion of a+bxn)."""
+    name, keep = (("edge_recent_starts", ("failed", "crashed", "timeout")) if alert == "EdgeStartsFailing"
+                  else ("edge_recent_crashes", None))
+    total = 0
+    for s in series:
+        if not s["series"].startswith(name + "{") or (keep and not any(f'result="{r}"' in s["series"] for r in keep)):
+            continue
+        values: list[str] = []
+        for token in s["values"].split():
+            v, _, n = token.partition("x")
+            values += [v] * (int(n) if v == "_" else int(n) + 1) if n else [v]
+        if minute < len(values) and values[minute] != "_":
+            total += int(values[minute])
+    return total
+
+
+def _table(alert: str, cases: dict) -> dict:
+    """One promtool test: every case's series, and at each of EVAL_MINUTES the alerts that fire
+    (the cases whose windows hold that minute), with the count the device reports."""
+    series = [s for story, _ in cases.values() for s in story]
+    tests = []
+    for m in EVAL_MINUTES:
+        firing = [(name, story) for name, (story, spans) in sorted(cases.items())
+                  if any(a <= m <= b for a, b in spans)]
+        tests.append({"eval_time": f"{m}m", "alertname": alert,
+                      "exp_alerts": [_fired(alert, name, _value_at(story, m, alert)) for name, story in firing]})
+    return {"interval": "1m", "input_series": series, "alert_rule_test": tests}
+
+
+def test_the_cases_tables_expand_values_as_promtool_does() -> None:
+    assert _value_at(STARTS_CASES["loop"][0], 16, "EdgeStartsFailing") == 2
+    assert _value_at(STARTS_CASES["loop"][0], 17, "EdgeStartsFailing") == 3
+    assert _value_at(STARTS_CASES["boot"][0], 4, "EdgeStartsFailing") == 0
+    assert _value_at(STARTS_CASES["boot"][0], 5, "EdgeStartsFailing") == 3
+    assert _value_at(STARTS_CASES["mixed"][0], 5, "EdgeStartsFailing") == 3  # ok is no failure
+    assert _value_at(CRASHES_CASES["serving"][0], 18, "EdgeCrashLoop") == 3
 
 
 def test_every_alert_fires_where_it_should_and_nowhere_else(tmp_path: Path) -> None:
     promtool = need("promtool")
     rules = _printed_rules(tmp_path)
-    tests = [_start_test(), _alerts_test(), _prompt_cache_test(), _silence_test(), _first_sample_test()]
+    tests = [_start_test(), _alerts_test(), _prompt_cache_test(), _silence_test(),
+             _table("EdgeStartsFailing", STARTS_CASES), _table("EdgeCrashLoop", CRASHES_CASES)]
     alerts = {t["alertname"] for case in tests for t in case.get("alert_rule_test", [])}
     assert alerts == {"EdgeNotReady", "EdgeStartSlowerThanFleet", "EdgeOtaRolledBack", "EdgeMlockNotTaken",
                       "EdgeModelOnCpu", "EdgePromptCacheHitRateCollapse", "EdgeDeviceSilent",
-                      "EdgeStartsFailing", "EdgeSafeMode"}  # every alert of the file
+                      "EdgeStartsFailing", "EdgeSafeMode", "EdgeCrashLoop"}  # every alert of the file
     assert alerts == set(_alert_names(rules.read_text()))
     spec = tmp_path / "edge-rules.test.yml"  # JSON is YAML
     spec.write_text(json.dumps({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": tests}, indent=1))

@@ -164,3 +164,73 @@ def test_chromium_lays_out_a_failed_start_and_a_hostile_report_without_overlaps(
     r = _edge("status", "--config", str(bad), "--svg", str(tmp_path / "failed.svg"))
     assert r.returncode == 0, r.stderr
     _laid_out(tmp_path / "failed.svg", tmp_path)
+
+
+# -- how a start ended, crashes and safe mode, bidirectional controls (issue 45) ------------------
+RLO = "\u202e"  # RIGHT-TO-LEFT OVERRIDE: what follows it is drawn backwards
+HOSTILE = f"gemma{RLO}fuggg.exe"
+
+
+def _iso(t: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%S+0000", time.gmtime(t))
+
+
+@pytest.mark.parametrize("result, marker, said", [("crashed", "crashed", "killed by signal SEGV after 0.930 s"),
+                                                  ("timeout", "timeout", "TimeoutStartSec= after 0.930 s"),
+                                                  ("stopped", "stopped", "stopped (SIGTERM) before it was ready")])
+def test_a_start_that_did_not_reach_ready_is_never_drawn_ready(result: str, marker: str, said: str) -> None:
+    report = {"pid": 1, "host": "h", "started_at": "2026-01-01T00:00:00+0000", "edge_version": "0",
+              "ready_s": 0.93, "result": result, "signal": "SEGV",
+              "phases": [{"name": "config", "start_s": 0.1, "seconds": 0.01, "detail": {}},
+                         {"name": "model_load", "start_s": 0.12, "seconds": 0.8, "detail": {"model": "m"}}]}
+    root = ET.fromstring(render_svg([chart_of(report)]))
+    texts = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
+    assert "ready after" not in texts and "READY" not in texts and said in texts, texts  # no READY line
+    assert set(_groups(root, "data-marker")) == {marker}
+
+
+def _crash_story(state: Path) -> float:
+    """What a device in trouble leaves: a start that crashed in its model load, three crashes
+    while serving six minutes apart, safe mode in force since; names with U+202E in them."""
+    import time
+
+    from edge.fleet.history import CRASH, FAILED_START
+    from edge.lifecycle.safemode import Fallback, SafeMode
+    from edge.timing import write_report
+
+    now = time.time()
+    phases = [{"name": "config", "start_s": 0.1, "seconds": 0.01, "detail": {}},
+              {"name": "model_load", "start_s": 0.12, "seconds": 0.8, "detail": {"model": HOSTILE}}]
+    write_report({"started_at": _iso(now - 1800), "started_unix": now - 1800, "pid": 11, "ready_s": 0.93,
+                  "result": "crashed", "phase": "model_load", "signal": "SEGV", "model": HOSTILE,
+                  "host": f"edge{RLO}1", "edge_version": "0", "phases": phases}, state, kind=FAILED_START)
+    for i in range(3):
+        t = now - 1200 + i * 360
+        write_report({"started_at": _iso(t), "started_unix": t, "pid": 20 + i, "ready_s": 300.0, "result": "crashed",
+                      "phase": "serving", "signal": "SEGV", "model": HOSTILE}, state, kind=CRASH)
+    ladder = f"llama:{HOSTILE}"
+    SafeMode(state, {ladder: Fallback(ladder, 1, "k", "warmup", "SEGV", _iso(now - 600))}).save()
+    return now
+
+
+def test_status_draws_crashes_and_safe_mode_and_shows_no_bidi_control(tmp_path: Path, tiny_gguf: Path) -> None:
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
+    (tmp_path / "state").mkdir()
+    _crash_story(tmp_path / "state")
+    out = tmp_path / "crashes.svg"
+    r = _edge("status", "--config", str(cfg), "--svg", str(out))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert RLO not in r.stdout and "gemma<U+202E>fuggg.exe" in r.stdout  # the text output too
+    text = out.read_text()
+    assert RLO not in text and "gemma&lt;U+202E&gt;fuggg.exe" in text
+    root = ET.fromstring(text)
+    texts = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
+    assert "start that CRASHED" in texts and "ready after" not in texts
+    crashes = _groups(root, "data-crash")
+    assert sorted((k, len(v)) for k, v in crashes.items()) == [("model_load", 1), ("serving", 3)]
+    assert list(_groups(root, "data-safe-mode")) == ["gemma<U+202E>fuggg.exe"]
+    assert "edge crashes and safe mode · 4 crash record(s)" in texts
+    if chromium():
+        _laid_out(out, tmp_path)

@@ -342,6 +342,28 @@ def test_install_reload_finds_the_control_socket_of_a_service_with_another_state
     assert [h["event"] for h in kit["ota"].state()["history"]][-1] == "committed"
 
 
+def test_the_current_versions_bundle_repairs_a_bit_flip_and_the_reload_loads_the_intact_model(kit) -> None:
+    """The served model loses a bit; its own bundle pushed again with --reload: the file is
+    rewritten (a new inode) and the same process loads it, not the damaged one (issue 45)."""
+    from kit.ota import damage
+
+    bundles = _reload_bundles(kit, f'[paths]\nstate_dir = "{kit["dir"] / "state"}"\n')
+    with _serving_current(kit, bundles["1.0.0"]) as live:
+        pid = live.proc.pid
+        served = kit["ota"].root / "current" / "models" / "a.gguf"
+        before = os.stat(served).st_ino
+        damage(served)
+        assert edge_ota(kit, "verify", "--pubkey", str(kit["pub"])).returncode == 65
+        r = edge_ota(kit, "install", str(bundles["1.0.0"]), "--pubkey", str(kit["pub"]), "--reload", "--timeout", "120")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["result"] == "repaired" and out["checked"]["repaired"][0].startswith("models/a.gguf (was")
+        assert out["reload"]["loaded"] == ["m"] and out["reload"]["kept"] == []  # the new bytes, loaded
+        assert live.proc.pid == pid and live.proc.poll() is None and os.stat(served).st_ino != before
+        assert served.read_bytes() == kit["a"].read_bytes()
+    assert edge_ota(kit, "verify", "--pubkey", str(kit["pub"])).returncode == 0
+
+
 def test_install_reload_without_a_service_is_refused_before_switching(kit) -> None:
     committed(kit, "A")
     before = sorted(p.name for p in kit["ota"].versions.iterdir())

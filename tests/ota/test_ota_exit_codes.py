@@ -7,7 +7,9 @@ done; an install with no signing key is the config's fault, 78."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -69,8 +71,6 @@ def test_enospc_at_every_operation_is_one_line_and_the_command_converges_when_ru
 
 
 def test_an_answer_stdout_cannot_take_is_74_and_the_commit_stands(dev, tmp_path: Path) -> None:
-    import subprocess
-
     from kit import EDGE
 
     _pending(dev)
@@ -95,3 +95,61 @@ def test_install_without_a_signing_key_is_the_configs_fault(dev) -> None:
     assert r.returncode == 78, r.stderr
     line = _one_line(r)
     assert f"{dev['cfg']}: ota.pubkey: no bundle signing key at {dev['dir'] / 'no-such.pub'}" in line
+
+
+# -- closed streams: `>&-` on the real command line (issue 45) -----------------------------------
+CLOSED = {"stdout": ">&-", "stderr": "2>&-", "both": ">&- 2>&-"}
+
+
+def _closed(dev, how: str, *args: str) -> subprocess.CompletedProcess:
+    """`edge ARGS` run by bash with the stream(s) `how` closed; what the open one(s) said."""
+    from kit import EDGE
+
+    line = " ".join(shlex.quote(a) for a in [*EDGE, *args]) + " " + CLOSED[how]
+    return subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=120)
+
+
+def _sequence(dev) -> list[tuple[list[str], int]]:
+    """Every `edge ota` command, in an order where each succeeds (0 on open streams), then two
+    that fail (nothing to commit: 65; a missing bundle: 65)."""
+    cfg, pub, key = ["--config", str(dev["cfg"])], str(dev["pub"]), str(dev["key"])
+    bundle = str(dev["dir"] / "closed.edgeb")
+    config = dev["dir"] / "bundle.toml"
+    config.write_text(MODEL_CFG)
+    return [(["ota", "keygen", "-o", str(dev["dir"] / "second.key")], 0),
+            (["ota", "build", "--version", "1.0.0", "--key", key, "--config", str(config), "--model",
+              str(dev["model"]), "-o", bundle], 0),
+            (["ota", "inspect", bundle, "--pubkey", pub], 0),
+            (["ota", "inspect", bundle, "--field", "version"], 0),
+            (["ota", "install", bundle, "--pubkey", pub, "--no-activate", *cfg], 0),
+            (["ota", "status", *cfg], 0),
+            (["ota", "status", "--field", "pending", *cfg], 0),
+            (["ota", "commit", *cfg], 0),
+            (["ota", "verify", "--pubkey", pub, *cfg], 0),
+            (["ota", "install", str(build_version(dev, "1.1.0", config=MODEL_CFG + "# 1.1\n")), "--pubkey", pub,
+              "--no-activate", *cfg], 0),
+            (["ota", "rollback", "--no-activate", *cfg], 0),
+            (["ota", "recover", "--boot", *cfg], 0),
+            (["ota", "commit", *cfg], 65),
+            (["ota", "install", str(dev["dir"] / "none.edgeb"), "--pubkey", pub, *cfg], 65)]
+
+
+@pytest.mark.parametrize("how", list(CLOSED))
+def test_every_command_with_a_closed_stream_ends_in_its_documented_code_and_no_traceback(dev, how: str) -> None:
+    for args, code in _sequence(dev):
+        r = _closed(dev, how, *args)
+        said = r.stdout + r.stderr
+        assert "Traceback" not in said, (args, said)
+        if how == "stderr":  # the answer on stdout as always, the code as on open streams
+            assert r.returncode == code and r.stderr == "", (args, r.returncode, said)
+            assert (r.stdout != "") == (code == 0), (args, said)
+            continue
+        assert r.stdout == "", (args, said)  # nothing can land on a closed stdout
+        assert r.returncode == (74 if code == 0 else code), (args, r.returncode, said)
+        if how == "stdout":
+            line = _one_line(r)
+            assert ("stdout is closed: the command completed" in line) == (code == 0), (args, line)
+        else:
+            assert r.stderr == "", (args, said)
+    st = Ota(dev["ota"].root).status()  # the work was done although no answer could be written
+    assert st["current"] == "1.0.0" and st["pending"] is None and "1.1.0" in st["on_disk"]

@@ -150,3 +150,135 @@ def test_recover_boot_checks_the_version_it_goes_back_to(dev) -> None:
     assert "2.0.0 cannot be rolled back" in r.stderr and tree(dev["ota"]) == before
     st = json.loads(edge_ota(dev, "status").stdout)
     assert st["pending"]["version"] == "2.0.0" and st["current"] == "1.0.0"
+
+
+# -- the bundle that made a version repairs it, whatever the state (issue 45) --------------------
+def _healthy_url() -> tuple[str, "object"]:
+    """A health URL on 127.0.0.1 (port 0) that answers 200: the restart command's service."""
+    import http.server
+    import threading
+
+    class Ok(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/readyz", server
+
+
+def _push_again(dev, bundle: Path, restarts: Path, url: str) -> dict:
+    """The bundle installed again, activated by a restart command that counts its runs."""
+    return ota_ok(dev, "install", str(bundle), "--pubkey", str(dev["pub"]), "--restart-cmd",
+                  f"echo restart >> {restarts}", "--health-url", url, "--timeout", "30")
+
+
+def test_the_current_versions_own_bundle_repairs_it_in_place_and_activates_it_again(dev) -> None:
+    bundle = build_version(dev, "1.0.0")
+    committed(dev, bundle)
+    url, server = _healthy_url()
+    restarts = dev["dir"] / "restarts.log"
+    try:
+        clean = _push_again(dev, bundle, restarts, url)
+        assert clean["result"] == "already-current" and "repaired" not in clean["checked"]
+        assert not restarts.exists()  # nothing changed: nothing activated again
+        damage(object_of(dev))
+        assert "versions/1.0.0/models/m.gguf" in verify_problems(dev)
+        served = dev["ota"].root / "current" / "models" / "m.gguf"
+        answer = _push_again(dev, bundle, restarts, url)
+    finally:
+        server.shutdown()
+    assert answer["result"] == "repaired" and answer["version"] == "1.0.0", answer
+    assert answer["checked"]["repaired"][0].startswith("models/m.gguf (was 65536 bytes")
+    assert f"rewritten from {bundle}" in answer["checked"]["repaired"][0]
+    assert served.read_bytes() == dev["model"].read_bytes() and verify_problems(dev) == ""
+    assert restarts.read_text().splitlines() == ["restart"]  # a served file changed: activated once
+    st = json.loads(edge_ota(dev, "status").stdout)
+    assert st["current"] == "1.0.0" and st["history"][-1]["event"] == "repaired"
+
+
+@pytest.mark.parametrize("harm", ["one hash digit", "no signature, another config"])
+def test_a_damaged_manifest_never_locks_out_the_versions_own_signed_bundle(dev, harm: str) -> None:
+    bundle = build_version(dev, "1.0.0")
+    committed(dev, bundle)
+    vdir = dev["ota"].versions / "1.0.0"
+    manifest = json.loads((vdir / "manifest.json").read_text())
+    if harm == "one hash digit":
+        sha = manifest["files"][0]["sha256"]
+        manifest["files"][0]["sha256"] = ("1" if sha[0] != "1" else "2") + sha[1:]
+    else:
+        (vdir / "manifest.sig").unlink()
+        manifest["config"] += "# changed\n"
+    (vdir / "manifest.json").write_text(json.dumps(manifest))  # still valid JSON
+    assert "versions/1.0.0/manifest.json" in verify_problems(dev)
+    answer = ota_ok(dev, "install", str(bundle), "--pubkey", str(dev["pub"]), "--no-activate")
+    assert answer["result"] == "repaired"
+    assert "manifest.json and manifest.sig (from the bundle: its signed manifest)" in answer["checked"]["repaired"]
+    assert (vdir / "manifest.sig").read_bytes() == open_sig(bundle) and verify_problems(dev) == ""
+
+
+def open_sig(bundle: Path) -> bytes:
+    import tarfile
+
+    with tarfile.open(bundle) as tar:
+        return tar.extractfile("manifest.sig").read()  # type: ignore[union-attr]
+
+
+def test_a_repairing_reinstall_of_an_earlier_version_rewrites_its_signature_so_a_rollback_takes_it(dev) -> None:
+    first = build_version(dev, "1.0.0")
+    committed(dev, first)
+    committed(dev, build_version(dev, "2.0.0", config=MODEL_CFG + "# 2\n"))
+    vdir = dev["ota"].versions / "1.0.0"
+    (vdir / "manifest.sig").write_bytes(b"\0" * 64)  # damaged: the manifest no longer verifies
+    r = edge_ota(dev, "rollback", "--no-activate", "--pubkey", str(dev["pub"]))
+    assert r.returncode == 65 and "versions/1.0.0/manifest.json: does not verify" in r.stderr, r.stderr
+    answer = committed(dev, first, "--allow-downgrade")  # the fix the README names
+    assert "manifest.json and manifest.sig (from the bundle: its signed manifest)" in answer["checked"]["repaired"]
+    assert verify_problems(dev) == ""
+    committed(dev, build_version(dev, "3.0.0", config=MODEL_CFG + "# 3\n"))
+    assert ota_ok(dev, "rollback", "--no-activate", "--pubkey", str(dev["pub"]))["version"] == "1.0.0"
+
+
+def test_an_unsigned_version_never_verifies_clean_until_its_bundle_signs_it(dev) -> None:
+    first = build_version(dev, "1.0.0")
+    committed(dev, first)
+    vdir = dev["ota"].versions / "1.0.0"
+    (vdir / "manifest.sig").unlink()  # and the rest rewritten consistently: an unsigned version
+    manifest = json.loads((vdir / "manifest.json").read_text())
+    manifest["config"] += "# unsigned\n"
+    (vdir / "manifest.json").write_text(json.dumps(manifest))
+    (vdir / "edge.toml").write_text(manifest["config"])
+    assert "versions/1.0.0/manifest.json: no manifest.sig" in verify_problems(dev)
+    ota_ok(dev, "install", str(build_version(dev, "2.0.0", config=MODEL_CFG + "# 2\n")), "--pubkey",
+           str(dev["pub"]), "--no-activate")  # pending: a reboot would roll back onto 1.0.0
+    for args in (("rollback", "--no-activate"), ("recover", "--boot")):
+        before = tree(dev["ota"])
+        r = edge_ota(dev, *args, "--pubkey", str(dev["pub"]))
+        assert r.returncode == 65 and "no manifest.sig" in r.stderr and tree(dev["ota"]) == before, r.stderr
+    answer = ota_ok(dev, "install", str(first), "--pubkey", str(dev["pub"]), "--no-activate",
+                    "--allow-downgrade")  # its bundle rolls 2.0.0 back onto 1.0.0, signed again
+    assert answer["rolled_back_first"]["failed"] == "2.0.0" and answer["version"] == "1.0.0"
+    assert verify_problems(dev) == "" and (vdir / "edge.toml").read_text() == MODEL_CFG
+
+
+def test_a_repair_from_another_versions_copy_replaces_the_damaged_object_in_the_store(dev) -> None:
+    committed(dev, build_version(dev, "1.0.0"))
+    committed(dev, build_version(dev, "2.0.0", config=MODEL_CFG + "# 2\n"))
+    own = dev["ota"].versions / "2.0.0" / "models" / "m.gguf"
+    copy = own.with_name("copy")
+    copy.write_bytes(own.read_bytes())  # 2.0.0 holds its own copy (as an older edge's version does)
+    copy.replace(own)
+    obj = object_of(dev)
+    damage(obj)  # the object, and 1.0.0's link to it
+    answer = ota_ok(dev, "rollback", "--no-activate", "--pubkey", str(dev["pub"]))
+    assert "rewritten from an intact copy on this device" in answer["checked"]["repaired"][0]
+    from edge.fsutil import sha256_file
+
+    assert sha256_file(obj) == obj.name  # the store holds intact content again
+    assert verify_problems(dev) == ""
+    damage(obj)
+    assert f"objects/sha256/{obj.name}: its bytes do not hash to its name" in verify_problems(dev)
