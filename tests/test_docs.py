@@ -1,6 +1,7 @@
 """The documentation site (mkdocs.yml, docs/): it builds with `mkdocs build --strict` and fetches
 nothing while it does, every page is in the navigation, the generated parts (the config reference,
-the exit-code table) are what the code gives now, and every README section a page points to is there."""
+the exit-code table) are what the code gives now, every README section a page points to is there,
+and every command's help points to its page."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
+
+from edge.cli import app
 from edge.config import parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,3 +110,23 @@ def test_every_readme_section_a_page_points_to_is_there() -> None:
     assert len(named) >= 20
     assert sorted(named - anchors) == []
 
+
+def _commands(cmd: object, words: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], object]]:
+    sub = getattr(cmd, "commands", None)
+    out = [(words, cmd)]
+    for name, c in (sub or {}).items():
+        out += _commands(c, (*words, name))
+    return out
+
+
+def test_every_command_help_points_to_its_page() -> None:
+    """`edge --help` and every command's and group's help end with a "Docs: docs/<page>.md" line
+    naming a page there is."""
+    root = typer.main.get_command(app)
+    missing, pages = [], {p.name for p in DOCS.glob("*.md")}
+    for words, cmd in _commands(root):
+        found = re.findall(r"Docs: docs/([\w-]+\.md)", getattr(cmd, "help", None) or "")
+        if len(found) != 1 or found[0] not in pages:
+            missing.append(" ".join(("edge", *words)))
+    assert len(_commands(root)) > 25
+    assert missing == []

@@ -14,14 +14,16 @@ from edge.cli.options import ConfigOpt, config_of, http_url
 __all__ = ["register"]
 
 fleet_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                        help="Fleet monitoring: Prometheus rules and a Prometheus agent that pushes.")
+                        help="Fleet monitoring: Prometheus rules and a Prometheus agent that pushes.\n\nDocs: docs/fleet.md")
 
 
 @fleet_app.command("rules")
 def rules() -> None:
     """Print the Prometheus rules shipped with edge (p50/p95 ready time by module and model;
     alerts: not ready, device silent, starts failing, slow start, OTA rolled back, mlock not taken,
-    model on the CPU, prompt-cache hit-rate collapse). Drop the output into the fleet Prometheus' rule_files."""
+    model on the CPU, prompt-cache hit-rate collapse). Drop the output into the fleet Prometheus' rule_files.
+
+    Docs: docs/fleet.md"""
     from edge.fleet.agent import rules_text
 
     typer.echo(rules_text(), nl=False)
@@ -73,7 +75,9 @@ def agent(remote_write: str = typer.Option(..., "--remote-write", callback=http_
                                          help="the Prometheus binary the unit runs (its version picks the agent flag)"),
           config: Optional[str] = ConfigOpt) -> None:
     """Print a Prometheus agent-mode config (or, with --unit, its systemd unit) that scrapes edge on
-    this device and remote-writes to the fleet: devices behind NAT push, nothing connects to them."""
+    this device and remote-writes to the fleet: devices behind NAT push, nothing connects to them.
+
+    Docs: docs/fleet.md"""
     from edge.fleet.agent import AgentSetup, prometheus_major
 
     if target is None:

@@ -13,7 +13,7 @@ import typer
 from edge.errors import EdgeError
 
 ota_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                      help="Fleet updates: signed bundles, atomic install, health check, rollback.")
+                      help="Fleet updates: signed bundles, atomic install, health check, rollback.\n\nDocs: docs/ota.md")
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="the device's edge config (for state dir and health URL)")
 PUBKEY = "an Ed25519 public key file (PEM, as `edge ota keygen` writes OUT.pub)"
@@ -158,7 +158,9 @@ STATUS_FIELDS = ["current", "previous", "pending", "highest"]
 
 @ota_app.command()
 def keygen(out: Path = typer.Option(Path("signing.key"), "-o", "--out", callback=_new_key)) -> None:
-    """Make an Ed25519 signing key (OUT, mode 0600) and its public key (OUT.pub)."""
+    """Make an Ed25519 signing key (OUT, mode 0600) and its public key (OUT.pub).
+
+    Docs: docs/ota.md"""
     from edge.ota.bundle import keygen as make
 
     try:
@@ -225,7 +227,9 @@ def build(version: str = typer.Option(..., "--version", callback=_version,
                                               help="an earlier bundle (or its manifest.json): "
                                               "a thin bundle that carries only the files it lacks"),
           out: Path = typer.Option(..., "-o", "--out", callback=_output_file)) -> None:
-    """Build a signed bundle (on the host); thin with --base."""
+    """Build a signed bundle (on the host); thin with --base.
+
+    Docs: docs/ota.md"""
     from edge.config import read_config_text
     from edge.ota.bundle import build_bundle
     from edge.ota.manifest import read_base
@@ -253,7 +257,9 @@ def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey"
             field: Optional[str] = typer.Option(None, "--field", callback=lambda v: _one_of(v, list(FIELDS)),
                                                 help="print one manifest field and stop: " + ", ".join(FIELDS))) -> None:
     """Print a bundle's manifest and verify its signature and every file's checksum, streaming:
-    the checks install makes that do not depend on the device, with install's verdict."""
+    the checks install makes that do not depend on the device, with install's verdict.
+
+    Docs: docs/ota.md"""
     from edge.ota.bundle import open_bundle
     from edge.ota.checks import check_bundle
     from edge.ota.errors import BundleError
@@ -294,7 +300,9 @@ def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[P
             pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt, reload: bool = ReloadOpt,
             control: Optional[Path] = ControlOpt,
             keep: Optional[int] = typer.Option(None, "--keep", min=2, help="versions kept on disk")) -> None:
-    """Verify, check policy, stage, switch, restart, health-check; commit, or roll back on failure."""
+    """Verify, check policy, stage, switch, restart, health-check; commit, or roll back on failure.
+
+    Docs: docs/ota.md"""
     from edge.device.identity import detect
     from edge.errors import ConfigError
     from edge.ota.bundle import open_bundle
@@ -321,7 +329,9 @@ def rollback(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = ty
              reload: bool = ReloadOpt, control: Optional[Path] = ControlOpt,
              no_activate: bool = typer.Option(False, "--no-activate"), pubkey: Optional[Path] = PubOpt) -> None:
     """Undo a pending install, or switch back to the previous version (its files checked against
-    its signed manifest first); restart (or reload)."""
+    its signed manifest first); restart (or reload).
+
+    Docs: docs/ota.md"""
     ota, cfg = _ota(config, pubkey=pubkey)
     _echo(ota.rollback(None if no_activate else _activator(cfg, restart_cmd, unit, health_url, timeout,
                                                            pid_file, log_file, reload, control)))
@@ -329,7 +339,9 @@ def rollback(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = ty
 
 @ota_app.command()
 def commit(config: Optional[Path] = ConfigOpt) -> None:
-    """Make the pending version permanent (after --no-activate or --no-commit)."""
+    """Make the pending version permanent (after --no-activate or --no-commit).
+
+    Docs: docs/ota.md"""
     _echo(_ota(config)[0].commit())
 
 
@@ -345,7 +357,9 @@ def recover(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typ
     """Converge what a killed command or a power cut left: an uncommitted version is rolled back
     (the version it goes back to checked against its signed manifest first), links are made to
     agree with state.json (rebuilt if it is damaged), leftovers are deleted, old versions pruned.
-    Needs no free space."""
+    Needs no free space.
+
+    Docs: docs/ota.md"""
     ota, cfg = _ota(config, pubkey=pubkey)
     act = None if boot else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file,
                                        reload, control)
@@ -359,7 +373,9 @@ def status(config: Optional[Path] = ConfigOpt,
            field: Optional[str] = typer.Option(None, "--field", callback=lambda v: _one_of(v, STATUS_FIELDS),
                                                help="print one field: current, previous, "
                                                "pending (its version) or highest; empty when none")) -> None:
-    """Current, previous, pending and highest versions, links, versions on disk, history."""
+    """Current, previous, pending and highest versions, links, versions on disk, history.
+
+    Docs: docs/ota.md"""
     st = _ota(config)[0].status()
     if field is None:
         return _echo(st)
@@ -370,7 +386,9 @@ def status(config: Optional[Path] = ConfigOpt,
 @ota_app.command()
 def verify(config: Optional[Path] = ConfigOpt, pubkey: Optional[Path] = PubOpt) -> None:
     """Hash every file of every installed version again and compare it with the version's signed
-    manifest (flash bit-rot). Exit 0 when all match, 65 naming every file that does not."""
+    manifest (flash bit-rot). Exit 0 when all match, 65 naming every file that does not.
+
+    Docs: docs/ota.md"""
     from edge.ota.errors import BundleError
 
     ota, cfg = _ota(config)
