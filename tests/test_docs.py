@@ -18,6 +18,7 @@ import typer
 
 from edge.cli import app
 from edge.config import parse_config
+from kit.docs import anchor, section
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -104,8 +105,7 @@ def test_a_config_of_every_documented_default_is_the_default_config() -> None:
 def test_every_readme_section_a_page_points_to_is_there() -> None:
     """Until the move, stubs name README sections as `README.md#anchor`: each is a heading's anchor."""
     readme = (ROOT / "README.md").read_text()
-    anchors = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-               for h in re.findall(r"^#{2,3} (.+)$", readme, re.M)}
+    anchors = {anchor(h) for h in re.findall(r"^#{2,3} (.+)$", readme, re.M)}
     named = {a for p in DOCS.glob("*.md") for a in re.findall(r"`README\.md#([\w-]+)`", p.read_text())}
     assert len(named) >= 20
     assert sorted(named - anchors) == []
@@ -130,3 +130,13 @@ def test_every_command_help_points_to_its_page() -> None:
             missing.append(" ".join(("edge", *words)))
     assert len(_commands(root)) > 25
     assert missing == []
+
+
+def test_a_section_is_found_by_its_title_wherever_it_is() -> None:
+    """kit.docs.section: what tests holding a sentence read, README or docs page alike."""
+    keywords = section("json_schema keywords")
+    assert "| enforced |" in keywords and "### Grammar bounds" not in keywords
+    with pytest.raises(LookupError, match="found 0"):
+        section("A heading no page has")
+    with pytest.raises(LookupError, match="found 0"):
+        section("unix_socket = \"/run/edge/edge.sock\"")  # a TOML comment in a code block is no heading
