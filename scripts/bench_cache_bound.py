@@ -133,13 +133,14 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def statement(result: dict[str, Any]) -> str:
     """The README's sentence, made from a result (tests/test_docs.py checks the README says it)."""
     s = result["summary"]
-    first, within = s["first_token"], s[f"within_{DECODE}_tokens"]
-    gaps = s["parted_gaps"]
-    gap_text = f", where the two likeliest tokens were {gaps[0]:.2f}–{gaps[-1]:.2f} apart" if gaps else ""
-    return (f"over {s['prompts']} prompts the first token's logprob differs by {first['p50']:.2f} at the median, "
-            f"{first['p95']:.2f} at p95 and at most {first['max']:.2f}; within {DECODE} tokens by at most "
-            f"{within['max']:.2f} (median {within['p50']:.2f}); {s['texts_parted']} of {s['prompts']} greedy "
-            f"texts parted{gap_text}")
+    first, within, gaps = s["first_token"], s[f"within_{DECODE}_tokens"], s["parted_gaps"]
+    lengths = ", ".join(str(n) for n in result["prefix_tokens"][:-1]) + f" and {result['prefix_tokens'][-1]}"
+    parted = (f", where the fresh run's two likeliest tokens were {gaps[0]:.2f}–{gaps[-1]:.2f} apart "
+              f"(median {gaps[len(gaps) // 2]:.2f})") if gaps else ""
+    return (f"over {s['prompts']} prompts (prefixes of {lengths} tokens) the first token's logprob differs by "
+            f"{first['p50']:.2f} at the median, {first['p95']:.2f} at p95 and at most {first['max']:.2f}; within "
+            f"{DECODE} tokens by {within['p50']:.2f} at the median, {within['p95']:.2f} at p95 and at most "
+            f"{within['max']:.2f}; {s['texts_parted']} of {s['prompts']} greedy texts parted{parted}")
 
 
 def main() -> None:

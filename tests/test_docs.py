@@ -132,6 +132,27 @@ def test_every_command_help_points_to_its_page() -> None:
     assert missing == []
 
 
+def test_the_prompt_cache_bound_the_readme_states_is_the_measured_one() -> None:
+    """README "Reproducibility" states how far an answer continued from a cached prefix strays from
+    a fresh prefill: the sentence `scripts/bench-cache-bound` makes from its recorded result
+    (tests/fixtures/cache_bound.json: >= 200 prompts of several lengths on the real Gemma 3 270M),
+    and that result's summary is the one its rows give."""
+    import json
+
+    import bench_cache_bound
+
+    result = json.loads((ROOT / "tests" / "fixtures" / "cache_bound.json").read_text())
+    rows = result["rows"]
+    assert len(rows) >= 200 and len({r["prefix_tokens"] for r in rows}) >= 3
+    assert all(r["reused"] >= r["prefix_tokens"] - 1 for r in rows)  # each cached answer did reuse its prefix
+    assert bench_cache_bound.summary(rows) == result["summary"]
+    stated = " ".join(section("Reproducibility").split())
+    assert bench_cache_bound.statement(result) in stated
+    shortest = [r for r in rows if r["prefix_tokens"] == min(result["prefix_tokens"])]
+    assert f"with the {shortest[0]['prefix_tokens']}-token prefixes no logprob differed at all" in stated
+    assert all(r["max"] == 0 and r["parted_at"] is None for r in shortest)
+
+
 def test_a_section_is_found_by_its_title_wherever_it_is() -> None:
     """kit.docs.section: what tests holding a sentence read, README or docs page alike."""
     keywords = section("json_schema keywords")
