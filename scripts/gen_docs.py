@@ -105,7 +105,8 @@ def _bounds(f: dataclasses.Field) -> str:
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    """One table cell: on one line, its pipes escaped, and `<cache_dir>` shown, not taken for HTML."""
+    return " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _inner(tp: Any) -> type | None:
