@@ -49,23 +49,23 @@ def _range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = DEFAULT_HOST
-    port: int = field(default=DEFAULT_PORT, metadata=_range(0, 65535))
-    unix_socket: str | None = None
-    unix_socket_mode: str = "0660"
-    backlog: int = field(default=1024, metadata=_range(1, 65535))
-    drain_timeout_s: float = field(default=30.0, metadata=_range(0, 3600))
-    max_queue: int = field(default=64, metadata=_range(1, 100000))
-    log_level: str = field(default="info", metadata={"choices": LOG_LEVELS})
+    host: str = DEFAULT_HOST  # the address to listen on, used only when not socket-activated
+    port: int = field(default=DEFAULT_PORT, metadata=_range(0, 65535))  # the TCP port, used only when not socket-activated
+    unix_socket: str | None = None  # listen on this AF_UNIX path instead of host:port
+    unix_socket_mode: str = "0660"  # the unix socket's file mode, in octal
+    backlog: int = field(default=1024, metadata=_range(1, 65535))  # the listen backlog, when edge binds itself
+    drain_timeout_s: float = field(default=30.0, metadata=_range(0, 3600))  # SIGTERM: in-flight requests get this long to finish
+    max_queue: int = field(default=64, metadata=_range(1, 100000))  # requests per model (tokenizing or generating) before 503 + Retry-After
+    log_level: str = field(default="info", metadata={"choices": LOG_LEVELS})  # the log's threshold
     # What one client may hold or send (edge.serve.limits): beyond max_connections new connections
     # wait in the listen backlog; a request head must be complete within header_timeout_s of
     # the connection's opening (or of the end of its keep-alive idle time), a body within
     # body_timeout_s (else 408); a body over max_body_bytes is a 413.
     max_connections: int = field(default=DEFAULT_MAX_CONNECTIONS, metadata=_range(1, 1 << 20))
-    header_timeout_s: float = field(default=10.0, metadata=_range(0.1, 3600))
-    body_timeout_s: float = field(default=30.0, metadata=_range(0.1, 3600))
-    keepalive_timeout_s: float = field(default=5.0, metadata=_range(0.1, 3600))
-    max_body_bytes: int = field(default=8 << 20, metadata=_range(1024, 1 << 31))
+    header_timeout_s: float = field(default=10.0, metadata=_range(0.1, 3600))  # a request head must be complete within this
+    body_timeout_s: float = field(default=30.0, metadata=_range(0.1, 3600))  # a request body must be complete within this (else 408)
+    keepalive_timeout_s: float = field(default=5.0, metadata=_range(0.1, 3600))  # idle keep-alive connections are closed after this
+    max_body_bytes: int = field(default=8 << 20, metadata=_range(1024, 1 << 31))  # larger bodies: 413, before they are read
     reload: str = "auto"  # auto | overlap | sequential: how a reload makes room (README "Reload")
     # a stream's server-sent events: the first token at once, then at most one event per this
     # many ms carrying every token made meanwhile (0: an event per token)
@@ -75,14 +75,15 @@ class ServerConfig:
     request_timeout_s: float = field(default=600.0, metadata=_range(0.1, 86400.0))
     # safe mode (edge.lifecycle.safemode): a start that serves this long clears the crash count
     healthy_after_s: float = field(default=300.0, metadata=_range(1.0, 86400.0))
-    # Who may ask (edge.serve.auth; README "Exposing edge beyond the device"): keys one per line, or
-    # the systemd credential edge-api-keys; a non-loopback socket without keys refuses to start
-    # unless allow_unauthenticated. TLS (edge.serve.tls): uvicorn's own, on the same sockets.
+    # Who may ask (edge.serve.auth; README "Exposing edge beyond the device"): keys one per line
+    # (# comments), not world-readable; the systemd credential edge-api-keys comes first.
     api_key_file: str | None = None
-    metrics_auth: str = field(default="open", metadata={"choices": ("open", "key")})  # open: scrapers send no key
+    metrics_auth: str = field(default="open", metadata={"choices": ("open", "key")})  # /metrics: open (scrapers send no key) or keyed like the API
+    # a non-loopback socket without keys refuses to start (exit 78) unless this says it on purpose
     allow_unauthenticated: bool = False
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
+    # TLS (edge.serve.tls): uvicorn's own, on the same sockets; or the credentials edge-tls-cert/-key
+    tls_cert_file: str | None = None  # the certificate chain (PEM); needs tls_key_file; a restart, not a reload
+    tls_key_file: str | None = None  # its private key (PEM), not world-readable
 
 
 @dataclass(frozen=True)
@@ -93,21 +94,21 @@ class PathsConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str
-    path: str
-    kind: str = "gguf"
-    sha256: str | None = None
-    n_ctx: int = field(default=2048, metadata=_range(16, 1 << 20))
-    n_batch: int = field(default=512, metadata=_range(1, 1 << 16))
+    name: str  # the model's name in the API (/v2/models/{name}) and on /metrics
+    path: str  # builtin:<name>, or a .gguf file (relative to the config file)
+    kind: str = "gguf"  # the model file's format (GGUF only)
+    sha256: str | None = None  # the file's sha256, verified once per file identity, during page-in
+    n_ctx: int = field(default=2048, metadata=_range(16, 1 << 20))  # the context window, in tokens
+    n_batch: int = field(default=512, metadata=_range(1, 1 << 16))  # the logical batch of a prefill, in tokens
     n_threads: int = field(default=0, metadata=_range(0, 1024))  # 0: one per CPU core
-    n_gpu_layers: int = field(default=0, metadata=_range(-1, 100000))
-    use_mmap: bool = True
-    use_mlock: bool = True
-    require_mlock: bool = False
-    prefetch: bool = True
-    prefetch_threads: int = field(default=4, metadata=_range(1, 64))
+    n_gpu_layers: int = field(default=0, metadata=_range(-1, 100000))  # layers offloaded to the GPU (-1: all); needs a CUDA build of llama.cpp
+    use_mmap: bool = True  # llama.cpp maps the file instead of reading it
+    use_mlock: bool = True  # lock the model's pages in RAM (no page-out under memory pressure)
+    require_mlock: bool = False  # true: exit 77 if the lock does not take
+    prefetch: bool = True  # read the file into the page cache in parallel before llama.cpp loads it
+    prefetch_threads: int = field(default=4, metadata=_range(1, 64))  # threads of that page-in
     chat_template: str | None = None  # overrides the template stored in the GGUF
-    max_tokens_default: int = field(default=256, metadata=_range(1, 1 << 20))
+    max_tokens_default: int = field(default=256, metadata=_range(1, 1 << 20))  # max_tokens of a request that gives none
     max_choices: int = field(default=8, metadata=_range(1, 128))  # bound on n x prompts per request
     # llama.cpp context settings, with llama-server's defaults: flash attention decided by
     # llama.cpp for the device and model ("auto"), the physical batch (None: min(512, n_batch)),
@@ -120,14 +121,14 @@ class ModelConfig:
     # speed-up on ARM), and AMX where the build has it; false is llama.cpp's --no-repack. Safe mode
     # (edge.lifecycle.safemode) turns it off for a model whose load or warm-up crashed twice.
     use_extra_bufts: bool = True
-    n_ubatch: int | None = field(default=None, metadata=_range(1, 1 << 16))
-    n_threads_batch: int = field(default=0, metadata=_range(0, 1024))
+    n_ubatch: int | None = field(default=None, metadata=_range(1, 1 << 16))  # the physical batch (None: min(512, n_batch))
+    n_threads_batch: int = field(default=0, metadata=_range(0, 1024))  # prefill threads (0: n_threads)
     # The prompt cache (edge.model.promptcache): KV states of earlier prefixes in host memory, bounded
     # by bytes (None: two full contexts' KV, at most 1/16 of RAM; 0: off); declared prefixes,
     # restored from disk at every start; the N prefixes traffic reused most, saved at SIGTERM.
     prompt_cache_mb: int | None = field(default=None, metadata=_range(0, 1 << 20))
-    prefixes: list[PrefixConfig] = field(default_factory=list)
-    learn_prefixes: int = field(default=0, metadata=_range(0, 64))
+    prefixes: list[PrefixConfig] = field(default_factory=list)  # declared prefixes ([[models.prefixes]])
+    learn_prefixes: int = field(default=0, metadata=_range(0, 64))  # N: the N prefixes traffic reused most, saved at SIGTERM
 
     @property
     def flash_attn_mode(self) -> str:
@@ -137,11 +138,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class WarmupConfig:
-    enabled: bool = True
-    short_prompt: str = "Hello"
-    long_prefill_fraction: float = field(default=0.5, metadata=_range(0.0, 0.98))
-    decode_tokens: int = field(default=16, metadata=_range(1, 4096))
-    chat: bool = True
+    enabled: bool = True  # false: only the floor request runs
+    short_prompt: str = "Hello"  # the floor: this prompt, streamed, two tokens
+    long_prefill_fraction: float = field(default=0.5, metadata=_range(0.0, 0.98))  # a long-prefill candidate of this fraction of n_ctx
+    decode_tokens: int = field(default=16, metadata=_range(1, 4096))  # the streamed-decode candidate's tokens
+    chat: bool = True  # chat-template candidates
     prompts: list[str] = field(default_factory=list)  # extra prompts from the real workload
     # Calibration (edge.lifecycle.warmup): a candidate is kept when its first run is slower than a repeat
     # of the same shape by more than max(min_gain_s, min_gain_ratio x repeat); calibration and
@@ -150,20 +151,20 @@ class WarmupConfig:
     # shared 2-core machine (|first - repeat| / repeat with nothing lazy: median 0.26, p95 0.39,
     # Gemma 270M, one thread); 20 ms is less than a step costs to run.
     budget_s: float = field(default=1.0, metadata=_range(0.0, 3600.0))
-    min_gain_s: float = field(default=0.020, metadata=_range(0.0, 60.0))
-    min_gain_ratio: float = field(default=0.5, metadata=_range(0.0, 100.0))
+    min_gain_s: float = field(default=0.020, metadata=_range(0.0, 60.0))  # a candidate is kept when first - repeat > max(min_gain_s, min_gain_ratio x repeat)
+    min_gain_ratio: float = field(default=0.5, metadata=_range(0.0, 100.0))  # see min_gain_s
 
 
 @dataclass(frozen=True)
 class OtaConfig:
     """Defaults of `edge ota install` on this device; flags override them."""
 
-    pubkey: str = "/etc/edge/ota.pub"
-    keep_versions: int = field(default=3, metadata=_range(2, 100))
-    unit: str = "edge.service"
+    pubkey: str = "/etc/edge/ota.pub"  # the Ed25519 public key (PEM) bundles' signatures are checked with
+    keep_versions: int = field(default=3, metadata=_range(2, 100))  # versions kept installed (current, previous and pending always stay)
+    unit: str = "edge.service"  # the service unit activation restarts or reloads
     restart_cmd: str | None = None  # instead of `systemctl restart <unit>`
     health_url: str | None = None  # default: http://<server.host>:<server.port>/readyz
-    timeout_s: float = field(default=300.0, metadata=_range(1, 86400))
+    timeout_s: float = field(default=300.0, metadata=_range(1, 86400))  # how long the new version may take to answer health_url
     # restart: `systemctl restart` (or restart_cmd); reload: zero-gap `edge reload` of the running
     # service (the new version warms beside the old; a failing one never takes traffic)
     activation: str = field(default="restart", metadata={"choices": ("restart", "reload")})

@@ -26,25 +26,25 @@ class BatchingConfig:
     the oldest request's longest wait for company (0: a batch is what queued while the engine was
     busy), the most rows (0: what the profiles take), rows that run without waiting (0: the most)."""
 
-    enabled: bool | str = field(default="auto", metadata={"choices": ("auto", True, False)})
-    max_queue_delay_us: int = field(default=0, metadata=_range(0, 1_000_000))
-    max_batch_size: int = field(default=0, metadata=_range(0, 1 << 16))
-    preferred_batch_size: int = field(default=0, metadata=_range(0, 1 << 16))
+    enabled: bool | str = field(default="auto", metadata={"choices": ("auto", True, False)})  # "auto": where the engine has a batch dimension
+    max_queue_delay_us: int = field(default=0, metadata=_range(0, 1_000_000))  # the oldest request's longest wait for company (0: what queued while the engine was busy)
+    max_batch_size: int = field(default=0, metadata=_range(0, 1 << 16))  # the most rows in one execution (0: what the profiles take)
+    preferred_batch_size: int = field(default=0, metadata=_range(0, 1 << 16))  # rows that run without waiting (0: the most)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """A TensorRT or ONNX Runtime engine served from the store, found by this device's key."""
 
-    name: str
+    name: str  # the engine's name in the API (/v2/models/{name}) and on /metrics
     backend: str = "tensorrt"  # tensorrt | onnxruntime
     recipe: str | None = None  # its ONNX's sha256, precision and profiles name the engine
     onnx_sha256: str | None = None  # instead of recipe, on devices that hold no ONNX
     precision: str | None = None  # with onnx_sha256: fp32 | fp16 | int8
-    profile: str = ""
+    profile: str = ""  # with onnx_sha256: the key's profile label (recipe profile names joined by "+"; "": one default profile)
     store: str | None = None  # default: <cache_dir>/engines
     warmup: bool = True  # run every profile's min/opt/max shapes before READY
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)  # its KServe requests batched (edge.serve.batcher)
 
 
 def check_name(name: str, source: str, key: str) -> None:

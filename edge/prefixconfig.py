@@ -15,8 +15,8 @@ __all__ = ["MessageConfig", "PrefixConfig", "PREFIX_ROLES", "check_prefixes"]
 
 @dataclass(frozen=True)
 class MessageConfig:
-    role: str
-    content: str
+    role: str  # system | developer | user | assistant | tool
+    content: str  # the message's text
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,11 @@ class PrefixConfig:
     (chat: the model's template rendered for them, `tools` included, up to where the next
     message starts)."""
 
-    name: str
-    text: str | None = None
-    file: str | None = None
-    messages: list[MessageConfig] | None = None
-    tools: list[dict[str, Any]] | None = None
+    name: str  # letters, digits, '-', '_' or '.'; names its saved state on disk
+    text: str | None = None  # a completion prefix, as given
+    file: str | None = None  # a file holding that text (UTF-8, relative to the config file)
+    messages: list[MessageConfig] | None = None  # chat: rendered by the model's template up to the next turn
+    tools: list[dict[str, Any]] | None = None  # with messages: tools as a request gives them ({type = "function", ...})
 
 
 PREFIX_ROLES = ("system", "developer", "user", "assistant", "tool")

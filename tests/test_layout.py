@@ -70,7 +70,7 @@ def test_tests_mirror_the_packages() -> None:
     folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
     assert folders - {"system"} <= packages, f"test folders that are no package: {sorted(folders - packages)}"
     loose = sorted(p.name for p in tests.glob("test_*.py")
-                   if p.stem.removeprefix("test_") not in {m.split(".")[1] for m in GROUND.units} | {"layout", "readme", "py310"})
+                   if p.stem.removeprefix("test_") not in {m.split(".")[1] for m in GROUND.units} | {"layout", "readme", "py310", "docs"})
     assert not loose, f"tests at tests/ that belong in a package's folder: {loose}"
 
 

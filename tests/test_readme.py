@@ -1,4 +1,4 @@
-"""The README names only what exists: every `edge` command and option (asked of the typer app
+"""The README (and every page of docs/) names only what exists: every `edge` command and option (asked of the typer app
 itself), every path under edge/, tests/, scripts/, systemd/, engines/ and .ci/, every script's
 options, every dotted module reference (`edge.x.Y`, `kit.Y`), every test it names
 (`tests/x.py::test_y`, the test that holds a statement), every name it places in a module
@@ -18,6 +18,8 @@ from kit.layout import readme_floors
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+# The pages of docs/: what they name is held to the code like the README's (their code spans and blocks).
+DOCS = "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
 
 # Options of other tools the README names beside them (pip, venv): not edge's to have.
 FOREIGN_OPTIONS = {"--no-cache-dir": "pip install", "--system-site-packages": "python3 -m venv",
@@ -35,8 +37,9 @@ def _code() -> list[str]:
     """Every inline code span (whitespace folded) and every line of a fenced block, each command
     of a `|`, `&&` or `;` list apart, without its shell comment."""
     fenced = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
-    lines = [line for block in fenced.findall(README) for line in block.splitlines()]
-    spans = [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", fenced.sub("", README))]
+    text = README + "\n" + DOCS
+    lines = [line for block in fenced.findall(text) for line in block.splitlines()]
+    spans = [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", fenced.sub("", text))]
     out = []
     for text in spans + lines:
         text = re.sub(r"\s#.*", "", text)

@@ -18,7 +18,7 @@ __all__ = ["app", "main"]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None,  # plain help: importing rich costs ~90 ms per call
-                  help="edge: cold-start runtime for Jetson-class devices.")
+                  help="edge: cold-start runtime for Jetson-class devices.\n\nDocs: docs/index.md")
 
 for group in (serve, recovery, units, doctor, engines, fleet):
     group.register(app)

@@ -14,7 +14,7 @@ from edge.errors import EdgeError
 __all__ = ["register"]
 
 engines_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                          help="The engine store: list, verify, garbage-collect.")
+                          help="The engine store: list, verify, garbage-collect.\n\nDocs: docs/models-and-engines.md")
 StoreOpt = typer.Option(None, "--store", help="engine store (default: <cache_dir>/engines of the config)")
 
 
@@ -36,7 +36,9 @@ def _store(store: Optional[Path], config: Optional[str], existing: bool = True):
 def build_engine(recipe: Path = typer.Argument(..., help="engines/<model>.toml"),
                  backend: str = typer.Option("tensorrt", "--backend", help="tensorrt | onnxruntime"),
                  store: Optional[Path] = StoreOpt, config: Optional[str] = ConfigOpt) -> None:
-    """Build an engine offline for this machine's key and put it in the store (atomically)."""
+    """Build an engine offline for this machine's key and put it in the store (atomically).
+
+    Docs: docs/models-and-engines.md"""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from edge.device.identity import detect
@@ -62,7 +64,9 @@ def build_engine(recipe: Path = typer.Argument(..., help="engines/<model>.toml")
 @engines_app.command("ls")
 def engines_ls(store: Optional[Path] = StoreOpt, config: Optional[str] = ConfigOpt,
                as_json: bool = JsonOpt) -> None:
-    """Every engine in the store: key fields, size, created, builder."""
+    """Every engine in the store: key fields, size, created, builder.
+
+    Docs: docs/models-and-engines.md"""
     from edge.engines.store import format_table
 
     entries = _store(store, config).entries()
@@ -72,7 +76,9 @@ def engines_ls(store: Optional[Path] = StoreOpt, config: Optional[str] = ConfigO
 
 @engines_app.command("verify")
 def engines_verify(store: Optional[Path] = StoreOpt, config: Optional[str] = ConfigOpt) -> None:
-    """Check every engine's sha256 against its manifest; exit 1 if any is corrupt."""
+    """Check every engine's sha256 against its manifest; exit 1 if any is corrupt.
+
+    Docs: docs/models-and-engines.md"""
     bad, st = 0, _store(store, config)
     for e in st.entries():
         try:
@@ -88,7 +94,9 @@ def engines_verify(store: Optional[Path] = StoreOpt, config: Optional[str] = Con
 @engines_app.command("gc")
 def engines_gc(keep: int = typer.Option(2, "--keep", min=0, help="newest engines to keep per model"),
                store: Optional[Path] = StoreOpt, config: Optional[str] = ConfigOpt) -> None:
-    """Remove old engines (keeping the newest N per model and every one the config uses)."""
+    """Remove old engines (keeping the newest N per model and every one the config uses).
+
+    Docs: docs/models-and-engines.md"""
     from edge.device.identity import detect
     from edge.engines.lookup import configured_engines
 
@@ -103,7 +111,9 @@ def engines_gc(keep: int = typer.Option(2, "--keep", min=0, help="newest engines
 def engines_rekey(store: Optional[Path] = StoreOpt, config: Optional[str] = ConfigOpt) -> None:
     """Key engines by this Jetson's module: those stored under the key of a board of this model
     (keys named the carrier board before they named the module), so they match every board
-    that carries the same module."""
+    that carries the same module.
+
+    Docs: docs/models-and-engines.md"""
     from edge.device.identity import detect
 
     device = detect()

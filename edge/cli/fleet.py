@@ -15,14 +15,17 @@ from edge.cli.options import ConfigOpt, config_of, http_url
 __all__ = ["register"]
 
 fleet_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                        help="Fleet monitoring: Prometheus rules, a Prometheus agent that pushes, a Grafana dashboard.")
+                        help="Fleet monitoring: Prometheus rules, a Prometheus agent that pushes, a Grafana dashboard."
+                        "\n\nDocs: docs/fleet.md")
 
 
 @fleet_app.command("rules")
 def rules() -> None:
     """Print the Prometheus rules shipped with edge (p50/p95 ready time by module and model;
     alerts: not ready, device silent, starts failing, crash loop, slow start, OTA rolled back, mlock not taken,
-    model on the CPU, prompt-cache hit-rate collapse). Drop the output into the fleet Prometheus' rule_files."""
+    model on the CPU, prompt-cache hit-rate collapse). Drop the output into the fleet Prometheus' rule_files.
+
+    Docs: docs/fleet.md"""
     from edge.fleet.agent import rules_text
 
     typer.echo(rules_text(), nl=False)
@@ -74,7 +77,9 @@ def agent(remote_write: str = typer.Option(..., "--remote-write", callback=http_
                                          help="the Prometheus binary the unit runs (its version picks the agent flag)"),
           config: Optional[str] = ConfigOpt) -> None:
     """Print a Prometheus agent-mode config (or, with --unit, its systemd unit) that scrapes edge on
-    this device and remote-writes to the fleet: devices behind NAT push, nothing connects to them."""
+    this device and remote-writes to the fleet: devices behind NAT push, nothing connects to them.
+
+    Docs: docs/fleet.md"""
     from edge.fleet.agent import AgentSetup, prometheus_major
 
     if target is None:
@@ -91,7 +96,9 @@ def dashboard(provisioning: bool = typer.Option(False, "--provisioning", help="p
                                        help="with --provisioning: the folder that holds edge.json")) -> None:
     """Print the fleet's Grafana dashboard (JSON; `edge fleet dashboard > edge.json`): time to READY
     by module, model and edge version, starts by result, crashes, safe mode, OTA, mlock, devices not
-    scraped, and every shipped alert's expression. Needs the `dashboard` extra (Python 3.11+)."""
+    scraped, and every shipped alert's expression. Needs the `dashboard` extra (Python 3.11+).
+
+    Docs: docs/fleet.md"""
     from edge.fleet.dashboard import dashboard_json, provisioning as provider
 
     typer.echo(provider(path) if provisioning else dashboard_json(), nl=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -57,4 +57,28 @@ def url_of(value: Optional[str], schemes: tuple[str, ...]) -> Optional[str]:
     if u.scheme not in schemes or not u.hostname:
         raise typer.BadParameter(f"expected an {' or '.join(f'{x}://' for x in schemes)} URL with a host, "
                                  f"found {value!r}")
+    return value
+
+
+def a_file(what: str):
+    """A callback: the option (one path, none, or a repeated option's list) names files that exist."""
+    def check(value: Any) -> Any:
+        for v in value if isinstance(value, list) else [] if value is None else [value]:
+            if not v.is_file():
+                found = "is a directory" if v.is_dir() else "is not a file" if v.exists() else "does not exist"
+                raise typer.BadParameter(f"{v} {found}; expected {what}")
+        return value
+    return check
+
+
+def a_folder(value: Optional[Path]) -> Optional[Path]:
+    if value is not None and not value.is_dir():
+        found = "is not a folder" if value.exists() else "does not exist"
+        raise typer.BadParameter(f"{value} {found}; expected an engine store (a folder that exists)")
+    return value
+
+
+def one_of(value: Optional[str], choices: list[str]) -> Optional[str]:
+    if value is not None and value not in choices:
+        raise typer.BadParameter(f"expected one of {', '.join(choices)}, found {value!r}")
     return value

@@ -10,14 +10,15 @@ from typing import Any, Optional
 
 import typer
 
+from edge.cli.options import a_file, a_folder, one_of
 from edge.errors import EdgeError
 
 ota_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                      help="Fleet updates: signed bundles, atomic install, health check, rollback.")
+                      help="Fleet updates: signed bundles, atomic install, health check, rollback.\n\nDocs: docs/ota.md")
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="the device's edge config (for state dir and health URL)")
 PUBKEY = "an Ed25519 public key file (PEM, as `edge ota keygen` writes OUT.pub)"
-PubOpt = typer.Option(None, "--pubkey", callback=lambda v: _a_file(PUBKEY)(v),
+PubOpt = typer.Option(None, "--pubkey", callback=lambda v: a_file(PUBKEY)(v),
                       help="Ed25519 public key that signs bundles (default: [ota] pubkey)")
 
 
@@ -122,24 +123,6 @@ def _new_key(value: Path) -> Path:
     return _output_file(value)
 
 
-def _a_file(what: str):
-    """A callback: the option (one path, none, or a repeated option's list) names files that exist."""
-    def check(value: Any) -> Any:
-        for v in value if isinstance(value, list) else [] if value is None else [value]:
-            if not v.is_file():
-                found = "is a directory" if v.is_dir() else "is not a file" if v.exists() else "does not exist"
-                raise typer.BadParameter(f"{v} {found}; expected {what}")
-        return value
-    return check
-
-
-def _a_folder(value: Optional[Path]) -> Optional[Path]:
-    if value is not None and not value.is_dir():
-        found = "is not a folder" if value.exists() else "does not exist"
-        raise typer.BadParameter(f"{value} {found}; expected an engine store (a folder that exists)")
-    return value
-
-
 def _version(value: str) -> str:
     from edge.ota.errors import VersionError
     from edge.ota.version import parse_version
@@ -151,18 +134,14 @@ def _version(value: str) -> str:
     return value
 
 
-def _one_of(value: Optional[str], choices: list[str]) -> Optional[str]:
-    if value is not None and value not in choices:
-        raise typer.BadParameter(f"expected one of {', '.join(choices)}, found {value!r}")
-    return value
-
-
 STATUS_FIELDS = ["current", "previous", "pending", "highest"]
 
 
 @ota_app.command()
 def keygen(out: Path = typer.Option(Path("signing.key"), "-o", "--out", callback=_new_key)) -> None:
-    """Make an Ed25519 signing key (OUT, mode 0600) and its public key (OUT.pub)."""
+    """Make an Ed25519 signing key (OUT, mode 0600) and its public key (OUT.pub).
+
+    Docs: docs/ota.md"""
     from edge.ota.bundle import keygen as make
 
     try:
@@ -217,19 +196,21 @@ def _carries_what_config_names(config: Path):
 @ota_app.command()
 def build(version: str = typer.Option(..., "--version", callback=_version,
                                       help="the bundle's version: MAJOR.MINOR.PATCH[-PRERELEASE]"),
-          key: Path = typer.Option(..., "--key", callback=_a_file("an Ed25519 signing key (edge ota keygen)")),
+          key: Path = typer.Option(..., "--key", callback=a_file("an Ed25519 signing key (edge ota keygen)")),
           config: Path = typer.Option(..., "--config", help="the config the devices run for this version"),
-          model: list[Path] = typer.Option([], "--model", callback=_a_file("a GGUF model file"),
+          model: list[Path] = typer.Option([], "--model", callback=a_file("a GGUF model file"),
                                            help="GGUF file -> models/<name> (repeatable)"),
-          engines: Optional[Path] = typer.Option(None, "--engines", callback=_a_folder,
+          engines: Optional[Path] = typer.Option(None, "--engines", callback=a_folder,
                                                  help="an engine store -> engines/"),
           recipe: list[Path] = typer.Option([], "--recipe", help="recipe + its ONNX -> recipes/ (repeatable)"),
           base: Optional[Path] = typer.Option(None, "--base",
-                                              callback=_a_file("an earlier bundle or its manifest.json"),
+                                              callback=a_file("an earlier bundle or its manifest.json"),
                                               help="an earlier bundle (or its manifest.json): "
                                               "a thin bundle that carries only the files it lacks"),
           out: Path = typer.Option(..., "-o", "--out", callback=_output_file)) -> None:
-    """Build a signed bundle (on the host); thin with --base."""
+    """Build a signed bundle (on the host); thin with --base.
+
+    Docs: docs/ota.md"""
     from edge.config import read_config_text
     from edge.ota.bundle import build_bundle
     from edge.ota.manifest import read_base
@@ -253,11 +234,13 @@ FIELDS = {"version": lambda b: b.version, "content_digest": lambda b: b.content_
 
 
 @ota_app.command()
-def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey", callback=lambda v: _a_file(PUBKEY)(v)),
-            field: Optional[str] = typer.Option(None, "--field", callback=lambda v: _one_of(v, list(FIELDS)),
+def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey", callback=lambda v: a_file(PUBKEY)(v)),
+            field: Optional[str] = typer.Option(None, "--field", callback=lambda v: one_of(v, list(FIELDS)),
                                                 help="print one manifest field and stop: " + ", ".join(FIELDS))) -> None:
     """Print a bundle's manifest and verify its signature and every file's checksum, streaming:
-    the checks install makes that do not depend on the device, with install's verdict."""
+    the checks install makes that do not depend on the device, with install's verdict.
+
+    Docs: docs/ota.md"""
     from edge.ota.bundle import open_bundle
     from edge.ota.checks import check_bundle
     from edge.ota.errors import BundleError, OtaIOError
@@ -303,7 +286,9 @@ def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[P
             pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt, reload: bool = ReloadOpt,
             control: Optional[Path] = ControlOpt,
             keep: Optional[int] = typer.Option(None, "--keep", min=2, help="versions kept on disk")) -> None:
-    """Verify, check policy, stage, switch, restart, health-check; commit, or roll back on failure."""
+    """Verify, check policy, stage, switch, restart, health-check; commit, or roll back on failure.
+
+    Docs: docs/ota.md"""
     from edge.device.identity import detect
     from edge.errors import ConfigError
     from edge.ota.bundle import open_bundle
@@ -330,7 +315,9 @@ def rollback(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = ty
              reload: bool = ReloadOpt, control: Optional[Path] = ControlOpt,
              no_activate: bool = typer.Option(False, "--no-activate"), pubkey: Optional[Path] = PubOpt) -> None:
     """Undo a pending install, or switch back to the previous version (its files checked against
-    its signed manifest first); restart (or reload)."""
+    its signed manifest first); restart (or reload).
+
+    Docs: docs/ota.md"""
     ota, cfg = _ota(config, pubkey=pubkey)
     _echo(ota.rollback(None if no_activate else _activator(cfg, restart_cmd, unit, health_url, timeout,
                                                            pid_file, log_file, reload, control)))
@@ -338,7 +325,9 @@ def rollback(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = ty
 
 @ota_app.command()
 def commit(config: Optional[Path] = ConfigOpt) -> None:
-    """Make the pending version permanent (after --no-activate or --no-commit)."""
+    """Make the pending version permanent (after --no-activate or --no-commit).
+
+    Docs: docs/ota.md"""
     _echo(_ota(config)[0].commit())
 
 
@@ -354,7 +343,9 @@ def recover(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typ
     """Converge what a killed command or a power cut left: an uncommitted version is rolled back
     (the version it goes back to checked against its signed manifest first), links are made to
     agree with state.json (rebuilt if it is damaged), leftovers are deleted, old versions pruned.
-    Needs no free space."""
+    Needs no free space.
+
+    Docs: docs/ota.md"""
     ota, cfg = _ota(config, pubkey=pubkey)
     act = None if boot else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file,
                                        reload, control)
@@ -365,10 +356,12 @@ def recover(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typ
 
 @ota_app.command()
 def status(config: Optional[Path] = ConfigOpt,
-           field: Optional[str] = typer.Option(None, "--field", callback=lambda v: _one_of(v, STATUS_FIELDS),
+           field: Optional[str] = typer.Option(None, "--field", callback=lambda v: one_of(v, STATUS_FIELDS),
                                                help="print one field: current, previous, "
                                                "pending (its version) or highest; empty when none")) -> None:
-    """Current, previous, pending and highest versions, links, versions on disk, history."""
+    """Current, previous, pending and highest versions, links, versions on disk, history.
+
+    Docs: docs/ota.md"""
     st = _ota(config)[0].status()
     if field is None:
         return _echo(st)
@@ -379,7 +372,9 @@ def status(config: Optional[Path] = ConfigOpt,
 @ota_app.command()
 def verify(config: Optional[Path] = ConfigOpt, pubkey: Optional[Path] = PubOpt) -> None:
     """Hash every file of every installed version again and compare it with the version's signed
-    manifest (flash bit-rot). Exit 0 when all match, 65 naming every file that does not."""
+    manifest (flash bit-rot). Exit 0 when all match, 65 naming every file that does not.
+
+    Docs: docs/ota.md"""
     from edge.ota.errors import BundleError
 
     ota, cfg = _ota(config)

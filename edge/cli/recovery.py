@@ -17,7 +17,7 @@ from edge.cli.options import ConfigOpt, JsonOpt
 __all__ = ["register"]
 
 safe_mode_app = typer.Typer(no_args_is_help=False, invoke_without_command=True, rich_markup_mode=None,
-                            help="Safe mode: the fallbacks that crashes made the service take.")
+                            help="Safe mode: the fallbacks that crashes made the service take.\n\nDocs: docs/faults.md")
 
 
 def stop(pid: Optional[int] = typer.Option(None, "--pid", help="the process to stop (default: $MAINPID, "
@@ -27,7 +27,9 @@ def stop(pid: Optional[int] = typer.Option(None, "--pid", help="the process to s
     """SIGTERM to the service's main process, then wait until it is gone: it stops accepting,
     drains its in-flight requests and exits. The unit's ExecStop=: after a handover the main
     process is not systemd's own child, and systemd (249-252) would not wait for it after its
-    SIGTERM but kill it at once; systemd waits for ExecStop= instead."""
+    SIGTERM but kill it at once; systemd waits for ExecStop= instead.
+
+    Docs: docs/deploy.md"""
     if pid is None:
         raw = os.environ.get("MAINPID", "")
         if not raw.isdigit() or int(raw) <= 1:
@@ -54,7 +56,9 @@ def stop(pid: Optional[int] = typer.Option(None, "--pid", help="the process to s
 def record_stop(config: Optional[str] = ConfigOpt) -> None:
     """Record how the service's main process ended, as systemd tells ExecStopPost= ($SERVICE_RESULT,
     $EXIT_CODE, $EXIT_STATUS): a crash keeps its signal even when the process could write nothing.
-    Always exits 0 (it must never fail the unit's stop)."""
+    Always exits 0 (it must never fail the unit's stop).
+
+    Docs: docs/faults.md"""
     from edge.fleet.crashes import settle_all
     from edge.fleet.journal import Stop
     from edge.lifecycle.recovery import early_state_dir
@@ -73,7 +77,9 @@ def record_stop(config: Optional[str] = ConfigOpt) -> None:
 
 @safe_mode_app.callback()
 def show(ctx: typer.Context, config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt) -> None:
-    """The safe-mode steps in force (and the crashes counted), or `clear` to end safe mode."""
+    """The safe-mode steps in force (and the crashes counted), or `clear` to end safe mode.
+
+    Docs: docs/faults.md"""
     if ctx.invoked_subcommand is not None:
         return
     from edge.fleet.crashes import recent_crashes
@@ -96,7 +102,9 @@ def show(ctx: typer.Context, config: Optional[str] = ConfigOpt, as_json: bool = 
 @safe_mode_app.command()
 def clear(config: Optional[str] = ConfigOpt) -> None:
     """End safe mode: the next start (or `systemctl restart edge`) takes the full path again, and
-    the crashes so far are counted no more."""
+    the crashes so far are counted no more.
+
+    Docs: docs/faults.md"""
     from edge.lifecycle.recovery import early_state_dir
     from edge.lifecycle.safemode import SafeMode
 

@@ -18,7 +18,9 @@ __all__ = ["register"]
 
 
 def serve(config: Optional[str] = ConfigOpt) -> None:
-    """Load, lock and warm up the models, then serve on the inherited or configured socket."""
+    """Load, lock and warm up the models, then serve on the inherited or configured socket.
+
+    Docs: docs/deploy.md"""
     import faulthandler
 
     from edge.timing import StartTimer
@@ -60,7 +62,9 @@ def warmup(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt,
            calibrate: bool = typer.Option(False, "--calibrate",
                                           help="measure the warm-up candidates anew and store the plan"),
            svg: Optional[Path] = SvgOpt) -> None:
-    """Rehearse a start (page-in, load, lock, warm-up) without serving, and report each phase."""
+    """Rehearse a start (page-in, load, lock, warm-up) without serving, and report each phase.
+
+    Docs: docs/internals.md"""
     from edge.lifecycle.start import ColdStart
     from edge.timing import format_report
 
@@ -97,7 +101,9 @@ def reload(config: Optional[str] = typer.Option(
            as_json: bool = JsonOpt) -> None:
     """Reload the running service without a gap: the new set is loaded and warmed beside the old
     one (in the same process, or in a new one that takes over), then takes the traffic. Exit 0
-    once it serves; else the error's exit code and why (the old set keeps serving)."""
+    once it serves; else the error's exit code and why (the old set keeps serving).
+
+    Docs: docs/reload.md"""
     import os
 
     from edge.lifecycle.control import control_path, request_reload
@@ -144,7 +150,9 @@ def _config_for_state(config: Optional[str]) -> Any:
 def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Optional[Path] = SvgOpt) -> None:
     """Show the reports of the last start and of the last reload: phases, seconds, bytes, rates;
     and a start that failed after it, if one did. A damaged report is named (exit 1), the others
-    are still shown."""
+    are still shown.
+
+    Docs: docs/deploy.md"""
     from edge.fleet.history import FAILED_START
     from edge.timing import REPORT_NAME, visible
 
@@ -266,7 +274,9 @@ def bench(url: str = typer.Option(DEFAULT_URL, "--url", callback=lambda v: url_o
           prompt: str = typer.Option("Question: What is the capital of France?\nAnswer:", "--prompt"),
           max_tokens: int = typer.Option(16, "--max-tokens", min=1),
           model: Optional[str] = typer.Option(None, "--model")) -> None:
-    """Latency and throughput of a running service (JSON): p50/p95/p99, requests/s, tokens/s."""
+    """Latency and throughput of a running service (JSON): p50/p95/p99, requests/s, tokens/s.
+
+    Docs: docs/performance.md"""
     from edge.serve.bench import bench as run
 
     try:

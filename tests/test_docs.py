@@ -1,0 +1,163 @@
+"""The documentation site (mkdocs.yml, docs/): it builds with `mkdocs build --strict` and fetches
+nothing while it does, every page is in the navigation, the generated parts (the config reference,
+the exit-code table) are what the code gives now, every README section a page points to is there,
+and every command's help points to its page."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+
+from edge.cli import app
+from edge.config import parse_config
+from kit.docs import anchor, section
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gen_docs  # noqa: E402  (scripts/gen_docs.py: the generator the pages are checked against)
+
+
+def _nav() -> list[str]:
+    """The pages mkdocs.yml's nav names, read without YAML (mkdocs may not be installed)."""
+    text = (ROOT / "mkdocs.yml").read_text()
+    nav = text.split("\nnav:\n")[1]
+    return re.findall(r"^\s+- (?:[^:\n]+: )?(\S+\.md)$", nav, re.M)
+
+
+def test_every_page_is_in_the_nav_and_the_nav_names_only_pages() -> None:
+    pages = sorted(p.name for p in DOCS.glob("*.md"))
+    assert len(pages) >= 12 and "index.md" in pages
+    assert sorted(_nav()) == pages
+
+
+def test_the_site_fetches_nothing_at_build_time() -> None:
+    """Material's web fonts are off and no plugin but the built-in search is enabled (social cards
+    and the privacy plugin download at build time)."""
+    text = (ROOT / "mkdocs.yml").read_text()
+    assert re.search(r"^  font: false$", text, re.M)
+    block = re.search(r"^plugins:\n((?:  - .+\n)+)", text, re.M)
+    assert block is not None and re.findall(r"^  - (\S+)$", block.group(1), re.M) == ["search"]
+
+
+def test_the_site_builds_strict_with_the_network_refused(tmp_path: Path) -> None:
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
+        print("skipped: mkdocs or mkdocs-material is not installed (the docs extra: pip install -e '.[docs]')")
+        pytest.skip("mkdocs or mkdocs-material is not installed (the docs extra: pip install -e '.[docs]')")
+    with socket.socket() as closed:  # bound, never listening: a proxy that refuses every connection
+        closed.bind(("127.0.0.1", 0))
+        proxy = "http://127.0.0.1:%d" % closed.getsockname()[1]
+        env = {**os.environ, "HTTP_PROXY": proxy, "HTTPS_PROXY": proxy, "http_proxy": proxy, "https_proxy": proxy,
+               "NO_PROXY": "", "no_proxy": "", "NO_MKDOCS_2_WARNING": "1"}
+        site, in_repo = tmp_path / "site", (ROOT / "build" / "site").exists()
+        run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+                              "-d", str(site)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    built = {p.parent.name for p in site.glob("*/index.html")}
+    assert built == {Path(p).stem for p in _nav()} - {"index"} and (site / "index.html").is_file()
+    assert "fonts.googleapis.com" not in (site / "index.html").read_text()
+    assert (ROOT / "build" / "site").exists() == in_repo  # built into the temp dir, not the checkout
+
+
+def test_the_generated_parts_are_what_the_code_gives() -> None:
+    assert gen_docs.stale() == [], "run: .venv/bin/python scripts/gen_docs.py --write"
+
+
+def test_every_config_key_has_its_meaning_beside_it_in_the_code() -> None:
+    assert gen_docs.undocumented_keys() == []
+
+
+def _reference_rows() -> dict[str, list[tuple[str, str]]]:
+    """(key, default cell) of each table of docs/config.md."""
+    tables: dict[str, list[tuple[str, str]]] = {}
+    for header, body in re.findall(r"^### `\[+([\w.]+)\]+`\n(.*?)(?=^### |\Z)", (DOCS / "config.md").read_text(), re.M | re.S):
+        tables[header] = re.findall(r"^\| `(\w+)` \| [^|]+ \| ([^|]+) \|", body, re.M)
+    return tables
+
+
+def test_a_config_of_every_documented_default_is_the_default_config() -> None:
+    """Each key of the reference, set to its documented default in a real TOML file, parses, and
+    gives the same config as leaving it out: the reference names real keys with their defaults."""
+    tables = _reference_rows()
+    assert {"server", "paths", "models", "models.prefixes", "warmup", "engines", "ota"} <= set(tables)
+    lines, bare = [], ['[[models]]\nname = "m"\npath = "builtin:gemma3-270m"\n']
+    for table in ("server", "warmup", "ota", "models"):
+        lines.append("[[models]]\nname = \"m\"\npath = \"builtin:gemma3-270m\"" if table == "models" else f"[{table}]")
+        for key, default in tables[table]:
+            value = default.strip()
+            if value.startswith("`") and key not in ("name", "path"):
+                lines.append(f"{key} = {value.strip('`')}")
+    documented, plain = parse_config("\n".join(lines) + "\n"), parse_config(bare[0])
+    assert documented.server == plain.server and documented.warmup == plain.warmup and documented.ota == plain.ota
+    assert documented.models == plain.models
+    assert sum(len(tables[t]) for t in ("server", "warmup", "ota", "models")) > 50
+
+
+def test_every_readme_section_a_page_points_to_is_there() -> None:
+    """Until the move, stubs name README sections as `README.md#anchor`: each is a heading's anchor."""
+    readme = (ROOT / "README.md").read_text()
+    anchors = {anchor(h) for h in re.findall(r"^#{2,3} (.+)$", readme, re.M)}
+    named = {a for p in DOCS.glob("*.md") for a in re.findall(r"`README\.md#([\w-]+)`", p.read_text())}
+    assert len(named) >= 20
+    assert sorted(named - anchors) == []
+
+
+def _commands(cmd: object, words: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], object]]:
+    sub = getattr(cmd, "commands", None)
+    out = [(words, cmd)]
+    for name, c in (sub or {}).items():
+        out += _commands(c, (*words, name))
+    return out
+
+
+def test_every_command_help_points_to_its_page() -> None:
+    """`edge --help` and every command's and group's help end with a "Docs: docs/<page>.md" line
+    naming a page there is."""
+    root = typer.main.get_command(app)
+    missing, pages = [], {p.name for p in DOCS.glob("*.md")}
+    for words, cmd in _commands(root):
+        found = re.findall(r"Docs: docs/([\w-]+\.md)", getattr(cmd, "help", None) or "")
+        if len(found) != 1 or found[0] not in pages:
+            missing.append(" ".join(("edge", *words)))
+    assert len(_commands(root)) > 25
+    assert missing == []
+
+
+def test_the_prompt_cache_bound_the_readme_states_is_the_measured_one() -> None:
+    """README "Reproducibility" states how far an answer continued from a cached prefix strays from
+    a fresh prefill: the sentence `scripts/bench-cache-bound` makes from its recorded result
+    (tests/fixtures/cache_bound.json: >= 200 prompts of several lengths on the real Gemma 3 270M),
+    and that result's summary is the one its rows give."""
+    import json
+
+    import bench_cache_bound
+
+    result = json.loads((ROOT / "tests" / "fixtures" / "cache_bound.json").read_text())
+    rows = result["rows"]
+    assert len(rows) >= 200 and len({r["prefix_tokens"] for r in rows}) >= 3
+    assert all(r["reused"] >= r["prefix_tokens"] - 1 for r in rows)  # each cached answer did reuse its prefix
+    assert bench_cache_bound.summary(rows) == result["summary"]
+    stated = " ".join(section("Reproducibility").split())
+    assert bench_cache_bound.statement(result) in stated
+    shortest = [r for r in rows if r["prefix_tokens"] == min(result["prefix_tokens"])]
+    assert f"with the {shortest[0]['prefix_tokens']}-token prefixes no logprob differed at all" in stated
+    assert all(r["max"] == 0 and r["parted_at"] is None for r in shortest)
+
+
+def test_a_section_is_found_by_its_title_wherever_it_is() -> None:
+    """kit.docs.section: what tests holding a sentence read, README or docs page alike."""
+    keywords = section("json_schema keywords")
+    assert "| enforced |" in keywords and "### Grammar bounds" not in keywords
+    with pytest.raises(LookupError, match="found 0"):
+        section("A heading no page has")
+    with pytest.raises(LookupError, match="found 0"):
+        section("unix_socket = \"/run/edge/edge.sock\"")  # a TOML comment in a code block is no heading
