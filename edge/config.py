@@ -74,6 +74,9 @@ class ServerConfig:
     request_timeout_s: float = field(default=600.0, metadata=_range(0.1, 86400.0))
     # safe mode (edge.lifecycle.safemode): a start that serves this long clears the crash count
     healthy_after_s: float = field(default=300.0, metadata=_range(1.0, 86400.0))
+    # safe mode exhausted (edge.fleet.giveup): one start tries the native path again after this
+    # long, then after twice as long, ... (at most 16 times): a backoff, never a loop
+    give_up_retry_s: float = field(default=600.0, metadata=_range(1.0, 86400.0))
 
 
 @dataclass(frozen=True)

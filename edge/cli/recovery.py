@@ -80,12 +80,19 @@ def show(ctx: typer.Context, config: Optional[str] = ConfigOpt, as_json: bool = 
     from edge.lifecycle.recovery import early_state_dir
     from edge.lifecycle.safemode import SafeMode
 
+    from edge.fleet.giveup import GiveUp
+
     folder = early_state_dir(config)
     mode = SafeMode.load(folder)
+    give_up = GiveUp.load(folder)
     if as_json:
         typer.echo(json.dumps({"state_dir": str(folder), "safe_mode": mode.describe(),
+                               "given_up": give_up.as_dict() if give_up else None,
                                "crashes": recent_crashes(folder)}, indent=2))
         return
+    if give_up is not None:
+        typer.echo(f"GIVEN UP since {give_up.as_dict()['since']}: {give_up.reason} (retry at "
+                   f"{give_up.as_dict()['retry_at']}{', being retried' if give_up.retrying else ''})")
     if not mode.fallbacks:
         typer.echo(f"safe mode: off ({folder})")
     for step in mode.describe():
@@ -95,8 +102,10 @@ def show(ctx: typer.Context, config: Optional[str] = ConfigOpt, as_json: bool = 
 
 @safe_mode_app.command()
 def clear(config: Optional[str] = ConfigOpt) -> None:
-    """End safe mode: the next start (or `systemctl restart edge`) takes the full path again, and
-    the crashes so far are counted no more."""
+    """End safe mode: the next start takes the full path again, and the crashes so far are counted
+    no more. A give-up ends too: the process answering 503 exits at once, and the next client (or
+    one waiting) starts the service, with no systemctl command."""
+    from edge.fleet.giveup import GiveUp
     from edge.lifecycle.recovery import early_state_dir
     from edge.lifecycle.safemode import SafeMode
 
@@ -104,8 +113,10 @@ def clear(config: Optional[str] = ConfigOpt) -> None:
     mode = SafeMode.load(folder)
     steps = mode.describe()
     mode.clear()
+    gave_up = GiveUp.remove(folder)
     typer.echo(f"safe mode cleared in {folder}" + (": " + "; ".join(f"{s['target']}: {s['fallback']}"
-                                                                   for s in steps) if steps else " (it was off)"))
+                                                                   for s in steps) if steps else " (it was off)")
+               + ("; the give-up ended" if gave_up else ""))
 
 
 def register(app: typer.Typer) -> None:

@@ -24,16 +24,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edge import toml
+from edge import __version__, toml
 from edge.config import Config, default_config, find_config, state_dir
+from edge.errors import SafeModeExhausted
 from edge.fleet.crashes import recent_crashes, settle_all
+from edge.fleet.giveup import GiveUp, fingerprint
 from edge.fleet.history import CRASH, read_json, record_failed_start
 from edge.fleet.journal import Journal
 from edge.fsutil import atomic_write
 from edge.lifecycle.safemode import Fallback, SafeMode, safe_mode_keys, top_levels
 from edge.timing import Phases, StartTimer, write_report
 
-__all__ = ["FAULT_ENV", "FaultInjector", "Recovery", "early_state_dir"]
+__all__ = ["FAULT_ENV", "FaultInjector", "GivenUp", "Recovery", "early_state_dir"]
 
 log = logging.getLogger("edge")
 
@@ -71,6 +73,15 @@ def remember_state_dir(cfg: Config) -> None:
             atomic_write(default / POINTERS, json.dumps({**pointers, key: value}, indent=1) + "\n")
         except OSError:
             pass  # only a broken config's later failure report would land in the default dir
+
+
+class GivenUp(Exception):
+    """Safe mode is exhausted (now, or by a give-up on record that still holds): this start does
+    not take the native path; it answers 503 instead (edge.lifecycle.unavailable)."""
+
+    def __init__(self, give_up: GiveUp, cfg: Config) -> None:
+        super().__init__(give_up.reason)
+        self.give_up, self.config = give_up, cfg
 
 
 class FaultInjector:
@@ -114,10 +125,12 @@ class Recovery:
         self.timer = timer
         self.safe_mode: SafeMode | None = None
         self.new_steps: list[Fallback] = []
+        self.retrying: GiveUp | None = None  # a give-up whose interval passed: this start tries again
 
     def decide(self, cfg: Config) -> SafeMode:
         """The recovery phase: earlier processes' journals settled into crash records, safe mode
-        brought up to date (SafeModeExhausted when a ladder has no step left), keys journaled."""
+        brought up to date, keys journaled; GivenUp when a give-up holds, or safe mode is
+        exhausted now (then recorded: edge.fleet.giveup). All before llama.cpp is imported."""
         with self.timer.phase(Phases.RECOVERY) as ph:
             if state_dir(cfg) != self.state_dir:  # e.g. the config names another dir than systemd's
                 self.journal.move_to(state_dir(cfg))
@@ -127,12 +140,44 @@ class Recovery:
             self.journal.keys(keys)
             mode = SafeMode.load(self.state_dir)
             self.safe_mode = mode
-            self.new_steps = mode.decide(recent_crashes(self.state_dir), keys, top_levels(cfg))
+            fp = fingerprint(cfg.source, keys, __version__)
+            before = self._given_up_before(cfg, mode, fp)
+            crashes = recent_crashes(self.state_dir)
+            try:
+                self.new_steps = mode.decide(crashes, keys, top_levels(cfg))
+            except SafeModeExhausted as exc:
+                give_up = GiveUp.begin(str(exc), crashes, fp, cfg.server.give_up_retry_s, before)
+                give_up.save(self.state_dir)
+                log.error("%s (retrying after %.0f s)", exc, give_up.retry_s)
+                raise GivenUp(give_up, cfg) from None
             ph.detail.update(settled=len(settled), safe_mode=len(mode.fallbacks))
         for step in self.new_steps:
             log.error("SAFE MODE: %s: %s; from now on: %s (`edge safe-mode clear` ends it)", step.ladder,
                       step.reason, step.what)
         return mode
+
+    def _given_up_before(self, cfg: Config, mode: SafeMode, fp: dict[str, str]) -> GiveUp | None:
+        """The give-up on record: GivenUp while it holds; when something changed, safe mode starts
+        afresh (the full path); when its interval passed, this start retries with the steps in
+        force. Returns the give-up being retried, if any (its interval doubles if it fails)."""
+        give_up = GiveUp.load(self.state_dir)
+        if give_up is None:
+            return None
+        why = give_up.ended_by(fp)
+        if why is None:
+            raise GivenUp(give_up, cfg)
+        if give_up.changed(fp):
+            log.warning("the give-up of %s ends: %s: trying the full path again", give_up.as_dict()["since"], why)
+            mode.clear()
+            GiveUp.remove(self.state_dir)
+            return None
+        if not give_up.retrying:
+            log.warning("the give-up of %s ends: %s: trying again with safe mode's steps in force",
+                        give_up.as_dict()["since"], why)
+            give_up.retrying = True
+            give_up.save(self.state_dir)
+        self.retrying = give_up
+        return give_up
 
     def serving(self, cfg: Config) -> None:
         """READY=1 was sent (the journal's `ready` line was written with the start report)."""
@@ -145,6 +190,16 @@ class Recovery:
         self.journal.healthy()
         if self.safe_mode is not None:
             self.safe_mode.healthy()
+        if self.retrying is not None:  # the retry after a give-up held: the give-up is over
+            GiveUp.remove(self.state_dir)
+            self.retrying = None
+
+    def given_up(self, give_up: GiveUp, cfg: Config) -> None:
+        """This start answers 503 instead (edge.lifecycle.unavailable): counted as a start whose
+        result is given_up, its journal in the phase of that name."""
+        self.journal.enter(Phases.GIVEN_UP)
+        report = self.timer.report(config=cfg.source, error=give_up.reason, exit_code=0)
+        record_failed_start(self.state_dir, {**report, "result": "given_up", "given_up": give_up.as_dict()})
 
     def ended(self, code: int, **detail: Any) -> None:
         """Served and stopped: exit `code` (0, or a fatal reload's); `handed_over_to` a new process."""
@@ -164,7 +219,7 @@ class Recovery:
     def crashed(self, phase: str, reason: str, exit_code: int) -> None:
         """It found itself unfit to go on (e.g. a poisoned CUDA context): a crash record of its
         own, then the exit."""
-        report = {**self.timer.report(), "result": "crashed", "phase": phase, "signal": "none",
+        report = {**self.timer.report(), "result": "crashed", "phase": phase, "signal": "none", "cause": "fatal-error",
                   "error": reason, "exit_code": exit_code, "reached_ready": True}
         try:
             write_report(report, self.state_dir, kind=CRASH)

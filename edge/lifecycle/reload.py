@@ -93,13 +93,13 @@ class Reloader:
         loop = asyncio.get_running_loop()
         loop.remove_signal_handler(signal.SIGHUP)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # shutting down: a late SIGHUP is not a kill
+        if self.handover is not None:  # stopping: a new process that has not taken over is ended
+            self.handover.abandon()  # first, so that the answer to its `edge reload` need not wait
         if self._control is not None:
             self._control.close()
             await self._control.answered()  # a handover's answer, written after this process drained
         if self._making is not None:  # stopping: a set that never served is not worth waiting for
             self._making.cancel()
-        if self.handover is not None:  # nor a new process that has not taken over
-            self.handover.abandon()
         for task in list(self._tasks):
             await asyncio.gather(task, return_exceptions=True)  # drains end (nothing is served now)
 
