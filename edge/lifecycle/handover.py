@@ -256,11 +256,9 @@ class _Run:
             self.extra["successor"] = {"pid": child.pid, **child.settle(state_dir(self.h.current))}
         log.error("handover failed: %s", exc)
         self._write()
-        if self.h.abandoned:  # the service stops: nothing to tell systemd
-            pass
-        elif self.extra["mode"] == "restart":  # nothing serves here any more: the unit restarts edge
+        if self.extra["mode"] == "restart":  # nothing serves here any more: the unit restarts edge
             self.h.notifier.status(f"restart failed: {exc}; exiting 70 for the unit to restart edge")
-        else:
+        elif not (self.h.abandoned or self.h.server.drain.dispatcher.stopping):  # stopping: no READY=1
             self.h.notifier.send(f"READY=1\nSTATUS=handover failed: {exc}; the old process serves on")
         return {"ok": False, "error": str(exc), "exit_code": exc.exit_code, "report": self.summary()}
 

@@ -125,6 +125,7 @@ class Recovery:
         self.timer = timer
         self.safe_mode: SafeMode | None = None
         self.new_steps: list[Fallback] = []
+        self.keys: dict[str, str] = {}  # safe mode's keys of this start (its own crash record carries them)
         self.retrying: GiveUp | None = None  # a give-up whose interval passed: this start tries again
 
     def decide(self, cfg: Config) -> SafeMode:
@@ -136,7 +137,7 @@ class Recovery:
                 self.journal.move_to(state_dir(cfg))
                 self.state_dir = state_dir(cfg)
             settled = settle_all(self.state_dir)
-            keys = safe_mode_keys(cfg)
+            keys = self.keys = safe_mode_keys(cfg)
             self.journal.keys(keys)
             mode = SafeMode.load(self.state_dir)
             self.safe_mode = mode
@@ -219,7 +220,7 @@ class Recovery:
     def crashed(self, phase: str, reason: str, exit_code: int) -> None:
         """It found itself unfit to go on (e.g. a poisoned CUDA context): a crash record of its
         own, then the exit."""
-        report = {**self.timer.report(), "result": "crashed", "phase": phase, "signal": "none", "cause": "fatal-error",
+        report = {**self.timer.report(), "result": "crashed", "phase": phase, "signal": "none", "cause": "fatal-error", "keys": self.keys,
                   "error": reason, "exit_code": exit_code, "reached_ready": True}
         try:
             write_report(report, self.state_dir, kind=CRASH)
