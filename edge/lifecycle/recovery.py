@@ -6,11 +6,12 @@ The state dir is known before the config is parsed: the config's own `paths.stat
 file is TOML at all, else systemd's StateDirectory= ($STATE_DIRECTORY), else the state dir the
 last good start of this config used (a pointer kept in the default state dir), else the default.
 
-EDGE_TEST_FAULT (a test-only switch, never set in service): `<phase>:<SIGNAL>[:extra_bufts]`
+EDGE_TEST_FAULT (a test-only switch, never set in service): `<phase>:<SIGNAL>[:<condition>]`
 raises a real signal in this process as `phase` begins (after its journal line is on disk):
 `warmup:SEGV`, `model_load:BUS`, `prefix_states:ABRT`, `serving:SEGV` (right after READY=1).
 With `:extra_bufts` only while llama.cpp's extra buffer types are on for the model (a fault like
-ggml's AMX one, which safe mode's first step removes).
+ggml's AMX one, which safe mode's first step removes); with `:unless=<path>` only while that file
+does not exist (a fault that a fix on disk ends, with no change to the unit).
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ class FaultInjector:
             return
         if self.condition == "extra_bufts" and detail.get("extra_bufts") is False:
             return
+        if self.condition.startswith("unless=") and Path(self.condition[7:]).exists():
+            return  # fixed: the file that says so is there
         log.warning("%s: raising SIG%s at phase %s", FAULT_ENV, self.signal.name.removeprefix("SIG"), phase)
         # to this thread, as a fault would be: it stops here; faulthandler writes the stacks, then
         # the signal's default action ends the process (SIGKILL: at once)
