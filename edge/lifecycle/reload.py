@@ -340,7 +340,7 @@ class _Run:
 def _guard(cfg: Config, plan: LoadPlan, old: Loaded) -> Decision:
     """The memory guard's decision for this plan (README "Reload", edge.lifecycle.memguard)."""
     from edge.device.memory import read_memory
-    from edge.lifecycle.memguard import decide, engine_sizes, estimate
+    from edge.lifecycle.memguard import decide, engine_sizes, estimate, oom_before
 
     mapped = {k[2] for k in old.keys.values() if k[0] == "model" and k[2]}
     need = estimate([(f.cfg, f.info, plan.keys[f.cfg.name][2] in mapped) for f in plan.files if f.info],
@@ -348,7 +348,7 @@ def _guard(cfg: Config, plan: LoadPlan, old: Loaded) -> Decision:
     reading = None
     if cfg.server.reload == "auto":
         reading = read_memory(gpu=any(f.cfg.n_gpu_layers != 0 for f in plan.files))
-    return decide(cfg.server.reload, need, reading)
+    return decide(cfg.server.reload, need, reading, oom_before(state_dir(cfg)) if reading is not None else None)
 
 
 def _collect() -> None:
