@@ -30,6 +30,8 @@ def stop(pid: Optional[int] = typer.Option(None, "--pid", help="the process to s
     SIGTERM but kill it at once; systemd waits for ExecStop= instead."""
     if pid is None:
         raw = os.environ.get("MAINPID", "")
+        if not raw and os.environ.get("SERVICE_RESULT"):
+            return  # ExecStop= after the main process ended by itself (systemd sets no $MAINPID then)
         if not raw.isdigit() or int(raw) <= 1:
             typer.echo("edge stop: no process to stop: --pid not given and $MAINPID (set by systemd for "
                        f"ExecStop=) is {raw or 'not set'}", err=True)
