@@ -96,7 +96,7 @@ def show(ctx: typer.Context, config: Optional[str] = ConfigOpt, as_json: bool = 
         typer.echo(f"GIVEN UP since {give_up.as_dict()['since']}: {give_up.reason} (retry at "
                    f"{give_up.as_dict()['retry_at']}{', being retried' if give_up.retrying else ''})")
     if not mode.fallbacks:
-        typer.echo(f"safe mode: off ({folder})")
+        typer.echo(f"safe mode: no step in force ({folder})" if give_up else f"safe mode: off ({folder})")
     for step in mode.describe():
         typer.echo(f"SAFE MODE {step['target']}: {step['fallback']} since {step['since']} "
                    f"({step['reason']})")

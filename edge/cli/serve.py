@@ -254,8 +254,9 @@ def _format_recovery(crashes: list[dict[str, Any]], safe: list[dict[str, Any]],
         lines += ["", f"SAFE MODE {s['target']}: {s['fallback']} since {s['since']} ({s['reason']}); "
                       "`edge safe-mode clear` ends it"]
     if given_up is not None:
-        lines += ["", f"GIVEN UP since {given_up['since']}: {given_up['reason']}; every request is answered "
-                      f"503 until then, or until the retry at {given_up['retry_at']}"
+        lines += ["", f"GIVEN UP since {given_up['since']}: {given_up['reason']}; every request is answered 503 "
+                      "until `edge safe-mode clear`, another config, model, llama.cpp or edge, or the retry at "
+                      f"{given_up['retry_at']}"
                       + (" (being retried now)" if given_up.get("retrying") else "")]
     return "\n".join(lines) + ("\n" if lines else "")
 

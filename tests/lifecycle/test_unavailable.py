@@ -90,6 +90,9 @@ def test_an_unconditional_crash_gives_up_once_and_every_request_is_answered_503(
     status = _status(unit.config)
     assert status["given_up"]["phase"] == "warmup" and len(status["given_up"]["crashes"]) == 3
     assert len(status["crashed_starts"]) == 3
+    text = subprocess.run([*EDGE, "status", "--config", str(unit.config)], capture_output=True, text=True,
+                          timeout=60).stdout
+    assert "GIVEN UP since" in text and "`edge safe-mode clear`" in text and "native-fault" in text, text
     doctor = subprocess.run([*EDGE, "doctor", "--config", str(unit.config)], capture_output=True, text=True,
                             timeout=120)
     assert "[FAIL] given up" in doctor.stdout and "edge safe-mode clear" in doctor.stdout, doctor.stdout
