@@ -498,7 +498,7 @@ def test_a_sigkill_while_serving_is_recorded_by_exec_stop_post(tiny: Machine) ->
     url = f"http://127.0.0.1:{PORT}/metrics"
     metrics = m.run(f"/opt/edge/venv/bin/python -c 'import urllib.request; "
                     f"print(urllib.request.urlopen(\"{url}\").read().decode())'").stdout
-    assert re.search(r'^edge_crashes_total\{phase="serving",signal="KILL",cause="outside-kill"\} [1-9]', metrics,
+    assert re.search(r'^edge_crashes_total\{cause="outside-kill",phase="serving",signal="KILL"\} [1-9]', metrics,
                      re.M), metrics[-2000:]
 
 
