@@ -122,7 +122,7 @@ def test_an_oom_kill_while_serving_makes_reloads_sequential_until_one_succeeds(t
 
     roomy = MemoryReading(available=60 * GIB, total=64 * GIB, source="test double")
     for stop in (Stop("signal", "killed", "KILL"), Stop("oom-kill", "killed", "KILL")):
-        j = Journal(tmp_path)
+        j = Journal(tmp_path, clock=lambda: 0.0)  # each "process" started now: the later one is the last
         j.enter("config")
         j.ready()
         j.close()  # its lock released: a process that is gone
