@@ -84,6 +84,9 @@ class ServerConfig:
     # TLS (edge.serve.tls): uvicorn's own, on the same sockets; or the credentials edge-tls-cert/-key
     tls_cert_file: str | None = None  # the certificate chain (PEM); needs tls_key_file; a restart, not a reload
     tls_key_file: str | None = None  # its private key (PEM), not world-readable
+    # safe mode exhausted (edge.fleet.giveup): one start tries the native path again after this
+    # long, then after twice as long, ... (at most 16 times): a backoff, never a loop
+    give_up_retry_s: float = field(default=600.0, metadata=_range(1.0, 86400.0))
 
 
 @dataclass(frozen=True)

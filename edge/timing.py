@@ -76,6 +76,7 @@ class Phases:
     HTTP_SETUP = "http_setup"
     READY = "ready"
     RECOVERY = "recovery"  # crash records settled, safe mode decided (edge.lifecycle.safemode)
+    GIVEN_UP = "given_up"  # safe mode exhausted: only answering 503 (edge.lifecycle.unavailable)
     SERVING = "serving"  # not a phase of the report: where a process that dies after READY was
     # a reload (edge.lifecycle.reload) adds these to the load-and-warm phases above
     MEMORY_GUARD = "memory_guard"

@@ -32,6 +32,8 @@ def stop(pid: Optional[int] = typer.Option(None, "--pid", help="the process to s
     Docs: docs/deploy.md"""
     if pid is None:
         raw = os.environ.get("MAINPID", "")
+        if not raw and os.environ.get("SERVICE_RESULT"):
+            return  # ExecStop= after the main process ended by itself (systemd sets no $MAINPID then)
         if not raw.isdigit() or int(raw) <= 1:
             typer.echo("edge stop: no process to stop: --pid not given and $MAINPID (set by systemd for "
                        f"ExecStop=) is {raw or 'not set'}", err=True)
@@ -86,14 +88,21 @@ def show(ctx: typer.Context, config: Optional[str] = ConfigOpt, as_json: bool = 
     from edge.lifecycle.recovery import early_state_dir
     from edge.lifecycle.safemode import SafeMode
 
+    from edge.fleet.giveup import GiveUp
+
     folder = early_state_dir(config)
     mode = SafeMode.load(folder)
+    give_up = GiveUp.load(folder)
     if as_json:
         typer.echo(json.dumps({"state_dir": str(folder), "safe_mode": mode.describe(),
+                               "given_up": give_up.as_dict() if give_up else None,
                                "crashes": recent_crashes(folder)}, indent=2))
         return
+    if give_up is not None:
+        typer.echo(f"GIVEN UP since {give_up.as_dict()['since']}: {give_up.reason} (retry at "
+                   f"{give_up.as_dict()['retry_at']}{', being retried' if give_up.retrying else ''})")
     if not mode.fallbacks:
-        typer.echo(f"safe mode: off ({folder})")
+        typer.echo(f"safe mode: no step in force ({folder})" if give_up else f"safe mode: off ({folder})")
     for step in mode.describe():
         typer.echo(f"SAFE MODE {step['target']}: {step['fallback']} since {step['since']} "
                    f"({step['reason']})")
@@ -101,10 +110,12 @@ def show(ctx: typer.Context, config: Optional[str] = ConfigOpt, as_json: bool = 
 
 @safe_mode_app.command()
 def clear(config: Optional[str] = ConfigOpt) -> None:
-    """End safe mode: the next start (or `systemctl restart edge`) takes the full path again, and
-    the crashes so far are counted no more.
+    """End safe mode: the next start takes the full path again, and the crashes so far are counted
+    no more. A give-up ends too: the process answering 503 exits at once, and the next client (or
+    one waiting) starts the service, with no systemctl command.
 
     Docs: docs/faults.md"""
+    from edge.fleet.giveup import GiveUp
     from edge.lifecycle.recovery import early_state_dir
     from edge.lifecycle.safemode import SafeMode
 
@@ -112,8 +123,10 @@ def clear(config: Optional[str] = ConfigOpt) -> None:
     mode = SafeMode.load(folder)
     steps = mode.describe()
     mode.clear()
+    gave_up = GiveUp.remove(folder)
     typer.echo(f"safe mode cleared in {folder}" + (": " + "; ".join(f"{s['target']}: {s['fallback']}"
-                                                                   for s in steps) if steps else " (it was off)"))
+                                                                   for s in steps) if steps else " (it was off)")
+               + ("; the give-up ended" if gave_up else ""))
 
 
 def register(app: typer.Typer) -> None:

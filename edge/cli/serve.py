@@ -101,10 +101,13 @@ def reload(config: Optional[str] = typer.Option(
            as_json: bool = JsonOpt) -> None:
     """Reload the running service without a gap: the new set is loaded and warmed beside the old
     one (in the same process, or in a new one that takes over), then takes the traffic. Exit 0
-    once it serves; else the error's exit code and why (the old set keeps serving).
+    once it serves; else the error's exit code and why (the old set keeps serving). SIGTERM
+    (systemd stopping the unit while this runs as its ExecReload=): exit 0 at once, the reload
+    superseded by the stop.
 
     Docs: docs/reload.md"""
     import os
+    import signal
 
     from edge.lifecycle.control import control_path, request_reload
     from edge.errors import ConfigError
@@ -113,6 +116,7 @@ def reload(config: Optional[str] = typer.Option(
         raise ConfigError(config, "", "config file does not exist")
     target = str(Path(config).resolve()) if config else None
     path = Path(socket_path) if socket_path else control_path(_config_for_state(config))
+    signal.signal(signal.SIGTERM, _superseded)
     answer = request_reload(path, target, timeout, process, dict(os.environ))
     if as_json:
         typer.echo(json.dumps(answer, indent=2))
@@ -157,6 +161,7 @@ def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Opti
     from edge.timing import REPORT_NAME, visible
 
     from edge.fleet.crashes import recent_crashes
+    from edge.fleet.giveup import GiveUp
     from edge.lifecycle.safemode import SafeMode
 
     folder = _state_folder(_config_for_state(config))
@@ -166,6 +171,8 @@ def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Opti
     if failed is not None and report is not None and _newer(report, failed):
         failed = None  # an earlier failure, followed by a good start
     crashes, safe = recent_crashes(folder), SafeMode.load(folder).describe()
+    give_up = GiveUp.load(folder)
+    given_up = give_up.as_dict() if give_up is not None else None
     if report is None and failed is None and not damaged and not crashes:
         typer.echo(f"no start report yet in {folder / REPORT_NAME}: has `edge serve` run?", err=True)
         raise typer.Exit(1)
@@ -174,10 +181,10 @@ def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Opti
         reload_report = None  # a reload of an earlier run of the service, not of this one (nor its handover to it)
     if as_json:  # the start report as before, the last reload (and a later failed start) beside it
         typer.echo(json.dumps({**(report or {}), "last_reload": reload_report, "last_failed_start": failed,
-                               "crashed_starts": crashes, "safe_mode": safe}, indent=2))  # ASCII: \u202e
+                               "crashed_starts": crashes, "safe_mode": safe, "given_up": given_up}, indent=2))  # ASCII: \u202e
     else:
         _print_reports(folder, report, reload_report, failed, damaged)
-        typer.echo(visible(_format_recovery(crashes, safe)), nl=False)
+        typer.echo(visible(_format_recovery(crashes, safe, given_up)), nl=False)
     for why in damaged:
         typer.echo(visible(f"edge: {why}"), err=True)
     if svg is not None:
@@ -189,6 +196,14 @@ def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Opti
         _write_svg(svg, drawn + [c for c in [recovery_chart(crashes, safe, time.time())] if c])
     if damaged:
         raise typer.Exit(1)
+
+
+def _superseded(sig: int, frame: Any) -> None:
+    """SIGTERM while waiting for the answer: systemd stops the unit during its reload (systemd
+    252 stops a reloading unit by signals, ExecReload='s process included, whose death by SIGTERM
+    would fail the unit with result 'signal'); the stop supersedes the reload."""
+    typer.echo("edge reload: SIGTERM: the service is being stopped; the reload is superseded by the stop", err=True)
+    raise SystemExit(0)
 
 
 def _successor(reload_report: dict[str, Any]) -> Any:
@@ -236,19 +251,27 @@ def _print_reports(folder: Path, report: Any, reload_report: Any, failed: Any, d
         shown = True
 
 
-def _format_recovery(crashes: list[dict[str, Any]], safe: list[dict[str, Any]]) -> str:
-    """Crashes (before READY and after it) and safe mode's steps, after the reports."""
+def _format_recovery(crashes: list[dict[str, Any]], safe: list[dict[str, Any]],
+                     given_up: dict[str, Any] | None = None) -> str:
+    """Crashes (before READY and after it, with their cause), safe mode's steps and a give-up,
+    after the reports."""
     lines = []
     if crashes:
-        lines += ["", f"CRASHES (last {len(crashes)})", f"{'at':<26}{'pid':>8}  {'phase':<19}{'signal':<9}what"]
+        lines += ["", f"CRASHES (last {len(crashes)})",
+                  f"{'at':<26}{'pid':>8}  {'phase':<19}{'signal':<9}{'cause':<14}what"]
         for c in crashes:
             on = c.get("model") or c.get("engine") or ""
             lines.append(f"{c.get('at') or '?':<26}{c.get('pid') or '?':>8}  {c.get('phase') or '?':<19}"
-                         f"{c.get('signal') or '?':<9}{c.get('result')}{' (' + on + ')' if on else ''}"
-                         f"{'' if c.get('settled', True) else ', not recorded yet'}")
+                         f"{c.get('signal') or '?':<9}{c.get('cause') or '?':<14}{c.get('result')}"
+                         f"{' (' + on + ')' if on else ''}{'' if c.get('settled', True) else ', not recorded yet'}")
     for s in safe:
         lines += ["", f"SAFE MODE {s['target']}: {s['fallback']} since {s['since']} ({s['reason']}); "
                       "`edge safe-mode clear` ends it"]
+    if given_up is not None:
+        lines += ["", f"GIVEN UP since {given_up['since']}: {given_up['reason']}; every request is answered 503 "
+                      "until `edge safe-mode clear`, another config, model, llama.cpp or edge, or the retry at "
+                      f"{given_up['retry_at']}"
+                      + (" (being retried now)" if given_up.get("retrying") else "")]
     return "\n".join(lines) + ("\n" if lines else "")
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-__all__ = ["CgroupLimit", "TEST_CGROUP_ROOT_ENV", "memory_limit"]
+__all__ = ["CgroupLimit", "TEST_CGROUP_ROOT_ENV", "memory_limit", "oom_kills"]
 
 TEST_CGROUP_ROOT_ENV = "EDGE_TEST_CGROUP_ROOT"  # test double: a fixture tree read in place of /
 UNLIMITED_V1 = 1 << 62  # v1 writes "no limit" as PAGE_COUNTER_MAX pages in bytes (about 2^63)
@@ -135,3 +135,25 @@ def memory_limit(pid: int | str = "self", root: str | Path | None = None) -> Cgr
             if best is None or found.room < best.room:
                 best = found
     return best
+
+
+def oom_kills(pid: int | str = "self", root: str | Path | None = None) -> int | None:
+    """How many processes the kernel's OOM killer has killed in `pid`'s cgroup so far (cgroup v2
+    `memory.events` oom_kill; v1 `memory.oom_control` oom_kill); None where it cannot be read.
+    A count read at a start and again when the service ended tells an OOM kill from another
+    SIGKILL (edge.fleet.crashes)."""
+    where = _root(root)
+    member = _membership(where, pid)
+    if member is None:
+        return None
+    version, path = member
+    name = "memory.events" if version == 2 else "memory.oom_control"
+    try:
+        text = (_mount(where, version) / path.lstrip("/") / name).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return None

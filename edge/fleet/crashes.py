@@ -9,6 +9,20 @@ ExecStopPost= when it ran, else "unknown"), and the safe-mode keys the journal w
 edge.lifecycle.safemode can tell the same crash twice from two different ones. A start that
 ended by itself wrote its own report; systemd's word can still change it: a start stopped by
 SIGTERM that systemd sent for TimeoutStartSec= is a "timeout", not a "stopped".
+
+Each record names its `cause` (`cause_of`), what the end is evidence of; only a native fault is
+evidence against llama.cpp's native paths (edge.lifecycle.safemode counts `NATIVE_CAUSES`):
+
+    native-fault   SIGSEGV, SIGBUS, SIGILL, SIGABRT, SIGFPE (not systemd's watchdog abort)
+    fatal-error    the process found itself unfit to go on (a lost CUDA context), signal "none"
+    unknown        no exit record: a power loss, a kernel panic, a hardware watchdog mid-start
+    oom            the kernel's OOM killer: systemd's oom-kill, or the cgroup's oom_kill count
+                   (memory.events) grew between the start and ExecStopPost=
+    watchdog       systemd's WatchdogSec= (it aborts with SIGABRT: still not a native fault)
+    timeout        systemd's TimeoutStartSec=/TimeoutStopSec=
+    outside-kill   any other signal that ended it: SIGKILL from a person or a script, SIGTERM
+                   before edge's handler, SIGQUIT, ...
+    exit           it exited with a status without a word of its own (os._exit, a native exit())
 """
 
 from __future__ import annotations
@@ -22,11 +36,30 @@ from edge.fleet.journal import JournalRead, Stop, journals
 from edge.fsutil import atomic_write
 from edge.timing import write_report
 
-__all__ = ["crash_report", "recent_crashes", "settle", "settle_all"]
+__all__ = ["CAUSES", "NATIVE_CAUSES", "NATIVE_SIGNALS", "cause_of", "crash_report", "recent_crashes", "settle",
+           "settle_all"]
 
 log = logging.getLogger("edge")
 
 CRASHED, TIMEOUT = "crashed", "timeout"
+NATIVE_SIGNALS = frozenset({"SEGV", "BUS", "ILL", "ABRT", "FPE"})
+CAUSES = ("native-fault", "fatal-error", "unknown", "oom", "watchdog", "timeout", "outside-kill", "exit")
+NATIVE_CAUSES = frozenset({"native-fault", "fatal-error", "unknown"})  # what safe mode counts
+_SYSTEMD_CAUSES = {"watchdog": "watchdog", "oom-kill": "oom", TIMEOUT: "timeout"}  # $SERVICE_RESULT
+
+
+def cause_of(signal: str | None, service_result: str = "", exit_status: Any = "", oom_grew: bool = False) -> str:
+    """What one end is evidence of (the table above): systemd's word first (it knows a watchdog
+    abort and a timeout kill), then the cgroup's OOM count, then the signal."""
+    if service_result in _SYSTEMD_CAUSES:
+        return _SYSTEMD_CAUSES[service_result]
+    if oom_grew and signal == "KILL":
+        return "oom"
+    if signal in (None, "", "unknown"):
+        return "exit" if str(exit_status or "").isdigit() else "unknown"
+    if signal == "none":
+        return "fatal-error"
+    return "native-fault" if signal in NATIVE_SIGNALS else "outside-kill"
 
 
 def settle_all(state_dir: Path, stop: Stop | None = None) -> list[Path]:
@@ -71,11 +104,16 @@ def crash_report(j: JournalRead) -> dict[str, Any]:
     if stop is not None and stop.result in ("oom-kill", "watchdog", TIMEOUT):
         how += f" (systemd: {stop.result})"
     phase = where["enter"]
+    start_ooms, end_ooms = j.head.get("oom_kills"), stop.oom_kills if stop is not None else None
+    oom_grew = isinstance(start_ooms, int) and isinstance(end_ooms, int) and end_ooms > start_ooms
+    cause = cause_of(signal, stop.result if stop else "", stop.status if stop and not signal else "", oom_grew)
+    if cause == "oom" and (stop is None or stop.result != "oom-kill"):
+        how += " (the cgroup's OOM killer)"
     return {"edge_version": str(j.head.get("edge_version", "")), "pid": j.pid, "host": _host(),
             "started_at": str(j.head.get("started_at", "")), "started_unix": j.head.get("started_unix"),
             "ready_s": j.last_t, "phases": _phases(j), "result": result, "phase": phase, **target,
             "signal": signal or "unknown", "exit_status": stop.status if stop else "",
-            "service_result": stop.result if stop else "", "keys": j.keys, "reached_ready": j.ready is not None,
+            "service_result": stop.result if stop else "", "cause": cause, "keys": j.keys, "reached_ready": j.ready is not None,
             "error": f"{how} in phase {phase}" + (f" ({on})" if on else "")}
 
 
@@ -131,5 +169,7 @@ def _row(r: dict[str, Any], name: str, settled: bool = True) -> dict[str, Any]:
     return {"at": r.get("started_at"), "started_unix": r.get("started_unix"), "pid": r.get("pid"),
             "result": r.get("result", CRASHED), "phase": r.get("phase"), "model": r.get("model"),
             "engine": r.get("engine"), "signal": r.get("signal"), "exit_status": r.get("exit_status"),
-            "service_result": r.get("service_result"), "reached_ready": r.get("reached_ready", False),
+            "service_result": r.get("service_result"), "cause": r.get("cause") or cause_of(
+                r.get("signal"), str(r.get("service_result") or ""), r.get("exit_status")),
+            "reached_ready": r.get("reached_ready", False),
             "keys": r.get("keys") or {}, "error": r.get("error"), "record": name, "settled": settled}

@@ -39,8 +39,9 @@ LEDGER = "history.json"
 LEDGER_FORMAT = 1
 FAILED_START = "failed-start"  # the report kind of a start that never reached READY
 CRASH = "crash"  # the report kind of a process that died after READY (edge.fleet.crashes)
-# how a start ended: READY, or before it by an error, a SIGTERM, a signal, systemd's timeout
-START_RESULTS = ("ok", "failed", "stopped", "crashed", "timeout")
+# how a start ended: READY, or before it by an error, a SIGTERM, a signal, systemd's timeout; or
+# it found safe mode exhausted and only answered (edge.fleet.giveup)
+START_RESULTS = ("ok", "failed", "stopped", "crashed", "timeout", "given_up")
 _KINDS = ("start", FAILED_START, "reload", CRASH)  # report kinds (file prefixes under reports/)
 AFTER_READY = "after_ready"  # the events' family of a crash while serving (a crashed start is a "start")
 RECENT_S = 24 * 3600  # how long history.json keeps each counted event's time (edge.fleet.metrics' windows)
@@ -77,7 +78,7 @@ def reload_result(report: dict[str, Any]) -> str:
 
 def _counted(kind: str, report: dict[str, Any]) -> list[tuple[str, str]]:
     """(family, key) counters one report adds to: a start's result; a reload's; and every crash,
-    before READY or after, under "crash" by "<phase>/<signal>"."""
+    before READY or after, under "crash" by "<phase>/<signal>/<cause>" (edge.fleet.crashes)."""
     if kind == "reload":
         if report.get("reload_kind") == "process":  # a handover to a new process: a reload too
             result = reload_result(report)
@@ -86,7 +87,8 @@ def _counted(kind: str, report: dict[str, Any]) -> list[tuple[str, str]]:
         return [("reload", reload_result(report))]
     if kind == "start":
         return [("start", "ok")]
-    crash = [("crash", f"{report.get('phase') or 'unknown'}/{report.get('signal') or 'unknown'}")]
+    cause = report.get("cause") or "unknown"
+    crash = [("crash", f"{report.get('phase') or 'unknown'}/{report.get('signal') or 'unknown'}/{cause}")]
     if kind == CRASH:
         return crash
     result = report.get("result") if report.get("result") in START_RESULTS[1:] else "failed"

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge.device.cgroup import oom_kills
 from edge.fsutil import fsync_dir
 from edge.timing import process_age_s
 
@@ -128,7 +129,8 @@ class Journal:
         now = time.time()
         self._write({"journal": FORMAT, "kind": kind, "pid": self.pid, "starttime": start,
                      "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now - self._clock())),
-                     "started_unix": round(now - self._clock(), 6), "edge_version": _version()}, sync=SOON)
+                     "started_unix": round(now - self._clock(), 6), "edge_version": _version(),
+                     "oom_kills": oom_kills()}, sync=SOON)  # its cgroup's OOM kills so far (edge.fleet.crashes)
 
     def enter(self, phase: str, **detail: Any) -> None:
         """A phase begins: written before it runs (durable while it runs)."""
@@ -234,15 +236,17 @@ def _version() -> str:
 class Stop:
     """How systemd saw the main process end ($SERVICE_RESULT, $EXIT_CODE, $EXIT_STATUS of
     ExecStopPost=): result success|exit-code|signal|core-dump|timeout|watchdog|oom-kill|…;
-    code exited|killed|dumped; status an exit status or a signal name (SEGV)."""
+    code exited|killed|dumped; status an exit status or a signal name (SEGV); `oom_kills` the
+    unit's cgroup's OOM kills so far (ExecStopPost= runs in it), to compare with the start's."""
 
     result: str = ""
     code: str = ""
     status: str = ""
+    oom_kills: int | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> "Stop":
-        return cls(env.get("SERVICE_RESULT", ""), env.get("EXIT_CODE", ""), env.get("EXIT_STATUS", ""))
+        return cls(env.get("SERVICE_RESULT", ""), env.get("EXIT_CODE", ""), env.get("EXIT_STATUS", ""), oom_kills())
 
     def as_dict(self) -> dict[str, str]:
         return {"result": self.result, "code": self.code, "status": self.status}

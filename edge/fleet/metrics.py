@@ -22,6 +22,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
+from edge.fleet.crashes import cause_of
+from edge.fleet.giveup import GiveUp
 from edge.fleet.history import AFTER_READY, START_RESULTS, Ledger, OtaView, read_json, read_ota, reload_result, timestamp
 from edge.model.gpu import llama_lib_dir
 
@@ -169,6 +171,7 @@ class FleetCollector:
         yield from self._engines(getattr(state, "engines", None) or {})
         yield from self._starts()
         yield from self._safe_mode(getattr(state, "safe_mode", None) or [])
+        yield from _given_up(GiveUp.load(self.state_dir))
         yield from self._reloads()
         yield from _ota(read_ota(self.state_dir))
 
@@ -228,11 +231,13 @@ class FleetCollector:
             yield family
         crashes = CounterMetricFamily("edge_crashes", "Processes of the service that died by a signal "
                                       "(or found themselves unfit to go on: signal=\"none\"), by the phase "
-                                      "they were in (\"serving\": after READY) and the signal (\"unknown\": "
-                                      "no exit record), across restarts.", labels=["phase", "signal"])
+                                      "they were in (\"serving\": after READY), the signal (\"unknown\": "
+                                      "no exit record) and its cause (native-fault, fatal-error, unknown, oom, "
+                                      "watchdog, timeout, outside-kill, exit: only the first three count "
+                                      "towards safe mode), across restarts.", labels=["phase", "signal", "cause"])
         for key, n in sorted(counts.get("crash", {}).items()):
-            phase, _, sig = key.partition("/")
-            crashes.add_metric([phase, sig], float(n))
+            phase, sig, cause = (key.split("/", 2) + [""])[:3]
+            crashes.add_metric([phase, sig, cause or cause_of(sig)], float(n))  # counted before causes: by signal
         yield crashes
         yield from self._recent()
         report = read_json(self.state_dir / "last-start.json") or {}
@@ -293,6 +298,16 @@ class FleetCollector:
                      [], rows["at"])
         yield _gauge("edge_last_reload_result", "1 for the last reload's result (ok, failed, "
                      "rolled_back).", ["result"], rows["result"])
+
+
+def _given_up(give_up: GiveUp | None) -> Iterator[Metric]:
+    holds = give_up is not None and not give_up.retrying
+    rows = [([give_up.phase, give_up.signal, give_up.target], 1.0)] if holds and give_up is not None else []
+    yield _gauge("edge_given_up", "1 while safe mode is exhausted and the service only answers 503 (edge "
+                 "safe-mode; README \"Native faults\"): the phase, signal and model or engine of the last "
+                 "crash.", ["phase", "signal", "target"], rows)
+    yield _gauge("edge_given_up_retry_timestamp_seconds", "While given up: when one start will try the "
+                 "native path again (unix time).", [], [([], give_up.retry_at)] if holds and give_up else [])
 
 
 def _ota(view: OtaView | None) -> Iterator[Metric]:

@@ -246,8 +246,10 @@ def _engines(cfg: Config) -> list[Check]:
 
 def _safe_mode(cfg: Config) -> list[Check]:
     """Safe mode's steps in force (a warning each: the device serves without a path that
-    faulted), else how many crashes are on record (edge.lifecycle.safemode, edge.fleet.crashes)."""
+    faulted), else how many crashes are on record (edge.lifecycle.safemode, edge.fleet.crashes);
+    a give-up (edge.fleet.giveup) fails."""
     from edge.fleet.crashes import recent_crashes
+    from edge.fleet.giveup import GiveUp
     from edge.lifecycle.safemode import SafeMode
 
     folder = state_dir(cfg)
@@ -255,6 +257,13 @@ def _safe_mode(cfg: Config) -> list[Check]:
     checks = [Check(f"safe mode {s['target']}", "warn", f"{s['fallback']} since {s['since']}: {s['reason']}",
                     "find the cause (`edge status` lists the crashes, `journalctl -u edge` has their stacks), "
                     "then `edge safe-mode clear`") for s in steps]
+    give_up = GiveUp.load(folder)
+    if give_up is not None and not give_up.retrying:
+        when = give_up.as_dict()
+        checks.insert(0, Check("given up", "fail", f"since {when['since']}: {give_up.reason}; every request is "
+                               f"answered 503 until it ends (retry at {when['retry_at']})",
+                               "fix the cause, then `edge safe-mode clear`: the next client starts the service, "
+                               "no systemctl needed"))
     if not steps:
         crashes = recent_crashes(folder)
         last = crashes[-1] if crashes else None

@@ -24,7 +24,7 @@ __all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "i
            "render_rearm", "REARM_UNIT", "default_edge_command", "STARTER_CONFIG", "START_LIMIT_BURST", "START_LIMIT_INTERVAL_S"]
 
 # The unit's start limit only catches what edge cannot bound itself: edge ends a crash loop on its
-# own (safe mode's steps, then exit 76, which the unit does not restart), so the limit is set
+# own (safe mode's steps, then a give-up that answers 503 and is not a crash), so the limit is set
 # above what a person's restarts (10 in a minute), OTA activations and socket-triggered starts
 # add up to, and above the crashes safe mode needs to climb its ladders; a start that keeps
 # failing before edge's journal runs (a broken install) still stops after 20 tries in 2 minutes

@@ -118,6 +118,7 @@ class Handover:
         self.successor_pid: int | None = None  # set at the switch: this process drains and exits
         self.restart: asyncio.Future[dict[str, Any]] | None = None  # memory fallback: after the drain
         self.starting: int | None = None  # the pid of a new process not ready yet
+        self.abandoned = False  # this process stops: a handover under way ends quietly
         self._run: _Run | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -165,8 +166,9 @@ class Handover:
 
     def abandon(self) -> None:
         """This process stops before a new one took over (SIGTERM, systemctl stop): that one is
-        killed; the handover fails (the unit stops, or restarts edge, as it would have)."""
+        killed (its journal settled into the handover report); the handover fails quietly."""
         if self.starting is not None and self.successor_pid is None:
+            self.abandoned = True
             log.warning("stopping during a handover: killing the new process (pid %d)", self.starting)
             try:
                 os.kill(self.starting, signal.SIGKILL)
@@ -256,7 +258,7 @@ class _Run:
         self._write()
         if self.extra["mode"] == "restart":  # nothing serves here any more: the unit restarts edge
             self.h.notifier.status(f"restart failed: {exc}; exiting 70 for the unit to restart edge")
-        else:
+        elif not (self.h.abandoned or self.h.server.drain.dispatcher.stopping):  # stopping: no READY=1
             self.h.notifier.send(f"READY=1\nSTATUS=handover failed: {exc}; the old process serves on")
         return {"ok": False, "error": str(exc), "exit_code": exc.exit_code, "report": self.summary()}
 

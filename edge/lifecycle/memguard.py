@@ -21,14 +21,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from edge.config import Config, EngineConfig, ModelConfig
+from edge.config import Config, EngineConfig, ModelConfig, state_dir
 from edge.device.memory import MIB, MemoryReading, process_status, unified_memory
 from edge.model.gguf import GGUFInfo
 from edge.model.memory import model_need
 
-__all__ = ["Decision", "Need", "decide", "engine_sizes", "estimate", "handover_decision"]
+__all__ = ["Decision", "Need", "decide", "engine_sizes", "estimate", "handover_decision", "oom_before"]
 
 
 @dataclass
@@ -100,12 +101,15 @@ def reserve_bytes(reading: MemoryReading) -> int:
     return min(512 * MIB, reading.ceiling // 10)
 
 
-def decide(configured: str, need: Need, reading: MemoryReading | None) -> Decision:
+def decide(configured: str, need: Need, reading: MemoryReading | None, oom: str | None = None) -> Decision:
     """server.reload: "sequential" and "overlap" are what they say; "auto" overlaps only if the
     need fits in what the service may use (MemAvailable, or its cgroup's room) less a reserve
-    (and, offloaded, in the GPU's free memory)."""
+    (and, offloaded, in the GPU's free memory), and no OOM kill says otherwise (`oom`: why,
+    from `oom_before`)."""
     if configured == "sequential":
         return Decision("sequential", "server.reload = \"sequential\"", need, reading)
+    if configured == "auto" and oom:
+        return Decision("sequential", oom, need, reading)
     if configured == "overlap" or reading is None:
         why = "server.reload = \"overlap\"" if configured == "overlap" else "no memory reading"
         return Decision("overlap", why, need, reading)
@@ -139,6 +143,9 @@ def handover_decision(cfg: Config) -> dict[str, Any]:
     if cfg.server.reload in ("sequential", "overlap"):
         mode = "restart" if cfg.server.reload == "sequential" else "handover"
         return {"mode": mode, "reason": f"server.reload = \"{cfg.server.reload}\"", "need_mib": None}
+    oom = oom_before(state_dir(cfg))
+    if oom:
+        return {"mode": "restart", "reason": oom, "need_mib": None}
     mapped = mapped_files()
     new_files = 0
     for m in cfg.models:
@@ -157,6 +164,29 @@ def handover_decision(cfg: Config) -> dict[str, Any]:
            f"reserve)")
     return {"mode": "handover" if fits else "restart", "reason": why, "need_mib": round(need / MIB, 1),
             "available_mib": round(reading.available / MIB, 1)}
+
+
+def oom_before(folder: Path) -> str | None:
+    """The memory guard's fallback after an OOM kill (edge.fleet.crashes, cause "oom"): when the
+    last crash on record is the OOM killer ending a process that was serving (what pushes a
+    serving service over is a reload's or a handover's second set) and no reload succeeded since,
+    the next one does not overlap: why, or None."""
+    from edge.fleet.crashes import recent_crashes
+    from edge.fleet.history import read_json
+
+    crashes = recent_crashes(folder)
+    last = crashes[-1] if crashes else {}
+    if last.get("cause") != "oom" or not last.get("reached_ready"):
+        return None
+    try:
+        died = (folder / "reports" / str(last.get("record"))).stat().st_mtime  # written at its ExecStopPost=
+    except OSError:
+        died = float(last.get("started_unix") or 0)
+    reload = read_json(folder / "last-reload.json") or {}
+    if not reload.get("error") and float(reload.get("started_unix") or 0) > died:
+        return None
+    return (f"the OOM killer ended pid {last.get('pid')} while it served (phase {last.get('phase')}) and no reload "
+            "succeeded since: no second set beside the first")
 
 
 def _rss_anon() -> int:

@@ -6,11 +6,12 @@ The state dir is known before the config is parsed: the config's own `paths.stat
 file is TOML at all, else systemd's StateDirectory= ($STATE_DIRECTORY), else the state dir the
 last good start of this config used (a pointer kept in the default state dir), else the default.
 
-EDGE_TEST_FAULT (a test-only switch, never set in service): `<phase>:<SIGNAL>[:extra_bufts]`
+EDGE_TEST_FAULT (a test-only switch, never set in service): `<phase>:<SIGNAL>[:<condition>]`
 raises a real signal in this process as `phase` begins (after its journal line is on disk):
 `warmup:SEGV`, `model_load:BUS`, `prefix_states:ABRT`, `serving:SEGV` (right after READY=1).
 With `:extra_bufts` only while llama.cpp's extra buffer types are on for the model (a fault like
-ggml's AMX one, which safe mode's first step removes).
+ggml's AMX one, which safe mode's first step removes); with `:unless=<path>` only while that file
+does not exist (a fault that a fix on disk ends, with no change to the unit).
 """
 
 from __future__ import annotations
@@ -24,16 +25,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edge import toml
+from edge import __version__, toml
 from edge.config import Config, default_config, find_config, state_dir
+from edge.errors import SafeModeExhausted
 from edge.fleet.crashes import recent_crashes, settle_all
+from edge.fleet.giveup import GiveUp, fingerprint
 from edge.fleet.history import CRASH, read_json, record_failed_start
 from edge.fleet.journal import Journal
 from edge.fsutil import atomic_write
 from edge.lifecycle.safemode import Fallback, SafeMode, safe_mode_keys, top_levels
 from edge.timing import Phases, StartTimer, write_report
 
-__all__ = ["FAULT_ENV", "FaultInjector", "Recovery", "early_state_dir"]
+__all__ = ["FAULT_ENV", "FaultInjector", "GivenUp", "Recovery", "early_state_dir"]
 
 log = logging.getLogger("edge")
 
@@ -73,6 +76,15 @@ def remember_state_dir(cfg: Config) -> None:
             pass  # only a broken config's later failure report would land in the default dir
 
 
+class GivenUp(Exception):
+    """Safe mode is exhausted (now, or by a give-up on record that still holds): this start does
+    not take the native path; it answers 503 instead (edge.lifecycle.unavailable)."""
+
+    def __init__(self, give_up: GiveUp, cfg: Config) -> None:
+        super().__init__(give_up.reason)
+        self.give_up, self.config = give_up, cfg
+
+
 class FaultInjector:
     """EDGE_TEST_FAULT as a phase observer (edge.timing.PhaseObserver)."""
 
@@ -93,6 +105,8 @@ class FaultInjector:
             return
         if self.condition == "extra_bufts" and detail.get("extra_bufts") is False:
             return
+        if self.condition.startswith("unless=") and Path(self.condition[7:]).exists():
+            return  # fixed: the file that says so is there
         log.warning("%s: raising SIG%s at phase %s", FAULT_ENV, self.signal.name.removeprefix("SIG"), phase)
         # to this thread, as a fault would be: it stops here; faulthandler writes the stacks, then
         # the signal's default action ends the process (SIGKILL: at once)
@@ -114,25 +128,60 @@ class Recovery:
         self.timer = timer
         self.safe_mode: SafeMode | None = None
         self.new_steps: list[Fallback] = []
+        self.keys: dict[str, str] = {}  # safe mode's keys of this start (its own crash record carries them)
+        self.retrying: GiveUp | None = None  # a give-up whose interval passed: this start tries again
 
     def decide(self, cfg: Config) -> SafeMode:
         """The recovery phase: earlier processes' journals settled into crash records, safe mode
-        brought up to date (SafeModeExhausted when a ladder has no step left), keys journaled."""
+        brought up to date, keys journaled; GivenUp when a give-up holds, or safe mode is
+        exhausted now (then recorded: edge.fleet.giveup). All before llama.cpp is imported."""
         with self.timer.phase(Phases.RECOVERY) as ph:
             if state_dir(cfg) != self.state_dir:  # e.g. the config names another dir than systemd's
                 self.journal.move_to(state_dir(cfg))
                 self.state_dir = state_dir(cfg)
             settled = settle_all(self.state_dir)
-            keys = safe_mode_keys(cfg)
+            keys = self.keys = safe_mode_keys(cfg)
             self.journal.keys(keys)
             mode = SafeMode.load(self.state_dir)
             self.safe_mode = mode
-            self.new_steps = mode.decide(recent_crashes(self.state_dir), keys, top_levels(cfg))
+            fp = fingerprint(cfg.source, keys, __version__)
+            before = self._given_up_before(cfg, mode, fp)
+            crashes = recent_crashes(self.state_dir)
+            try:
+                self.new_steps = mode.decide(crashes, keys, top_levels(cfg))
+            except SafeModeExhausted as exc:
+                give_up = GiveUp.begin(str(exc), crashes, fp, cfg.server.give_up_retry_s, before)
+                give_up.save(self.state_dir)
+                log.error("%s (retrying after %.0f s)", exc, give_up.retry_s)
+                raise GivenUp(give_up, cfg) from None
             ph.detail.update(settled=len(settled), safe_mode=len(mode.fallbacks))
         for step in self.new_steps:
             log.error("SAFE MODE: %s: %s; from now on: %s (`edge safe-mode clear` ends it)", step.ladder,
                       step.reason, step.what)
         return mode
+
+    def _given_up_before(self, cfg: Config, mode: SafeMode, fp: dict[str, str]) -> GiveUp | None:
+        """The give-up on record: GivenUp while it holds; when something changed, safe mode starts
+        afresh (the full path); when its interval passed, this start retries with the steps in
+        force. Returns the give-up being retried, if any (its interval doubles if it fails)."""
+        give_up = GiveUp.load(self.state_dir)
+        if give_up is None:
+            return None
+        why = give_up.ended_by(fp)
+        if why is None:
+            raise GivenUp(give_up, cfg)
+        if give_up.changed(fp):
+            log.warning("the give-up of %s ends: %s: trying the full path again", give_up.as_dict()["since"], why)
+            mode.clear()
+            GiveUp.remove(self.state_dir)
+            return None
+        if not give_up.retrying:
+            log.warning("the give-up of %s ends: %s: trying again with safe mode's steps in force",
+                        give_up.as_dict()["since"], why)
+            give_up.retrying = True
+            give_up.save(self.state_dir)
+        self.retrying = give_up
+        return give_up
 
     def serving(self, cfg: Config) -> None:
         """READY=1 was sent (the journal's `ready` line was written with the start report)."""
@@ -145,6 +194,16 @@ class Recovery:
         self.journal.healthy()
         if self.safe_mode is not None:
             self.safe_mode.healthy()
+        if self.retrying is not None:  # the retry after a give-up held: the give-up is over
+            GiveUp.remove(self.state_dir)
+            self.retrying = None
+
+    def given_up(self, give_up: GiveUp, cfg: Config) -> None:
+        """This start answers 503 instead (edge.lifecycle.unavailable): counted as a start whose
+        result is given_up, its journal in the phase of that name."""
+        self.journal.enter(Phases.GIVEN_UP)
+        report = self.timer.report(config=cfg.source, error=give_up.reason, exit_code=0)
+        record_failed_start(self.state_dir, {**report, "result": "given_up", "given_up": give_up.as_dict()})
 
     def ended(self, code: int, **detail: Any) -> None:
         """Served and stopped: exit `code` (0, or a fatal reload's); `handed_over_to` a new process."""
@@ -164,7 +223,7 @@ class Recovery:
     def crashed(self, phase: str, reason: str, exit_code: int) -> None:
         """It found itself unfit to go on (e.g. a poisoned CUDA context): a crash record of its
         own, then the exit."""
-        report = {**self.timer.report(), "result": "crashed", "phase": phase, "signal": "none",
+        report = {**self.timer.report(), "result": "crashed", "phase": phase, "signal": "none", "cause": "fatal-error", "keys": self.keys,
                   "error": reason, "exit_code": exit_code, "reached_ready": True}
         try:
             write_report(report, self.state_dir, kind=CRASH)

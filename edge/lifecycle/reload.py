@@ -94,13 +94,13 @@ class Reloader:
         loop = asyncio.get_running_loop()
         loop.remove_signal_handler(signal.SIGHUP)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # shutting down: a late SIGHUP is not a kill
+        if self.handover is not None:  # stopping: a new process that has not taken over is ended
+            self.handover.abandon()  # first, so that the answer to its `edge reload` need not wait
         if self._control is not None:
             self._control.close()
             await self._control.answered()  # a handover's answer, written after this process drained
         if self._making is not None:  # stopping: a set that never served is not worth waiting for
             self._making.cancel()
-        if self.handover is not None:  # nor a new process that has not taken over
-            self.handover.abandon()
         for task in list(self._tasks):
             await asyncio.gather(task, return_exceptions=True)  # drains end (nothing is served now)
 
@@ -353,7 +353,7 @@ class _Run:
 def _guard(cfg: Config, plan: LoadPlan, old: Loaded) -> Decision:
     """The memory guard's decision for this plan (README "Reload", edge.lifecycle.memguard)."""
     from edge.device.memory import read_memory
-    from edge.lifecycle.memguard import decide, engine_sizes, estimate
+    from edge.lifecycle.memguard import decide, engine_sizes, estimate, oom_before
 
     mapped = {k[2] for k in old.keys.values() if k[0] == "model" and k[2]}
     need = estimate([(f.cfg, f.info, plan.keys[f.cfg.name][2] in mapped) for f in plan.files if f.info],
@@ -361,7 +361,7 @@ def _guard(cfg: Config, plan: LoadPlan, old: Loaded) -> Decision:
     reading = None
     if cfg.server.reload == "auto":
         reading = read_memory(gpu=any(f.cfg.n_gpu_layers != 0 for f in plan.files))
-    return decide(cfg.server.reload, need, reading)
+    return decide(cfg.server.reload, need, reading, oom_before(state_dir(cfg)) if reading is not None else None)
 
 
 def _collect() -> None:

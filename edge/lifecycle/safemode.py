@@ -13,12 +13,16 @@ was working on. Each phase that has a way around a fault belongs to a ladder of 
                                       1. the engine left out: its routes answer 503 naming why
     any other phase (config, imports, page_in, ...): no fallback
 
-When the last two crashes since the service was last healthy are the same ladder under the same
-key (the model's file, the llama.cpp build, the device; an engine's entry and the device), the
-next start takes the ladder's next step, says so loudly (start report, `edge status`, the
-READY status line, `edge_safe_mode_info`, the EdgeSafeMode alert) and keeps it for as long as
-the key holds. When there is no next step, the start exits 76 (SafeModeExhausted), which the
-unit does not restart, with one line naming the phase and the signal. A start that serves for
+Only native evidence counts (edge.fleet.crashes: a native fault's signal, a lost context, no exit
+record); an outside kill, an OOM kill or the watchdog is recorded as what it was and counts not.
+When the last two crashes counted since the service was last healthy are the same ladder under
+the same key (the model's file, the llama.cpp build, the device; an engine's entry and the
+device), the next start takes the ladder's next step, says so loudly (start report, `edge
+status`, the READY status line, `edge_safe_mode_info`, the EdgeSafeMode alert) and keeps it for as
+long as the key holds; one more crash of that phase with the step in force climbs again (the two
+before it showed the fault, the step did not remove it). When there is no next step, safe mode
+is exhausted (SafeModeExhausted): the start gives up (edge.fleet.giveup), once, with one line
+naming the phase and the signal. A start that serves for
 [recovery] healthy_after_s clears the count (the steps taken stay: the fault would come back);
 `edge safe-mode clear` or a new key (another llama.cpp, model or device) ends safe mode.
 State: `<state_dir>/safe-mode.json`, written atomically.
@@ -39,6 +43,7 @@ from typing import Any
 
 from edge.config import Config, ModelConfig, cache_dir
 from edge.errors import SafeModeExhausted
+from edge.fleet.crashes import NATIVE_CAUSES, cause_of
 from edge.fleet.history import read_json
 from edge.fsutil import atomic_write
 from edge.timing import Phases
@@ -142,6 +147,8 @@ class Fallback:
     phase: str
     signal: str
     since: str
+    healthy_at: float = 0.0  # the service served healthy_after_s with this step in force
+    retried: bool = False  # the full path was tried again once after that, and crashed
 
     @property
     def what(self) -> str:
@@ -164,6 +171,7 @@ class SafeMode:
     state_dir: Path
     fallbacks: dict[str, Fallback] = field(default_factory=dict)
     counted_from: float = 0.0  # crashes that started before this are counted no more (healthy, or climbed)
+    trials: dict[str, Fallback] = field(default_factory=dict)  # steps set aside while the full path is tried
 
     @property
     def path(self) -> Path:
@@ -177,15 +185,17 @@ class SafeMode:
             return mode
         try:
             mode.fallbacks = {k: Fallback(**v) for k, v in (data.get("fallbacks") or {}).items()}
+            mode.trials = {k: Fallback(**v) for k, v in (data.get("trials") or {}).items()}
             mode.counted_from = float(data.get("counted_from") or 0.0)
         except (TypeError, ValueError):
             log.warning("%s is damaged: safe mode starts afresh", mode.path)
-            mode.fallbacks, mode.counted_from = {}, 0.0
+            mode.fallbacks, mode.trials, mode.counted_from = {}, {}, 0.0
         return mode
 
     def save(self) -> None:
         data = {"format": FORMAT, "counted_from": self.counted_from,
-                "fallbacks": {k: dataclasses.asdict(f) for k, f in self.fallbacks.items()}}
+                "fallbacks": {k: dataclasses.asdict(f) for k, f in self.fallbacks.items()},
+                "trials": {k: dataclasses.asdict(f) for k, f in self.trials.items()}}
         atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
         if os.geteuid() == 0:  # `edge safe-mode clear` as root: the file stays the service's own
             st = self.state_dir.stat()
@@ -197,41 +207,84 @@ class SafeMode:
 
     def decide(self, crashes: list[dict[str, Any]], keys: dict[str, str], top: dict[str, int]) -> list[Fallback]:
         """Drop the steps whose key changed; climb one step when the last two crashes counted are
-        the same ladder under its current key; SafeModeExhausted when it has no step left. `top`:
-        each ladder's last level (llama: 2 with GPU offload, else 1). The steps newly taken."""
+        the same ladder under its current key, or when one crash is the phase of a step already in
+        force (the step did not remove the fault); SafeModeExhausted when it has no step left.
+        Only native evidence is counted (edge.fleet.crashes.NATIVE_CAUSES: not an outside kill,
+        an OOM kill or the watchdog). `top`: each ladder's last level (llama: 2 with GPU offload,
+        else 1). The steps newly taken."""
         for ladder in [k for k, f in self.fallbacks.items() if keys.get(k) != f.key]:
             log.warning("safe mode: %s ends: its key changed (another llama.cpp, model or device)", ladder)
             del self.fallbacks[ladder]
-        counted = [c for c in crashes if (c.get("started_unix") or 0) > self.counted_from]
-        if len(counted) < 2:
+        counted = [c for c in crashes if (c.get("started_unix") or 0) > self.counted_from
+                   and _cause(c) in NATIVE_CAUSES]
+        if not counted:
+            self._try_full_path()
             return []
-        a, b = counted[-2:]
-        ladder_a, ladder_b = _ladder(a), _ladder(b)
-        same = (a.get("phase") == b.get("phase") and ladder_a == ladder_b
-                and (ladder_a is None or (a.get("keys") or {}).get(ladder_a) == keys.get(ladder_a)
-                     == (b.get("keys") or {}).get(ladder_a)))
-        if not same:
+        b = counted[-1]
+        ladder = _ladder(b)
+        if self._trial_failed(b, ladder):
+            return [self.fallbacks[ladder or ""]]
+        if not (self._in_step(b, ladder, keys) or len(counted) >= 2 and _same(counted[-2], b, ladder, keys)):
             return []
         self.counted_from = float(b.get("started_unix") or time.time())
-        level = self.level(ladder_a) + 1 if ladder_a else 1
-        if ladder_a is None or level > top.get(ladder_a, len(STEPS[ladder_a.split(":")[0]])):
+        level = self.level(ladder) + 1 if ladder else 1
+        if ladder is None or level > top.get(ladder, len(STEPS[ladder.split(":")[0]])):
             self.save()
-            raise SafeModeExhausted(_exhausted(b, ladder_a, self.fallbacks.get(ladder_a or "")))
-        step = Fallback(ladder_a, level, keys[ladder_a], str(b.get("phase")), str(b.get("signal") or "unknown"),
+            raise SafeModeExhausted(_exhausted(b, ladder, self.fallbacks.get(ladder or "")))
+        step = Fallback(ladder, level, keys[ladder], str(b.get("phase")), str(b.get("signal") or "unknown"),
                         str(b.get("at") or ""))
-        self.fallbacks[ladder_a] = step
+        self.fallbacks[ladder] = step
         self.save()
         return [step]
 
+    def _try_full_path(self) -> None:
+        """A step stays no longer than its evidence: one that served healthy_after_s is set aside
+        for this (quiet) start, once; the start that serves healthy with the full path ends it."""
+        for ladder, f in list(self.fallbacks.items()):
+            if f.healthy_at and not f.retried:
+                log.warning("safe mode: %s: trying the full path again, once (%s served healthy with the "
+                            "step in force; a crash of %s puts the step back)", ladder, f.what, f.phase)
+                self.trials[ladder] = self.fallbacks.pop(ladder)
+        if self.trials:
+            self.save()
+
+    def _trial_failed(self, crash: dict[str, Any], ladder: str | None) -> bool:
+        """The full path, tried again, crashed in the step's phase: the step is back, for good."""
+        trial = self.trials.get(ladder or "")
+        if trial is None or trial.phase != crash.get("phase") or (crash.get("keys") or {}).get(ladder) != trial.key:
+            return False
+        del self.trials[ladder or ""]
+        self.fallbacks[trial.ladder] = dataclasses.replace(trial, retried=True, healthy_at=0.0)
+        self.counted_from = float(crash.get("started_unix") or time.time())
+        self.save()
+        log.error("SAFE MODE: %s: the full path crashed again in %s: %s is back, for good", ladder, trial.phase,
+                  trial.what)
+        return True
+
+    def _in_step(self, crash: dict[str, Any], ladder: str | None, keys: dict[str, str]) -> bool:
+        """`crash` is the phase of the step in force on its ladder, under the same key."""
+        taken = self.fallbacks.get(ladder or "")
+        return (taken is not None and taken.phase == crash.get("phase")
+                and (crash.get("keys") or {}).get(ladder) == keys.get(ladder or "") == taken.key)
+
     def clear(self) -> None:
         """`edge safe-mode clear`: every step ended, the crashes so far counted no more."""
-        self.fallbacks = {}
+        self.fallbacks, self.trials = {}, {}
         self.counted_from = time.time()
         self.save()
 
     def healthy(self) -> None:
-        """Served for a while: the crashes so far are counted no more."""
+        """Served for a while: the crashes so far are counted no more; each step in force has shown
+        it holds (the next start may try the full path once); the full path tried held (its step
+        ends). Read again first: `edge safe-mode clear` may have run meanwhile."""
+        on_disk = SafeMode.load(self.state_dir)
+        self.fallbacks, self.trials = on_disk.fallbacks, on_disk.trials
         self.counted_from = time.time()
+        for ladder, f in self.fallbacks.items():
+            self.fallbacks[ladder] = f if f.retried else dataclasses.replace(f, healthy_at=self.counted_from)
+        for ladder in self.trials:
+            log.warning("safe mode: %s ends: the full path served healthy again", ladder)
+        self.trials = {}
         self.save()
 
     def describe(self) -> list[dict[str, Any]]:
@@ -275,17 +328,28 @@ def _signal(name: Any) -> str:
     return f"SIG{name}" if name and name not in ("unknown", "none") else "signal unknown" if name != "none" else "no signal"
 
 
+def _cause(crash: dict[str, Any]) -> str:
+    return str(crash.get("cause") or cause_of(crash.get("signal"), str(crash.get("service_result") or ""),
+                                              crash.get("exit_status")))
+
+
+def _same(a: dict[str, Any], b: dict[str, Any], ladder: str | None, keys: dict[str, str]) -> bool:
+    """Two crashes of one phase on one ladder, both under the ladder's current key."""
+    return (a.get("phase") == b.get("phase") and _ladder(a) == ladder
+            and (ladder is None or (a.get("keys") or {}).get(ladder) == keys.get(ladder) == (b.get("keys") or {}).get(ladder)))
+
+
 def _ladder(crash: dict[str, Any]) -> str | None:
     return ladder_of(str(crash.get("phase")), crash.get("model"), crash.get("engine"))
 
 
 def _exhausted(crash: dict[str, Any], ladder: str | None, taken: Fallback | None) -> str:
     on = f" ({crash.get('model') or crash.get('engine')})" if crash.get("model") or crash.get("engine") else ""
-    after = f", with its last fallback ({taken.what})" if taken else (" and it has no safe fallback"
-                                                                          if ladder is None else "")
-    return (f"safe mode exhausted: phase {crash.get('phase')}{on} crashed twice in a row "
-            f"({_signal(crash.get('signal'))}){after}; not starting again. Fix the cause (edge status "
-            "shows the crashes), then `edge safe-mode clear`")
+    how = (f"crashed again ({_signal(crash.get('signal'))}) with its last fallback in force ({taken.what})"
+           if taken else f"crashed twice in a row ({_signal(crash.get('signal'))})"
+           + (" and it has no safe fallback" if ladder is None else ""))
+    return (f"safe mode exhausted: phase {crash.get('phase')}{on} {how}; not trying the native path again "
+            "until something changes. Fix the cause (edge status shows the crashes), then `edge safe-mode clear`")
 
 
 def top_levels(cfg: Config) -> dict[str, int]:

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, state_dir
-from edge.errors import EX_SOFTWARE, EdgeError, StoppedDuringStart
+from edge.errors import EX_SAFE_MODE_EXHAUSTED, EX_SOFTWARE, EdgeError, StoppedDuringStart
 from edge.lifecycle.installed import Running
 from edge.lifecycle.loader import Loader, read_config, save_learned
 from edge.lifecycle.loadset import Loaded, split_cores, threads_of
-from edge.lifecycle.recovery import Recovery
+from edge.lifecycle.recovery import GivenUp, Recovery
 from edge.lifecycle.safemode import SafeMode
 from edge.lifecycle.systemd import Notifier, listen_sockets
 from edge.timing import Phases, StartTimer, write_report
@@ -78,8 +78,12 @@ class ColdStart:
         """Start, warm up, serve until SIGTERM/SIGINT, drain; the exit code. However it ends by
         itself, its journal says so (and a start that never reached READY leaves its report)."""
         self.recovery = Recovery(self.config_path, self.timer, kind="handover" if self.takes_over else "start")
+        given_up: GivenUp | None = None
+        code = 0
         try:
             code = self._run()
+        except GivenUp as exc:
+            given_up = exc
         except StoppedDuringStart:
             if self.loaded is not None:
                 self.loaded.close()  # lets a cancelled warm-up generation end first
@@ -93,6 +97,8 @@ class ColdStart:
             else:
                 self._ended_before_ready("failed", code, str(exc) or type(exc).__name__)
             raise
+        if given_up is not None:  # outside the except block: no exception is "being handled" meanwhile
+            return self._answer_given_up(given_up)
         self.recovery.ended(code, **({"handed_over_to": self.handed_over_to} if self.handed_over_to else {}))
         return code
 
@@ -171,6 +177,25 @@ class ColdStart:
         handover.finished()
         if handover.restart is None:
             loaded.close()
+        return 0
+
+    def _answer_given_up(self, given_up: GivenUp) -> int:
+        """Safe mode is exhausted: no native path; every request answered at once with a 503
+        naming why, until the give-up ends (edge.lifecycle.unavailable); then exit 0, and the
+        next connection (or one waiting in the backlog) starts the service again."""
+        from edge.lifecycle.serving import bind_sockets
+        from edge.lifecycle.unavailable import answer
+
+        assert self.recovery is not None
+        if self.takes_over:  # a new process of a handover does not take over to answer 503s
+            self._ended_before_ready("failed", EX_SAFE_MODE_EXHAUSTED, str(given_up))
+            return EX_SAFE_MODE_EXHAUSTED
+        cfg = given_up.config
+        with self.timer.phase(Phases.SOCKETS):
+            sockets = listen_sockets() or bind_sockets(cfg.server, cfg.source)
+        self.recovery.given_up(given_up.give_up, cfg)
+        why = answer(given_up.give_up, cfg, sockets, self.notifier)
+        self.recovery.journal.end("given_up", 0, why=why)
         return 0
 
     def _hup_during_start(self, sig: int, frame: Any) -> None:

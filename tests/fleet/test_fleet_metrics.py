@@ -216,13 +216,13 @@ def test_recent_starts_and_crashes_are_what_the_device_history_says_of_the_windo
     found = _collect(collector)  # the first scrape a fleet Prometheus ever makes of this device
     assert one(found, "edge_starts_total", result="failed").value == 4  # lifetime: what increase() misread
     starts, crashes = _recent(found)
-    assert starts == {"ok": 0, "failed": 0, "stopped": 3, "crashed": 1, "timeout": 0}
+    assert starts == {"ok": 0, "failed": 0, "stopped": 3, "crashed": 1, "timeout": 0, "given_up": 0}
     assert crashes == {"serving": 3}  # the one 4000 s ago is out of the hour
     (tmp_path / LEDGER).write_text('{"format": 1, "counts": [], "seen": 7}')  # damaged: recounted
     again = _collect(FleetCollector(tmp_path, lambda: None, device=dict))
     assert _recent(again) == (starts, crashes)
     _event(tmp_path, FAILED_START, 10, 600, result="timeout")
     _event(tmp_path, FAILED_START, 5, 601, result="failed")
-    assert _recent(_collect(collector))[0] == {"ok": 0, "failed": 1, "stopped": 3, "crashed": 1, "timeout": 1}
+    assert _recent(_collect(collector))[0] == {"ok": 0, "failed": 1, "stopped": 3, "crashed": 1, "timeout": 1, "given_up": 0}
     saved = json.loads((tmp_path / LEDGER).read_text())["events"]
     assert len(saved) == 15  # 13 reports and 2 new; a crashed start is a start and a crash; all within a day

@@ -9,13 +9,16 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from kit import EDGE, ClientLoad, PidOne, metric, post, write_config
-from kit.unit import Unit
+from kit.unit import Unit, wait_stopped
 
 import edge
 
@@ -178,3 +181,42 @@ def test_reload_hands_over_once_the_installed_version_changed(tmp_path: Path, ti
         assert why == [f"edge 0.1.1 is installed ({installed / 'edge'}), {edge.__version__} runs"]
         assert pid1.proc.pid != old and last_reload(cfg)["successor"]["edge_version"] == "0.1.1"
         assert status_json(cfg)["edge_version"] == "0.1.1"
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def test_stop_during_a_handover_ends_cleanly(tmp_path: Path, tiny_gguf: Path, service) -> None:
+    """`systemctl stop` while the new process warms up: systemd 252 stops a reloading unit with
+    SIGTERM (then SIGCONT) to every process of its cgroup, ExecReload='s `edge reload` included,
+    and skips ExecStop=. The new process ends, its journal settled into the handover report; the
+    old one drains and exits 0; `edge reload` exits 0 (its death by SIGTERM would fail the unit
+    with result 'signal'); nothing is recorded as a crash."""
+    env = {**os.environ, "INVOCATION_ID": "0123456789abcdef0123456789abcdef"}
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
+    pid1 = service(cfg, env=env)
+    old = pid1.proc
+    reload = subprocess.Popen([*EDGE, "reload", "--config", str(cfg), "--process"], text=True,
+                              env={**env, "EDGE_TEST_FAULT": "warmup:STOP"}, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (new := _children(old.pid)):
+        assert time.monotonic() < deadline and reload.poll() is None, "no new process"
+        threading.Event().wait(0.02)
+    wait_stopped(new[0])  # warming up (stopped there by the test's fault switch)
+    stopping = time.monotonic()
+    for pid in (old.pid, new[0], reload.pid):  # what systemd's stop of a reloading unit sends
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGCONT)
+    _, err = reload.communicate(timeout=60)
+    assert reload.returncode == 0 and "superseded by the stop" in err, err
+    stopped = Unit(pid1, cfg).stop_post(old.wait(60))
+    assert stopped.returncode == 0, stopped.log
+    assert records(cfg) == [] and stopped.recorded == "", stopped.recorded
+    assert not any("READY" in n.fields for n in pid1.notifications if n.at > stopping and n.pid == old.pid)
+    report = last_reload(cfg)
+    assert report["error"] and report["successor"]["pid"] == new[0], report
+    assert list((tmp_path / "state" / "journal").glob(f"{new[0]}-*.jsonl")) == []

@@ -106,3 +106,32 @@ def test_restored_prefix_states_count_in_a_reloads_need(tiny_gguf: Path) -> None
     auto = dataclasses.replace(plain, learn_prefixes=2)
     assert prompt_cache_bytes(auto, base["kv_cache"], total_ram=1 << 40) == 2 * base["kv_cache"]
     assert prompt_cache_bytes(auto, base["kv_cache"], total_ram=16 << 10) == 1 << 10
+
+
+def test_an_oom_kill_while_serving_makes_reloads_sequential_until_one_succeeds(tmp_path: Path) -> None:
+    """The memory guard's fallback after the OOM killer (edge.fleet.crashes cause "oom"): a
+    process that served and was OOM-killed (its journal, settled with systemd's word) makes the
+    next reload not overlap, even where the reading says both fit; a reload that succeeds later
+    ends it. An outside SIGKILL does not."""
+    import json
+    import time
+
+    from edge.fleet.crashes import settle_all
+    from edge.fleet.journal import Journal, Stop
+    from edge.lifecycle.memguard import Need, oom_before
+
+    roomy = MemoryReading(available=60 * GIB, total=64 * GIB, source="test double")
+    for stop in (Stop("signal", "killed", "KILL"), Stop("oom-kill", "killed", "KILL")):
+        j = Journal(tmp_path, clock=lambda: 0.0)  # each "process" started now: the later one is the last
+        j.enter("config")
+        j.ready()
+        j.close()  # its lock released: a process that is gone
+        settle_all(tmp_path, stop)
+        why = oom_before(tmp_path)
+        assert (why is not None) == (stop.result == "oom-kill")
+    assert why is not None and "the OOM killer ended pid" in why and "while it served" in why
+    decision = decide("auto", Need(), roomy, why)
+    assert decision.mode == "sequential" and decision.reason == why
+    assert decide("overlap", Need(), roomy, why).mode == "overlap"  # configured: what it says
+    (tmp_path / "last-reload.json").write_text(json.dumps({"started_unix": time.time() + 1}))
+    assert oom_before(tmp_path) is None

@@ -136,24 +136,29 @@ def test_two_crashes_of_one_phase_take_its_fallback_and_a_waiting_client_is_answ
     assert last["models"][0]["context"]["use_extra_bufts"] is False
 
 
-def test_when_the_last_fallback_crashes_too_the_start_exits_76_and_is_not_restarted(
-        tmp_path: Path, tiny_gguf: Path) -> None:
+def test_when_the_last_fallback_crashes_too_the_start_gives_up_without_a_loop(tmp_path: Path,
+                                                                              tiny_gguf: Path) -> None:
+    """Two crashes take the step, one more with the step in force exhausts safe mode: the next
+    start gives up (edge.lifecycle.unavailable answers 503; tests/lifecycle/test_unavailable.py)."""
     unit = _unit(tmp_path, tiny_gguf, "warmup:SEGV")  # faults with and without extra buffer types
     with unit.pid1:
-        assert unit.start_until_ready(max_starts=6) is False
-    codes = [e.returncode for e in unit.exits]
-    assert codes == [-signal.SIGSEGV] * 4 + [76]
-    assert "safe mode exhausted: phase warmup (tiny) crashed twice in a row (SIGSEGV), with its last " \
-           "fallback (llama.cpp without extra buffer types" in unit.exits[-1].log
-    assert "edge safe-mode clear" in unit.exits[-1].log
+        assert unit.start_until_ready(max_starts=6)
+        ready = [n for n in unit.pid1.notifications if "READY" in n.fields][-1].fields["STATUS"]
+        unit.stop()
+    assert [e.returncode for e in unit.exits] == [-signal.SIGSEGV] * 3 + [0]
+    assert "GIVEN UP: safe mode exhausted: phase warmup (tiny) crashed again (SIGSEGV) with its last " \
+           "fallback in force (llama.cpp without extra buffer types" in ready
+    assert "edge safe-mode clear" in ready
 
 
-def test_a_phase_without_fallback_that_crashes_twice_exits_76(tmp_path: Path, tiny_gguf: Path) -> None:
+def test_a_phase_without_fallback_that_crashes_twice_gives_up(tmp_path: Path, tiny_gguf: Path) -> None:
     unit = _unit(tmp_path, tiny_gguf, "imports:SEGV")
     with unit.pid1:
-        assert unit.start_until_ready(max_starts=3) is False
-    assert [e.returncode for e in unit.exits] == [-signal.SIGSEGV, -signal.SIGSEGV, 76]
-    assert "phase imports crashed twice in a row (SIGSEGV) and it has no safe fallback" in unit.exits[-1].log
+        assert unit.start_until_ready(max_starts=3)
+        ready = [n for n in unit.pid1.notifications if "READY" in n.fields][-1].fields["STATUS"]
+        unit.stop()
+    assert [e.returncode for e in unit.exits] == [-signal.SIGSEGV, -signal.SIGSEGV, 0]
+    assert "phase imports crashed twice in a row (SIGSEGV) and it has no safe fallback" in ready
 
 
 def test_a_crash_while_serving_is_counted_and_two_take_the_fallback(tmp_path: Path, tiny_gguf: Path) -> None:

@@ -56,7 +56,9 @@ def _wheels() -> tuple[Path, Path]:
     key) and of this checkout."""
     llama = _llama_wheel()
     key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
-    deps, own = CACHE / f"wheels-{key}-llama-{llama.parent.name}", CACHE / "wheels-edge"
+    # this checkout's own wheel: one folder per checkout (helpers' worktrees share the cache)
+    own = CACHE / f"wheels-edge-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]}"
+    deps = CACHE / f"wheels-{key}-llama-{llama.parent.name}"
     pip = [sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir"]
     if not (deps / ".complete").exists():
         subprocess.run([*pip, str(deps), "--find-links", str(llama.parent), "--only-binary", "llama-cpp-python",
@@ -393,22 +395,121 @@ def test_crashed_starts_take_the_fallback_and_a_waiting_client_is_answered(tiny:
     assert json.loads(m.run(f"{EDGE} status --json").stdout)["safe_mode"] == []
 
 
-def test_the_last_fallback_crashing_too_stops_with_76_and_no_loop(tiny: Machine) -> None:
+def _crashes_since(m: Machine, t0: float) -> list[dict]:
+    return [c for c in _crashed_starts(m) if (c.get("started_unix") or 0) >= t0]
+
+
+def _probe(m: Machine, seconds: float, clients: int = 4) -> subprocess.Popen[str]:
+    """Clients opening a connection per request (tests/system/probe.py) for `seconds` (0: until stdin closes)."""
+    return m.net([sys.executable, str(ROOT / "tests" / "system" / "probe.py"), str(PORT), str(seconds), str(clients)],
+                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _probed(p: subprocess.Popen[str], timeout: float) -> dict:
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_an_unconditional_native_crash_gives_up_once_answers_and_a_fix_needs_no_systemctl(tiny: Machine) -> None:
+    """A fault at warm-up with and without safe mode's step: 2 crashes on the full path, 1 with
+    the step (the tiny model has one: no GPU offload), then one process that answers. While given
+    up (EDGE_SYSTEST_GIVE_UP_WINDOW_S, 20 s here; the shipped retry interval is 600 s, set here
+    above the window) no start at all while clients keep connecting, each answered 503 with the
+    reason or refused within 1 s, edge.socket never failed; the fix on disk and `edge safe-mode
+    clear` (no systemctl) and the next client is served."""
+    m = tiny
+    window = float(os.environ.get("EDGE_SYSTEST_GIVE_UP_WINDOW_S", "20"))
+    _serving(m)
+    m.run(f"{EDGE} safe-mode clear && rm -f /etc/edge/fixed && "
+          f"printf '\\n[server]\\ngive_up_retry_s = {window + 120:.0f}\\n' >> /etc/edge/edge.toml")
+    _drop_in(m, "[Service]\nEnvironment=EDGE_TEST_FAULT=warmup:SEGV:unless=/etc/edge/fixed")
+    t0 = time.time()
+    all_along = _probe(m, 0)  # clients from before the first crash to the fix
+    m.run("systemctl restart edge.service", check=False)
+    wait_for("the service to give up", lambda: m.show("edge.service", "StatusText")["StatusText"]
+             .startswith("GIVEN UP"), 180, step=0.2)
+    crashes = _crashes_since(m, t0)
+    assert [(c["phase"], c["signal"], c["cause"]) for c in crashes] == [("warmup", "SEGV", "native-fault")] * 3, \
+        _recovery_state(m)
+    before = m.show("edge.service", "NRestarts", "MainPID", "ActiveState")
+    assert before["NRestarts"] == "3" and before["ActiveState"] == "active", before  # 3 crashed starts, 1 answering
+    probe, sockets, started = _probe(m, window), set(), time.monotonic()
+    while probe.poll() is None and time.monotonic() - started < window + 60:
+        sockets.add(m.show("edge.socket", "ActiveState")["ActiveState"])
+    result = _probed(probe, 60)
+    after = m.show("edge.service", "NRestarts", "MainPID", "ActiveState")
+    print(f"\ngiven up for {window:.0f} s: {result}")
+    assert sockets == {"active"} and after == before, (sockets, before, after)
+    assert result["answered"] > 0 and result["other"] == 0 and result["errors"] == [], result
+    assert result["given_up_503"] == result["answered"] and result["slowest_s"] < 1.0, result
+    m.run(f"touch /etc/edge/fixed && {EDGE} safe-mode clear")  # the fix; no systemctl command
+    out, err = _ask(m, timeout=120).communicate(timeout=180)
+    assert out.strip() == "200", err
+    along = _probed(all_along, 120)  # stdin closed: they stop
+    print(f"clients from the first crash to the fix: {along}")
+    assert along["errors"] == [] and along["by_status"].get("200", 0) + along["given_up_503"] == along["answered"], along
+    status = json.loads(m.run(f"{EDGE} status --json").stdout)
+    assert status["given_up"] is None and status["safe_mode"] == [], status["given_up"]
+    assert m.show("edge.socket", "ActiveState")["ActiveState"] == "active"
+    journal = m.run(f"journalctl -u edge.service -u edge.socket --no-pager -o cat --since @{t0:.0f}").stdout
+    after_give_up = journal.split("GIVEN UP", 1)[-1]
+    assert "Start request repeated too quickly" not in journal and "Failed with result" not in after_give_up, \
+        after_give_up[-6000:]
+    m.run("rm -f /etc/edge/fixed")
+
+
+def test_two_outside_kills_leave_the_service_on_the_full_path(tiny: Machine) -> None:
     m = tiny
     _serving(m)
     m.run(f"{EDGE} safe-mode clear")
-    _drop_in(m, "[Service]\nEnvironment=EDGE_TEST_FAULT=warmup:SEGV")
-    m.run("systemctl restart edge.service", check=False)
-    s = wait_for("edge.service to give up", lambda: (
-        s if (s := m.show("edge.service", "ActiveState", "ExecMainStatus", "NRestarts", "Result"))["ActiveState"]
-        == "failed" else None), 300, step=0.5)
-    assert s["ExecMainStatus"] == "76" and s["NRestarts"] == "4", s  # 4 crashes, then 76: not restarted
-    journal = m.run("journalctl -u edge.service --no-pager -o cat -n 200").stdout
-    assert "safe mode exhausted: phase warmup (tiny) crashed twice in a row (SIGSEGV)" in journal
-    assert "Start request repeated too quickly" not in journal
-    assert m.show("edge.socket", "ActiveState")["ActiveState"] == "active"
-    m.run(f"{EDGE} safe-mode clear")
+    killed = []
+    for _ in range(2):
+        before = m.show("edge.service", "MainPID")["MainPID"]
+        m.run("kill -9 " + before)  # from outside, as a person or a script would
+        killed.append(int(before))
+        wait_for("a new main process", lambda: (s := m.show("edge.service", "MainPID", "ActiveState"))["MainPID"]
+                 not in (before, "0") and s["ActiveState"] == "active", 120, step=0.2)
+    crashes = [c for c in _crashed_starts(m) if c["pid"] in killed]
+    assert [(c["phase"], c["signal"], c["cause"]) for c in crashes] == [("serving", "KILL", "outside-kill")] * 2, \
+        _recovery_state(m)
+    status = json.loads(m.run(f"{EDGE} status --json").stdout)
+    assert status["safe_mode"] == [], status["safe_mode"]  # no step: the next start took the full path
+    assert status["pid"] == int(m.show("edge.service", "MainPID")["MainPID"])
+    assert status["models"][0]["context"]["use_extra_bufts"] is not False
+
+
+def test_stop_during_a_handover_never_fails_the_unit(tiny: Machine) -> None:
+    """`systemctl reload` that hands over (another edge version installed), then `systemctl stop`
+    while the new process is at a phase of its start (each try the next of config, model_load,
+    warmup: the new process's journal says when): no `Failed with result 'signal'`, the unit's
+    result success, nothing recorded as a crash. EDGE_SYSTEST_HANDOVER_STOPS tries (10)."""
+    m = tiny
+    tries = int(os.environ.get("EDGE_SYSTEST_HANDOVER_STOPS", "10"))
     _serving(m)
+    running = json.loads(m.run(f"{EDGE} status --json").stdout)["edge_version"]
+    crashes = _crashed_starts(m)
+    try:
+        for i in range(tries):
+            phase = ("config", "model_load", "warmup")[i % 3]
+            _installed_version(m, f"99.0.{i}")
+            since = m.run("date +%s.%N").stdout.strip()
+            m.run("systemctl reload --no-block edge.service")
+            m.run("main=$(systemctl show -p MainPID --value edge.service); for _ in $(seq 1 1200); do "
+                  "new=$(pgrep -P $main -f 'edge.cli serve' || true); if [ -n \"$new\" ] && grep -qs "
+                  f"'\"enter\":\"{phase}\"' /var/lib/edge/journal/$new-*.jsonl; then break; fi; sleep 0.05; done",
+                  timeout=120)
+            m.run("systemctl stop edge.service", timeout=120)
+            s = m.show("edge.service", "Result", "ActiveState")
+            journal = m.run(f"journalctl -u edge.service --no-pager -o cat --since @{since}").stdout
+            assert s == {"Result": "success", "ActiveState": "inactive"} and "result 'signal'" not in journal, \
+                (i, phase, s, journal[-3000:])
+            m.run("systemctl start edge.service", timeout=120)
+        assert _crashed_starts(m) == crashes, _recovery_state(m)
+    finally:
+        _installed_version(m, running)
+        m.run("systemctl restart edge.service", timeout=180)
+        _serving(m)
 
 
 def test_a_sigkill_while_serving_is_recorded_by_exec_stop_post(tiny: Machine) -> None:
@@ -424,7 +525,8 @@ def test_a_sigkill_while_serving_is_recorded_by_exec_stop_post(tiny: Machine) ->
     url = f"http://127.0.0.1:{PORT}/metrics"
     metrics = m.run(f"/opt/edge/venv/bin/python -c 'import urllib.request; "
                     f"print(urllib.request.urlopen(\"{url}\").read().decode())'").stdout
-    assert re.search(r'^edge_crashes_total\{phase="serving",signal="KILL"\} [1-9]', metrics, re.M), metrics[-2000:]
+    assert re.search(r'^edge_crashes_total\{cause="outside-kill",phase="serving",signal="KILL"\} [1-9]', metrics,
+                     re.M), metrics[-2000:]
 
 
 def test_ten_restarts_in_a_minute_then_traffic(tiny: Machine) -> None:
