@@ -134,7 +134,7 @@ def test_every_command_help_points_to_its_page() -> None:
 
 
 def test_the_prompt_cache_bound_the_readme_states_is_the_measured_one() -> None:
-    """README "Reproducibility" states how far an answer continued from a cached prefix strays from
+    """docs/api.md's "Reproducibility" states how far an answer continued from a cached prefix strays from
     a fresh prefill: the sentence `scripts/bench-cache-bound` makes from its recorded result
     (tests/fixtures/cache_bound.json: >= 200 prompts of several lengths on the real Gemma 3 270M),
     and that result's summary is the one its rows give."""
