@@ -66,16 +66,16 @@ class ServerConfig:
     body_timeout_s: float = field(default=30.0, metadata=_range(0.1, 3600))  # a request body must be complete within this (else 408)
     keepalive_timeout_s: float = field(default=5.0, metadata=_range(0.1, 3600))  # idle keep-alive connections are closed after this
     max_body_bytes: int = field(default=8 << 20, metadata=_range(1024, 1 << 31))  # larger bodies: 413, before they are read
-    reload: str = "auto"  # auto | overlap | sequential: how a reload makes room (README "Reload")
+    reload: str = "auto"  # auto | overlap | sequential: how a reload makes room (docs/reload.md)
     # a stream's server-sent events: the first token at once, then at most one event per this
     # many ms carrying every token made meanwhile (0: an event per token)
     stream_interval_ms: float = field(default=40.0, metadata=_range(0.0, 1000.0))
     # the longest one request may hold its model (prefill and every token of every choice): past it
-    # the generation ends at its next token with a 422 `generation_timeout` (README "Limits")
+    # the generation ends at its next token with a 422 `generation_timeout` (docs/api.md, "Limits")
     request_timeout_s: float = field(default=600.0, metadata=_range(0.1, 86400.0))
     # safe mode (edge.lifecycle.safemode): a start that serves this long clears the crash count
     healthy_after_s: float = field(default=300.0, metadata=_range(1.0, 86400.0))
-    # Who may ask (edge.serve.auth; README "Exposing edge beyond the device"): keys one per line
+    # Who may ask (edge.serve.auth; docs/security.md): keys one per line
     # (# comments), not world-readable; the systemd credential edge-api-keys comes first.
     api_key_file: str | None = None
     metrics_auth: str = field(default="open", metadata={"choices": ("open", "key")})  # /metrics: open (scrapers send no key) or keyed like the API

@@ -146,7 +146,7 @@ class GpuOffloadUnavailable(EdgeError):
     stops instead of looping. The message (edge.model.gpu) says which cause and the fix."""
 
 
-# Where TensorRT comes from on a Jetson (no pip wheel there): README "Installing the GPU path".
+# Where TensorRT comes from on a Jetson (no pip wheel there): docs/install.md, "Installing the GPU path".
 JETPACK_TRT = "on a Jetson: JetPack's python3-libnvinfer, seen by a venv made with --system-site-packages"
 
 

@@ -13,9 +13,9 @@ the fresh run's two likeliest tokens there is recorded (a near-tie decides the t
 Prompts: P in --prefix-tokens (several lengths: one batch, several, past the 512-token sliding
 window of Gemma 3), half of them word lists (as the other benchmarks' novel prompts), half
 sentences. Numerical, not a timing: the machine's load changes nothing measured (printed anyway).
-Prints JSON (also .bench/cache-bound.json) and the README's sentence made from it on stderr;
-`--record FILE` also writes the JSON there (tests/fixtures/cache_bound.json holds the README's
-statement: tests/test_docs.py).
+Prints JSON (also .bench/cache-bound.json) and the sentence of docs/api.md ("Reproducibility")
+made from it on stderr; `--record FILE` also writes the JSON there (tests/fixtures/cache_bound.json
+holds that statement: tests/test_docs.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import WORDS, emit, gemma_path  # noqa: E402
 
 if TYPE_CHECKING:  # the model's modules load llama.cpp: imported where a measurement runs, so that
-    # tests/test_docs.py can check the README against a recorded result without them
+    # tests/test_docs.py can check docs/api.md against a recorded result without them
     from edge.model.generate import Piece
     from edge.model.llm import GGUFModel
 
@@ -131,7 +131,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def statement(result: dict[str, Any]) -> str:
-    """The README's sentence, made from a result (tests/test_docs.py checks the README says it)."""
+    """The sentence of docs/api.md ("Reproducibility"), made from a result (tests/test_docs.py checks
+    the page says it)."""
     s = result["summary"]
     first, within, gaps = s["first_token"], s[f"within_{DECODE}_tokens"], s["parted_gaps"]
     lengths = ", ".join(str(n) for n in result["prefix_tokens"][:-1]) + f" and {result['prefix_tokens'][-1]}"

@@ -1,6 +1,6 @@
 """The demo behind scripts/demo: socket-activated start on the embedded default, one question
 asked while the service is still starting, the answer, the start report, a clean stop.
-`scripts/demo --svg FILE` also draws the start as a timeline (scripts/demo-start.svg is one).
+`scripts/demo --svg FILE` also draws the start as a timeline (docs/demo-start.svg is one).
 
 If the service dies (a bad config, a native fault), the demo says so within a second, with its
 exit status or signal and the tail of its log, and exits 1: the question waits through

@@ -295,7 +295,7 @@ def sticky_row(folder: Path, serve: Any = None, device: Any = None) -> Row:
 
 def tensorrt_rows(folder: Path, device: Any, started: float) -> list[Row]:
     if not tensorrt_builder():
-        return [("tensorrt engine", "skipped", "TensorRT's builder is not importable here (README: Installing "
+        return [("tensorrt engine", "skipped", "TensorRT's builder is not importable here (docs/install.md: Installing "
                  "the GPU path); the driver path above ran without it")]
     store = folder / "store"
     build = build_demo("tensorrt", store, device)

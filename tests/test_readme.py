@@ -206,9 +206,10 @@ def test_every_test_the_readme_names_exists() -> None:
 
 
 def test_every_name_is_where_the_readme_places_it() -> None:
-    """`name`, `edge/x.py` / `name` in `edge/x.py` / `name` (`edge/x.py`): defined in that file
-    (a function or class moved to another module makes the README's sentence false)."""
-    text = " ".join(README.split())  # a sentence wraps across lines
+    """`name`, `edge/x.py` / `name` in `edge/x.py` / `name` (`edge/x.py`), in the README or a
+    docs page: defined in that file (a function or class moved to another module makes the
+    sentence false)."""
+    text = " ".join((README + "\n" + DOCS).split())  # a sentence wraps across lines
     pairs = re.findall(r"`(\w+)(?:\(\))?`(?:,| in| of| from)? \(?`(edge/[\w/]+\.py)`", text)
     assert len(pairs) >= 3
     wrong = [f"`{name}` in {path}" for name, path in pairs

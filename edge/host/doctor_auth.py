@@ -25,7 +25,7 @@ Check = tuple[str, str, str, str]
 NAME = "access"
 FIX = ("put keys in /etc/edge/api-keys (root's, mode 0600) and uncomment the unit's "
        f"LoadCredential={CREDENTIAL}:/etc/edge/api-keys, or set [server] api_key_file; or set [server] "
-       "allow_unauthenticated = true to serve it open on purpose (README \"Exposing edge beyond the device\")")
+       "allow_unauthenticated = true to serve it open on purpose (docs/security.md)")
 
 
 def socket_listen(unit_dirs: list[Path]) -> list[str] | None:

@@ -135,7 +135,7 @@ Environment=CUDA_CACHE_PATH=%C/edge/cuda
 LimitNOFILE=$nofile
 StateDirectory=edge
 CacheDirectory=edge
-# API keys and TLS (README "Exposing edge beyond the device"): each file root's, mode 0600;
+# API keys and TLS (docs/security.md): each file root's, mode 0600;
 # uncomment what you use, then systemctl daemon-reload && systemctl restart edge.service
 #LoadCredential=edge-api-keys:/etc/edge/api-keys
 #LoadCredential=edge-tls-cert:/etc/edge/tls/cert.pem

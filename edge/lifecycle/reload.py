@@ -10,7 +10,7 @@ warm-up is async, so requests, the watchdog and the control socket stay live. Tr
 (the config the service was started with), and the control socket that `edge reload` (and
 ExecReload=, and the OTA activator) talks to (edge.lifecycle.control): one JSON request, one JSON answer
 after the switch. A failed reload leaves the old set serving untouched and answers with the
-error's exit code. README "Reload" says why the new set is not a child process.
+error's exit code. docs/reload.md says why the new set is not a child process.
 
 The new set is made by the start's own load-and-warm step (`edge.lifecycle.loader.Loader`); this module
 takes the dispatcher (edge.lifecycle.serving) to switch to it, and never imports edge.lifecycle.start.
@@ -351,7 +351,7 @@ class _Run:
 
 
 def _guard(cfg: Config, plan: LoadPlan, old: Loaded) -> Decision:
-    """The memory guard's decision for this plan (README "Reload", edge.lifecycle.memguard)."""
+    """The memory guard's decision for this plan (docs/reload.md, edge.lifecycle.memguard)."""
     from edge.device.memory import read_memory
     from edge.lifecycle.memguard import decide, engine_sizes, estimate, oom_before
 

@@ -14,7 +14,7 @@ So while a prompt is prefilled, the state is copied after the batch that reaches
 later prompt is likely to continue from: the prompt's end, and where its chat template starts a
 user turn (after the system message, before the last user message), a copy kept only where the
 end's state does not reach back there -- never a second prefill, and the batches are the same
-with or without copies. Measured on Gemma 3 270M at n_ctx 2048 (README, "Prompt cache"): a whole state is
+with or without copies. Measured on Gemma 3 270M at n_ctx 2048 (docs/internals.md, "Prompt cache"): a whole state is
 14.5 MiB at 824 tokens and 21 MiB at 2,000; a copy takes 2-4 ms (4-14 ms into fresh pages on the
 busy 2-core machine). Hence: a prefill of fewer than MIN_NEW tokens copies nothing (the copy
 would be a tenth of its time, and the states it continued from are kept); the end's copy makes

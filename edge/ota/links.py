@@ -124,4 +124,4 @@ def converge(root: Path, fs: Fs, owners: list[Path]) -> None:
             try:
                 fs.symlink(own, home)
             except OSError:
-                pass  # no room: the next switch to it makes one (README "OTA updates")
+                pass  # no room: the next switch to it makes one (docs/ota.md)

@@ -2,7 +2,7 @@
 the version `recover` goes back to), its files are checked against its signed manifest: every
 file hashed in full (sha256), a file shared by versions (one inode) once. Flash bit-rot changes
 neither a file's size nor its mtime, so no cheaper check sees it; the cost is one read of the
-version's bytes (README "OTA updates" gives the seconds for the 253 MB Gemma).
+version's bytes (docs/ota.md gives the seconds for the 253 MB Gemma).
 
 A damaged file is rewritten from an intact copy of its content: the store's object, another
 version's copy (hashed first), or the bundle being installed (a full bundle carries every file,

@@ -109,7 +109,7 @@ class StateFile:
             if exc.errno not in EXCHANGE_UNSUPPORTED:
                 raise
             # a file system that cannot exchange names: the old state is kept by a copy, then the
-            # rename (both need room; README "OTA updates" says where exchange works)
+            # rename (both need room; docs/ota.md says where exchange works)
             old = self.path.read_bytes()
             self.fs.replace(self.spare, self.path)
             self.fs.atomic_write(self.spare, old)

@@ -211,7 +211,7 @@ def exposure_problem(address: str, keys: ApiKeys | None, server: ServerConfig) -
         return None
     return (f"{address} is not a loopback address and no API key is configured: anyone who can reach it "
             f"could use every model. Either set [server] api_key_file (or pass the systemd credential "
-            f"{CREDENTIAL}; README \"Exposing edge beyond the device\"), or set [server] "
+            f"{CREDENTIAL}; docs/security.md), or set [server] "
             "allow_unauthenticated = true to serve it open on purpose")
 
 

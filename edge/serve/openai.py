@@ -19,7 +19,7 @@ from edge.serve.jsonschema import check_schema, schema_grammar
 __all__ = ["Ask", "Limits", "IGNORED", "REFUSED", "parse"]
 
 # `cache_prompt` is llama-server's extension (same name, same default): false asks for the whole
-# prompt to be computed from position 0, for bit-exact repeats (README "Reproducibility").
+# prompt to be computed from position 0, for bit-exact repeats (docs/api.md, "Reproducibility").
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "n",
            "presence_penalty", "frequency_penalty", "logit_bias", "max_tokens", "logprobs",
            "cache_prompt"}

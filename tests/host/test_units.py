@@ -313,7 +313,7 @@ def test_install_gives_a_config_dir_owned_by_a_dynamic_uid_back_to_root(tmp_path
 
 
 def test_the_credential_lines_are_rendered_commented_out() -> None:
-    """Keys and TLS by systemd credential (README "Exposing edge beyond the device"): rendered for a
+    """Keys and TLS by systemd credential (docs/security.md): rendered for a
     person to uncomment, never in force by default (a missing file would fail every start)."""
     text = render_service(UnitOptions())
     for name, path in (("edge-api-keys", "/etc/edge/api-keys"), ("edge-tls-cert", "/etc/edge/tls/cert.pem"),

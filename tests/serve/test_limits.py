@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kit import metric, post, write_config
+from kit.docs import section as docs_section
 
 NORMAL = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
 
@@ -571,7 +572,7 @@ def test_readme_limits_match_the_config() -> None:
     defaults = ServerConfig()
     for name, value in server.items():
         assert getattr(defaults, name) == value, name
-    section = readme.split("### Limits", 1)[1].split("\n## ", 1)[0]
+    section = docs_section("Limits (what one client may hold or send)")  # docs/api.md
     for name in ("max_connections", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s",
                  "max_body_bytes", "max_queue"):
         assert f"`{name}`" in section and name in server, name
