@@ -34,7 +34,9 @@ from typing import Any
 
 from edge.config import Config, state_dir
 from edge.errors import EX_SOFTWARE, EdgeError, StoppedDuringStart
+from edge.lifecycle.bytecode import CompileWatch
 from edge.lifecycle.installed import Running
+from edge.lifecycle.priority import Yielded
 from edge.lifecycle.loader import Loader, read_config, save_learned
 from edge.lifecycle.loadset import Loaded, split_cores, threads_of
 from edge.lifecycle.recovery import Recovery
@@ -51,8 +53,11 @@ class ColdStart:
     """One start of the service: the config, the timer, the notifier, the sockets, what was loaded."""
 
     def __init__(self, config_path: str | None = None, *, timer: StartTimer | None = None,
-                 notifier: Notifier | None = None, takes_over: bool = False) -> None:
+                 notifier: Notifier | None = None, takes_over: bool = False,
+                 compiled: CompileWatch | None = None, yielded: Yielded | None = None) -> None:
         self.timer = timer or StartTimer()  # offsets from exec, whenever it is made
+        self.compiled = compiled  # the source files compiled since exec (edge.lifecycle.bytecode)
+        self.yielded = yielded  # a new process taking over: its CPU priority, lowered until ready
         self.config_path = config_path
         self.notifier = notifier or Notifier()
         self.running = Running.now()  # what this process runs, before anything changes its environment
@@ -262,6 +267,8 @@ class ColdStart:
         accept() follow at once. Returns the READY status text."""
         from edge.lifecycle.serving import describe_socket
 
+        if self.yielded is not None:  # every thread back to the service's priority before it serves
+            self.yielded.restore()
         loaded.state.ready = True
         addresses = [describe_socket(s) for s in self.sockets]
         now = self.timer.now()
@@ -271,6 +278,7 @@ class ColdStart:
         report = self.timer.report(config=self.config.source, sockets=addresses, models=loaded.infos,
                                    warmup=loaded.warmup, calibration=loaded.plans,
                                    journal=self.recovery.journal.cost() if self.recovery else None,
+                                   **({"compiled": self.compiled.stop()} if self.compiled else {}),
                                    **({"safe_mode": loaded.state.safe_mode} if loaded.state.safe_mode else {}))
         path: Path = write_report(report, state_dir(self.config))
         loaded.state.metrics.set_phases(report["phases"])
