@@ -3,6 +3,7 @@ typer app is imported) and what the typer command calls."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -22,20 +23,25 @@ def serve(config: str | None, watch: CompileWatch | None = None) -> int:
     # a native fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) writes every thread's Python stack to
     # stderr, which is the journal under systemd, and then dies by the signal as before
     faulthandler.enable(all_threads=True)
-    from edge.lifecycle.handover import Successor, SuccessorNotifier
-    from edge.lifecycle.priority import yield_cpu
+    from edge.lifecycle.systemd import HANDOVER_ENV
+
+    successor = yielded = notifier = None
+    if os.environ.get(HANDOVER_ENV):  # started by a running edge to take over from it
+        from edge.lifecycle.priority import yield_cpu
+
+        yielded = yield_cpu()  # below the serving process's CPU priority until ready, imports included
+        from edge.lifecycle.handover import Successor, SuccessorNotifier
+
+        successor = Successor.from_env()
+        notifier = SuccessorNotifier(successor) if successor else None
     from edge.lifecycle.start import ColdStart
 
     if watch is None:
         from edge.lifecycle.bytecode import CompileWatch
 
         watch = CompileWatch()
-    successor = Successor.from_env()  # started by a running edge to take over from it
-    # a new process taking over starts below the serving one's CPU priority, and takes it back
-    # before it serves (edge.lifecycle.priority)
-    yielded = yield_cpu() if successor else None
-    start = ColdStart(config, timer=timer, notifier=SuccessorNotifier(successor) if successor else None,
-                      takes_over=successor is not None, compiled=watch, yielded=yielded)
+    start = ColdStart(config, timer=timer, notifier=notifier, takes_over=successor is not None,
+                      compiled=watch, yielded=yielded)
     code = start.run()  # however it ends, its journal and reports say so (edge.lifecycle.recovery)
     if start.gpu_lost:  # not even the finalizers at exit may touch the lost CUDA context
         _exit_now(code)

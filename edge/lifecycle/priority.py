@@ -21,7 +21,7 @@ import os
 import resource
 from dataclasses import dataclass
 
-__all__ = ["HANDOVER_NICE", "Yielded", "can_restore", "yield_cpu"]
+__all__ = ["HANDOVER_NICE", "Yielded", "can_restore", "successor_yields", "yield_cpu"]
 
 log = logging.getLogger("edge")
 
@@ -67,6 +67,13 @@ class Yielded:
         if failed:
             log.warning("handover: could not take the CPU priority back (nice %d): %s", self.nice, "; ".join(failed))
         return failed
+
+
+def successor_yields() -> bool:
+    """Whether a new process this one starts will yield the CPU (`yield_cpu`): it inherits this
+    process's nice value, limits and capabilities. The old process's side of a handover then keeps
+    serving on all its threads instead of giving a share of the cores to the new one's warm-up."""
+    return can_restore(os.getpriority(os.PRIO_PROCESS, 0))
 
 
 def yield_cpu(by: int = HANDOVER_NICE) -> Yielded | None:

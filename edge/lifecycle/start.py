@@ -22,7 +22,6 @@ takes the reloader and the dispatcher (edge.lifecycle.serving); nothing below im
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import logging
@@ -30,7 +29,7 @@ import signal
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, state_dir
 from edge.errors import EX_SOFTWARE, EdgeError, StoppedDuringStart
@@ -43,6 +42,9 @@ from edge.lifecycle.recovery import Recovery
 from edge.lifecycle.safemode import SafeMode
 from edge.lifecycle.systemd import Notifier, listen_sockets
 from edge.timing import Phases, StartTimer, write_report
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["ColdStart"]
 
@@ -103,6 +105,8 @@ class ColdStart:
         signal.signal(signal.SIGHUP, self._hup_during_start)
         self.notifier.extend_while()
         self.loaded = self.loader.load()
+        import asyncio  # here, not before the config: it costs a start ~25 ms of imports (README "Bytecode")
+
         return asyncio.run(self._warm_and_serve(self.loaded))
 
     @property
@@ -117,6 +121,8 @@ class ColdStart:
             self.recovery.failed(report, result)
 
     async def _warm_and_serve(self, loaded: Loaded) -> int:
+        import asyncio
+
         from edge.lifecycle.handover import Handover
         from edge.lifecycle.reload import Reloader
         from edge.lifecycle.serving import Dispatcher, build_server, serve_http
@@ -180,6 +186,8 @@ class ColdStart:
         """The warm-up, given up at SIGTERM/SIGINT. From here on a signal only sets the returned
         event (the loop delivers it): raised inside whatever the loop runs, it would fail a
         warm-up request (exit 70) or break a lock (hang). uvicorn takes the signals over later."""
+        import asyncio
+
         loop, stop = asyncio.get_running_loop(), asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -221,6 +229,8 @@ class ColdStart:
             await self.loader.warm(loaded)
             return self.timer.report(config=self.config.source, sockets=[], models=loaded.infos,
                                      warmup=loaded.warmup, calibration=loaded.plans, rehearsal=True)
+
+        import asyncio
 
         try:
             return asyncio.run(go())
