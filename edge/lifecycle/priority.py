@@ -52,6 +52,11 @@ class Yielded:
 
     nice: int
     lowered_to: int
+    failed: list[str] | None = None  # once restored: the threads that could not be
+
+    def as_dict(self) -> dict[str, object]:
+        """For the start report: the nice value it began with, the one it started at, what failed."""
+        return {"nice": self.nice, "started_at_nice": self.lowered_to, "restore_failed": self.failed}
 
     def restore(self) -> list[str]:
         """Every thread of this process back to `nice`; what could not be (a thread that is gone is
@@ -64,6 +69,7 @@ class Yielded:
                 continue
             except OSError as exc:
                 failed.append(f"thread {tid}: {exc.strerror}")
+        self.failed = failed
         if failed:
             log.warning("handover: could not take the CPU priority back (nice %d): %s", self.nice, "; ".join(failed))
         return failed

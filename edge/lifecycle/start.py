@@ -289,6 +289,7 @@ class ColdStart:
                                    warmup=loaded.warmup, calibration=loaded.plans,
                                    journal=self.recovery.journal.cost() if self.recovery else None,
                                    **({"compiled": self.compiled.stop()} if self.compiled else {}),
+                                   **({"priority": self.yielded.as_dict()} if self.yielded else {}),
                                    **({"safe_mode": loaded.state.safe_mode} if loaded.state.safe_mode else {}))
         path: Path = write_report(report, state_dir(self.config))
         loaded.state.metrics.set_phases(report["phases"])
