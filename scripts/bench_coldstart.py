@@ -92,6 +92,8 @@ class Record:
                 self.phases[cache].setdefault("config_start_s", []).append(ph["start_s"])
         self.phases[cache].setdefault("compiled_files", []).append(len(report.get("compiled") or []))
         self.starts.append({"cache": cache, "ready_s": report["ready_s"], "loadavg_1m": round(os.getloadavg()[0], 2),
+                            # the warm-up: "calibrated" on a start with no stored plan (the first one)
+                            "warmup_plan": [c.get("plan") for c in report.get("calibration") or []],
                             "phases": {p["name"]: [round(p["start_s"], 3), round(p["seconds"], 3)]
                                        for p in report.get("phases", [])}})
         self.phases[cache].setdefault("ready_s", []).append(report["ready_s"])

@@ -433,7 +433,14 @@ def test_handover_moves_the_main_pid_under_load(tiny: Machine) -> None:
     after = m.show("edge.service", "MainPID", "ActiveState", "NRestarts")
     assert after["MainPID"] not in (before, "0") and after["ActiveState"] == "active", after
     wait_for("the old process gone", lambda: m.run(f"kill -0 {before}", check=False).returncode != 0, 60)
-    assert after["MainPID"] == str(json.loads(m.run(f"{EDGE} status --json").stdout)["pid"])
+    status = json.loads(m.run(f"{EDGE} status --json").stdout)
+    assert after["MainPID"] == str(status["pid"])
+    # the DynamicUser= process (no CAP_SYS_NICE) started 10 nice steps lower and took nice 0 back
+    # before it served: the unit's LimitNICE=+0 allows it (edge.lifecycle.priority)
+    assert status["priority"] == {"nice": 0, "started_at_nice": 10, "restore_failed": []}, status.get("priority")
+    stats = m.run(f"cat /proc/{after['MainPID']}/task/*/stat").stdout.splitlines()
+    nice = {line.rsplit(")", 1)[1].split()[16] for line in stats}  # field 19 of each thread's stat
+    assert nice == {"0"}, nice
     m.run("systemctl stop edge.service")  # ExecStopPost= for the new main process: a clean stop
     assert _crashed_starts(m) == crashes, _recovery_state(m)  # neither process's end is a crash
     _serving(m)
