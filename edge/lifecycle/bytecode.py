@@ -100,7 +100,7 @@ class CompileWatch:
 
     def _hook(self, event: str, args: tuple[Any, ...]) -> None:
         if event == "compile" and self.watching and len(args) > 1 and isinstance(args[1], str) \
-                and args[1].endswith(".py"):
+                and args[1].endswith(".py") and _importing():
             self.compiled.append(args[1])
 
     def stop(self) -> list[str]:
@@ -117,6 +117,14 @@ class CompileWatch:
             if (name == "edge" or name.startswith("edge.")) and origin and origin.endswith(".py"):
                 out.add(Path(origin))
         return sorted(out)
+
+
+def _importing() -> bool:
+    """Whether the `compile` being audited is importlib's of a module's source (its loader's
+    source_to_code), not a library parsing a file for its AST (anyio reads its own __init__)."""
+    caller = sys._getframe(2)  # 0: this function, 1: the hook, 2: compile()'s caller
+    return caller.f_code.co_name == "_call_with_frames_removed" and caller.f_back is not None \
+        and caller.f_back.f_code.co_name == "source_to_code"
 
 
 def dependency_sources(top: str = "edge") -> list[Path]:

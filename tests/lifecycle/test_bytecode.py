@@ -5,6 +5,8 @@ without bytecode, names what it compiled)."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import os
 import py_compile
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.lifecycle.bytecode import compile_missing, edge_package, missing_bytecode, package_sources, stale
+from edge.lifecycle.bytecode import CompileWatch, compile_missing, edge_package, missing_bytecode, package_sources, stale
 from kit import PidOne, write_config
 
 EDGE_SRC = edge_package()
@@ -64,6 +66,19 @@ def test_a_module_that_does_not_compile_is_reported(tmp_path: Path) -> None:
     src = _module(tmp_path, "def (:\n")
     [(path, why)] = compile_missing([src])
     assert path == src and why == "does not compile: SyntaxError"
+
+
+def test_the_watch_counts_an_import_compiled_from_source_not_a_parse_of_it(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    src = _module(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    watch = CompileWatch()
+    before = list(watch.compiled)  # this process's edge modules that had none (a checkout being edited)
+    compile(src.read_text(), str(src), "exec", ast.PyCF_ONLY_AST)  # what anyio does with its own __init__
+    assert watch.compiled == before
+    importlib.import_module("mod")  # no bytecode: importlib compiles the source
+    assert watch.stop() == [*before, str(src)]
+    sys.modules.pop("mod", None)
 
 
 @pytest.fixture()

@@ -149,6 +149,12 @@ def test_start_report_has_resident_before(machine: Machine, installed: subproces
     page_in = next(p for p in report["phases"] if p["name"] == "page_in")
     # mincore is allowed by the syscall filter, so page-in could measure the cache before reading
     assert isinstance(page_in["detail"].get("resident_before"), float), page_in
+    # the README's install compiled everything the start imports: the unit (ProtectSystem=strict)
+    # could not have written a .pyc, so anything without one would have been compiled at this start
+    assert report["compiled"] == [], report["compiled"]
+    bytecode = next(c for c in json.loads(machine.run(f"{EDGE} doctor --json", check=False).stdout)
+                    if c["name"] == "bytecode")
+    assert bytecode["level"] == "ok", bytecode
 
 
 def test_doctor_tells_the_limit_the_running_service_got(machine: Machine,
