@@ -233,8 +233,12 @@ def contenders(args: argparse.Namespace, model: Path, work: Path,
     cfg = edge_config(work / "edge", model, args.n_ctx, n_threads=args.threads, n_batch=args.n_batch)
     out = [Contender(EDGE_NAME, lambda: start_edge(cfg, env), [*EDGE, "serve", "--config", str(cfg)],
                      work / "edge" / "state" / "last-start.json")]
-    peers: list[Peer] = [llama_cpp_server(model, args.n_ctx, args.threads, args.n_batch)]
+    peers: list[Peer] = []
     skipped: dict[str, str] = {}
+    if args.no_llama_cpp_server:
+        skipped["llama_cpp.server"] = "left out (--no-llama-cpp-server)"
+    else:
+        peers.append(llama_cpp_server(model, args.n_ctx, args.threads, args.n_batch))
     if args.llama_server and os.access(args.llama_server, os.X_OK):
         peers.append(llama_server(args.llama_server, model, args.n_ctx, args.threads, args.n_batch))
     else:
@@ -312,6 +316,8 @@ def main() -> int:
     ap.add_argument("--no-cold", dest="cold", action="store_false", help="skip the cold page-cache starts")
     ap.add_argument("--llama-server", type=Path, help="llama.cpp's server binary (second peer)")
     ap.add_argument("--llama-server-skipped", help="why there is no llama-server (reported)")
+    ap.add_argument("--no-llama-cpp-server", action="store_true",
+                    help="leave llama-cpp-python's server out (its `bench` extra is not installed, or to save time)")
     args = ap.parse_args()
     if args.max_tokens < 2 or args.rounds < 1 or args.steady < 1:
         ap.error("need --max-tokens >= 2, --rounds >= 1 and --steady >= 1")
