@@ -144,3 +144,17 @@ def test_doctor_fails_where_edge_has_no_valid_bytecode(installed: Path, tmp_path
     r = _doctor(installed, cfg)
     line = next(x for x in r.stdout.splitlines() if "bytecode:" in x)
     assert not line.startswith("[FAIL]"), r.stdout
+
+
+def test_units_install_compiles_the_edge_it_installs_for(installed: Path) -> None:
+    """`edge units install`'s compile step, on a fresh copy (the units themselves are
+    tests/host/test_units.py's): afterwards no module of that edge would be compiled at a start."""
+    code = ("from edge.cli.units import _compile\nfrom edge.host.units import default_edge_command\n"
+            "_compile(default_edge_command(), '/')\n")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(installed), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"bytecode: {installed / 'edge'} (checked-hash) and edge's dependencies compiled" in r.stdout, r.stdout + r.stderr
+    assert missing_bytecode(package_sources(installed / "edge")) == []
+    r = subprocess.run([sys.executable, "-c", "from edge.cli.units import _compile\n_compile('/opt/other/edge', '/')\n"],
+                       env=_env(installed), capture_output=True, text=True, timeout=300)
+    assert "bytecode: not compiled here (the unit runs /opt/other/edge" in r.stderr, r.stderr
