@@ -245,7 +245,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"edge {report['edge_version']}",
              (f"rehearsal (nothing served): ready after {report['ready_s']:.3f} s"
               if report.get("rehearsal") else
-              f"ready after {report['ready_s']:.3f} s on {', '.join(report.get('sockets', []))}"), "",
+              f"ready after {report['ready_s']:.3f} s on {', '.join(report.get('sockets', []))}"),
+             *_compiled_lines(report), "",
              f"{'phase':<19}{'start s':>9}{'seconds':>9}{'MB':>9}{'MB/s':>9}  detail"]
     for p in report["phases"]:
         mb = f"{p['bytes'] / 1e6:.1f}" if "bytes" in p else ""
@@ -260,6 +261,15 @@ def format_report(report: dict[str, Any]) -> str:
     for plan in report.get("calibration") or []:
         lines += _plan_lines(plan)
     return "\n".join(lines)
+
+
+def _compiled_lines(report: dict[str, Any]) -> list[str]:
+    """The source files this start compiled: none where the install left valid bytecode."""
+    compiled = report.get("compiled") or []
+    if not compiled:
+        return []
+    return [f"compiled {len(compiled)} source files at this start (no valid bytecode; `edge doctor` names "
+            f"the fix): {', '.join(Path(c).name for c in compiled[:3])}{', ...' if len(compiled) > 3 else ''}"]
 
 
 def _model_lines(report: dict[str, Any]) -> list[str]:

@@ -43,6 +43,7 @@ from bench_load import TimedLoad, correct, in_windows  # noqa: E402
 from benchlib import EDGE, REQUEST, ROOT, edge_config, emit, env_for_bench, gemma_path, novel_prompts  # noqa: E402
 from kit import PidOne  # noqa: E402
 
+from edge.lifecycle.bytecode import compile_missing, package_sources  # noqa: E402
 from edge.lifecycle.installed import installed_version  # noqa: E402
 from edge.serve.bench import percentile  # noqa: E402
 
@@ -139,7 +140,10 @@ class Bench:
         self.site = folder / "site"  # the installed edge the service runs: a copy, its version bumped
         # this checkout's edge (not whatever `import edge` finds for this script)
         shutil.copytree(ROOT / "edge", self.site / "edge", ignore=shutil.ignore_patterns("__pycache__"))
-        self.env = {**env_for_bench(), "PYTHONPATH": str(self.site), "PYTHONSAFEPATH": "1"}
+        self.compile()
+        # as on a device: the service never writes bytecode (ProtectSystem=strict), the install did
+        self.env = {**env_for_bench(), "PYTHONPATH": str(self.site), "PYTHONSAFEPATH": "1",
+                    "PYTHONDONTWRITEBYTECODE": "1"}
         self.cfg = edge_config(folder / "main", self.model, args.n_ctx)
         self.version = 0
         n = len(PATHS) * args.repeats + 1
@@ -152,7 +156,13 @@ class Bench:
         version = f"{BASE_VERSION}.post{self.version}"
         init = self.site / "edge" / "__init__.py"
         init.write_text(re.sub(r'__version__ = "[^"]*"', f'__version__ = "{version}"', init.read_text()))
+        self.compile()  # as a package update's install does
         return version
+
+    def compile(self) -> None:
+        failed = compile_missing(package_sources(self.site / "edge"))
+        if failed:
+            raise RuntimeError(f"cannot compile the installed copy: {failed[:3]}")
 
     def serving(self) -> bool:
         return self.pid1.proc is not None and self.pid1.proc.poll() is None
@@ -228,7 +238,11 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--steady", type=float, default=30.0, help="seconds of steady load first")
     ap.add_argument("--n-ctx", type=int, default=2048)
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"which of {','.join(PATHS)} (comma-separated)")
     args = ap.parse_args()
+    args.paths = tuple(p for p in PATHS if p in args.paths.split(","))
+    if not args.paths:
+        ap.error(f"--paths: expected some of {','.join(PATHS)}")
     if args.repeats < 5:
         ap.error("--repeats: at least 5 (P95/P99 of fewer say nothing)")
     folder = Path(tempfile.mkdtemp(prefix="edge-paths-"))
@@ -246,8 +260,9 @@ def main() -> int:
         time.sleep(args.steady)  # a fixed measuring window
         steady = [b - a for a, b in load.spans if a >= t0]
         result["steady"] = {"requests": len(steady), **pcts(steady), "max_s": round(max(steady), 4), **mem.result()}
+        paths = args.paths
         for i in range(args.repeats):
-            for path in PATHS[i % len(PATHS):] + PATHS[:i % len(PATHS)]:  # rotating order
+            for path in paths[i % len(paths):] + paths[:i % len(paths)]:  # rotating order
                 print(f"repeat {i + 1}/{args.repeats}: {path}", file=sys.stderr)
                 result["events"].append({"repeat": i + 1, **bench.run_path(path, i, load)})
         r = load.stop()
@@ -267,6 +282,8 @@ def summarize(result: dict[str, Any]) -> None:
     paths = {}
     for path in PATHS:
         ev = [e for e in result["events"] if e["path"] == path]
+        if not ev:
+            continue
         paths[path] = {"ready_s": pcts([e["ready_s"] for e in ev]), "first_ttft_s": pcts([e["first_ttft_s"] for e in ev]),
                        "worst_s": max(e["worst_s"] for e in ev), "worst_vs_steady_p99": round(
                            max(e["worst_s"] for e in ev) / max(steady_p99, 1e-9), 2),
@@ -274,10 +291,14 @@ def summarize(result: dict[str, Any]) -> None:
                        "peak_rss_mib": max(e["peak_rss_mib"] for e in ev),
                        "peak_pss_vs_one_process": round(max(e["peak_pss_mib"] for e in ev) / max(one, 1e-9), 2)}
     result["paths"] = paths
-    up = paths["upgrade"]
-    result["targets_met"] = {"0 failed requests": result["failed_total"] == 0,
-                             "handover worst <= 1.5x steady p99": up["worst_vs_steady_p99"] <= 1.5,
-                             "handover peak PSS <= 1.6x one process": up["peak_pss_vs_one_process"] <= 1.6}
+    result["targets_met"] = {"0 failed requests": result["failed_total"] == 0}
+    up = paths.get("upgrade")
+    if up:
+        one = result["steady"]["p50"]  # "+ at most one request's own time": a request queued behind one
+        up["worst_vs_steady_p99_plus_one"] = round(up["worst_s"] / max(1.5 * steady_p99 + one, 1e-9) * 1.5, 2)
+        result["targets_met"].update({"handover worst <= 1.5x steady p99": up["worst_vs_steady_p99"] <= 1.5,
+                                      "handover worst <= 1.5x steady p99 + one request": up["worst_s"] <= 1.5 * steady_p99 + one,
+                                      "handover peak PSS <= 1.6x one process": up["peak_pss_vs_one_process"] <= 1.6})
 
 
 def table(result: dict[str, Any]) -> None:

@@ -263,11 +263,16 @@ def proc_memory(pid: int) -> dict[str, int]:
 
 
 def summary(xs: list[float]) -> dict[str, Any]:
-    """Median and spread: min, max and (max - min) / median."""
+    """Median and spread: min, max and (max - min) / median; P95 and P99 (nearest rank: with
+    fewer than 20 values, P95 and P99 are the slowest)."""
+    from edge.serve.bench import percentile
+
     if not xs:
         return {}
     med = statistics.median(xs)
     return {"median": round(med, 4), "min": round(min(xs), 4), "max": round(max(xs), 4),
+            "p50": round(percentile(xs, 0.50), 4), "p95": round(percentile(xs, 0.95), 4),
+            "p99": round(percentile(xs, 0.99), 4),
             "spread": round((max(xs) - min(xs)) / med, 3) if med else None, "n": len(xs)}
 
 

@@ -1,44 +1,60 @@
 """The `edge` command: one small module per command group, each turning flags into a config and
 one call into the module that does the work. Every heavy import happens inside the command that
-needs it, so `edge --help` stays fast and imports no native or HTTP stack."""
+needs it, so `edge --help` stays fast and imports no native or HTTP stack.
+
+`edge serve` as the unit runs it (`serve`, `serve --config FILE`) is dispatched here, before typer,
+click or any other command's module is imported (edge.cli.launch): every start pays for what is
+imported before its config is read. Any other form (`serve --help`, a typo) goes through the typer
+app (edge.cli.commands), which answers it as before."""
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-import traceback
+from typing import Any
 
-import typer
+__all__ = ["app", "main", "plain_serve"]
 
-from edge.cli import doctor, engines, fleet, recovery, serve, units
-from edge.errors import EX_SOFTWARE, EdgeError
 
-__all__ = ["app", "main"]
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  rich_markup_mode=None,  # plain help: importing rich costs ~90 ms per call
-                  help="edge: cold-start runtime for Jetson-class devices.\n\nDocs: docs/index.md")
-
-for group in (serve, recovery, units, doctor, engines, fleet):
-    group.register(app)
-
-from edge.cli.ota import ota_app  # noqa: E402  (light: its commands import what they need)
-
-app.add_typer(ota_app, name="ota")
+def plain_serve(argv: list[str]) -> tuple[str | None] | None:
+    """(the --config value or None) when argv is `serve` with at most a --config/-c; else None."""
+    if not argv or argv[0] != "serve":
+        return None
+    rest = argv[1:]
+    if not rest:
+        return (None,)
+    if len(rest) == 1 and rest[0].startswith("--config="):
+        return (rest[0].split("=", 1)[1] or None,)
+    if len(rest) == 2 and rest[0] in ("--config", "-c") and not rest[1].startswith("-"):
+        return (rest[1] or None,)
+    return None
 
 
 def main() -> None:
     _hold_std_fds()
+    plain = plain_serve(sys.argv[1:])
+    watch = None
+    if plain is not None:  # first: the watch sees every module compiled from here on
+        from edge.lifecycle.bytecode import CompileWatch
+
+        watch = CompileWatch()
+    from edge.errors import EX_SOFTWARE, EdgeError
+
     try:
-        app()
+        if plain is not None:
+            from edge.cli.launch import serve
+
+            sys.exit(serve(plain[0], watch))
+        from edge.cli.commands import app as typer_app
+
+        typer_app()
     except EdgeError as exc:
         _stderr(f"edge: error: {exc}")
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception:  # a bug, not a bad input: its traceback once, and the code that says so
-        _internal_error()
+        _internal_error(EX_SOFTWARE)
         sys.exit(EX_SOFTWARE)
 
 
@@ -66,13 +82,25 @@ def _stderr(line: str) -> None:
         pass
 
 
-def _internal_error() -> None:
+def _internal_error(code: int) -> None:
+    import logging
+    import traceback
+
     log = logging.getLogger("edge")
     if log.handlers:  # `edge serve` set up logging (the journal under systemd): the traceback goes there
-        log.critical("internal error; exiting %d", EX_SOFTWARE, exc_info=True)
+        log.critical("internal error; exiting %d", code, exc_info=True)
     elif sys.stderr is not None:
         try:
             traceback.print_exc()
         except OSError:
             pass
-        _stderr(f"edge: internal error (a bug: please report the traceback above); exiting {EX_SOFTWARE}")
+        _stderr(f"edge: internal error (a bug: please report the traceback above); exiting {code}")
+
+
+def __getattr__(name: str) -> Any:
+    """`edge.cli.app`, the typer app, imported when asked for (the tests read its commands)."""
+    if name == "app":
+        from edge.cli.commands import app
+
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

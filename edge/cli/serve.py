@@ -21,37 +21,9 @@ def serve(config: Optional[str] = ConfigOpt) -> None:
     """Load, lock and warm up the models, then serve on the inherited or configured socket.
 
     Docs: docs/deploy.md"""
-    import faulthandler
+    from edge.cli.launch import serve as run
 
-    from edge.timing import StartTimer
-
-    timer = StartTimer()  # first: the report measures from exec, config parsing included
-    # a native fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) writes every thread's Python stack to
-    # stderr, which is the journal under systemd, and then dies by the signal as before
-    faulthandler.enable(all_threads=True)
-    from edge.lifecycle.handover import Successor, SuccessorNotifier
-    from edge.lifecycle.start import ColdStart
-
-    successor = Successor.from_env()  # started by a running edge to take over from it
-    start = ColdStart(config, timer=timer, notifier=SuccessorNotifier(successor) if successor else None,
-                      takes_over=successor is not None)
-    code = start.run()  # however it ends, its journal and reports say so (edge.lifecycle.recovery)
-    if start.gpu_lost:  # not even the finalizers at exit may touch the lost CUDA context
-        _exit_now(code)
-    raise typer.Exit(code)
-
-
-def _exit_now(code: int) -> None:
-    """Exit without running finalizers (llama.cpp's frees would be CUDA calls on a lost context,
-    which ggml answers with abort()); the logs are flushed first."""
-    import logging
-    import os
-    import sys
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    raise typer.Exit(run(config))
 
 
 SvgOpt = typer.Option(None, "--svg", callback=output_file,

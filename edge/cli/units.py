@@ -108,9 +108,31 @@ def units_install(prefix: str = typer.Option("/", "--prefix", callback=_prefix, 
         raise EdgeError(f"cannot write the starter config {cfg}: {exc.strerror}") from None
     typer.echo(f"wrote {cfg} (starter config: the embedded default model)" if written
                else f"kept {cfg} (already there)")
+    _compile(o.edge, prefix)
     ctl = "systemctl --user" if user else "systemctl"
     typer.echo(f"next:\n  {ctl} daemon-reload\n  {ctl} enable --now edge.socket edge.service\n"
                f"  (the service starts at boot so the model is warm before the first request)")
+
+
+def _compile(edge: str, prefix: str) -> None:
+    """Bytecode for this edge and its dependencies, written now: the unit can never write it
+    (ProtectSystem=strict), so whatever is missing would be compiled at every start."""
+    from edge.host.units import default_edge_command
+    from edge.lifecycle.bytecode import compile_missing, dependency_sources, edge_package, package_sources
+
+    pkg = edge_package()
+    if prefix != "/" or edge != default_edge_command():
+        typer.echo(f"bytecode: not compiled here (the unit runs {edge}{' under ' + prefix if prefix != '/' else ''}, "
+                   f"not this edge): run `edge units install` with that edge, or `python -m compileall -q "
+                   f"--invalidation-mode checked-hash <its edge package>`", err=True)
+        return
+    failed = compile_missing(package_sources(pkg)) + compile_missing(dependency_sources(), checked_hash=False)
+    if failed:
+        path, why = failed[0]
+        typer.echo(f"edge: warning: {len(failed)} modules are left without bytecode ({path}: {why}): every "
+                   f"start compiles them; run `edge units install` as the owner of {path.parent}", err=True)
+    else:
+        typer.echo(f"bytecode: {pkg} (checked-hash) and edge's dependencies compiled")
 
 
 def register(app: typer.Typer) -> None:

@@ -279,6 +279,46 @@ def _access(cfg: Config, unit_dirs: list[Path], unit_text: str | None) -> list[C
     return [Check(*c) for c in access_checks(cfg, unit_dirs, unit_text)]
 
 
+def _bytecode(cfg: Config) -> list[Check]:
+    """Bytecode for every module a start imports: the unit (ProtectSystem=strict) can never write
+    it, so a module without it is compiled from source at every start (edge.lifecycle.bytecode)."""
+    from edge.lifecycle.bytecode import dependency_sources, edge_package, missing_bytecode, package_sources
+    from edge.timing import UnreadableReport, read_last_report
+
+    pkg = edge_package()
+    own, deps = missing_bytecode(package_sources(pkg)), missing_bytecode(dependency_sources())
+    try:
+        last = (read_last_report(state_dir(cfg)) or {}).get("compiled") or []
+    except UnreadableReport:
+        last = []
+    still = [c for c in last if Path(c).exists() and missing_bytecode([Path(c)])]
+    fix = (f"compile at install, as the owner of the files: `edge units install`, or `{_python()} -m compileall "
+           f"-q --invalidation-mode checked-hash {pkg}`")
+    # a source checkout (edited as it runs) warns: scripts/setup compiles it, and an edit makes it stale
+    level, fix = ("warn", "scripts/setup compiles a checkout") if (pkg.parent / ".git").exists() else ("fail", fix)
+    if own:
+        return [Check("bytecode", level, f"{len(own)} of edge's modules in {pkg} have no valid bytecode "
+                      f"({_examples(own)}): every start compiles them from source", fix)]
+    if still:
+        return [Check("bytecode", level, f"the last start compiled {len(still)} source files that still have no "
+                      f"valid bytecode ({', '.join(still[:3])})", fix.replace(str(pkg), "<their directory>"))]
+    if deps:
+        return [Check("bytecode", "warn", f"{len(deps)} modules of edge's dependencies have no valid bytecode "
+                      f"({_examples(deps)}): a start that imports one compiles it", fix + "; for the dependencies: "
+                      f"`{_python()} -m compileall -q <their site-packages directory>`")]
+    return [Check("bytecode", "ok", f"edge's modules in {pkg} and its dependencies' have valid bytecode")]
+
+
+def _examples(found: list[tuple[Path, str]]) -> str:
+    return "; ".join(f"{p}: {why}" for p, why in found[:2]) + ("; ..." if len(found) > 2 else "")
+
+
+def _python() -> str:
+    import sys
+
+    return sys.executable
+
+
 def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
     """Check `config`, or — when none is given and edge.service is installed — the config the
     unit's ExecStart= runs, so that doctor tests what systemd will start."""
@@ -305,6 +345,7 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
         lambda: _dirs(cfg),
         lambda: _safe_mode(cfg),
         lambda: _access(cfg, unit_dirs, unit_text),
+        lambda: _bytecode(cfg),
     ]
     for step in steps:
         checks += step()

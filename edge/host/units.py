@@ -131,6 +131,7 @@ TimeoutStopSec=$stop_timeout
 WatchdogSec=$watchdog
 KillMode=control-group
 LimitMEMLOCK=infinity
+LimitNICE=+0
 Environment=CUDA_CACHE_PATH=%C/edge/cuda
 LimitNOFILE=$nofile
 StateDirectory=edge
@@ -177,6 +178,8 @@ Also=edge.socket
 #   $EXIT_CODE, $EXIT_STATUS), so a crash keeps its signal even when the process wrote nothing.
 # - CUDA_CACHE_PATH: CUDA's PTX JIT cache (default ~/.nv, absent for a DynamicUser) kept across
 #   restarts, so kernels are compiled once per driver, not once per start.
+# - LimitNICE=+0: a handover's new process starts at a lower CPU priority and takes nice 0 back
+#   before it serves (edge.lifecycle.priority); never above the service's own priority.
 # - LimitNOFILE=: server.max_connections plus the files (edge.serve.limits.nofile_for).
 # - No ConfigurationDirectory=: with DynamicUser= it chowns /etc/edge to the service's uid, which
 #   could then rewrite its own config and the OTA key; ProtectSystem=strict keeps /etc read-only.

@@ -39,14 +39,14 @@ from edge.lifecycle.installed import Running
 from edge.lifecycle.loader import read_config
 from edge.lifecycle.loadset import split_cores, threads_of
 from edge.lifecycle.memguard import handover_decision
-from edge.lifecycle.systemd import Notifier
+from edge.lifecycle.priority import successor_yields
+from edge.lifecycle.systemd import HANDOVER_ENV, Notifier
 from edge.timing import ReloadTimer, write_report
 
 __all__ = ["HANDOVER_ENV", "Handover", "Successor", "SuccessorNotifier"]
 
 log = logging.getLogger("edge")
 
-HANDOVER_ENV = "EDGE_HANDOVER_FD"
 SPAWN, SUCCESSOR, SWITCH, DRAIN, GUARD, DRAIN_OLD = "spawn", "successor_start", "switch", "drain", \
     "memory_guard", "drain_old"
 _PASSED_ON = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "JOURNAL_STREAM", "INVOCATION_ID", "MANAGERPID")
@@ -213,7 +213,9 @@ class _Run:
                 return self.failed(EdgeError(f"cannot start the new process: {exc}"))
         self.extra["successor"] = {"pid": child.pid}
         self.h.starting = child.pid
-        serving = [] if self.extra["mode"] == "restart" else self.h.serving()  # the fallback freed its set
+        # the fallback freed its set; a new process that yields the CPU (edge.lifecycle.priority)
+        # leaves the serving threads as they are
+        serving = [] if self.extra["mode"] == "restart" or successor_yields() else self.h.serving()
         # queued behind the requests on each worker's thread (FIFO), not waited for: the switch must
         # not wait for the queue; all cores back (for the drain, or serving on) after the split
         self.h.background(threads_of(serving, split_cores()[1]))

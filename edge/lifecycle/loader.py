@@ -17,8 +17,6 @@ serves the set it makes, `edge.lifecycle.reload` makes each new set with it besi
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import functools
 import importlib
 import json
@@ -29,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 from edge.config import Config, EngineConfig, ModelConfig, cache_dir, check_writable, find_config, load_config
 from edge.errors import require
 from edge.lifecycle.loadset import Loaded, LoadPlan, close_worker, model_key
-from edge.model.mlock import enforce
 from edge.lifecycle.systemd import Notifier, setup_logging
 from edge.timing import Phases, StartTimer
 
 if TYPE_CHECKING:
+    import concurrent.futures
+
     from edge.lifecycle.safemode import SafeMode
     from edge.model.gguf import GGUFInfo
     from edge.lifecycle.loadset import Validation
@@ -112,6 +111,8 @@ class Loader:
     def _validations(self, files: list[ModelFile], now: bool) -> list[Validation]:
         if now:
             return [_done(self._validate(f)) for f in files]
+        import concurrent.futures  # after the config: each import before it is on every start's path
+
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-validate")
         running = [pool.submit(self._validate, f) for f in files]
         pool.shutdown(wait=False)  # the queued validations still run; joined by finish_model_files
@@ -166,6 +167,8 @@ class Loader:
     def load_models_beside_http(self, files: list[ModelFile], made: dict[str, Any]
                                 ) -> tuple[dict[str, ModelWorker], dict[str, Any]]:
         """llama.cpp loads with the GIL released: the HTTP stack is imported meanwhile."""
+        import concurrent.futures
+
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-load") as pool:
             loading = pool.submit(self.load_models, files, made)
             self.import_http()
@@ -195,6 +198,8 @@ class Loader:
                                                          self.config.server.request_timeout_s)
             with self.timer.phase(Phases.MLOCK_VERIFY, model=m.name) as ph:
                 ph.detail.update(model.mlock.as_dict())
+                from edge.model.mlock import enforce
+
                 enforce(m, model.mlock)
             infos[m.name] = {**model.info.summary(), "name": m.name, "path": m.path, "n_ctx": model.n_ctx,
                              "context": model.context_info(), "mlock": model.mlock.as_dict()}
@@ -274,6 +279,8 @@ class Loader:
         device identity, found on a thread while the first floor request runs."""
         from edge.lifecycle.warmplan import WarmTarget, engine_plan_key, model_plan_key
         from edge.lifecycle.warmup import check_prompts, engine_candidates, model_candidates, model_floor
+
+        import asyncio
 
         cfg, state = self.config, loaded.state
         identity = asyncio.ensure_future(asyncio.to_thread(_device_and_build, bool(state.workers)))
@@ -366,6 +373,8 @@ def _import(names: list[str]) -> list[str]:
 
 
 def _done(value: Any) -> concurrent.futures.Future[Any]:
+    import concurrent.futures
+
     fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
     fut.set_result(value)
     return fut

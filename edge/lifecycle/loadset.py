@@ -9,7 +9,6 @@ plan and the set are made by `edge.lifecycle.loader.Loader`; `edge.lifecycle.ser
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -18,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from edge.config import EngineConfig, ModelConfig
 
 if TYPE_CHECKING:
+    import concurrent.futures
+
     from edge.serve.app import ServiceState
     from edge.model.gguf import GGUFInfo
     from edge.model.file import ModelFile

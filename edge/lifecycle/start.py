@@ -22,7 +22,6 @@ takes the reloader and the dispatcher (edge.lifecycle.serving); nothing below im
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import logging
@@ -34,7 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, state_dir
 from edge.errors import EX_SAFE_MODE_EXHAUSTED, EX_SOFTWARE, EdgeError, StoppedDuringStart
+from edge.lifecycle.bytecode import CompileWatch
 from edge.lifecycle.installed import Running
+from edge.lifecycle.priority import Yielded
 from edge.lifecycle.loader import Loader, read_config, save_learned
 from edge.lifecycle.loadset import Loaded, split_cores, threads_of
 from edge.lifecycle.recovery import GivenUp, Recovery
@@ -43,6 +44,7 @@ from edge.lifecycle.systemd import Notifier, listen_sockets
 from edge.timing import Phases, StartTimer, write_report
 
 if TYPE_CHECKING:
+    import asyncio
     from edge.serve.tls import TlsFiles
 
 __all__ = ["ColdStart"]
@@ -54,8 +56,11 @@ class ColdStart:
     """One start of the service: the config, the timer, the notifier, the sockets, what was loaded."""
 
     def __init__(self, config_path: str | None = None, *, timer: StartTimer | None = None,
-                 notifier: Notifier | None = None, takes_over: bool = False) -> None:
+                 notifier: Notifier | None = None, takes_over: bool = False,
+                 compiled: CompileWatch | None = None, yielded: Yielded | None = None) -> None:
         self.timer = timer or StartTimer()  # offsets from exec, whenever it is made
+        self.compiled = compiled  # the source files compiled since exec (edge.lifecycle.bytecode)
+        self.yielded = yielded  # a new process taking over: its CPU priority, lowered until ready
         self.config_path = config_path
         self.notifier = notifier or Notifier()
         self.running = Running.now()  # what this process runs, before anything changes its environment
@@ -109,6 +114,8 @@ class ColdStart:
         signal.signal(signal.SIGHUP, self._hup_during_start)
         self.notifier.extend_while()
         self.loaded = self.loader.load()
+        import asyncio  # here, not before the config: it costs a start ~25 ms of imports (README "Bytecode")
+
         return asyncio.run(self._warm_and_serve(self.loaded))
 
     @property
@@ -123,6 +130,8 @@ class ColdStart:
             self.recovery.failed(report, result)
 
     async def _warm_and_serve(self, loaded: Loaded) -> int:
+        import asyncio
+
         from edge.lifecycle.handover import Handover
         from edge.lifecycle.reload import Reloader
         from edge.lifecycle.serving import Dispatcher, build_server, serve_http
@@ -206,6 +215,8 @@ class ColdStart:
         """The warm-up, given up at SIGTERM/SIGINT. From here on a signal only sets the returned
         event (the loop delivers it): raised inside whatever the loop runs, it would fail a
         warm-up request (exit 70) or break a lock (hang). uvicorn takes the signals over later."""
+        import asyncio
+
         loop, stop = asyncio.get_running_loop(), asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -248,6 +259,8 @@ class ColdStart:
             await self.loader.warm(loaded)
             return self.timer.report(config=self.config.source, sockets=[], models=loaded.infos,
                                      warmup=loaded.warmup, calibration=loaded.plans, rehearsal=True)
+
+        import asyncio
 
         try:
             return asyncio.run(go())
@@ -305,6 +318,8 @@ class ColdStart:
         accept() follow at once. Returns the READY status text."""
         from edge.lifecycle.serving import describe_socket
 
+        if self.yielded is not None:  # every thread back to the service's priority before it serves
+            self.yielded.restore()
         loaded.state.ready = True
         addresses = [describe_socket(s) for s in self.sockets]
         now = self.timer.now()
@@ -314,6 +329,8 @@ class ColdStart:
         report = self.timer.report(config=self.config.source, sockets=addresses, models=loaded.infos,
                                    warmup=loaded.warmup, calibration=loaded.plans,
                                    journal=self.recovery.journal.cost() if self.recovery else None,
+                                   **({"compiled": self.compiled.stop()} if self.compiled else {}),
+                                   **({"priority": self.yielded.as_dict()} if self.yielded else {}),
                                    **({"safe_mode": loaded.state.safe_mode} if loaded.state.safe_mode else {}))
         path: Path = write_report(report, state_dir(self.config))
         loaded.state.metrics.set_phases(report["phases"])

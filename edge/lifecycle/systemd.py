@@ -13,7 +13,10 @@ import sys
 import threading
 import time
 
-__all__ = ["listen_sockets", "Notifier", "setup_logging", "watchdog_interval_s"]
+__all__ = ["HANDOVER_ENV", "listen_sockets", "Notifier", "setup_logging", "watchdog_interval_s"]
+
+# Beside LISTEN_FDS: the pipe a handover's new process says "ready" on (edge.lifecycle.handover)
+HANDOVER_ENV = "EDGE_HANDOVER_FD"
 
 log = logging.getLogger("edge")
 

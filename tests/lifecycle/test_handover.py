@@ -51,6 +51,17 @@ def status_json(cfg: Path) -> dict:
     return json.loads(r.stdout)
 
 
+def thread_nice(pid: int) -> set[int]:
+    """The nice values of a process's threads (field 19 of /proc/PID/task/TID/stat)."""
+    out = set()
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            out.add(int(stat.read_text().rsplit(")", 1)[1].split()[16]))
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return out
+
+
 def test_handover_under_load_fails_nothing_and_mainpid_follows(tmp_path: Path, tiny_gguf: Path,
                                                                service) -> None:
     cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
@@ -77,6 +88,9 @@ def test_handover_under_load_fails_nothing_and_mainpid_follows(tmp_path: Path, t
                                                      "switch", "drain"]
     shown = status_json(cfg)  # edge status: the new process's start, the handover that made it
     assert shown["pid"] == new and shown["last_reload"]["successor"]["pid"] == new
+    # its start ran 10 nice steps below the service, and every thread serves at the service's again
+    assert shown["priority"] == {"nice": 0, "started_at_nice": 10, "restore_failed": []}
+    assert thread_nice(new) == {0}
     assert metric(pid1.address, "edge_handovers_total", result="ok") == 1
     svg = tmp_path / "timeline.svg"
     text = subprocess.run([*EDGE, "status", "--config", str(cfg), "--svg", str(svg)], capture_output=True,

@@ -152,6 +152,12 @@ def test_start_report_has_resident_before(machine: Machine, installed: subproces
     page_in = next(p for p in report["phases"] if p["name"] == "page_in")
     # mincore is allowed by the syscall filter, so page-in could measure the cache before reading
     assert isinstance(page_in["detail"].get("resident_before"), float), page_in
+    # the README's install compiled everything the start imports: the unit (ProtectSystem=strict)
+    # could not have written a .pyc, so anything without one would have been compiled at this start
+    assert report["compiled"] == [], report["compiled"]
+    bytecode = next(c for c in json.loads(machine.run(f"{EDGE} doctor --json", check=False).stdout)
+                    if c["name"] == "bytecode")
+    assert bytecode["level"] == "ok", bytecode
 
 
 def test_doctor_tells_the_limit_the_running_service_got(machine: Machine,
@@ -562,7 +568,21 @@ def test_handover_moves_the_main_pid_under_load(tiny: Machine) -> None:
     after = m.show("edge.service", "MainPID", "ActiveState", "NRestarts")
     assert after["MainPID"] not in (before, "0") and after["ActiveState"] == "active", after
     wait_for("the old process gone", lambda: m.run(f"kill -0 {before}", check=False).returncode != 0, 60)
-    assert after["MainPID"] == str(json.loads(m.run(f"{EDGE} status --json").stdout)["pid"])
+    status = json.loads(m.run(f"{EDGE} status --json").stdout)
+    assert after["MainPID"] == str(status["pid"])
+    # the DynamicUser= process (no CAP_SYS_NICE) started 10 nice steps lower and took nice 0 back
+    # before it served, where the unit's LimitNICE=+0 took (RLIMIT_NICE 20); where the host gives
+    # the container no CAP_SYS_RESOURCE, systemd cannot raise it from 0 and the process must not yield
+    limits = m.run(f"cat /proc/{after['MainPID']}/limits").stdout
+    got = re.search(r"^Max nice priority\s+(\S+)", limits, re.M).group(1)
+    print(f"\nhandover: the service got RLIMIT_NICE {got}; its start report: {status.get('priority')}")
+    if got == "unlimited" or int(got) >= 20:
+        assert status.get("priority") == {"nice": 0, "started_at_nice": 10, "restore_failed": []}, status.get("priority")
+    else:
+        assert "priority" not in status, (got, status["priority"])
+    stats = m.run(f"cat /proc/{after['MainPID']}/task/*/stat").stdout.splitlines()
+    nice = {line.rsplit(")", 1)[1].split()[16] for line in stats}  # field 19 of each thread's stat
+    assert nice == {"0"}, nice
     m.run("systemctl stop edge.service")  # ExecStopPost= for the new main process: a clean stop
     assert _crashed_starts(m) == crashes, _recovery_state(m)  # neither process's end is a crash
     _serving(m)
