@@ -26,7 +26,7 @@ from starlette.routing import Route
 from edge.errors import BackendError, EdgeError, RequestError
 from edge.serve.jsoncheck import check_json_depth
 from edge.serve.limits import check_prompt_text
-from edge.model.generate import GenParams, Hold, Job
+from edge.model.generate import GenParams, Hold, Job, Piece
 from edge.model.llm import GGUFModel
 from edge.model.promptcache import Marks
 from edge.serve.metrics import Metrics, MetricsMiddleware, in_warmup
@@ -211,8 +211,9 @@ def _finish_tools(run: _Run, c: Choice) -> None:
 
 
 async def _choices(run: _Run, metrics: Metrics) -> list[Choice]:
-    out = []
-    for i, job in enumerate(run.jobs):
+    """Every choice's whole answer; the choices generate at once, each in its own slot (the
+    choices of one prompt share its prefill: edge.model.slots)."""
+    async def one(i: int, job: Job) -> Choice:
         c = Choice(i, text=run.echoes[i])
         pieces = run.worker.stream(job, admitted=True, eager=False)  # one answer: no per-token wake-ups
         async for piece in metrics.generation(run.shape.model, pieces):
@@ -220,8 +221,43 @@ async def _choices(run: _Run, metrics: Metrics) -> list[Choice]:
             c.logprobs += piece.logprobs
             c.finish = piece.finish_reason or c.finish
         _finish_tools(run, c)
-        out.append(c)
-    return out
+        return c
+
+    tasks = [asyncio.ensure_future(one(i, job)) for i, job in enumerate(run.jobs)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:  # one failed or the client left: the others end at their next step
+            t.cancel()
+
+
+async def _merged_pieces(run: _Run, metrics: Metrics) -> AsyncIterator[tuple[int, Piece | None]]:
+    """(choice index, piece) as the choices make them, all at once; (i, None) when choice i ends.
+    An error of any choice is raised here, the others cancelled."""
+    queue: asyncio.Queue[tuple[int, Piece | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
+        try:
+            pieces = run.worker.stream(job, admitted=True, eager=not run.buffered())
+            async for piece in metrics.generation(run.shape.model, pieces):
+                queue.put_nowait((i, piece, None))
+            queue.put_nowait((i, None, None))
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(run.jobs)]
+    try:
+        for _ in range(len(tasks)):
+            while True:
+                i, piece, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                yield i, piece
+                if piece is None:
+                    break
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class _ClientGone(Exception):
@@ -280,21 +316,22 @@ def _client_gone(run: _Run, metrics: Metrics, streamed: bool) -> None:
 async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
     shape, finished = run.shape, False
     try:
-        for i, job in enumerate(run.jobs):
+        choices = [Choice(i, text=run.echoes[i]) for i in range(len(run.jobs))]
+        for c in choices:
             if shape.chat:
-                yield shape.role_chunk(i)
-            c = Choice(i, text=run.echoes[i])
+                yield shape.role_chunk(c.index)
             if c.text and not run.buffered():
                 yield shape.chunk(c)
-            pieces = run.worker.stream(job, admitted=True, eager=not run.buffered())
-            async for piece in metrics.generation(shape.model, pieces):
+        async for i, piece in _merged_pieces(run, metrics):
+            c = choices[i]
+            if piece is None:
                 if run.buffered():
-                    c.text, c.finish = c.text + piece.text, piece.finish_reason or c.finish
-                elif piece.text or piece.finish_reason or piece.logprobs:
-                    yield shape.chunk(Choice(i, piece.text, piece.logprobs, piece.finish_reason))
-            if run.buffered():
-                _finish_tools(run, c)
-                yield shape.chunk(c)
+                    _finish_tools(run, c)
+                    yield shape.chunk(c)
+            elif run.buffered():
+                c.text, c.finish = c.text + piece.text, piece.finish_reason or c.finish
+            elif piece.text or piece.finish_reason or piece.logprobs:
+                yield shape.chunk(Choice(i, piece.text, piece.logprobs, piece.finish_reason))
         if run.ask.include_usage:
             yield shape.usage_chunk(run.usage())
         finished = True
