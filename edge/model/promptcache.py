@@ -114,8 +114,7 @@ class PromptCache:
         self.lives[self.native.seq] = tokens
 
     @property
-    def live_turn(self) -> bool:
-        """The current slot's live sequence is a chat turn (its conversation's next turn continues it)."""
+    def live_turn(self) -> bool:  # the slot's live sequence is a chat turn (its next turn continues it)
         return self.turns.get(self.native.seq, False)
 
     @live_turn.setter
@@ -368,41 +367,8 @@ class PromptCache:
         self.stats.saves += 0 if entry.pinned else 1
         return key
 
-    # -- states from and to disk (edge.model.prefixstore) ------------------------------------------------
-    def load(self, tokens: list[int], state: bytearray, whole: bool = False) -> bool:
-        """A saved state into the sequence, its tokens made live; False (and an empty sequence)
-        where llama.cpp refuses it."""
-        if self.native.set_state(state, whole):
-            self.live = list(tokens)
-            return True
-        self.live = []
-        return False
-
-    def compute(self, tokens: list[int]) -> bytearray:
-        """`tokens` prefilled from position 0; the sequence's state after them."""
-        self.reset()
-        try:
-            self.native.decode(tokens, 0)
-        except BaseException:
-            self.reset()
-            raise
-        self.live = list(tokens)
-        return self.native.state_bytes()
-
-    def cut(self, e: Entry, n: int) -> tuple[list[int], bytearray] | None:
-        """`e`'s tokens and windowed state (for a file) cut to its first n tokens, where its
-        window reaches back that far (else whole); None where llama.cpp refuses the state."""
-        if not self.load(e.tokens, e.state, e.whole):
-            return None
-        if n < len(e.tokens) and self.native.reaches(e.pos_min, n) and self.native.keep(n):
-            self.live = self.live[:n]
-        elif not e.whole:
-            return list(e.tokens), e.state
-        return list(self.live), self.native.state_bytes()
-
     def give_way(self) -> None:
-        """The current slot's idle sequence gives its cells up to a new request's: its state saved
-        first where the saved states do not already give it."""
+        """The slot's idle sequence gives its cells up: its state saved first where worth it."""
         self._save_live_if_losing(0)
         self.reset()
 

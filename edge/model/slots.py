@@ -57,6 +57,7 @@ class SlotStats:
     batch_tokens: int = 0  # tokens decoded over all steps
     last_batch: int = 0  # tokens of the last step
     last_sequences: int = 0  # sequences in the last step
+    batch_sequences: int = 0  # sequences over all steps
     sequences: int = 0  # sequences started
     shared_prompts: int = 0  # sequences that took another slot's prefill of their prompt
     decode_s: float = 0.0  # time in llama_decode
@@ -179,6 +180,7 @@ class Slots:
         st.steps, st.batch_tokens, st.last_batch = st.steps + 1, st.batch_tokens + len(batch[0]), len(batch[0])
         st.decode_s += t1 - t0
         st.last_sequences = sum(1 for s in self.active if s.generating or s.chunk)
+        st.batch_sequences += st.last_sequences
         self._after_decode()
         st.sample_s += time.perf_counter() - t1
         return True

@@ -211,35 +211,27 @@ def _finish_tools(run: _Run, c: Choice) -> None:
 
 
 async def _choices(run: _Run, metrics: Metrics) -> list[Choice]:
-    """Every choice's whole answer; the choices generate at once, each in its own slot (the
-    choices of one prompt share its prefill: edge.model.slots)."""
-    async def one(i: int, job: Job) -> Choice:
-        c = Choice(i, text=run.echoes[i])
-        pieces = run.worker.stream(job, admitted=True, eager=False)  # one answer: no per-token wake-ups
-        async for piece in metrics.generation(run.shape.model, pieces):
-            c.text += piece.text
-            c.logprobs += piece.logprobs
-            c.finish = piece.finish_reason or c.finish
-        _finish_tools(run, c)
-        return c
-
-    tasks = [asyncio.ensure_future(one(i, job)) for i, job in enumerate(run.jobs)]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:  # one failed or the client left: the others end at their next step
-            t.cancel()
+    """Every choice's whole answer; the choices generate at once (edge.model.slots)."""
+    choices = [Choice(i, text=run.echoes[i]) for i in range(len(run.jobs))]
+    async for i, piece in _merged_pieces(run, metrics, eager=False):  # one answer: no per-token wake-ups
+        c = choices[i]
+        if piece is None:
+            _finish_tools(run, c)
+            continue
+        c.text += piece.text
+        c.logprobs += piece.logprobs
+        c.finish = piece.finish_reason or c.finish
+    return choices
 
 
-async def _merged_pieces(run: _Run, metrics: Metrics) -> AsyncIterator[tuple[int, Piece | None]]:
-    """(choice index, piece) as the choices make them, all at once; (i, None) when choice i ends.
-    An error of any choice is raised here, the others cancelled."""
+async def _merged_pieces(run: _Run, metrics: Metrics, eager: bool) -> AsyncIterator[tuple[int, Piece | None]]:
+    """(choice index, piece) as the choices make them, each in its slot, all at once; (i, None)
+    when choice i ends. An error of any choice is raised here, the others cancelled."""
     queue: asyncio.Queue[tuple[int, Piece | None, BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, job: Job) -> None:
         try:
-            pieces = run.worker.stream(job, admitted=True, eager=not run.buffered())
-            async for piece in metrics.generation(run.shape.model, pieces):
+            async for piece in metrics.generation(run.shape.model, run.worker.stream(job, True, eager)):
                 queue.put_nowait((i, piece, None))
             queue.put_nowait((i, None, None))
         except Exception as exc:
@@ -247,7 +239,7 @@ async def _merged_pieces(run: _Run, metrics: Metrics) -> AsyncIterator[tuple[int
 
     tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(run.jobs)]
     try:
-        for _ in range(len(tasks)):
+        for _ in tasks:
             while True:
                 i, piece, exc = await queue.get()
                 if exc is not None:
@@ -322,7 +314,7 @@ async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
                 yield shape.role_chunk(c.index)
             if c.text and not run.buffered():
                 yield shape.chunk(c)
-        async for i, piece in _merged_pieces(run, metrics):
+        async for i, piece in _merged_pieces(run, metrics, eager=not run.buffered()):
             c = choices[i]
             if piece is None:
                 if run.buffered():
