@@ -113,6 +113,9 @@ class ModelConfig:
     chat_template: str | None = None  # overrides the template stored in the GGUF
     max_tokens_default: int = field(default=256, metadata=_range(1, 1 << 20))  # max_tokens of a request that gives none
     max_choices: int = field(default=8, metadata=_range(1, 128))  # bound on n x prompts per request
+    # sequences decoded at once in one llama.cpp context (continuous batching, edge.model.slots);
+    # None: from the context and memory (edge.model.memory.auto_parallel), at least 4 on the CPU
+    parallel: int | None = field(default=None, metadata=_range(1, 256))
     # llama.cpp context settings, with llama-server's defaults: flash attention decided by
     # llama.cpp for the device and model ("auto"), the physical batch (None: min(512, n_batch)),
     # batch threads (0: n_threads)

@@ -169,16 +169,19 @@ def llama_cpp_server(model: Path, n_ctx: int, threads: int, n_batch: int = 512) 
     return Peer("llama_cpp.server", argv, "/v1/models")
 
 
-def llama_server(binary: Path, model: Path, n_ctx: int, threads: int, n_batch: int = 512) -> Peer:
-    """llama.cpp's server with one slot (the whole n_ctx for one request, as the others have)."""
+def llama_server(binary: Path, model: Path, n_ctx: int, threads: int, n_batch: int = 512,
+                 parallel: int = 1) -> Peer:
+    """llama.cpp's server with one slot (the whole n_ctx for one request, as the others have), or
+    `parallel` slots sharing n_ctx in one unified KV cache, as edge's slots do."""
     helptext = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60).stdout
     load = ["--load-mode", "mmap+mlock"] if "--load-mode" in helptext else ["--mlock"]
+    unified = ["--kv-unified"] if parallel > 1 and "--kv-unified" in helptext else []
 
     def argv(port: int | str) -> list[str]:
         return [str(binary), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-                "--ctx-size", str(n_ctx), "--parallel", "1", "--threads", str(threads),
+                "--ctx-size", str(n_ctx), "--parallel", str(parallel), "--threads", str(threads),
                 "--threads-batch", str(threads), "--batch-size", str(n_batch),
-                "--ubatch-size", str(n_batch), *load]
+                "--ubatch-size", str(n_batch), *unified, *load]
     return Peer("llama-server", argv, "/health")
 
 

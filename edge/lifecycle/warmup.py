@@ -218,11 +218,12 @@ def model_candidates(model: GGUFModel, cfg: WarmupConfig) -> list[Candidate]:
     fits = model.n_ctx - decode - 1
 
     def pair(name: str, path: str, n_total: int, max_tokens: int, stream: bool = False,
-             first: str | None = None) -> Candidate:
+             first: str | None = None, n: int = 1) -> Candidate:
         def body(text: str) -> dict[str, Any]:
             key = "messages" if path == CHAT else "prompt"
             value = [{"role": "user", "content": text}] if path == CHAT else text
-            return {**sampled, key: value, "max_tokens": max_tokens, **({"stream": True} if stream else {})}
+            return {**sampled, key: value, "max_tokens": max_tokens, **({"stream": True} if stream else {}),
+                    **({"n": n} if n > 1 else {})}
 
         def build() -> WarmupStep:
             one = body(first if first is not None else texts.make(n_total))
@@ -234,6 +235,10 @@ def model_candidates(model: GGUFModel, cfg: WarmupConfig) -> list[Candidate]:
              pair("decode_stream", COMPLETIONS, max(short, 3), decode, stream=True)]
     if cfg.chat and (model.cfg.chat_template or model.info.chat_template):
         steps += [pair("chat", CHAT, 8, min(4, decode)), pair("chat_stream", CHAT, 8, min(4, decode), True)]
+    # batched decode: k sequences per step (k choices of one prompt, edge.model.slots) runs graph
+    # shapes a single sequence never does; one candidate per k the slots can hold
+    steps += [pair(f"batch{k}", COMPLETIONS, max(short, 3), decode, n=k)
+              for k in range(2, min(model.native.n_seq, model.cfg.max_choices) + 1)]
     sized: list[tuple[int, Candidate]] = []
     for i, n in enumerate(check_prompts(model, cfg)):
         sized.append((n, pair(f"prompt_{i}", COMPLETIONS, n, decode, first=cfg.prompts[i])))

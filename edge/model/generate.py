@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from edge.model.native import Native
     from edge.model.promptcache import Marks, PromptCache
 
-__all__ = ["GenParams", "Hold", "Job", "Piece", "SamplerChain", "TokenLogprob", "generate", "MIN_P",
+__all__ = ["Decoding", "GenParams", "Hold", "Job", "Piece", "SamplerChain", "TokenLogprob", "generate", "MIN_P",
            "PENALTY_LAST_N"]
 
 MIN_P = 0.05  # llama.cpp's (and llama-server's) default; OpenAI has no min-p field
@@ -128,6 +128,7 @@ class SamplerChain:
         lib = native.lib
         self._lib, self._ctx, self.lazy = lib, native.ctx, lazy
         self.chain = self.pre = self.grammar = None
+        self._idx = -1  # the batch row sample() reads
         self.resampled = 0  # tokens the grammar rejected and that were sampled again (tests, profiles)
         self.full_passes = 0  # of those, the ones the grammar went over the whole vocabulary for
         try:
@@ -191,16 +192,18 @@ class SamplerChain:
         # no seed: llama.cpp's default seed means "a fresh random one"
         yield lib.llama_sampler_init_dist(lib.LLAMA_DEFAULT_SEED if p.seed is None else p.seed)
 
-    def sample(self) -> int | None:
-        """The next token from the last decoded logits, which the chain accepts (penalties,
-        grammar); None when the grammar allows no token the bias leaves (a grammar whose end
-        can only be an end-of-generation token that `logit_bias` bans): the generation stops."""
+    def sample(self, idx: int = -1) -> int | None:
+        """The next token from the logits of batch row `idx` (the last decoded one by default),
+        which the chain accepts (penalties, grammar); None when the grammar allows no token the
+        bias leaves (a grammar whose end can only be an end-of-generation token that
+        `logit_bias` bans): the generation stops."""
         lib = self._lib
         if self.grammar is None:
-            return lib.llama_sampler_sample(self.chain, self._ctx, -1)
+            return lib.llama_sampler_sample(self.chain, self._ctx, idx)
+        self._idx = idx
         cur, tok, logits = self._cur, None, None
         if self.lazy and self._direct:  # the (biased) logits' argmax: no array to fill
-            logits = cur.biased(lib.llama_get_logits_ith(self._ctx, -1))
+            logits = cur.biased(lib.llama_get_logits_ith(self._ctx, idx))
             tok = int(logits.argmax())  # the first of equal logits, as llama.cpp's greedy sampler
         elif self.lazy:  # (lazy=False: neither; the grammar over every candidate at once, the reference)
             self._apply(grammar=False)
@@ -230,7 +233,7 @@ class SamplerChain:
         """Every candidate of the last logits through logit bias and penalties, with `grammar` the
         grammar, then the rest of the chain."""
         lib = self._lib
-        ref = self._cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
+        ref = self._cur.fill(lib.llama_get_logits_ith(self._ctx, self._idx))
         if self.pre is not None:
             lib.llama_sampler_apply(self.pre, ref)
         if grammar:
@@ -264,12 +267,12 @@ def _grammar_sampler(native: Native, grammar: CompiledGrammar | str) -> Any:
     return grammar.clone()
 
 
-def _logprob_entry(native: Native, tok: int, k: int) -> TokenLogprob:
-    """The chosen token's logprob and the k likeliest, from the model's raw logits (before bias,
-    penalties and grammar: the model's own distribution, as OpenAI reports it)."""
+def _logprob_entry(native: Native, tok: int, k: int, idx: int = -1) -> TokenLogprob:
+    """The chosen token's logprob and the k likeliest, from the model's raw logits of batch row
+    `idx` (before bias, penalties and grammar: the model's own distribution, as OpenAI reports it)."""
     import numpy as np
 
-    logits = native.logits()
+    logits = native.logits(idx)
     m = float(logits.max())
     lp = logits - (m + float(np.log(np.exp(logits - m).sum())))
     best = sorted(np.argpartition(-lp, k)[:k], key=lambda i: -lp[i]) if k else []
@@ -277,58 +280,72 @@ def _logprob_entry(native: Native, tok: int, k: int) -> TokenLogprob:
                         [(native.piece(int(i)), float(lp[i])) for i in best])
 
 
+class Decoding:
+    """One sequence's output, token by token: its text (stop strings held back until they cannot
+    start there), logprobs, the finish. The same for a sequence decoded alone (generate) and one
+    of a batch (edge.model.slots)."""
+
+    def __init__(self, native: Native, job: Job) -> None:
+        self.native, self.job = native, job
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.held = ""  # text that may still turn out to be the start of a stop string
+        self.hold = max((len(s) for s in job.params.stop), default=0)
+        self.lps: list[TokenLogprob] = []
+        self.pos = len(job.tokens)  # where the next token goes in the sequence
+
+    def take(self, tok: int | None, idx: int = -1) -> tuple[Piece | None, bool]:
+        """The token sampled from batch row `idx`: (a piece to send or None, whether the sequence
+        ended). Raises the request's 422 once it held its model too long (Hold.check)."""
+        job, p, native = self.job, self.job.params, self.native
+        if tok is None or native.is_eog(tok):
+            return Piece(self.held + self.decoder.decode(b"", final=True), "stop", self.lps), True
+        job.completion_tokens += 1
+        if p.logprobs is not None:
+            self.lps.append(_logprob_entry(native, tok, p.logprobs, idx))
+        self.held += self.decoder.decode(native.piece(tok))
+        if p.stop:
+            cut = _find_stop(self.held, p.stop)
+            if cut is not None:
+                return Piece(self.held[:cut], "stop", self.lps), True
+        if job.completion_tokens >= p.max_tokens:
+            return Piece(self.held + self.decoder.decode(b"", final=True), "length", self.lps), True
+        if job.cancel.is_set():
+            return None, True
+        job.hold.check(job)
+        if len(self.held) > self.hold:
+            keep = len(self.held) - self.hold
+            piece = Piece(self.held[:keep], None, self.lps)
+            self.held, self.lps = self.held[keep:], []
+            return piece, False
+        return None, False
+
+
 def generate(native: Native, cache: PromptCache, job: Job) -> Iterator[Piece]:
-    """Pieces of text for `job`; the last one has the finish reason ("stop" or "length"), unless
-    the job is cancelled, which ends the pieces at the next token."""
-    p = job.params
+    """Pieces of text for `job` decoded alone (one sequence, one token per llama_decode: the
+    reference a batch's sequences are compared with); the last one has the finish reason
+    ("stop" or "length"), unless the job is cancelled, which ends the pieces at the next token."""
     job.hold.start()
-    chain = SamplerChain(native, p)
+    chain = SamplerChain(native, job.params)
     try:
         job.cached_tokens = cache.prefill(job.tokens, use_cache=job.cache_prompt, remember=job.remember,
                                           marks=job.marks)
         job.prefilled = True
-        yield from _decode_loop(native, cache, chain, job)
+        out = Decoding(native, job)
+        while True:
+            tok = chain.sample()
+            piece, done = out.take(tok)
+            if piece is not None:
+                yield piece
+            if done:
+                return
+            native.decode_one(tok, out.pos)
+            cache.append(tok)
+            out.pos += 1
     except Exception:
         cache.reset()  # a failed decode leaves the sequence's content unknown
         raise
     finally:
         chain.close()
-
-
-def _decode_loop(native: Native, cache: PromptCache, chain: SamplerChain, job: Job) -> Iterator[Piece]:
-    p = job.params
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    held = ""  # text that may still turn out to be the start of a stop string
-    hold = max((len(s) for s in p.stop), default=0)
-    lps: list[TokenLogprob] = []
-    pos, cancel, is_eog, piece, limit = len(job.tokens), job.cancel, native.is_eog, native.piece, job.hold
-    while True:
-        tok = chain.sample()
-        if tok is None or is_eog(tok):
-            yield Piece(held + decoder.decode(b"", final=True), "stop", lps)
-            return
-        job.completion_tokens += 1
-        if p.logprobs is not None:
-            lps.append(_logprob_entry(native, tok, p.logprobs))
-        held += decoder.decode(piece(tok))
-        if p.stop:
-            cut = _find_stop(held, p.stop)
-            if cut is not None:
-                yield Piece(held[:cut], "stop", lps)
-                return
-        if job.completion_tokens >= p.max_tokens:
-            yield Piece(held + decoder.decode(b"", final=True), "length", lps)
-            return
-        if cancel.is_set():
-            return
-        limit.check(job)
-        if len(held) > hold:
-            keep = len(held) - hold
-            yield Piece(held[:keep], None, lps)
-            held, lps = held[keep:], []
-        native.decode_one(tok, pos)
-        cache.append(tok)
-        pos += 1
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:

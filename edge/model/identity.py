@@ -47,7 +47,9 @@ def context_identity(model: GGUFModel, build: str | None) -> dict[str, Any]:
             "n_gpu_layers": model.cfg.n_gpu_layers, "flash_attn": model.cfg.flash_attn_mode,
             "swa_full": bool(p.swa_full),
             # only when off: keys made before the field existed (extra buffer types on) still match
-            **({} if model.native.settings.use_extra_bufts else {"use_extra_bufts": False})}
+            **({} if model.native.settings.use_extra_bufts else {"use_extra_bufts": False}),
+            # only with several slots: a state of a one-sequence context may be of all of it
+            **({"n_seq_max": model.native.n_seq} if model.native.n_seq > 1 else {})}
 
 
 def key_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:

@@ -19,8 +19,9 @@ from edge.model.gguf import GGUFInfo
 from edge.model.grammar import CompiledGrammar, compile_grammar
 from edge.model.native import ContextSettings, DecodeError, Native
 from edge.model.mlock import MlockStatus, mlock_status, vm_locked_bytes
-from edge.model.memory import kv_bytes, prompt_cache_bytes
+from edge.model.memory import kv_bytes, parallel_for, prompt_cache_bytes
 from edge.model.promptcache import PromptCache, lcp
+from edge.model.slots import Slots
 
 __all__ = ["GenParams", "GGUFModel", "Job", "Piece", "diagnose_load_failure", "load_gguf_model",
            "settings_for"]
@@ -41,6 +42,7 @@ class GGUFModel:
         self.mlock = mlock
         self.n_ctx = min(int(cfg.n_ctx), native.n_ctx)  # llama.cpp may round the context up
         self.cache = PromptCache(native, prompt_cache_bytes(cfg, kv_bytes(cfg, info)))
+        self.slots = Slots(native, self.cache, native.n_seq)
         self._formatter = self._make_formatter()
 
     def _make_formatter(self) -> Any:
@@ -137,6 +139,9 @@ class GGUFModel:
                                code="context_length_exceeded")
 
     def generate(self, job: Job) -> Iterator[Piece]:
+        """`job` decoded alone on the calling thread (one sequence: the reference the slots'
+        batched decoding is compared with)."""
+        self.native.seq = 0
         try:
             yield from generate(self.native, self.cache, job)
         except DecodeError as exc:
@@ -147,6 +152,7 @@ class GGUFModel:
         s = self.native.settings
         return {"n_batch": self.native.n_batch, "n_ubatch": s.n_ubatch, "n_threads": s.n_threads,
                 "n_threads_batch": s.n_threads_batch, "flash_attn": s.flash_attn, "swa_full": s.swa_full,
+                "parallel": self.native.n_seq,
                 "use_extra_bufts": s.use_extra_bufts, "prompt_cache_limit_bytes": self.cache.limit_bytes}
 
     def close(self) -> None:
@@ -162,7 +168,7 @@ def settings_for(cfg: ModelConfig) -> ContextSettings:
                            n_threads_batch=cfg.n_threads_batch or threads, flash_attn=cfg.flash_attn_mode,
                            swa_full=cfg.swa_full,
                            n_gpu_layers=cfg.n_gpu_layers, use_mmap=cfg.use_mmap, use_mlock=cfg.use_mlock,
-                           use_extra_bufts=cfg.use_extra_bufts)
+                           use_extra_bufts=cfg.use_extra_bufts, n_seq=parallel_for(cfg))
 
 
 def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:

@@ -15,7 +15,7 @@ from edge.config import ModelConfig
 from edge.device.memory import MIB, read_memory
 from edge.model.gguf import GGUFInfo, offload_split
 
-__all__ = ["CONTEXT_OVERHEAD", "kv_bytes", "model_need", "prompt_cache_bytes"]
+__all__ = ["CONTEXT_OVERHEAD", "kv_bytes", "model_need", "parallel_for", "prompt_cache_bytes"]
 
 CONTEXT_OVERHEAD = 16 * MIB  # per llama.cpp context: graph metadata, scratch, tokenizer tables
 
@@ -25,8 +25,20 @@ def _int(meta: dict[str, Any], key: str, default: int) -> int:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else default
 
 
+def parallel_for(m: ModelConfig, total_ram: int | None = None) -> int:
+    """The slots a model decodes at once (edge.model.slots): `parallel`, or when unset 4, and 8
+    where the context holds 4,096 tokens or more and RAM is 4 GiB or more. The KV cache is
+    unified (the slots share n_ctx cells), so a slot costs memory only for its logits row and
+    sampler: what limits them is how much of the context each request can count on."""
+    if m.parallel is not None:
+        return m.parallel
+    total = read_memory().ceiling if total_ram is None else total_ram
+    return 8 if m.n_ctx >= 4096 and (not total or total >= 4 << 30) else 4
+
+
 def kv_bytes(m: ModelConfig, info: GGUFInfo) -> int:
-    """The f16 KV cache of n_ctx tokens: every layer's K and V, from the GGUF header."""
+    """The f16 KV cache of n_ctx tokens: every layer's K and V, from the GGUF header. One pool for
+    every slot (unified KV): the same whatever `parallel` is."""
     meta, arch = info.metadata, info.architecture
     n_head = _int(meta, f"{arch}.attention.head_count", 1)
     k_len = _int(meta, f"{arch}.attention.key_length", _int(meta, f"{arch}.embedding_length", 1) // n_head or 1)

@@ -27,7 +27,7 @@ log = logging.getLogger("edge")
 # config value -> llama_flash_attn_type (llama.h): "auto" lets llama.cpp decide per device and
 # model, as llama-server does by default.
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
-SEQ = 0  # the one sequence edge decodes into (requests on a model are sequential)
+SEQ = 0  # the sequence a one-slot context decodes into, and the default of `Native.seq`
 
 
 class DecodeError(RuntimeError):
@@ -49,6 +49,7 @@ class ContextSettings:
     use_mmap: bool
     use_mlock: bool
     use_extra_bufts: bool = True  # llama.cpp's weight repacking / AMX buffers (false: --no-repack)
+    n_seq: int = 1  # sequence slots sharing the context's cells (unified KV): requests decoded at once
 
 
 @functools.cache
@@ -66,7 +67,12 @@ def _lib() -> Any:
 
 
 class Native:
-    """One loaded model and its context. Not thread-safe: use from the model's worker thread."""
+    """One loaded model and its context. Not thread-safe: use from the model's worker thread.
+
+    The context holds `n_seq` sequences in one unified KV cache (slots share n_ctx cells, so a
+    single long request can use all of them). The sequence operations (keep, clear, states, ...)
+    act on `seq`, the sequence the prompt cache works on now (edge.model.slots sets it);
+    `decode_batch` decodes tokens of many sequences in one llama_decode."""
 
     def __init__(self, path: str, s: ContextSettings) -> None:
         self.lib = lib = _lib()
@@ -89,6 +95,8 @@ class Native:
         cp.flash_attn_type = FLASH_ATTN[s.flash_attn]
         cp.swa_full = s.swa_full
         cp.no_perf = False
+        cp.n_seq_max = max(1, s.n_seq)
+        cp.kv_unified = True  # one pool of n_ctx cells for every slot
         self.ctx = lib.llama_init_from_model(self.model, cp)
         if not self.ctx:
             self.close()
@@ -100,8 +108,14 @@ class Native:
         self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
         # sliding-window attention with only the window kept: how far back a token attends
         self.n_swa = 0 if s.swa_full else int(lib.llama_model_n_swa(self.model))
+        self.n_seq = max(1, s.n_seq)
+        # a state of every position the window cache holds needs the whole context's state
+        # (llama_state_get_data): only where the context has one sequence
+        self.whole_states = self.n_seq == 1
+        self.seq = SEQ
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
-        for i in range(self.n_batch):  # one sequence, always: set once
+        self._rows = [SEQ] * self.n_batch  # each batch row's sequence id, rewritten only where it changes
+        for i in range(self.n_batch):
             self._batch.n_seq_id[i] = 1
             self._batch.seq_id[i][0] = SEQ
         self._tok, self._pos, self._out = self._batch.token, self._batch.pos, self._batch.logits
@@ -159,6 +173,7 @@ class Native:
         for i in range(0, len(tokens), n_batch):
             chunk = tokens[i:i + n_batch]
             n = len(chunk)
+            self._set_rows(0, n, self.seq)
             ctypes.memmove(self._tok, (i32 * n)(*chunk), 4 * n)
             ctypes.memmove(self._pos, (i32 * n)(*range(pos + i, pos + i + n)), 4 * n)
             ctypes.memset(self._out, 0, n)
@@ -169,11 +184,34 @@ class Native:
                 after(pos + i + n)
 
     def decode_one(self, tok: int, pos: int) -> None:
+        self._set_rows(0, 1, self.seq)
         self._tok[0], self._pos[0], self._out[0] = tok, pos, 1
         self._batch.n_tokens = 1
         rc = self.lib.llama_decode(self.ctx, self._batch)
         if rc:
             self._check(rc, pos, 1)
+
+    def decode_batch(self, tokens: list[int], pos: list[int], seqs: list[int], out: list[int]) -> None:
+        """One llama_decode of tokens of several sequences: row i is `tokens[i]` at `pos[i]` of
+        sequence `seqs[i]`, with its logits computed where `out[i]` (read with logits(i))."""
+        n, i32, rows = len(tokens), ctypes.c_int32, self._rows
+        seq_id = self._batch.seq_id
+        for i, s in enumerate(seqs):
+            if rows[i] != s:
+                rows[i] = seq_id[i][0] = s
+        ctypes.memmove(self._tok, (i32 * n)(*tokens), 4 * n)
+        ctypes.memmove(self._pos, (i32 * n)(*pos), 4 * n)
+        ctypes.memmove(self._out, (ctypes.c_int8 * n)(*out), n)
+        self._batch.n_tokens = n
+        rc = self.lib.llama_decode(self.ctx, self._batch)
+        if rc:
+            self._check(rc, min(pos), n)
+
+    def _set_rows(self, start: int, end: int, seq: int) -> None:
+        rows, seq_id = self._rows, self._batch.seq_id
+        for i in range(start, end):
+            if rows[i] != seq:
+                rows[i] = seq_id[i][0] = seq
 
     @staticmethod
     def _check(rc: int, pos: int, n: int) -> None:
@@ -182,20 +220,28 @@ class Native:
         why = {1: "no room in the KV cache", 2: "aborted", -1: "invalid batch"}.get(rc, "error")
         raise DecodeError(f"llama_decode of {n} tokens at position {pos} returned {rc} ({why})")
 
-    def logits(self) -> Any:
-        """The last decoded token's logits as a numpy view (valid until the next decode)."""
+    def logits(self, idx: int = -1) -> Any:
+        """Batch row `idx`'s logits (the last row's by default) as a numpy view (valid until the
+        next decode)."""
         import numpy as np
 
-        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,))
+        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
 
     # -- the sequence's KV cache --------------------------------------------------------------------
     def keep(self, n: int) -> bool:
         """Drop every position from n on; False where the memory cannot (recurrent models)."""
-        return bool(self.lib.llama_memory_seq_rm(self.mem, SEQ, n, -1))
+        return bool(self.lib.llama_memory_seq_rm(self.mem, self.seq, n, -1))
 
-    def pos_min(self) -> int:
-        """The oldest position the sequence still holds (-1: empty)."""
-        return int(self.lib.llama_memory_seq_pos_min(self.mem, SEQ))
+    def copy_from(self, src: int, n: int) -> None:
+        """The sequence made to hold sequence `src`'s first n positions (their cells shared, not
+        computed again: llama_memory_seq_cp)."""
+        lib = self.lib
+        lib.llama_memory_seq_rm(self.mem, self.seq, -1, -1)
+        lib.llama_memory_seq_cp(self.mem, src, self.seq, 0, n)
+
+    def pos_min(self, seq: int | None = None) -> int:
+        """The oldest position the sequence (or `seq`) still holds (-1: empty)."""
+        return int(self.lib.llama_memory_seq_pos_min(self.mem, self.seq if seq is None else seq))
 
     def reaches(self, pos_min: int, n: int) -> bool:
         """Whether a sequence holding positions from `pos_min` on, cut to n tokens, still holds
@@ -211,15 +257,15 @@ class Native:
     def window_min(self) -> int:
         """The oldest position a windowed state of the sequence (state_bytes()) holds: llama.cpp
         leaves out of it what the sliding window no longer shows its last position."""
-        pos_max = int(self.lib.llama_memory_seq_pos_max(self.mem, SEQ))
+        pos_max = int(self.lib.llama_memory_seq_pos_max(self.mem, self.seq))
         return max(self.pos_min(), pos_max - self.n_swa + 1) if self.n_swa else self.pos_min()
 
     def state_size(self, whole: bool = False) -> int:
         lib = self.lib
-        return int(lib.llama_state_get_size(self.ctx) if whole else lib.llama_state_seq_get_size(self.ctx, SEQ))
+        return int(lib.llama_state_get_size(self.ctx) if whole else lib.llama_state_seq_get_size(self.ctx, self.seq))
 
     def clear(self) -> None:
-        self.lib.llama_memory_seq_rm(self.mem, SEQ, -1, -1)
+        self.lib.llama_memory_seq_rm(self.mem, self.seq, -1, -1)
 
     def state_bytes(self, whole: bool = False) -> bytearray:
         """The sequence's KV state as llama.cpp serialises it, written straight into the buffer
@@ -233,7 +279,7 @@ class Native:
         view = (ctypes.c_uint8 * size).from_buffer(buf)
         lib = self.lib
         got = int(lib.llama_state_get_data(self.ctx, view, size) if whole
-                  else lib.llama_state_seq_get_data(self.ctx, view, size, SEQ))
+                  else lib.llama_state_seq_get_data(self.ctx, view, size, self.seq))
         del view  # the buffer is exported while a view lives: released before any resize
         if got == 0 and size:
             raise DecodeError("llama.cpp returned no state")
@@ -253,7 +299,7 @@ class Native:
             buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         lib = self.lib
         got = int(lib.llama_state_set_data(self.ctx, buf, len(data)) if whole
-                  else lib.llama_state_seq_set_data(self.ctx, buf, len(data), SEQ))
+                  else lib.llama_state_seq_set_data(self.ctx, buf, len(data), self.seq))
         if got == 0:
             self.clear()
             return False

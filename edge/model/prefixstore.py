@@ -37,14 +37,14 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from edge.errors import ConfigError, RequestError
 from edge.fsutil import atomic_write
-from edge.model.promptcache import Entry
+from edge.model.promptcache import Entry, PromptCache
 
 if TYPE_CHECKING:
     from edge.config import PrefixConfig
     from edge.model.llm import GGUFModel
 
-__all__ = ["MAGIC", "StateRejected", "prefix_key", "prefix_tokens", "read_state", "restore_prefixes",
-           "save_learned", "write_state"]
+__all__ = ["MAGIC", "StateRejected", "compute_state", "cut_state", "load_state", "prefix_key", "prefix_tokens",
+           "read_state", "restore_prefixes", "save_learned", "write_state"]
 
 log = logging.getLogger("edge")
 
@@ -57,6 +57,40 @@ KEEP = 3  # state files kept per declared prefix (other keys: other n_ctx, model
 
 class StateRejected(Exception):
     """A state file that must not reach llama.cpp; the message says why."""
+
+
+# -- states between the prompt cache's current slot and files -------------------------------------------
+def load_state(cache: PromptCache, tokens: list[int], state: bytearray, whole: bool = False) -> bool:
+    """A saved state into the slot's sequence, its tokens made live; False (and an empty
+    sequence) where llama.cpp refuses it."""
+    ok = cache.native.set_state(state, whole)
+    cache.live = list(tokens) if ok else []
+    return ok
+
+
+def compute_state(cache: PromptCache, tokens: list[int]) -> bytearray:
+    """`tokens` prefilled from position 0; the sequence's state after them."""
+    cache.reset()
+    try:
+        cache.native.decode(tokens, 0)
+    except BaseException:
+        cache.reset()
+        raise
+    cache.live = list(tokens)
+    return cache.native.state_bytes()
+
+
+def cut_state(cache: PromptCache, e: Entry, n: int) -> tuple[list[int], bytearray] | None:
+    """`e`'s tokens and windowed state (for a file) cut to its first n tokens, where its window
+    reaches back that far (else whole); None where llama.cpp refuses the state."""
+    if not load_state(cache, e.tokens, e.state, e.whole):
+        return None
+    native = cache.native
+    if n < len(e.tokens) and native.reaches(e.pos_min, n) and native.keep(n):
+        cache.live = cache.live[:n]
+    elif not e.whole:
+        return list(e.tokens), e.state
+    return list(cache.live), native.state_bytes()
 
 
 def folder_for(cache_dir: Path, model: str) -> Path:
@@ -189,7 +223,7 @@ def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where
     if not recompute:
         try:
             state = read_state(path, key, tokens)[1]
-            if not cache.load(tokens, state):
+            if not load_state(cache, tokens, state):
                 state, why = None, "llama.cpp refused the saved state"
         except StateRejected as exc:
             why = _why_new(folder, p.name, key) if not path.exists() else str(exc)
@@ -198,7 +232,7 @@ def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where
         if path.exists():  # a damaged file is worth a warning; a recompute asked for is not
             log.log(logging.INFO if recompute else logging.WARNING, "%s: prefix %r: %s (%s): computing "
                     "it again", model.cfg.name, p.name, why, path)
-        state = cache.compute(tokens)
+        state = compute_state(cache, tokens)
         write_state(path, key, tokens, state, kind="declared", name=p.name)
         _prune(folder, p.name)
     if not cache.add(Entry(list(tokens), state, name=p.name, pinned=True, pos_min=model.native.window_min())):
@@ -299,7 +333,7 @@ def _learned(model: GGUFModel, folder: Path, key: dict[str, Any]) -> list[dict[s
             row.update(tokens=len(tokens), bytes=len(state))
             if len(tokens) >= model.n_ctx:
                 row["why"] = f"{len(tokens)} tokens: no room in the context of {model.n_ctx}"
-            elif not model.cache.load(tokens, state):
+            elif not load_state(model.cache, tokens, state):
                 row["why"] = "llama.cpp refused the saved state"
             elif not model.cache.add(Entry(tokens, state, hits=int(header.get("hits", 0)), checkpoint=True,
                                            reused=int(header.get("reused", 0)), pos_min=model.native.window_min())):
@@ -320,7 +354,7 @@ def save_learned(model: GGUFModel, folder: Path) -> list[dict[str, Any]]:
     cache, key = model.cache, prefix_key(model)
     rows: list[dict[str, Any]] = []
     for e in cache.most_reused(model.cfg.learn_prefixes):
-        got = cache.cut(e, max(1, min(e.reused, len(e.tokens))))  # whole where a window cannot be cut
+        got = cut_state(cache, e, max(1, min(e.reused, len(e.tokens))))  # whole where a window cannot be cut
         if got is None:
             continue
         tokens, state = got

@@ -1,12 +1,13 @@
 """The prompt cache: KV states of many prefixes in host memory, so that a prefix survives an
 unrelated request.
 
-A model has one live sequence in llama.cpp's KV cache (requests on a model are sequential). Beside
-it, this cache keeps saved states (llama_state_seq_get_data) of earlier sequences, least recently
-used first out, bounded by bytes. A request's prompt is matched against the live sequence and
-every saved state by longest common prefix (LCP); the longest wins: a saved state is restored
-into the live sequence (a memcpy) and cut to the common part, and only the rest of the prompt is
-prefilled. Before the live sequence loses more than it keeps to a new prompt, its state is saved
+A model has one live sequence per slot in llama.cpp's KV cache (edge.model.slots: `parallel`
+requests decoded at once; the cache works on the slot `native.seq` names). Beside them, this
+cache keeps saved states (llama_state_seq_get_data) of earlier sequences, least recently used
+first out, bounded by bytes. A request's prompt is matched against its slot's live sequence,
+the other slots' (their cells are shared: llama_memory_seq_cp) and every saved state by longest
+common prefix (LCP); the longest wins: a saved state is restored into the slot's sequence (a
+memcpy) and cut to the common part, and only the rest of the prompt is prefilled. Before the live sequence loses more than it keeps to a new prompt, its state is saved
 (as llama-server's prompt cache does), so one unrelated request costs the next user of a long
 prefix one restore instead of a full prefill.
 
@@ -17,7 +18,8 @@ the state at the positions later prompts are likely to continue from (edge.model
 Declared prefixes (config) are pinned: never evicted, restored at every start from their state
 on disk (edge.model.prefixstore). Learned prefixes are the unpinned states that traffic reused most.
 
-Every method runs on the model's worker thread, between generations: a restore never races one.
+Every method runs on the model's scheduler thread (edge.serve.worker), between llama_decode calls:
+a restore never races one.
 """
 
 from __future__ import annotations
@@ -95,12 +97,29 @@ class PromptCache:
 
     native: Native
     limit_bytes: int
-    live: list[int] = field(default_factory=list)  # tokens whose KV is in the sequence now
     entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)  # oldest use first
     stats: CacheStats = field(default_factory=CacheStats)
     nbytes: int = 0  # state bytes held: kept as entries come and go (read by /metrics)
-    live_turn: bool = False  # the live sequence is a chat turn (its conversation's next turn continues it)
+    lives: dict[int, list[int]] = field(default_factory=dict)  # per slot: tokens whose KV its sequence holds
+    turns: dict[int, bool] = field(default_factory=dict)  # per slot: its live sequence is a chat turn
     _next: int = 0
+
+    @property
+    def live(self) -> list[int]:
+        """The tokens whose KV is in the current slot's sequence (native.seq)."""
+        return self.lives.get(self.native.seq, [])
+
+    @live.setter
+    def live(self, tokens: list[int]) -> None:
+        self.lives[self.native.seq] = tokens
+
+    @property
+    def live_turn(self) -> bool:  # the slot's live sequence is a chat turn (its next turn continues it)
+        return self.turns.get(self.native.seq, False)
+
+    @live_turn.setter
+    def live_turn(self, turn: bool) -> None:
+        self.turns[self.native.seq] = turn
 
     def _drop(self, key: int) -> Entry:
         entry = self.entries.pop(key)
@@ -115,15 +134,26 @@ class PromptCache:
         `marks`: positions in `tokens` where later prompts are likely to part from this one
         (a chat template's turns), or a function that finds them if a checkpoint needs them.
         Returns how many prompt tokens were reused."""
-        n = self._reuse(tokens, use_cache, remember)
-        plan = self._checkpoints(tokens, n, marks) if use_cache and remember else None
+        n, plan = self.begin(tokens, use_cache, remember, marks)
         try:
             self.native.decode(tokens[n:], n, None if plan is None else plan.after)
         except BaseException:
             self.reset()
             raise
-        self.live, self.live_turn = list(tokens), bool(marks)
+        self.prefilled(tokens, marks)
         return n
+
+    def begin(self, tokens: list[int], use_cache: bool = True, remember: bool = True,
+              marks: Marks = ()) -> tuple[int, PrefillCheckpoints | None]:
+        """The first half of prefill(): the slot's sequence cut to the longest cached prefix of
+        `tokens`; (its length, the checkpoints the prefill of the rest takes, whose `after`
+        runs after each batch). The scheduler decodes the rest in chunks, then calls prefilled()."""
+        n = self._reuse(tokens, use_cache, remember)
+        return n, self._checkpoints(tokens, n, marks) if use_cache and remember else None
+
+    def prefilled(self, tokens: list[int], marks: Marks = ()) -> None:
+        """The slot's sequence holds all of `tokens` now."""
+        self.live, self.live_turn = list(tokens), bool(marks)
 
     def _reuse(self, tokens: list[int], use_cache: bool, remember: bool) -> int:
         """The sequence cut to the longest prefix of `tokens` it can continue from (the live
@@ -132,12 +162,20 @@ class PromptCache:
         n, source = (min(lcp(self.live, tokens), last), None) if use_cache else (0, None)
         if n and not self.native.can_continue_at(n):
             n = 0  # the sliding-window layers no longer hold what position n needs
+        slot, shared = self._best_slot(tokens, last) if use_cache else (None, 0)
         if use_cache:
             key, best = self._best_entry(tokens, last)
-            if best > n + MIN_REUSE // 2:
-                n, source = best, key
+            if best > max(n, shared) + MIN_REUSE // 2:
+                n, source, slot = best, key, None
+        if slot is not None and shared > n + MIN_REUSE // 2:
+            n, source = shared, None
+        else:
+            slot = None
         if remember:
-            self._save_live_if_losing(n if source is None else 0, protect=source)
+            self._save_live_if_losing(n if source is None and slot is None else 0, protect=source)
+        if slot is not None:
+            self.native.copy_from(slot, n)  # another slot's cells, shared
+            self.live = list(tokens[:n])
         if source is not None and not self._restore(source):
             n = 0
         if n < len(self.live) and not (self.native.keep(n) and self.native.can_continue_at(n)):
@@ -156,6 +194,19 @@ class PromptCache:
     def append(self, tok: int) -> None:
         """A generated token was decoded into the sequence."""
         self.live.append(tok)
+
+    def _best_slot(self, tokens: list[int], last: int) -> tuple[int | None, int]:
+        """Another slot whose sequence gives `tokens` the longest prefix (its cells can be shared
+        where its window still reaches back there); (slot, length)."""
+        me, native = self.native.seq, self.native
+        best: tuple[int | None, int] = (None, 0)
+        for seq, live in self.lives.items():
+            if seq == me or not live:
+                continue
+            m = min(lcp(live, tokens), last)
+            if m > best[1] and native.reaches(native.pos_min(seq), m):
+                best = (seq, m)
+        return best
 
     def _count(self, n: int) -> None:
         """One generation's reuse: a hit from MIN_REUSE tokens on; every reused token counted
@@ -262,7 +313,7 @@ class PromptCache:
         or None where it cannot fit. The states it gives all of go first, then room is made
         (unless `evict` is False: free room only), then it is copied: the bytes held never
         pass the limit. Sliding-window models' states are saved whole, so they can be cut back."""
-        whole = self.native.n_swa > 0
+        whole = self.native.n_swa > 0 and self.native.whole_states
         size = self.native.state_size(whole)
         pos_min = self.native.pos_min() if whole else self.native.window_min()
         new = Entry(list(tokens), bytearray(), checkpoint=checkpoint, pos_min=pos_min, whole=whole)
@@ -316,37 +367,10 @@ class PromptCache:
         self.stats.saves += 0 if entry.pinned else 1
         return key
 
-    # -- states from and to disk (edge.model.prefixstore) ------------------------------------------------
-    def load(self, tokens: list[int], state: bytearray, whole: bool = False) -> bool:
-        """A saved state into the sequence, its tokens made live; False (and an empty sequence)
-        where llama.cpp refuses it."""
-        if self.native.set_state(state, whole):
-            self.live = list(tokens)
-            return True
-        self.live = []
-        return False
-
-    def compute(self, tokens: list[int]) -> bytearray:
-        """`tokens` prefilled from position 0; the sequence's state after them."""
+    def give_way(self) -> None:
+        """The slot's idle sequence gives its cells up: its state saved first where worth it."""
+        self._save_live_if_losing(0)
         self.reset()
-        try:
-            self.native.decode(tokens, 0)
-        except BaseException:
-            self.reset()
-            raise
-        self.live = list(tokens)
-        return self.native.state_bytes()
-
-    def cut(self, e: Entry, n: int) -> tuple[list[int], bytearray] | None:
-        """`e`'s tokens and windowed state (for a file) cut to its first n tokens, where its
-        window reaches back that far (else whole); None where llama.cpp refuses the state."""
-        if not self.load(e.tokens, e.state, e.whole):
-            return None
-        if n < len(e.tokens) and self.native.reaches(e.pos_min, n) and self.native.keep(n):
-            self.live = self.live[:n]
-        elif not e.whole:
-            return list(e.tokens), e.state
-        return list(self.live), self.native.state_bytes()
 
     def clear(self) -> None:
         """Every saved state gone (the model is being closed)."""

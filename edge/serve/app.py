@@ -12,11 +12,10 @@ import contextlib
 import functools
 import json
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -26,72 +25,18 @@ from starlette.routing import Route
 from edge.errors import BackendError, EdgeError, RequestError
 from edge.serve.jsoncheck import check_json_depth
 from edge.serve.limits import check_prompt_text
-from edge.model.generate import GenParams, Hold, Job
+from edge.model.generate import GenParams, Hold, Job, Piece
 from edge.model.llm import GGUFModel
 from edge.model.promptcache import Marks
 from edge.serve.metrics import Metrics, MetricsMiddleware, in_warmup
 from edge.serve.openai import Ask, Limits, grammar, parse
 from edge.serve.openai_shapes import Choice, Shape, parse_tool_calls
+from edge.serve.state import ServiceState
 from edge.serve.worker import ModelWorker
-
-if TYPE_CHECKING:
-    from edge.serve.auth import ApiKeys
 
 __all__ = ["ServiceState", "build_app"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ServiceState:
-    workers: dict[str, ModelWorker]
-    engines: dict[str, Any] = field(default_factory=dict)  # name -> EngineWorker
-    metrics: Metrics = field(default_factory=Metrics)
-    ready: bool = False
-    stopping: bool = False
-    created: int = field(default_factory=lambda: int(time.time()))
-    # safe mode (edge.lifecycle.safemode): engines left out (name -> why: their routes answer 503)
-    # and every fallback in force, as the start report, `edge status` and /metrics show them
-    left_out: dict[str, str] = field(default_factory=dict)
-    safe_mode: list[dict[str, Any]] = field(default_factory=list)
-    fatal_reason: str | None = None  # why this set can serve no more (a lost CUDA context): the exit's cause
-    on_fatal: Callable[[str], None] | None = None  # the lifecycle's: stop accepting, STOPPING=1, exit 70
-    auth: ApiKeys | None = None  # the keys a request needs (edge.serve.auth, checked by the server); None: none
-
-    def fatal(self, reason: str) -> None:
-        """This set can do no more work and the process must go (a sticky CUDA error lost the
-        context its engines and offloaded layers share): not ready from now on, and the lifecycle
-        stops the service, which exits 70 for the unit to restart. Once; later calls are no-ops.
-        The one place a service's fatal end is decided: what records it hooks here."""
-        if self.fatal_reason is not None:
-            return
-        self.fatal_reason, self.ready = reason, False
-        if self.on_fatal is not None:
-            self.on_fatal(reason)
-
-    def readiness(self) -> tuple[int, dict[str, str]]:
-        """/readyz's answer: 200 when serving; 503 while starting, stopping, or after fatal()."""
-        if self.fatal_reason:
-            return 503, {"status": "failed", "reason": self.fatal_reason}
-        if self.ready and not self.stopping:
-            return 200, {"status": "ready"}
-        return 503, {"status": "stopping" if self.stopping else "starting"}
-
-    def leaving(self) -> RequestError:
-        """What a request gets once fatal() was called: 503 with Retry-After (the next process
-        answers), naming why."""
-        return RequestError(f"the service is restarting: {self.fatal_reason}", status=503, code="service_unavailable")
-
-    def worker(self, name: Any) -> ModelWorker:
-        if not self.workers:
-            raise RequestError("no language model is served here (only engines: use /v2/models)",
-                               status=404, param="model", code="model_not_found")
-        if name is None:
-            return next(iter(self.workers.values()))
-        if not isinstance(name, str) or name not in self.workers:
-            raise RequestError(f"model {name!r} is not served here; models: {sorted(self.workers)}",
-                               status=404, param="model", code="model_not_found")
-        return self.workers[name]
 
 
 def _error(exc: EdgeError) -> JSONResponse:
@@ -215,17 +160,45 @@ def _finish_tools(run: _Run, c: Choice) -> None:
 
 
 async def _choices(run: _Run, metrics: Metrics) -> list[Choice]:
-    out = []
-    for i, job in enumerate(run.jobs):
-        c = Choice(i, text=run.echoes[i])
-        pieces = run.worker.stream(job, admitted=True, eager=False)  # one answer: no per-token wake-ups
-        async for piece in metrics.generation(run.shape.model, pieces):
-            c.text += piece.text
-            c.logprobs += piece.logprobs
-            c.finish = piece.finish_reason or c.finish
-        _finish_tools(run, c)
-        out.append(c)
-    return out
+    """Every choice's whole answer; the choices generate at once (edge.model.slots)."""
+    choices = [Choice(i, text=run.echoes[i]) for i in range(len(run.jobs))]
+    async for i, piece in _merged_pieces(run, metrics, eager=False):  # one answer: no per-token wake-ups
+        c = choices[i]
+        if piece is None:
+            _finish_tools(run, c)
+            continue
+        c.text += piece.text
+        c.logprobs += piece.logprobs
+        c.finish = piece.finish_reason or c.finish
+    return choices
+
+
+async def _merged_pieces(run: _Run, metrics: Metrics, eager: bool) -> AsyncIterator[tuple[int, Piece | None]]:
+    """(choice index, piece) as the choices make them, each in its slot, all at once; (i, None)
+    when choice i ends. An error of any choice is raised here, the others cancelled."""
+    queue: asyncio.Queue[tuple[int, Piece | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
+        try:
+            async for piece in metrics.generation(run.shape.model, run.worker.stream(job, True, eager)):
+                queue.put_nowait((i, piece, None))
+            queue.put_nowait((i, None, None))
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(run.jobs)]
+    try:
+        for _ in tasks:
+            while True:
+                i, piece, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                yield i, piece
+                if piece is None:
+                    break
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class _ClientGone(Exception):
@@ -284,21 +257,22 @@ def _client_gone(run: _Run, metrics: Metrics, streamed: bool) -> None:
 async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
     shape, finished = run.shape, False
     try:
-        for i, job in enumerate(run.jobs):
+        choices = [Choice(i, text=run.echoes[i]) for i in range(len(run.jobs))]
+        for c in choices:
             if shape.chat:
-                yield shape.role_chunk(i)
-            c = Choice(i, text=run.echoes[i])
+                yield shape.role_chunk(c.index)
             if c.text and not run.buffered():
                 yield shape.chunk(c)
-            pieces = run.worker.stream(job, admitted=True, eager=not run.buffered())
-            async for piece in metrics.generation(shape.model, pieces):
+        async for i, piece in _merged_pieces(run, metrics, eager=not run.buffered()):
+            c = choices[i]
+            if piece is None:
                 if run.buffered():
-                    c.text, c.finish = c.text + piece.text, piece.finish_reason or c.finish
-                elif piece.text or piece.finish_reason or piece.logprobs:
-                    yield shape.chunk(Choice(i, piece.text, piece.logprobs, piece.finish_reason))
-            if run.buffered():
-                _finish_tools(run, c)
-                yield shape.chunk(c)
+                    _finish_tools(run, c)
+                    yield shape.chunk(c)
+            elif run.buffered():
+                c.text, c.finish = c.text + piece.text, piece.finish_reason or c.finish
+            elif piece.text or piece.finish_reason or piece.logprobs:
+                yield shape.chunk(Choice(i, piece.text, piece.logprobs, piece.finish_reason))
         if run.ask.include_usage:
             yield shape.usage_chunk(run.usage())
         finished = True

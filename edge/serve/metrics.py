@@ -201,6 +201,7 @@ class _StateCollector:
         yield depth
         yield from _prompt_cache_families(getattr(st, "workers", {}))
         yield from _batch_families(getattr(st, "engines", {}))
+        yield from _slot_families(getattr(st, "workers", {}))
         phases = GaugeMetricFamily("edge_start_phase_seconds", "Duration of each phase of the last "
                                    "start (event=start) or reload, per model or engine (empty for "
                                    "process-wide phases).", labels=["event", "phase", "model", "kind"])
@@ -249,6 +250,35 @@ def _batch_families(engines: dict[str, Any]) -> Iterator[Metric]:
             size.add_metric([name], stats.batch_size.cumulative(), stats.batch_size.sum)
             delay.add_metric([name], stats.queue_delay.cumulative(), stats.queue_delay.sum)
     yield from (size, delay)
+
+
+def _slot_families(workers: dict[str, Any]) -> Iterator[Metric]:
+    """Each model's slots (edge.model.slots), read at the scrape: how many, how many busy, the
+    steps and what they held (tokens and sequences per step: the rates' ratio), the time
+    generations waited for a slot."""
+    gauges = {"slots": GaugeMetricFamily("edge_slots", "Sequences a model decodes at once "
+                                         "(models[].parallel).", labels=["model"]),
+              "busy": GaugeMetricFamily("edge_slots_busy", "Slots generating or prefilling now.", labels=["model"])}
+    counters = {k: CounterMetricFamily(f"edge_batch_{k}", help_, labels=["model"]) for k, help_ in (
+        ("steps", "llama_decode steps of a model's slots (one batch each)."),
+        ("tokens", "Tokens decoded in those steps (over steps: the batch size per step)."),
+        ("sequences", "Sequences in those steps, summed (over steps: sequences per step)."))}
+    wait = CounterMetricFamily("edge_queue_wait_seconds", "Time generations waited for a free slot, "
+                               "summed (over edge_queue_started: the mean wait).", labels=["model"])
+    started = CounterMetricFamily("edge_queue_started", "Generations that left the queue for a slot.",
+                                  labels=["model"])
+    for name, w in workers.items():
+        slots = getattr(getattr(w, "model", None), "slots", None)
+        if slots is None:
+            continue
+        gauges["slots"].add_metric([name], float(slots.n))
+        gauges["busy"].add_metric([name], float(slots.busy))
+        st = slots.stats
+        for k, v in (("steps", st.steps), ("tokens", st.batch_tokens), ("sequences", st.batch_sequences)):
+            counters[k].add_metric([name], float(v))
+        wait.add_metric([name], float(getattr(w, "queue_wait_s", 0.0)))
+        started.add_metric([name], float(getattr(w, "started", 0)))
+    yield from (*gauges.values(), *counters.values(), wait, started)
 
 
 class MetricsMiddleware:

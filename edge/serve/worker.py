@@ -1,13 +1,15 @@
-"""The one-request-at-a-time workers: one thread per loaded model or engine.
+"""The workers: one thread per loaded model or engine.
 
 Native contexts (llama.cpp, TensorRT, ONNX Runtime) are not thread-safe, so every call into one
-runs on its own worker thread, in order, while the event loop stays free. A bounded queue turns
-overload into a clear 503 instead of unbounded latency.
+runs on its own worker thread while the event loop stays free. A model's thread is a scheduler
+that decodes up to `parallel` requests at once (edge.model.slots); a bounded queue turns overload
+into a clear 503 instead of unbounded latency.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import threading
 import time
@@ -25,6 +27,7 @@ if TYPE_CHECKING:  # types only: importing the worker module stays free of the b
     from edge.model.generate import Job, Piece
     from edge.model.llm import GGUFModel
     from edge.serve.batcher import Batcher
+    from edge.model.slots import Slots
 
 __all__ = ["Worker", "ModelWorker", "EngineWorker"]
 
@@ -47,7 +50,10 @@ class Worker:
 
 
 class ModelWorker(Worker):
-    """Runs one model's jobs on its own thread, in order, with a bounded queue."""
+    """One model's scheduler thread: every call into its llama.cpp context runs there. Requests'
+    generations share the model's slots (edge.model.slots): one llama_decode per step for all of
+    them; calls (tokenizing, thread counts, prefix states) run between steps. Admission: a free
+    slot, else a place in the queue (`max_queue` beyond the slots), else 503."""
 
     def __init__(self, model: GGUFModel, max_queue: int, stream_interval_s: float = 0.0,
                  request_timeout_s: float | None = None) -> None:
@@ -56,24 +62,36 @@ class ModelWorker(Worker):
         self.max_queue = max_queue
         self.stream_interval_s = stream_interval_s  # a stream's events: at most one per interval
         self.request_timeout_s = request_timeout_s  # how long one request may hold the model (None: no limit)
+        self._cv = threading.Condition()
+        self._calls: list[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]] = []
+        self._waiting: collections.deque[tuple[Job, _Channel, float]] = collections.deque()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.queue_wait_s = 0.0  # summed over started generations: time between submission and a slot
+        self.started = 0
+
+    @property
+    def slots(self) -> Slots:
+        return self.model.slots
 
     def admit(self) -> None:
-        """Take a place in the queue, or refuse with 503 -- before any response byte is sent."""
-        if self.pending >= self.max_queue:
-            raise RequestError(f"model {self.model.cfg.name!r} has {self.pending} requests queued "
-                               f"(max_queue = {self.max_queue}); retry later", status=503,
-                               code="server_busy")
+        """Take a place (a slot or the queue), or refuse with 503 -- before any response byte is sent."""
+        limit = self.slots.n + self.max_queue
+        if self.pending >= limit:
+            raise RequestError(f"model {self.model.cfg.name!r} has {self.pending} requests running or queued "
+                               f"({self.slots.n} slots, max_queue = {self.max_queue}); retry later",
+                               status=503, code="server_busy")
         self.pending += 1
 
     def release(self) -> None:
         self.pending -= 1
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """A call on the model's thread (tokenizing a request) waits in the same bounded queue
-        as generations: a flood of long prompts is a 503, not a wait for everyone."""
+        """A call on the model's thread (tokenizing a request) takes a place in the same bounded
+        queue as generations: a flood of long prompts is a 503, not a wait for everyone."""
         self.admit()
         try:
-            return await super().call(fn, *args)
+            return await self.control(fn, *args)
         finally:
             self.release()
 
@@ -81,42 +99,80 @@ class ModelWorker(Worker):
         """A call on the model's thread that is no request (thread counts during a reload): it
         neither waits for nor counts in the request queue's bound, so a full queue cannot
         refuse it."""
-        return await Worker.call(self, fn, *args)
+        return await asyncio.wrap_future(self._submit(fn, args))
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the model's thread, from a thread that may block (a load, a drain)."""
+        return self._submit(fn, args).result()
+
+    def _submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cv:
+            self._calls.append((fn, args, fut))
+            self._start()
+            self._cv.notify()
+        return fut
+
+    def _start(self) -> None:
+        if self._thread is None:  # the first call or job starts it (held: self._cv)
+            self._thread = threading.Thread(target=self._loop, name=f"edge-{self.name}", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        """The scheduler: calls between steps, free slots filled from the queue, one step."""
+        slots = self.slots
+        while True:
+            with self._cv:
+                while not (self._calls or slots.busy or (self._waiting and self._ready(slots))):
+                    if self._closing:
+                        return
+                    self._cv.wait()
+                calls, self._calls = self._calls, []
+            for fn, args, fut in calls:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(*args))
+                    except BaseException as exc:
+                        fut.set_exception(exc)
+            self._admit_waiting(slots)
+            try:
+                slots.step()
+            except BaseException as exc:  # a bug in a step: its sequences fail, the thread goes on
+                slots.end_all(exc)
+
+    def _ready(self, slots: Slots) -> bool:
+        job = self._waiting[0][0]
+        return job.cancel.is_set() or slots.fits(job)
+
+    def _admit_waiting(self, slots: Slots) -> None:
+        while True:
+            with self._cv:
+                if not self._waiting or not self._ready(slots):
+                    return
+                job, channel, since = self._waiting.popleft()
+            if job.cancel.is_set():  # a job whose client left while it was queued is not even prefilled
+                channel.close(None)
+                continue
+            self.queue_wait_s += time.monotonic() - since
+            self.started += 1
+            slots.start(job, channel)
 
     async def stream(self, job: Job, admitted: bool = False, eager: bool = True) -> AsyncIterator[Piece]:
-        """Pieces of one generation; cancelling the consumer stops generation at the next token.
+        """Pieces of one generation; cancelling the consumer ends its sequence at the next step.
         `admitted`: the caller holds a place taken with admit() and releases it itself.
         `eager`: wake the event loop for the pieces it waits for (a stream: the first at once,
         then at most once per `stream_interval_s`, and the end); else only at the end (the
         first piece carries the time it was made, for the time-to-first-token metric).
         Pieces that came while the loop was busy arrive merged into one, so a slow consumer costs
-        the generating thread nothing; the end of the channel is the end of the job (no executor
-        future to resolve on the loop as well)."""
+        the scheduler nothing; the end of the channel is the end of the job."""
         if not admitted:
             self.admit()
-        loop = asyncio.get_running_loop()
-        channel = _Channel(loop, eager, self.stream_interval_s)
-
-        def run() -> None:
-            end: BaseException | None = None
-            pieces = None
-            try:
-                # a job whose client left while it was queued is not even prefilled
-                if not job.cancel.is_set():
-                    pieces = self.model.generate(job)
-                    for piece in pieces:
-                        channel.put(piece)
-                        if job.cancel.is_set():
-                            break
-            except BaseException as exc:
-                end = exc
-            finally:
-                if pieces is not None:
-                    pieces.close()  # the sampler chain goes now, on this thread
-            channel.close(end)
-
+        channel = _Channel(asyncio.get_running_loop(), eager, self.stream_interval_s)
         try:
-            self._pool.submit(run)
+            with self._cv:
+                self._waiting.append((job, channel, time.monotonic()))
+                self._start()
+                self._cv.notify()
             while True:
                 pieces, end = await channel.get()
                 if pieces:
@@ -127,8 +183,20 @@ class ModelWorker(Worker):
                     break
         finally:
             job.cancel.set()
+            with self._cv:
+                self._cv.notify()  # the scheduler may be idle: the sequence ends now
             if not admitted:
                 self.release()
+
+    def close(self) -> None:
+        """Waits for the generations and calls on its thread, then ends it."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        super().close()
 
 
 _DONE = True  # what _Channel.get returns as `end` once the generation finished without error

@@ -34,25 +34,40 @@ CALIBRATION = "min_gain_s = 0.5\nmin_gain_ratio = 1.0\nbudget_s = 120.0\n"
 class FirstUseCostDouble:
     """Test double at the llama.cpp boundary (edge.model.native.Native): delegates everything,
     records the whole prompt of every prefill (the tokens reused from the KV cache and those
-    decoded now), and sleeps DELAY_S on the first prefill of a `slow_len`-token prompt."""
+    decoded now: what the prompt cache's `begin` was given for the sequence), and sleeps DELAY_S
+    in the first batch decode that holds a chunk of a `slow_len`-token prompt."""
 
     def __init__(self, native: Any, cache: Any, slow_len: int | None) -> None:
-        self._native = native
-        self._cache = cache
-        self.slow_len = slow_len
-        self.prompts: list[list[int]] = []
-        self._paid = threading.Event()
+        object.__setattr__(self, "_native", native)
+        object.__setattr__(self, "slow_len", slow_len)
+        object.__setattr__(self, "prompts", [])
+        object.__setattr__(self, "_paid", threading.Event())
+        object.__setattr__(self, "_starting", {})  # sequence -> the prompt its next chunk starts
+        begin = cache.begin
+
+        def recording_begin(tokens: list[int], *args: Any, **kw: Any) -> Any:
+            self._starting[native.seq] = list(tokens)
+            return begin(tokens, *args, **kw)
+
+        cache.begin = recording_begin
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._native, name)
 
-    def decode(self, tokens: list[int], pos: int, after: Any = None) -> None:
-        prompt = list(self._cache.live[:pos]) + list(tokens)  # the prompt cache set live to the reused part
-        self.prompts.append(prompt)
-        if len(prompt) == self.slow_len and not self._paid.is_set():
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._native, name, value)  # the current sequence (seq) is the real context's
+
+    def decode_batch(self, tokens: list[int], pos: list[int], seqs: list[int], out: list[int]) -> None:
+        slow = False
+        for seq in dict.fromkeys(seqs):
+            prompt = self._starting.pop(seq, None)
+            if prompt is not None:
+                self.prompts.append(prompt)
+                slow = slow or len(prompt) == self.slow_len
+        if slow and not self._paid.is_set():
             self._paid.set()
             threading.Event().wait(DELAY_S)  # the injected first-use cost (not a wait on anything)
-        self._native.decode(tokens, pos, after)
+        self._native.decode_batch(tokens, pos, seqs, out)
 
 
 def rehearse(config: Path, slow_len: int | None = None, recalibrate: bool = False
@@ -64,7 +79,7 @@ def rehearse(config: Path, slow_len: int | None = None, recalibrate: bool = Fals
     def install(loaded: Loaded) -> None:
         model = loaded.state.workers["tiny"].model
         doubles.append(FirstUseCostDouble(model.native, model.cache, slow_len))
-        model.native = model.cache.native = doubles[0]
+        model.native = model.cache.native = model.slots.native = doubles[0]
 
     start = ColdStart(str(config))
     start.before_warm = install
@@ -96,6 +111,8 @@ def test_a_first_use_cost_is_kept_and_a_step_without_one_dropped(config: Path) -
     # every path a request can take is a candidate; lengths around n_batch = n_ubatch = 64
     assert {"tok1", "short", "decode_stream", "chat", "chat_stream", "len32", "len33",
             "len63", "len64", "len65", "len128"} <= set(by_name)
+    # batched decode: a candidate per batch shape the 4 slots can run (n = 2, 3, 4 choices)
+    assert {"batch2", "batch3", "batch4"} <= set(by_name) and "batch5" not in by_name
     assert by_name["len64"]["prompt_tokens"] == 64 and by_name["len65"]["prompt_tokens"] == 65
     slow = by_name["len65"]
     assert slow["kept"] is True and slow["first_s"] >= DELAY_S > slow["threshold_s"]

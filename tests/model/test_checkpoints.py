@@ -1,6 +1,7 @@
 """Prompt cache checkpoints for sliding-window models (edge.model.checkpoints, edge.model.promptcache)
 on a real llama.cpp context: a tiny Gemma 3 whose sliding-window layers see 32 tokens, with
-`swa_full = false` (llama.cpp then keeps each window and a batch: 256 cells here)."""
+`swa_full = false` (llama.cpp then keeps each window and a batch: 256 cells here), one slot (whole
+states: Native.whole_states)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ N_SWA = 32
 
 
 def load(path: Path, **fields: object) -> GGUFModel:
-    cfg = ModelConfig(**{"name": "tiny", "path": str(path), "n_ctx": 1024, "n_batch": 64, "n_threads": 1,  # type: ignore[arg-type]
+    cfg = ModelConfig(**{"name": "tiny", "path": str(path), "n_ctx": 1024, "n_batch": 64, "n_threads": 1, "parallel": 1,  # type: ignore[arg-type]
                          "use_mlock": False, **fields})
     return load_gguf_model(cfg, read_gguf_info(path))
 

@@ -22,8 +22,10 @@ QUESTION = "\nQuestion: When does the bakery open on Saturday?\nAnswer:"
 
 
 def load(path: Path, **fields: object) -> GGUFModel:
+    """One slot: the whole states these checkpoints are made of need a one-sequence context
+    (README "Serving many clients", "Prompt cache per slot")."""
     cfg = ModelConfig(**{"name": "gemma", "path": str(path), "n_ctx": 1024, "n_threads": 2,  # type: ignore[arg-type]
-                         "use_mlock": False, **fields})
+                         "use_mlock": False, "parallel": 1, **fields})
     return load_gguf_model(cfg, read_gguf_info(path))
 
 
@@ -80,7 +82,8 @@ def test_a_prefix_whose_sliding_window_was_evicted_is_computed_again(gemma_path:
     """swa_full = false (the default, as llama-server): Gemma 3's sliding-window layers keep only
     their window. After a long continuation the window behind the prefix's end is gone: the cache
     must not reuse the prefix then (the answer would be computed from missing KV), and must
-    reuse it after a short one."""
+    reuse it after a short one. One slot (load): with several, llama.cpp sizes the window cache
+    for all of them (here the whole context), and nothing is evicted."""
     m = load(gemma_path, n_ctx=2048)
     try:
         assert m.native.n_swa == 512

@@ -108,8 +108,10 @@ def test_sliding_window_prefixes_and_chats_in_turns_are_reused_over_http(tmp_pat
                                                                          service) -> None:
     """A model whose sliding-window layers keep only their window (the tiny Gemma 3): two
     completion prefixes in turns, and two chats whose turns alternate, each re-sending its
-    history; every repeat reuses what it repeats (usage.prompt_tokens_details.cached_tokens)."""
-    cfg = write_config(tmp_path / "edge.toml", tiny_swa_gguf, n_ctx=1024)
+    history; every repeat reuses what it repeats (usage.prompt_tokens_details.cached_tokens).
+    One slot: its states are whole (cut back anywhere the window cache still reaches); with
+    several, the tiny window's cache (32 cells a slot) is pruned by the others' prefills."""
+    cfg = write_config(tmp_path / "edge.toml", tiny_swa_gguf, n_ctx=1024, extra_model="parallel = 1")
     live = service(cfg)
     prefixes = ["Hello world. " * 12, "the a world " * 16]
     for rnd in range(3):

@@ -14,8 +14,8 @@ from edge.model.generate import GenParams, Job
 from edge.model.gguf import read_gguf_info
 from edge.model.llm import GGUFModel, load_gguf_model
 from edge.model.promptcache import lcp
-from edge.model.prefixstore import (MAGIC, StateRejected, _learned_path, prefix_key, prefix_tokens, read_state,
-                              restore_prefixes, save_learned, write_state)
+from edge.model.prefixstore import (MAGIC, StateRejected, _learned_path, compute_state, prefix_key, prefix_tokens,
+                              read_state, restore_prefixes, save_learned, write_state)
 
 SYSTEM = "Hello world. " * 8
 TOOLS_TEMPLATE = (
@@ -127,7 +127,7 @@ def test_a_header_claiming_a_wrong_state_size_is_rejected_before_any_buffer_is_m
             restore(m, tmp_path)
             (path,) = tmp_path.glob("sys.*.kvstate")
         else:
-            m.cache.compute(m.tokenize_prompt(SYSTEM))
+            compute_state(m.cache, m.tokenize_prompt(SYSTEM))
             path = _learned_path(tmp_path, prefix_key(m), 0)
             state = m.native.state_bytes()
             write_state(path, prefix_key(m), m.tokenize_prompt(SYSTEM), state, kind="learned", hits=3, reused=10)

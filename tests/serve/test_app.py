@@ -186,30 +186,35 @@ def test_a_full_queue_refuses_streams_before_the_first_byte_and_frees_every_plac
 
 
 class FailingDecodeDouble:
-    """Test double at the llama.cpp boundary (edge.model.native.Native): delegates everything; the
-    n-th single-token decode raises what a broken native call would (not an edge error)."""
+    """Test double at the llama.cpp boundary (edge.model.native.Native): delegates everything (the
+    current sequence, `seq`, is set on the real one); the n-th batch decode raises what a broken
+    native call would (not an edge error)."""
 
     def __init__(self, native, fail_at: int) -> None:
-        self._native, self._left = native, fail_at
+        object.__setattr__(self, "_native", native)
+        object.__setattr__(self, "_left", fail_at)
 
     def __getattr__(self, name: str):
         return getattr(self._native, name)
 
-    def decode_one(self, tok: int, pos: int) -> None:
-        self._left -= 1
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._native, name, value)
+
+    def decode_batch(self, *batch) -> None:
+        object.__setattr__(self, "_left", self._left - 1)
         if self._left == 0:
             raise RuntimeError("a native call failed")
-        self._native.decode_one(tok, pos)
+        self._native.decode_batch(*batch)
 
 
 def test_an_unexpected_error_mid_stream_ends_the_stream_in_band(model) -> None:
     real = model.native
-    model.native = model.cache.native = FailingDecodeDouble(real, fail_at=3)
+    model.native = model.cache.native = model.slots.native = FailingDecodeDouble(real, fail_at=3)
     try:
         resp = run(call(make_state(model), "POST", "/v1/completions",
                         json={"prompt": "Hello", "max_tokens": 8, "temperature": 0, "stream": True}))
     finally:
-        model.native = model.cache.native = real
+        model.native = model.cache.native = model.slots.native = real
     events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
     assert resp.status_code == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["message"] == "internal error: RuntimeError"

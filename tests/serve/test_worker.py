@@ -92,7 +92,8 @@ def test_a_control_call_runs_when_the_request_queue_is_full(model: GGUFModel) ->
 
     async def go() -> int:
         w = ModelWorker(model, max_queue=1)
-        w.admit()  # the queue is full
+        for _ in range(model.slots.n + 1):  # every slot taken, and the queue full
+            w.admit()
         with pytest.raises(RequestError):
             await w.call(lambda: 1)
         return await w.control(lambda: 2)
