@@ -169,35 +169,32 @@ def check_gbnf(gbnf: str, param: str) -> GrammarSize:
 
 def check_schema(schema: Any, param: str, prefix: str | None = None) -> None:
     """A 400 naming `param` (its message the keyword's path from `prefix`, default `param`) for
-    a keyword the grammar would not enforce, before anything is converted."""
-    try:
-        _walk(schema, "")
-    except Refused as exc:
-        raise RequestError(f"{param if prefix is None else prefix}{exc.where}: {exc.why}", param=param) from None
+    anything schema_grammar would refuse: a forced tool's parameters checked one by one, so
+    the message names the tool's own path."""
+    schema_grammar(schema, param, prefix)
 
 
-def schema_grammar(schema: Any, param: str) -> str:
-    """GBNF for a JSON schema; a 400 naming the keyword for what it would not enforce, or the
-    field for a grammar past the bounds (size or work)."""
-    from edge.serve.regexgrammar import pattern_gbnf
+def schema_grammar(schema: Any, param: str, prefix: str | None = None) -> str:
+    """GBNF for a JSON schema; a 400 naming the keyword (its path from `prefix`, default `param`)
+    for what it would not enforce, or the field for a grammar past the bounds (size or work)."""
     from edge.serve.schemagrammar import convert
 
-    check_schema(schema, param)
-    if isinstance(schema, dict) and isinstance(schema.get("enum"), list):
-        size = sum(len(json.dumps(v)) for v in schema["enum"])
-        if size > GRAMMAR_LIMITS.bytes:  # before a trie is built of them
-            raise RequestError(f"{param}.enum: its values' JSON is {size} bytes, more than the "
-                               f"{GRAMMAR_LIMITS.bytes} bytes a grammar may be (README: grammar bounds)", param=param)
+    where = param if prefix is None else prefix
     try:
-        converted = convert(schema, lambda conv, text, where: pattern_gbnf(conv, text, where))
+        _walk(schema, "")
+        if isinstance(schema, dict) and isinstance(schema.get("enum"), list):
+            size = sum(len(json.dumps(v)) for v in schema["enum"])
+            if size > GRAMMAR_LIMITS.bytes:  # before a trie is built of them
+                raise Refused(".enum", f"its values' JSON is {size} bytes, more than the {GRAMMAR_LIMITS.bytes} "
+                              "bytes a grammar may be (README: grammar bounds)")
+        converted = convert(schema)
     except Refused as exc:
-        raise RequestError(f"{param}{exc.where}: {exc.why}", param=param) from None
+        raise RequestError(f"{where}{exc.where}: {exc.why}", param=param) from None
     except RecursionError:
-        raise RequestError(f"{param}: the schema nests too deep to convert", param=param) from None
+        raise RequestError(f"{where}: the schema nests too deep to convert", param=param) from None
     check_gbnf(converted.gbnf, param)
-    most = stacks(converted.rules)
-    if most > MAX_STACKS:
-        raise RequestError(f"{param}: the grammar made from it can keep more than {MAX_STACKS} grammar stacks "
+    if stacks(converted.rules) > MAX_STACKS:
+        raise RequestError(f"{where}: the grammar made from it can keep more than {MAX_STACKS} grammar stacks "
                            "alive at once (alternatives that start alike, nested through $ref or repeated), "
                            "each checked against every token (README: grammar bounds)", param=param)
     return converted.gbnf

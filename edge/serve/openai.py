@@ -3,7 +3,7 @@
 Every field a client may send is honored, refused with a 400 naming it, or listed in IGNORED
 with the reason it is accepted and has no effect; a field edge does not know is a 400 too, so
 a client never believes it got something it did not. Answer shapes live in `edge.serve.openai_shapes`.
-No native imports here (the grammar converter of llama-cpp-python is pure Python, imported lazily).
+No native imports here (edge's schema -> grammar converter is pure Python, imported lazily).
 """
 
 from __future__ import annotations
@@ -358,7 +358,7 @@ def _chat_fields(body: dict[str, Any], ask: Ask, limits: Limits) -> None:
 
 
 def grammar(schema: dict[str, Any], param: str) -> str:
-    """GBNF for a JSON schema (edge.serve.jsonschema: llama-cpp-python's converter, bounded)."""
+    """GBNF for a JSON schema (edge.serve.jsonschema: edge's own converter, bounded in size and work)."""
     return schema_grammar(schema, param)
 
 

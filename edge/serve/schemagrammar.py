@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from edge.serve.regexgrammar import pattern_gbnf
 from edge.serve.schemaenum import enum_gbnf
 from edge.serve.schemaformat import FORMAT_RULES
 from edge.serve.schemamerge import Refused, flatten, json_types, pointer, type_set
@@ -36,7 +37,7 @@ __all__ = ["BUILTINS", "Converted", "convert"]
 
 # the built-in rules: every name starts with "j-", which no generated rule does
 BUILTINS: dict[str, str] = {
-    "j-ws": '| " " | "\\n"{1,2} [ \\t]{0,20}',
+    "j-ws": '" "?',  # at most one space: a model that likes whitespace cannot spend its tokens on it
     "j-char": '[^"\\\\\\x00-\\x1F] | "\\\\" (["\\\\/bfnrt] | "u00" [01] [0-9a-fA-F])',
     "j-kchar": '[^"\\\\\\x00-\\x1F]',
     "j-string": '"\\"" j-char* "\\""',
@@ -239,9 +240,9 @@ class _Converter:
         return "\n".join(lines + [f"{n} ::= {t}" for n, t in BUILTINS.items()]) + "\n"
 
 
-def convert(schema: Any, pattern: Any) -> Converted:
+def convert(schema: Any) -> Converted:
     """GBNF for `schema` (Refused naming the keyword), with each rule's cost node."""
-    c = _Converter(schema, pattern)
+    c = _Converter(schema, pattern_gbnf)
     root = c.visit(schema, "")
     text = c.grammar(root)
     return Converted(text, c.costs)
