@@ -17,12 +17,23 @@ under a grammar (edge.model.generate.SamplerChain).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from edge.model.native import Native
 
-__all__ = ["Candidates", "TOPS"]
+__all__ = ["CHUNK", "Candidates", "Interrupted", "TOPS"]
+
+# candidates the grammar goes over between two looks at the clock (`check`): the grammar's cost
+# per candidate grows with its stacks (edge.serve.schemawork bounds them at 256: about 0.18 s
+# over Gemma 3's 262,144 candidates), so a request's deadline, a drain or a client that left
+# ends a full pass within one chunk's time (~6 ms there) instead of the whole pass's
+CHUNK = 8192
+
+
+class Interrupted(Exception):
+    """A sampling step ended by its `check` (the job was cancelled) in the middle of a pass."""
 
 # how many of the likeliest candidates the grammar is asked about, in turn, when greedy's own
 # choice was rejected: JSON's next token is mostly among the first 64; digits after a key, or
@@ -82,6 +93,24 @@ class Candidates:
         self._apply(grammar, self._one_ref)
         return one.logit != float("-inf")
 
+    def apply_grammar(self, grammar: Any, check: Callable[[], None] | None) -> None:
+        """The grammar over the filled array (as fill() and the samplers before it left it), a
+        CHUNK of candidates at a time, `check` called between chunks (it raises to end the
+        step). The grammar's verdict on a candidate does not depend on the others, so the
+        chunks give what one pass over the whole array gives."""
+        a = self._array
+        if check is None or a.size <= CHUNK:
+            self._apply(grammar, self._ref)
+            return
+        part = self._lib.llama_token_data_array(a.data, 0, -1, False)
+        base, size, width = ctypes.cast(a.data, ctypes.c_void_p).value, a.size, ctypes.sizeof(self._lib.llama_token_data)
+        for start in range(0, size, CHUNK):
+            check()
+            part.data = ctypes.cast(base + start * width, type(a.data))
+            part.size, part.selected, part.sorted = min(CHUNK, size - start), -1, False
+            self._apply(grammar, ctypes.byref(part))
+        a.sorted = False
+
     def biased(self, logits_ptr: Any) -> Any:
         """The model's logits with the logit bias added, as llama.cpp's logit-bias sampler adds
         it (in order, float32; a token named twice gets both): a numpy view of the model's own
@@ -101,11 +130,14 @@ class Candidates:
         intact = a.size == self._n and ctypes.cast(a.data, ctypes.c_void_p).value == self._data_ptr
         return self._logits if intact else None
 
-    def greedy_allowed(self, grammar: Any, logits: Any) -> int | None:
+    def greedy_allowed(self, grammar: Any, logits: Any, check: Callable[[], None] | None = None) -> int | None:
         """Greedy's token under the grammar from `logits` (every token's, in vocabulary
         order), asking the grammar about the likeliest first; None where none of TOPS decides
-        it (no allowed one, or the best allowed one no likelier than a token outside them)."""
+        it (no allowed one, or the best allowed one no likelier than a token outside them).
+        `check` between the tries (it raises to end the step)."""
         for k in self._tops:
+            if check is not None:
+                check()
             tok = self._greedy_among(grammar, logits, k)
             if tok is not None:
                 return tok

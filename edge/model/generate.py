@@ -17,11 +17,11 @@ from __future__ import annotations
 import codecs
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from edge.model.candidates import Candidates
+from edge.model.candidates import Candidates, Interrupted
 
 if TYPE_CHECKING:
     from edge.model.grammar import CompiledGrammar
@@ -191,10 +191,12 @@ class SamplerChain:
         # no seed: llama.cpp's default seed means "a fresh random one"
         yield lib.llama_sampler_init_dist(lib.LLAMA_DEFAULT_SEED if p.seed is None else p.seed)
 
-    def sample(self) -> int | None:
+    def sample(self, check: Callable[[], None] | None = None) -> int | None:
         """The next token from the last decoded logits, which the chain accepts (penalties,
         grammar); None when the grammar allows no token the bias leaves (a grammar whose end
-        can only be an end-of-generation token that `logit_bias` bans): the generation stops."""
+        can only be an end-of-generation token that `logit_bias` bans): the generation stops.
+        `check` is called inside the grammar's passes over the candidates (it raises to end
+        the step: a deadline, a cancelled job)."""
         lib = self._lib
         if self.grammar is None:
             return lib.llama_sampler_sample(self.chain, self._ctx, -1)
@@ -208,9 +210,9 @@ class SamplerChain:
         if tok is None or not cur.allows(self.grammar, tok):
             self.resampled += 1
             # greedy: the likeliest candidates first (edge.model.candidates)
-            tok = cur.greedy_allowed(self.grammar, logits) if logits is not None else None
+            tok = cur.greedy_allowed(self.grammar, logits, check) if logits is not None else None
             if tok is None:
-                tok = self._resample()
+                tok = self._resample(check)
             if tok is None:
                 return None
         if self.pre is not None:
@@ -219,22 +221,22 @@ class SamplerChain:
         lib.llama_sampler_accept(self.chain, tok)
         return tok
 
-    def _resample(self) -> int | None:
+    def _resample(self, check: Callable[[], None] | None = None) -> int | None:
         """The token from every candidate under the grammar: logit bias and penalties, the
         grammar over the whole vocabulary, the rest of the chain."""
         self.full_passes += 1
-        self._apply(grammar=True)
+        self._apply(grammar=True, check=check)
         return self._cur.selected()
 
-    def _apply(self, grammar: bool) -> None:
+    def _apply(self, grammar: bool, check: Callable[[], None] | None = None) -> None:
         """Every candidate of the last logits through logit bias and penalties, with `grammar` the
-        grammar, then the rest of the chain."""
+        grammar (in chunks, `check` between them), then the rest of the chain."""
         lib = self._lib
         ref = self._cur.fill(lib.llama_get_logits_ith(self._ctx, -1))
         if self.pre is not None:
             lib.llama_sampler_apply(self.pre, ref)
         if grammar:
-            lib.llama_sampler_apply(self.grammar, ref)
+            self._cur.apply_grammar(self.grammar, check)
         lib.llama_sampler_apply(self.chain, ref)
 
     def close(self) -> None:
@@ -302,8 +304,17 @@ def _decode_loop(native: Native, cache: PromptCache, chain: SamplerChain, job: J
     hold = max((len(s) for s in p.stop), default=0)
     lps: list[TokenLogprob] = []
     pos, cancel, is_eog, piece, limit = len(job.tokens), job.cancel, native.is_eog, native.piece, job.hold
+
+    def check() -> None:  # inside a grammar pass: a cancelled job or the request's time ends it there
+        if cancel.is_set():
+            raise Interrupted
+        limit.check(job)
+
     while True:
-        tok = chain.sample()
+        try:
+            tok = chain.sample(check)
+        except Interrupted:
+            return
         if tok is None or is_eog(tok):
             yield Piece(held + decoder.decode(b"", final=True), "stop", lps)
             return
