@@ -15,6 +15,7 @@ from typing import Any
 
 from edge.errors import RequestError
 from edge.serve.jsonschema import check_schema, schema_grammar
+from edge.serve.schemamerge import rebase
 
 __all__ = ["Ask", "Limits", "IGNORED", "REFUSED", "parse"]
 
@@ -310,12 +311,13 @@ def _tools(body: dict[str, Any], ask: Ask, limits: Limits) -> None:
 
 def _call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON a forced call must be: {"name": one of the tools, "arguments": its parameters}."""
-    def one(t: dict[str, Any]) -> dict[str, Any]:
+    def one(t: dict[str, Any], at: str) -> dict[str, Any]:
         params = t["function"].get("parameters") or {"type": "object"}
         return {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                 "arguments": params},
+                                                 "arguments": rebase(params, f"{at}/properties/arguments")},
                 "required": ["name", "arguments"]}
-    return one(tools[0]) if len(tools) == 1 else {"anyOf": [one(t) for t in tools]}
+    # a `$ref` of the parameters points into them: rebased to where they sit in the call's schema
+    return one(tools[0], "") if len(tools) == 1 else {"anyOf": [one(t, f"/anyOf/{i}") for i, t in enumerate(tools)]}
 
 
 def _response_format(body: dict[str, Any], ask: Ask) -> None:

@@ -13,7 +13,7 @@ import json
 import urllib.parse
 from typing import Any
 
-__all__ = ["Refused", "canonical", "json_types", "merge", "pointer", "type_set"]
+__all__ = ["Refused", "canonical", "json_types", "merge", "pointer", "rebase", "type_set"]
 
 TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 MAX_MERGE_DEPTH = 16  # allOf inside $ref inside allOf...: past this, refused (a merge that loops)
@@ -80,6 +80,31 @@ def pointer(root: Any, ref: Any, where: str) -> Any:
     if not isinstance(node, (dict, bool)):
         raise Refused(f"{where}.$ref", f"{ref!r} points to something that is not a schema")
     return node
+
+
+_SUB_MAPS = ("properties", "$defs", "definitions")
+_SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUB_ONE = ("items", "additionalProperties")
+
+
+def rebase(s: Any, prefix: str) -> Any:
+    """`s` with every `$ref` into it (`#...`) made to point into it where it now sits, at the
+    JSON pointer `prefix` of a bigger schema (a tool's parameters inside a forced call's)."""
+    if not isinstance(s, dict):
+        return s
+    out = dict(s)
+    if isinstance(out.get("$ref"), str) and out["$ref"].startswith("#"):
+        out["$ref"] = "#" + prefix + out["$ref"][1:]
+    for key in _SUB_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: rebase(sub, prefix) for name, sub in out[key].items()}
+    for key in _SUB_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [rebase(sub, prefix) for sub in out[key]]
+    for key in _SUB_ONE:
+        if key in out:
+            out[key] = rebase(out[key], prefix)
+    return out
 
 
 def _both(a: dict[str, Any], b: dict[str, Any], key: str, where: str) -> Any:
