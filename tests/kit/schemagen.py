@@ -144,3 +144,27 @@ class SchemaGen:
 
     def _typed_anyOf(self, d: int) -> dict:
         return {"type": "string", "anyOf": [{"maxLength": 2}, {"format": "date"}, {"type": "integer"}]}
+
+
+_ATOMS = ["a", "b", "é", "😀", "\\.", '"', "\\\\", "\\n", "\\t", "\\d", "\\w", "\\s", "\\D", "\\W", "\\S", ".",
+          "[a-c]", "[^a-c]", "[\\d_]", "[^\\w]", "[ -~]", "[\\x00-\\x1f]", "[é-ÿ]", "[-+]", "\\{", "\\$", "\\^"]
+
+
+def random_pattern(rng: random.Random, depth: int = 1) -> str:
+    """An anchored pattern of random atoms, classes, groups, alternations and repetitions."""
+    return "^" + _sequence(rng, depth) + "$"
+
+
+def _sequence(rng: random.Random, depth: int) -> str:
+    out = []
+    for _ in range(rng.randint(1, 3)):
+        if depth > 0 and rng.random() < 0.3:
+            alts = [_sequence(rng, depth - 1) for _ in range(rng.randint(1, 3))]
+            atom = "(" + ("?:" if rng.random() < 0.3 else "") + "|".join(alts) + ")"
+        else:
+            atom = rng.choice(_ATOMS)
+        if rng.random() < 0.5:
+            lo = rng.randint(0, 3)
+            atom += rng.choice(["?", "*", "+", f"{{{lo}}}", f"{{{lo},{lo + rng.randint(0, 3)}}}", f"{{{lo},}}", "*?"])
+        out.append(atom)
+    return "".join(out)

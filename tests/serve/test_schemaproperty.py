@@ -33,10 +33,11 @@ def invalid(schema: dict, text: bytes) -> str | None:
     return errors[0].message if errors else None
 
 
-def outputs(model: GGUFModel, walker: Walker, schema: dict, rng: random.Random, n: int) -> list[bytes]:
+def outputs(model: GGUFModel, walker: Walker, schema: dict, rng: random.Random, n: int,
+            max_bytes: int = 300) -> list[bytes]:
     compiled = model.compile_grammar(schema_grammar(schema, P), P)
     try:
-        return [o for o in (walker.walk(compiled, rng) for _ in range(n)) if o is not None]
+        return [o for o in (walker.walk(compiled, rng, max_bytes) for _ in range(n)) if o is not None]
     finally:
         compiled.close()
 
@@ -77,3 +78,27 @@ def test_a_refused_keyword_anywhere_in_a_random_schema_is_a_400_naming_it() -> N
         with pytest.raises(RequestError) as err:
             schema_grammar(schema, P)
         assert err.value.param == P and f"{P}{path}.{keyword}: " in str(err.value), (schema, str(err.value))
+
+
+def test_walked_strings_of_random_patterns_match_them(grammar_walk: tuple[GGUFModel, Walker]) -> None:
+    """Patterns read by Python's re parser: every output is a JSON string `re.search` matches, or
+    the pattern is a 400 (a repeated part that can match nothing, chiefly)."""
+    import re
+
+    from kit.schemagen import random_pattern
+
+    model, walker = grammar_walk
+    rng, matched, refused = random.Random(11), 0, 0
+    for _ in range(100):
+        pattern = random_pattern(rng)
+        try:
+            outs = outputs(model, walker, {"type": "string", "pattern": pattern}, rng, 12, max_bytes=120)
+        except RequestError as exc:
+            assert f"{P}.pattern: " in str(exc), (pattern, str(exc))
+            refused += 1
+            continue
+        for out in outs:
+            text = json.loads(out.decode("utf-8"))
+            assert re.search(pattern, text), (pattern, out)
+            matched += 1
+    assert matched >= 900 and refused < 30, (matched, refused)
