@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-__all__ = ["NAMES", "PATTERNS", "SchemaGen"]
+__all__ = ["NAMES", "PATTERNS", "SchemaGen", "nested_any_of", "random_pattern"]
 
 NAMES = ["a", "b", "ab", "abc", "name", "名前", 'x"y', "back\\slash", "tab\tname", "a b", "", "😀", "space"]
 PATTERNS = [
@@ -168,3 +168,13 @@ def _sequence(rng: random.Random, depth: int) -> str:
             atom += rng.choice(["?", "*", "+", f"{{{lo}}}", f"{{{lo},{lo + rng.randint(0, 3)}}}", f"{{{lo},}}", "*?"])
         out.append(atom)
     return "".join(out)
+
+
+def nested_any_of(levels: int, width: int) -> dict[str, Any]:
+    """`levels` of anyOf, `width` look-alike alternatives each, through $ref: issue 39's family
+    (2 x 256 held the model 132 s past a 60 s request_timeout_s)."""
+    defs: dict[str, Any] = {"l0": {"type": "string"}}
+    for lv in range(1, levels + 1):
+        defs[f"l{lv}"] = {"anyOf": [{"type": "object", "properties": {"v": {"$ref": f"#/$defs/l{lv - 1}"}},
+                                     "required": ["v"]} for _ in range(width)]}
+    return {"$ref": f"#/$defs/l{levels}", "$defs": defs}

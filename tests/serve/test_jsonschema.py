@@ -10,6 +10,7 @@ import pytest
 
 from edge.errors import RequestError
 from edge.serve.jsonschema import GRAMMAR_LIMITS, KEYWORDS, MAX_STACKS, measure_gbnf, schema_grammar
+from kit.schemagen import nested_any_of
 
 P = "response_format.json_schema"
 
@@ -20,14 +21,6 @@ def refused(schema: object) -> str:
     assert err.value.param == P
     return str(err.value)
 
-
-def nested_any_of(levels: int, width: int) -> dict:
-    """`levels` of anyOf, `width` look-alike alternatives each, through $ref (issue 39's family)."""
-    defs = {"l0": {"type": "string"}}
-    for lv in range(1, levels + 1):
-        defs[f"l{lv}"] = {"anyOf": [{"type": "object", "properties": {"v": {"$ref": f"#/$defs/l{lv - 1}"}},
-                                     "required": ["v"]} for _ in range(width)]}
-    return {"$ref": f"#/$defs/l{levels}", "$defs": defs}
 
 
 def test_integer_bounds_become_the_grammar_of_the_range() -> None:

@@ -15,17 +15,11 @@ import pytest
 
 from ggufgen import write_tiny_llama
 from kit import metric, post, write_config
+from kit.schemagen import nested_any_of
 
 TIMEOUT_S = 5.0  # generous: the tiny model on a loaded 2-core machine
 HI = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 
-
-def nested_any_of(levels: int, width: int) -> dict:
-    defs = {"l0": {"type": "string"}}
-    for lv in range(1, levels + 1):
-        defs[f"l{lv}"] = {"anyOf": [{"type": "object", "properties": {"v": {"$ref": f"#/$defs/l{lv - 1}"}},
-                                     "required": ["v"]} for _ in range(width)]}
-    return {"$ref": f"#/$defs/l{levels}", "$defs": defs}
 
 
 def fmt(schema: dict) -> dict:
