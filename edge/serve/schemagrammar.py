@@ -128,6 +128,9 @@ class _Converter:
         return Part(name, ref(name), self.firsts.get(name, _ANY))  # in a cycle: not known yet
 
     def union(self, alts: list[Any], key: str, where: str) -> Part:
+        if all(a is False for a in alts):
+            raise Refused(f"{where}.{key}", "every alternative is `false`: no output could match")
+        alts = [a for a in alts if a is not False]  # matches nothing: not an alternative
         parts = [self.visit(a, f"{where}.{key}[{i}]") for i, a in enumerate(alts)]
         if key == "oneOf":
             self.disjoint(alts, parts, where)

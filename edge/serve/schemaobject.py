@@ -78,12 +78,14 @@ def _members(conv: Any, s: dict[str, Any], where: str) -> tuple[list[tuple[str, 
     if len([n for n in names if n not in required]) > MAX_OPTIONAL_PROPERTIES:
         raise Refused(f"{where}.properties", f"more than {MAX_OPTIONAL_PROPERTIES} optional properties "
                       "(the grammar's key tries grow with their square)")
+    extra = s.get("additionalProperties", True)  # what a name not in `properties` must hold
     out = []
     for name in names:
-        sub = props.get(name, True)
+        sub = props.get(name, extra)
         if sub is False:
             if name in required:
-                raise Refused(f"{where}.properties.{name}", "required, but its schema is `false`: no output "
+                key = f"properties.{name}" if name in props else "required"
+                raise Refused(f"{where}.{key}", f"{name!r} is required, but its schema is `false`: no output "
                               "could match")
             continue
         out.append((name, conv.visit(sub, f"{where}.properties.{name}"), name in required))

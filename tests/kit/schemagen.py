@@ -95,7 +95,7 @@ class SchemaGen:
         r = self.rng
         names = r.sample(NAMES, r.randint(0, 4))
         s: dict[str, Any] = {"type": "object", "properties": {n: self.node(d) for n in names}}
-        s["required"] = [n for n in names if r.random() < 0.5]
+        s["required"] = [n for n in names if r.random() < 0.5] + (["zz"] if r.random() < 0.15 else [])
         extra = r.choice(["absent", False, True, "schema"])
         if extra == "schema":
             s["additionalProperties"] = self.node(d)

@@ -39,6 +39,8 @@ CASES = [  # (schema, accepted, rejected)
     ({"type": "object", "properties": {"名前": {"type": "string"}, 'x"y': {"type": "integer"}},
       "required": ["名前"]}, ['{"名前": "a", "x\\"y": 1}'], ['{"x\\"y": 1}']),
     ({"type": "array", "items": {"type": "integer"}, "maxItems": 10_000}, ["[1, 2]"], ['["a"]']),
+    ({"type": "object", "required": ["b"], "additionalProperties": {"type": "integer"}}, ['{"b": 1}', '{"b": 1, "c": 2}'],
+     ['{"b": "x"}', "{}"]),
     ({"type": "string", "maxLength": 10_000}, ['"' + "a" * 9999 + '"'], []),
 ]
 
@@ -70,7 +72,8 @@ def test_ranges_as_documented_hold_at_their_ends(grammar_walk: tuple) -> None:
     ({"type": "integer", "const": "a"}, ".const: no value of it is of type integer"),
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, ".allOf[1].type: no value is both"),
     ({"type": "string", "anyOf": [{"type": "integer"}, {"type": "null"}]}, ".anyOf[0].type: no value is both"),
-    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, ".properties.a: required, but"),
+    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, ".properties.a: 'a' is required, but"),
+    ({"type": "object", "required": ["b"], "additionalProperties": False}, ".required: 'b' is required, but"),
     ({"type": "string", "maxLength": 10_001}, ".maxLength: must be an integer from 0 to 10000"),
     ({"type": "array", "items": {"type": "integer"}, "minItems": 10_001}, ".minItems: must be an integer"),
     ({"$ref": "https://example.com/s.json"}, ".$ref: 'https://example.com/s.json': only references into"),
