@@ -130,8 +130,9 @@ class _Converter:
     def union(self, alts: list[Any], key: str, where: str) -> Part:
         if all(a is False for a in alts):
             raise Refused(f"{where}.{key}", "every alternative is `false`: no output could match")
-        alts = [a for a in alts if a is not False]  # matches nothing: not an alternative
-        parts = [self.visit(a, f"{where}.{key}[{i}]") for i, a in enumerate(alts)]
+        kept = [(i, a) for i, a in enumerate(alts) if a is not False]  # false matches nothing: no alternative
+        parts = [self.visit(a, f"{where}.{key}[{i}]") for i, a in kept]
+        alts = [a for _, a in kept]
         if key == "oneOf":
             self.disjoint(alts, parts, where)
         text = "(" + " | ".join(p.text for p in parts) + ")"
