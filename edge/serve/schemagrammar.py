@@ -27,7 +27,7 @@ from typing import Any
 from edge.serve.regexgrammar import pattern_gbnf
 from edge.serve.schemaenum import enum_gbnf
 from edge.serve.schemaformat import FORMAT_RULES
-from edge.serve.schemamerge import Refused, flatten, json_types, pointer, type_set
+from edge.serve.schemamerge import Refused, flatten, pointer, type_set
 from edge.serve.schemarange import integer_bounds, range_gbnf, range_tree
 from edge.serve.schemarepeat import MAX_REPEAT, repeat
 from edge.serve.schemaobject import array_part, object_part
