@@ -27,6 +27,7 @@ def test_a_chunked_pass_samples_the_tokens_of_one_pass(grammar_walk: tuple, monk
     texts = []
     for chunk in (10**9, 16):  # one pass, then 16 candidates at a time
         monkeypatch.setattr(candidates_mod, "CHUNK", chunk)
+        monkeypatch.setattr(candidates_mod, "MIN_CHUNK", min(chunk, 256))
         for seed in range(3):
             job = Job(tokens=m.tokenize_prompt("the e"), params=GenParams(max_tokens=30, temperature=1.0, seed=seed,
                                                                            grammar=compiled), cache_prompt=False)
@@ -38,6 +39,7 @@ def test_a_chunked_pass_samples_the_tokens_of_one_pass(grammar_walk: tuple, monk
 def test_a_check_ends_the_step_inside_the_full_pass(grammar_walk: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     m, _ = grammar_walk
     monkeypatch.setattr(candidates_mod, "CHUNK", 16)
+    monkeypatch.setattr(candidates_mod, "MIN_CHUNK", 16)
     compiled = m.compile_grammar(schema_grammar(SCHEMA, "x"), "x")
     prefilled(m)
     calls = []
@@ -62,6 +64,7 @@ def test_a_cancelled_job_ends_inside_the_pass_without_a_piece_after_it(grammar_w
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     m, _ = grammar_walk
     monkeypatch.setattr(candidates_mod, "CHUNK", 16)
+    monkeypatch.setattr(candidates_mod, "MIN_CHUNK", 16)
     compiled = m.compile_grammar(schema_grammar(SCHEMA, "x"), "x")
     job = Job(tokens=m.tokenize_prompt("the e"), params=GenParams(max_tokens=200, temperature=1.0, seed=2,
                                                                    grammar=compiled), cache_prompt=False)
