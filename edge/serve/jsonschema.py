@@ -63,7 +63,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "title": (_I, "an annotation"),
     "description": (_I, "an annotation"),
     "$schema": (_I, "an annotation"),
-    "$id": (_I, "an annotation"),
+    "$id": (_I, "an annotation at the root; inside, refused (it would change what `#` points to)"),
     "$comment": (_I, "an annotation"),
     "default": (_I, "an annotation: the model is not told the default"),
     "examples": (_I, "an annotation"),
@@ -96,6 +96,9 @@ def _walk(s: Any, where: str) -> None:
         if status == _R:
             raise Refused(f"{where}.{key}", f"{key!r} is not enforced by edge's grammar, so edge refuses "
                           "it rather than ignore it")
+    if "$id" in s and where:  # a resource of its own: `#` inside it would point into it, not the root
+        raise Refused(f"{where}.$id", "$id inside a schema is not supported: `#` in a $ref would point "
+                      "into that schema, not the root")
     for key in _SCHEMA_MAPS:
         if key in s:
             if not isinstance(s[key], dict):

@@ -86,6 +86,7 @@ def test_ranges_as_documented_hold_at_their_ends(grammar_walk: tuple) -> None:
     ({"type": "string", "pattern": "abc"}, ".pattern: the pattern must be anchored at both ends"),
     ({"type": "string", "pattern": "(?i)^a$"}, ".pattern: case-insensitive patterns"),
     ({"type": "string", "pattern": "^a{20000}$"}, ".pattern: asks for 20000 copies"),
+    ({"properties": {"a": {"$id": "a.json", "$ref": "#"}}}, ".properties.a.$id: $id inside a schema"),
     ({"items": [{"type": "string"}]}, ".items: items as a list is draft 4-2019's tuple: write prefixItems"),
 ])
 def test_unsatisfiable_or_unenforceable_is_a_400_naming_the_keyword(schema: dict, where: str) -> None:
