@@ -27,6 +27,21 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny.gguf")
 
 
+@pytest.fixture(scope="module")
+def grammar_walk(tiny_gguf: Path) -> Iterator[tuple]:
+    """(the tiny model, a kit.grammarwalk.Walker on its byte tokens): grammars compiled and
+    walked by llama.cpp without generating."""
+    from edge.config import ModelConfig
+    from edge.model.gguf import read_gguf_info
+    from edge.model.llm import load_gguf_model
+    from kit.grammarwalk import Walker
+
+    cfg = ModelConfig(name="tiny", path=str(tiny_gguf), n_ctx=256, n_batch=64, n_threads=1, use_mlock=False)
+    m = load_gguf_model(cfg, read_gguf_info(tiny_gguf))
+    yield m, Walker(m.native)
+    m.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_swa_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Gemma 3: sliding-window layers with a 32-token window (the real one's is 512)."""

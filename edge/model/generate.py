@@ -17,11 +17,11 @@ from __future__ import annotations
 import codecs
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from edge.model.candidates import Candidates
+from edge.model.candidates import Candidates, Interrupted
 
 if TYPE_CHECKING:
     from edge.model.grammar import CompiledGrammar
@@ -192,11 +192,13 @@ class SamplerChain:
         # no seed: llama.cpp's default seed means "a fresh random one"
         yield lib.llama_sampler_init_dist(lib.LLAMA_DEFAULT_SEED if p.seed is None else p.seed)
 
-    def sample(self, idx: int = -1) -> int | None:
+    def sample(self, idx: int = -1, check: Callable[[], None] | None = None) -> int | None:
         """The next token from the logits of batch row `idx` (the last decoded one by default),
         which the chain accepts (penalties, grammar); None when the grammar allows no token the
         bias leaves (a grammar whose end can only be an end-of-generation token that
-        `logit_bias` bans): the generation stops."""
+        `logit_bias` bans): the generation stops. `check` is called inside the grammar's passes
+        over the candidates (it raises to end the step: a deadline, a cancelled job); the chain
+        is left as it was, so a sequence set aside can be sampled again."""
         lib = self._lib
         if self.grammar is None:
             return lib.llama_sampler_sample(self.chain, self._ctx, idx)
@@ -211,9 +213,9 @@ class SamplerChain:
         if tok is None or not cur.allows(self.grammar, tok):
             self.resampled += 1
             # greedy: the likeliest candidates first (edge.model.candidates)
-            tok = cur.greedy_allowed(self.grammar, logits) if logits is not None else None
+            tok = cur.greedy_allowed(self.grammar, logits, check) if logits is not None else None
             if tok is None:
-                tok = self._resample()
+                tok = self._resample(check)
             if tok is None:
                 return None
         if self.pre is not None:
@@ -222,22 +224,22 @@ class SamplerChain:
         lib.llama_sampler_accept(self.chain, tok)
         return tok
 
-    def _resample(self) -> int | None:
+    def _resample(self, check: Callable[[], None] | None = None) -> int | None:
         """The token from every candidate under the grammar: logit bias and penalties, the
         grammar over the whole vocabulary, the rest of the chain."""
         self.full_passes += 1
-        self._apply(grammar=True)
+        self._apply(grammar=True, check=check)
         return self._cur.selected()
 
-    def _apply(self, grammar: bool) -> None:
+    def _apply(self, grammar: bool, check: Callable[[], None] | None = None) -> None:
         """Every candidate of the last logits through logit bias and penalties, with `grammar` the
-        grammar, then the rest of the chain."""
+        grammar (in chunks, `check` between them), then the rest of the chain."""
         lib = self._lib
         ref = self._cur.fill(lib.llama_get_logits_ith(self._ctx, self._idx))
         if self.pre is not None:
             lib.llama_sampler_apply(self.pre, ref)
         if grammar:
-            lib.llama_sampler_apply(self.grammar, ref)
+            self._cur.apply_grammar(self.grammar, check)
         lib.llama_sampler_apply(self.chain, ref)
 
     def close(self) -> None:
@@ -331,8 +333,12 @@ def generate(native: Native, cache: PromptCache, job: Job) -> Iterator[Piece]:
                                           marks=job.marks)
         job.prefilled = True
         out = Decoding(native, job)
+        check = step_check(job)
         while True:
-            tok = chain.sample()
+            try:
+                tok = chain.sample(check=check)
+            except Interrupted:  # cancelled inside a grammar pass: the pieces end here
+                return
             piece, done = out.take(tok)
             if piece is not None:
                 yield piece
@@ -346,6 +352,17 @@ def generate(native: Native, cache: PromptCache, job: Job) -> Iterator[Piece]:
         raise
     finally:
         chain.close()
+
+
+def step_check(job: Job) -> Callable[[], None]:
+    """What a grammar pass calls between its chunks for `job`: a cancelled job (client gone, drain)
+    raises Interrupted, a request past its time limit the 422 (Hold.check): a sampling step ends
+    within one chunk, never holding the model (or, batched, the others' step)."""
+    def check() -> None:
+        if job.cancel.is_set():
+            raise Interrupted
+        job.hold.check(job)
+    return check
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:

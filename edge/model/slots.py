@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from edge.model.generate import Decoding, Job, Piece, SamplerChain
+from edge.model.candidates import Interrupted
+from edge.model.generate import Decoding, Job, Piece, SamplerChain, step_check
 from edge.model.native import DecodeError
 from edge.model.promptcache import MIN_REUSE, lcp
 
@@ -265,8 +266,11 @@ class Slots:
 
     def _sample(self, s: _Seq) -> None:
         try:
-            tok = s.chain.sample(s.row)
+            tok = s.chain.sample(s.row, step_check(s.job))
             piece, done = s.out.take(tok, s.row)
+        except Interrupted:  # cancelled inside its grammar pass: it ends, the others' step goes on
+            self._end(s, None)
+            return
         except Exception as exc:
             self._end(s, exc)
             return

@@ -1,54 +1,61 @@
 """A JSON schema (`response_format.json_schema`, a forced tool call's `parameters`) made a GBNF
 grammar for llama.cpp: every keyword enforced, refused with a 400 naming it, or ignored on
-purpose (annotations), as KEYWORDS says (the README's table is checked against it).
+purpose (annotations), as KEYWORDS says (the README's table is checked against it, and
+tests/serve/test_schemaproperty.py holds every grammar's outputs to the schema with the
+`jsonschema` validator).
 
-The conversion is llama-cpp-python's `SchemaConverter` (llama.cpp's own, ported), with integer
-ranges added (edge.serve.schemarange) and patterns read first as it reads them
-(edge.serve.schemapattern). The converter picks one rule per schema (a `$ref`, a union, a
-constant, an object, an array, a pattern, a format, a length, a primitive) and drops every
-keyword of the others silently, so a keyword is enforced only beside the keywords of its own
-rule (`RULES`); beside another rule's it is refused. The grammar it writes is then measured
-(`measure_gbnf`): bytes, nesting of groups, the widest alternation; past GRAMMAR_LIMITS a 400.
+The conversion is edge's own (edge.serve.schemagrammar, with schemaobject, schemamerge,
+schemaformat, regexgrammar, schemarange, schemaenum). The grammar it writes is then bounded twice
+before anything compiles it: its size (`measure_gbnf`: bytes, nesting of groups, the widest
+alternation; GRAMMAR_LIMITS) and its work (edge.serve.schemawork: the most grammar stacks
+llama.cpp can keep at once, MAX_STACKS). Past either, a 400 naming the field.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from edge.errors import RequestError
-from edge.serve.schemaenum import enum_gbnf
-from edge.serve.schemapattern import MAX_REPEAT, json_safe, read_pattern
-from edge.serve.schemarange import integer_bounds, range_gbnf, range_tree
+from edge.serve.schemamerge import Refused
+from edge.serve.schemaobject import MAX_OPTIONAL_PROPERTIES
+from edge.serve.schemarepeat import MAX_REPEAT
+from edge.serve.schemawork import MAX_STACKS, stacks
 
-__all__ = ["GRAMMAR_LIMITS", "KEYWORDS", "GrammarSize", "check_gbnf", "check_schema", "measure_gbnf",
-           "schema_grammar"]
+__all__ = ["GRAMMAR_LIMITS", "KEYWORDS", "MAX_OPTIONAL_PROPERTIES", "MAX_STACKS", "GrammarSize", "check_gbnf",
+           "check_schema", "measure_gbnf", "schema_grammar"]
 
 _E, _R, _I = "enforced", "refused", "ignored"
 # keyword -> (status, how): the README's "json_schema keywords" table, row for row
 KEYWORDS: dict[str, tuple[str, str]] = {
-    "type": (_E, "one type, or a list of them (any of them)"),
-    "properties": (_E, "in the order given"),
-    "required": (_E, "the other properties are optional"),
-    "additionalProperties": (_E, "`false`, `true` or a schema"),
-    "items": (_E, "a schema for every item, or a list of schemas (a tuple)"),
-    "prefixItems": (_E, "a tuple"),
-    "minItems": (_E, f"0..{MAX_REPEAT}, with `items` a schema"),
-    "maxItems": (_E, f"0..{MAX_REPEAT}, with `items` a schema"),
+    "type": (_E, "one type, or a list of them (any of them); beside `enum`/`const`: the values of that type "
+                 "(none: refused); beside `anyOf`/`oneOf`: each alternative of that type"),
+    "properties": (_E, "in the order given; any name, non-ASCII and escaped ones too"),
+    "required": (_E, "the other properties are optional; a required name not in `properties` takes any value"),
+    "additionalProperties": (_E, "`false`, `true` or a schema, after the declared properties, never with "
+                                 "a declared name; absent beside `properties`/`required`: no others"),
+    "items": (_E, "a schema for every item after `prefixItems`; `false`: none (a list, draft 4's tuple: "
+                  "refused, write `prefixItems`)"),
+    "prefixItems": (_E, "the first items, in order; then `items`"),
+    "minItems": (_E, f"0..{MAX_REPEAT}"),
+    "maxItems": (_E, f"0..{MAX_REPEAT}"),
     "enum": (_E, "any JSON values, as a trie of their JSON texts (only the characters that can come next are alternatives)"),
     "const": (_E, "any JSON value"),
     "anyOf": (_E, "one of the schemas"),
-    "oneOf": (_E, "as `anyOf`: an output valid for two of the schemas is not prevented"),
-    "allOf": (_E, "object schemas only: their properties merged, each required"),
-    "$ref": (_E, "`#/...` within the schema; no other keyword beside it"),
+    "oneOf": (_E, "one of the schemas, where no output can match two (they start with different characters, "
+                  "or are values with none in common); else refused"),
+    "allOf": (_E, "merged into one schema: properties merged, types and values intersected, `anyOf` "
+                  "distributed; a keyword two members set differently: refused"),
+    "$ref": (_E, "a JSON pointer into the schema (`#`, `#/$defs/x`); beside other keywords, merged as `allOf`"),
     "$defs": (_E, "what `$ref` points to"),
     "definitions": (_E, "what `$ref` points to"),
-    "pattern": (_E, "anchored `^...$`; read as llama.cpp's converter reads it, and refused where that differs from the regex; `.` and classes never write a quote, backslash or control character raw"),
-    "minLength": (_E, f"0..{MAX_REPEAT}"),
-    "maxLength": (_E, f"0..{MAX_REPEAT}"),
-    "format": (_E, "`date`, `time`, `date-time`, `uuid` (others refused)"),
+    "pattern": (_E, "Python's `re`, anchored `^...$`; `\\d` `\\w` `\\s` as their ASCII members; lookarounds, "
+                    "back-references, inner anchors, `(?i)`, a repeated part that can match nothing: refused"),
+    "minLength": (_E, f"0..{MAX_REPEAT} code points (an escape counts as the one character it writes)"),
+    "maxLength": (_E, f"0..{MAX_REPEAT} code points"),
+    "format": (_E, "`date` (the days of each month, February 29 in leap years), `time`, `date-time` "
+                   "(RFC 3339), `uuid` (others refused)"),
     "minimum": (_E, "on `integer` (a grammar of the range); on `number`: refused"),
     "maximum": (_E, "on `integer`; on `number`: refused"),
     "exclusiveMinimum": (_E, "on `integer`, a number or draft 4's boolean; on `number`: refused"),
@@ -56,207 +63,59 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "title": (_I, "an annotation"),
     "description": (_I, "an annotation"),
     "$schema": (_I, "an annotation"),
-    "$id": (_I, "an annotation"),
+    "$id": (_I, "an annotation at the root; inside, refused (it would change what `#` points to)"),
     "$comment": (_I, "an annotation"),
     "default": (_I, "an annotation: the model is not told the default"),
     "examples": (_I, "an annotation"),
     "deprecated": (_I, "an annotation"),
     "readOnly": (_I, "an annotation"),
     "writeOnly": (_I, "an annotation"),
-    **{k: (_R, "the converter has no rule for it") for k in (
+    **{k: (_R, "the grammar has no rule for it") for k in (
         "multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "additionalItems",
         "unevaluatedItems", "unevaluatedProperties", "patternProperties", "propertyNames",
         "minProperties", "maxProperties", "dependentRequired", "dependentSchemas", "dependencies",
         "if", "then", "else", "not", "contentEncoding", "contentMediaType", "contentSchema",
         "$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$vocabulary", "nullable")},
 }
-_ANNOTATIONS = {k for k, (status, _) in KEYWORDS.items() if status == _I}
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_FORMATS = {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
-_TYPES = {"string", "integer", "number", "boolean", "null", "object", "array"}
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")  # name -> schema
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
-MAX_OPTIONAL_PROPERTIES = 128  # the converter's work grows with their square (900: 1.2 s, measured)
-
-# the keywords each of the converter's rules reads (what else is in the schema, it drops)
-RULES: dict[str, frozenset[str]] = {name: frozenset(keys) for name, keys in {
-    "$ref": {"$ref", "$defs", "definitions"},
-    "union": {"anyOf", "oneOf", "type", "$defs", "definitions"},
-    "types": {"type"},
-    "const": {"const", "type"},
-    "enum": {"enum", "type"},
-    "object": {"type", "properties", "required", "additionalProperties", "$defs", "definitions"},
-    "allOf": {"type", "allOf", "$defs", "definitions"},
-    "array": {"type", "items", "prefixItems", "minItems", "maxItems", "$defs", "definitions"},
-    "pattern": {"type", "pattern"},
-    "format": {"type", "format"},
-    "length": {"type", "minLength", "maxLength"},
-    "range": {"type", *_BOUNDS},
-    "primitive": {"type", "$defs", "definitions"},
-}.items()}
+_SCHEMA_ONE = ("items", "additionalProperties")
 
 
-def _rule(s: dict[str, Any]) -> str:
-    """Which of the converter's rules a schema takes (SchemaConverter.visit's order)."""
-    t = s.get("type")
-    if "$ref" in s:
-        return "$ref"
-    if "oneOf" in s or "anyOf" in s:
-        return "union"
-    if isinstance(t, list):
-        return "types"
-    for key in ("const", "enum"):
+def _walk(s: Any, where: str) -> None:
+    """Refused for a keyword edge does not know or does not enforce, anywhere in the schema."""
+    if isinstance(s, bool):
+        return
+    if not isinstance(s, dict):
+        raise Refused(where, "a schema must be a JSON object (or true/false)")
+    for key in s:
+        status = KEYWORDS.get(key, (None, ""))[0]
+        if status is None:
+            raise Refused(f"{where}.{key}", f"{key!r} is not a JSON Schema keyword edge knows "
+                          "(README: json_schema keywords)")
+        if status == _R:
+            raise Refused(f"{where}.{key}", f"{key!r} is not enforced by edge's grammar, so edge refuses "
+                          "it rather than ignore it")
+    if "$id" in s and where:  # a resource of its own: `#` inside it would point into it, not the root
+        raise Refused(f"{where}.$id", "$id inside a schema is not supported: `#` in a $ref would point "
+                      "into that schema, not the root")
+    for key in _SCHEMA_MAPS:
         if key in s:
-            return key
-    if t in (None, "object") and ("properties" in s or s.get("additionalProperties", True) is not True):
-        return "object"
-    if t in (None, "object") and "allOf" in s:
-        return "allOf"
-    if t in (None, "array") and ("items" in s or "prefixItems" in s):
-        return "array" if not isinstance(s.get("items", s.get("prefixItems")), list) else "tuple"
-    if t in (None, "string") and "pattern" in s:
-        return "pattern"
-    if t in (None, "string") and "format" in s:
-        return "format"
-    if t == "string" and ("minLength" in s or "maxLength" in s):
-        return "length"
-    if t == "integer" and any(k in s for k in _BOUNDS):
-        return "range"
-    return "primitive"
-
-
-class _Check:
-    def __init__(self, param: str, prefix: str) -> None:
-        self.param, self.prefix = param, prefix  # the field a 400 names; the path its message starts at
-
-    def bad(self, where: str, why: str) -> RequestError:
-        return RequestError(f"{self.prefix}{where}: {why}", param=self.param)
-
-    def schema(self, s: Any, where: str) -> None:
-        if isinstance(s, bool) and where:
-            return  # true/false as a subschema (additionalProperties: false)
-        if not isinstance(s, dict):
-            raise self.bad(where, "a schema must be a JSON object")
-        for key in s:
-            status = KEYWORDS.get(key, (None, ""))[0]
-            if status is None:
-                raise self.bad(f"{where}.{key}", f"{key!r} is not a JSON Schema keyword edge knows "
-                               "(README: json_schema keywords)")
-            if status == _R:
-                raise self.bad(f"{where}.{key}", f"{key!r} is not enforced by llama.cpp's grammar "
-                               "converter, so edge refuses it rather than ignore it")
-        rule = _rule(s)
-        self.values(s, where, rule)
-        used = RULES["array"] if rule == "tuple" else RULES[rule]
-        dropped = [k for k in s if k not in used and k not in _ANNOTATIONS]
-        if rule == "tuple":
-            dropped += [k for k in ("minItems", "maxItems") if k in s]
-        if dropped:
-            raise self.bad(f"{where}.{dropped[0]}", f"{dropped[0]!r} is not enforced beside "
-                           f"{'/'.join(sorted(k for k in s if k in used)) or 'this schema'}: llama.cpp's "
-                           "converter would drop it")
-        for name in self.mapping(s, "properties", where):
-            if "\\" in json.dumps(name):
-                raise self.bad(f"{where}.properties", f"the property name {name!r} needs escaping in JSON, "
-                               "which llama.cpp's converter writes wrongly")
-        for key in _SCHEMA_MAPS:
-            for name, sub in self.mapping(s, key, where).items():
-                self.schema(sub, f"{where}.{key}.{name}")
-        for key in _SCHEMA_LISTS + ("items",):
-            subs = s.get(key)
-            if isinstance(subs, list):
-                for k, sub in enumerate(subs):
-                    self.schema(sub, f"{where}.{key}[{k}]")
-            elif key == "items" and subs is not None:
-                self.schema(subs, f"{where}.items")
-        if isinstance(s.get("additionalProperties"), dict):
-            self.schema(s["additionalProperties"], f"{where}.additionalProperties")
-
-    def mapping(self, s: dict[str, Any], key: str, where: str) -> dict[str, Any]:
-        value = s.get(key, {})
-        if not isinstance(value, dict):
-            raise self.bad(f"{where}.{key}", f"{key} must be an object")
-        return value
-
-    def values(self, s: dict[str, Any], where: str, rule: str) -> None:
-        t = s.get("type")
-        types = t if isinstance(t, list) else [t] if t is not None else []
-        if not all(isinstance(x, str) and x in _TYPES for x in types):
-            raise self.bad(f"{where}.type", f"type must be one of {sorted(_TYPES)} or a list of them")
-        for key in _COUNTS:
-            v = s.get(key)
-            if key in s and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_REPEAT):
-                raise self.bad(f"{where}.{key}", f"must be an integer from 0 to {MAX_REPEAT} (a grammar "
-                               "writes each repetition out)")
-        if s.get("minItems", 0) > s.get("maxItems", MAX_REPEAT) or s.get("minLength", 0) > s.get("maxLength", MAX_REPEAT):
-            raise self.bad(where, "its minimum is more than its maximum")
-        if "pattern" in s:
-            if not isinstance(s["pattern"], str):
-                raise self.bad(f"{where}.pattern", "pattern must be a string")
-            read_pattern(s["pattern"], f"{self.prefix}{where}.pattern", self.param)
-        if "format" in s and s["format"] not in _FORMATS:
-            raise self.bad(f"{where}.format", f"format {s['format']!r} is not enforced by llama.cpp's "
-                           f"converter (it enforces {', '.join(sorted(_FORMATS))})")
-        if any(k in s for k in _BOUNDS):
-            if rule != "range":
-                key = next(k for k in _BOUNDS if k in s)
-                raise self.bad(f"{where}.{key}", f"{key} is enforced only on \"type\": \"integer\" "
-                               "(a grammar of the integer range); not on numbers")
-            try:
-                integer_bounds(s)
-            except ValueError as exc:
-                raise self.bad(where, str(exc)) from None
-        if isinstance(s.get("enum"), list):  # before anything is built from them
-            size = sum(len(json.dumps(v)) for v in s["enum"])
-            if size > GRAMMAR_LIMITS.bytes:
-                raise self.bad(f"{where}.enum", f"its values' JSON is {size} bytes, more than the "
-                               f"{GRAMMAR_LIMITS.bytes} bytes a grammar may be (README: grammar bounds)")
-        for key in ("enum", "anyOf", "oneOf", "allOf", "prefixItems", "required"):
-            if key in s and (not isinstance(s[key], list) or key != "required" and not s[key]):
-                raise self.bad(f"{where}.{key}", f"{key} must be a non-empty list")
-        props = s.get("properties")
-        required = s.get("required") if isinstance(s.get("required"), list) else []
-        missing = [k for k in required if k not in (props or {})] if rule == "object" else []
-        if missing:  # the converter would leave them out of the grammar, so out of the output
-            raise self.bad(f"{where}.required", f"{missing[0]!r} is required but not among the properties")
-        if isinstance(props, dict) and len(set(props) - set(required)) > MAX_OPTIONAL_PROPERTIES:
-            raise self.bad(f"{where}.properties", f"more than {MAX_OPTIONAL_PROPERTIES} optional properties "
-                           "(llama.cpp's converter's work grows with their square)")
-        for k, member in enumerate(s.get("allOf") or ()):
-            extra = [x for x in member if x not in ("properties", "required", "type", "$ref", "anyOf",
-                                                     *_ANNOTATIONS)] if isinstance(member, dict) else []
-            if extra or isinstance(member, dict) and member.get("type", "object") != "object":
-                raise self.bad(f"{where}.allOf[{k}]", "allOf is enforced for object schemas only "
-                               "(properties, required)")
-
-
-@functools.cache
-def _converter_class() -> type:
-    from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
-
-    class Converter(SchemaConverter):  # type: ignore[misc,valid-type]
-        def visit(self, schema: Any, name: str) -> str:
-            rule = _rule(schema) if isinstance(schema, dict) else ""
-            rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
-            if rule == "range":
-                return self._add_rule(rule_name, range_gbnf(range_tree(*integer_bounds(schema))) + " space")
-            if rule in ("enum", "const"):  # a trie, escaped (edge.serve.schemaenum)
-                values = schema["enum"] if rule == "enum" else [schema["const"]]
-                return self._add_rule(rule_name, enum_gbnf(values))
-            return super().visit(schema, name)
-
-        def _visit_pattern(self, pattern: str, name: str) -> str:
-            return super()._visit_pattern(json_safe(pattern), name)  # no raw quote from `.` or a class
-
-    return Converter
-
-
-def _convert(schema: dict[str, Any]) -> str:
-    converter = _converter_class()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-    schema = converter.resolve_refs(json.loads(json.dumps(schema)), "stdin")
-    converter.visit(schema, "")
-    return converter.format_grammar()
+            if not isinstance(s[key], dict):
+                raise Refused(f"{where}.{key}", f"{key} must be an object")
+            for name, sub in s[key].items():
+                _walk(sub, f"{where}.{key}.{name}")
+    for key in _SCHEMA_LISTS:
+        if key in s:
+            if not isinstance(s[key], list) or not s[key]:
+                raise Refused(f"{where}.{key}", f"{key} must be a non-empty list")
+            for i, sub in enumerate(s[key]):
+                _walk(sub, f"{where}.{key}[{i}]")
+    for key in _SCHEMA_ONE:
+        if key in s and not isinstance(s[key], list):
+            _walk(s[key], f"{where}.{key}")
+    if "enum" in s and (not isinstance(s["enum"], list) or not s["enum"]):
+        raise Refused(f"{where}.enum", "enum must be a non-empty list")
 
 
 @dataclass(frozen=True)
@@ -313,20 +172,32 @@ def check_gbnf(gbnf: str, param: str) -> GrammarSize:
 
 def check_schema(schema: Any, param: str, prefix: str | None = None) -> None:
     """A 400 naming `param` (its message the keyword's path from `prefix`, default `param`) for
-    what the grammar would not enforce, before anything is converted."""
-    _Check(param, param if prefix is None else prefix).schema(schema, "")
+    anything schema_grammar would refuse: a forced tool's parameters checked one by one, so
+    the message names the tool's own path."""
+    schema_grammar(schema, param, prefix)
 
 
-def schema_grammar(schema: Any, param: str) -> str:
-    """GBNF for a JSON schema; a 400 naming the keyword for what it would not enforce, or the
-    field for a grammar past the bounds."""
-    check_schema(schema, param)
+def schema_grammar(schema: Any, param: str, prefix: str | None = None) -> str:
+    """GBNF for a JSON schema; a 400 naming the keyword (its path from `prefix`, default `param`)
+    for what it would not enforce, or the field for a grammar past the bounds (size or work)."""
+    from edge.serve.schemagrammar import convert
+
+    where = param if prefix is None else prefix
     try:
-        gbnf = _convert(schema)
-    except RequestError:
-        raise
-    except Exception as exc:  # the converter raises ValueError/KeyError/AssertionError/...
-        raise RequestError(f"{param}: llama.cpp cannot turn this JSON schema into a grammar: "
-                           f"{type(exc).__name__}: {str(exc)[:300]}", param=param) from None
-    check_gbnf(gbnf, param)
-    return gbnf
+        _walk(schema, "")
+        if isinstance(schema, dict) and isinstance(schema.get("enum"), list):
+            size = sum(len(json.dumps(v)) for v in schema["enum"])
+            if size > GRAMMAR_LIMITS.bytes:  # before a trie is built of them
+                raise Refused(".enum", f"its values' JSON is {size} bytes, more than the {GRAMMAR_LIMITS.bytes} "
+                              "bytes a grammar may be (README: grammar bounds)")
+        converted = convert(schema)
+    except Refused as exc:
+        raise RequestError(f"{where}{exc.where}: {exc.why}", param=param) from None
+    except RecursionError:
+        raise RequestError(f"{where}: the schema nests too deep to convert", param=param) from None
+    check_gbnf(converted.gbnf, param)
+    if stacks(converted.rules) > MAX_STACKS:
+        raise RequestError(f"{where}: the grammar made from it can keep more than {MAX_STACKS} grammar stacks "
+                           "alive at once (alternatives that start alike, nested through $ref or repeated), "
+                           "each checked against every token (README: grammar bounds)", param=param)
+    return converted.gbnf

@@ -3,7 +3,7 @@
 Every field a client may send is honored, refused with a 400 naming it, or listed in IGNORED
 with the reason it is accepted and has no effect; a field edge does not know is a 400 too, so
 a client never believes it got something it did not. Answer shapes live in `edge.serve.openai_shapes`.
-No native imports here (the grammar converter of llama-cpp-python is pure Python, imported lazily).
+No native imports here (edge's schema -> grammar converter is pure Python, imported lazily).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 from edge.errors import RequestError
 from edge.serve.jsonschema import check_schema, schema_grammar
+from edge.serve.schemamerge import rebase
 
 __all__ = ["Ask", "Limits", "IGNORED", "REFUSED", "parse"]
 
@@ -310,12 +311,13 @@ def _tools(body: dict[str, Any], ask: Ask, limits: Limits) -> None:
 
 def _call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON a forced call must be: {"name": one of the tools, "arguments": its parameters}."""
-    def one(t: dict[str, Any]) -> dict[str, Any]:
+    def one(t: dict[str, Any], at: str) -> dict[str, Any]:
         params = t["function"].get("parameters") or {"type": "object"}
         return {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                 "arguments": params},
+                                                 "arguments": rebase(params, f"{at}/properties/arguments")},
                 "required": ["name", "arguments"]}
-    return one(tools[0]) if len(tools) == 1 else {"anyOf": [one(t) for t in tools]}
+    # a `$ref` of the parameters points into them: rebased to where they sit in the call's schema
+    return one(tools[0], "") if len(tools) == 1 else {"anyOf": [one(t, f"/anyOf/{i}") for i, t in enumerate(tools)]}
 
 
 def _response_format(body: dict[str, Any], ask: Ask) -> None:
@@ -358,7 +360,7 @@ def _chat_fields(body: dict[str, Any], ask: Ask, limits: Limits) -> None:
 
 
 def grammar(schema: dict[str, Any], param: str) -> str:
-    """GBNF for a JSON schema (edge.serve.jsonschema: llama-cpp-python's converter, bounded)."""
+    """GBNF for a JSON schema (edge.serve.jsonschema: edge's own converter, bounded in size and work)."""
     return schema_grammar(schema, param)
 
 

@@ -366,7 +366,7 @@ def test_nan_is_no_number_for_any_sampling_field(tiny: Service, field: str) -> N
     ({"type": "string", "minLength": 10**9}, ".minLength"),
     ({"type": "array", "items": {"type": "string", "maxLength": 10**6}}, ".items.maxLength"),
     ({"type": "string", "pattern": "^a{99999999}$"}, ".pattern"),
-    ({"type": "string", "pattern": "^((ab{100}){100}){100}$"}, ".pattern"),  # nested: 10**6
+    ({"type": "string", "pattern": "^((ab{100}){100}){10001}$"}, ".pattern"),
 ])
 def test_a_schema_that_would_repeat_past_the_limit_is_a_400_and_the_service_serves_on(
         tiny: Service, schema: dict, where: str) -> None:
@@ -531,3 +531,15 @@ def test_a_client_leaving_a_queued_request_is_an_abort_and_never_runs(tiny: Serv
     assert "INFO status 499 (client closed request): completion for model 'tiny', the client left " \
            "before its answer" in tiny.pid1.log_tail(100_000)
 
+
+
+def test_a_forced_calls_schema_keeps_each_tools_refs_pointing_into_its_parameters() -> None:
+    from edge.serve.jsonschema import schema_grammar
+    from edge.serve.openai import _call_schema
+
+    params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/a~1b"}}, "required": ["p"],
+              "$defs": {"a/b": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": params}} for n in ("f", "g")]
+    for some in (tools[:1], tools):
+        gbnf = schema_grammar(_call_schema(some), "tool_choice")  # before: '#/$defs/a~1b' points to nothing
+        assert "j-int" in gbnf.split("\nj-ws ::=")[0]
