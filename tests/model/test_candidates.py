@@ -52,9 +52,9 @@ def test_a_check_ends_the_step_inside_the_full_pass(grammar_walk: tuple, monkeyp
     chain = SamplerChain(m.native, GenParams(max_tokens=1, temperature=1.0, seed=1, grammar=compiled), lazy=False)
     try:
         with pytest.raises(TimeoutError):
-            chain.sample(check)
+            chain.sample(check=check)
         assert len(calls) == 3 and m.native.n_vocab > 3 * 16  # ended after 2 of the pass's chunks
-        assert chain.sample(None) is not None  # the chain is still usable: the next step samples
+        assert chain.sample() is not None  # the chain is still usable: the next step samples
     finally:
         chain.close()
         compiled.close()
