@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import typer
 
-from edge.cli import doctor, engines, fleet, recovery, serve, units
+# each group's module by its own name: this module is imported by the package (edge.cli), so it
+# does not import the package back
+import edge.cli.doctor as doctor
+import edge.cli.engines as engines
+import edge.cli.fleet as fleet
+import edge.cli.recovery as recovery
+import edge.cli.serve as serve
+import edge.cli.units as units
 from edge.cli.ota import ota_app  # light: its commands import what they need
 
 __all__ = ["app"]

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import typer
 
-from edge.cli.options import a_file, a_folder, one_of
+from edge.cli.options import a_file, a_folder, one_of, output_file
 from edge.errors import EdgeError
 
 ota_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
@@ -108,19 +108,12 @@ def _say(text: str) -> None:
         raise OtaIOError(f"stdout: {exc.strerror or exc}: {done}") from None
 
 
-def _output_file(value: Path) -> Path:
-    """edge.cli.options.output_file (imported when called: edge.cli imports this module)."""
-    from edge.cli.options import output_file
-
-    return output_file(value)
-
-
 def _new_key(value: Path) -> Path:
     """keygen -o: as any output file (checked before the key is made), and a key that is there
     already is never overwritten."""
     if value.exists() and not value.is_dir():
         raise typer.BadParameter(f"{value} exists; refusing to overwrite a key")
-    return _output_file(value)
+    return output_file(value)
 
 
 def _version(value: str) -> str:
@@ -207,7 +200,7 @@ def build(version: str = typer.Option(..., "--version", callback=_version,
                                               callback=a_file("an earlier bundle or its manifest.json"),
                                               help="an earlier bundle (or its manifest.json): "
                                               "a thin bundle that carries only the files it lacks"),
-          out: Path = typer.Option(..., "-o", "--out", callback=_output_file)) -> None:
+          out: Path = typer.Option(..., "-o", "--out", callback=output_file)) -> None:
     """Build a signed bundle (on the host); thin with --base.
 
     Docs: docs/ota.md"""

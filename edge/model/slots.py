@@ -106,9 +106,11 @@ class Slots:
         following a slot that prefills the same prompt. An error goes to the sink."""
         job.hold.start()
         slot = self._pick(job.tokens)
-        self._make_room(_need(job), keep=slot)
-        if not job.cache_prompt and not self.active:
-            self._alone(slot)
+        # cache_prompt: false alone in the context: every idle slot gives its cells up (saved to the
+        # prompt cache first), so its batches span the same cells whatever ran before it and its
+        # logprobs repeat bit for bit (docs/api.md "Reproducibility")
+        alone = not job.cache_prompt and not self.active
+        self._make_room(self.native.n_ctx if alone else _need(job), keep=slot)
         native = self.native
         native.seq = slot
         try:
@@ -163,16 +165,6 @@ class Slots:
             native.seq = s
             held -= len(cache.live)
             cache.give_way()
-
-    def _alone(self, keep: int) -> None:
-        """A `cache_prompt: false` request that runs alone computes in a context that holds nothing
-        else: the idle slots' cells are given up (saved to the prompt cache first), so its batches
-        span the same cells whatever ran before it, and its logprobs repeat bit for bit (docs/api.md
-        "Reproducibility"; beside running sequences, the batch bound of "Serving many clients")."""
-        for s in self.idle:
-            if s != keep and self.cache.lives.get(s):
-                self.native.seq = s
-                self.cache.give_way()
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> bool:
