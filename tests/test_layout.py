@@ -1,6 +1,6 @@
 """The house: no import circle in edge/ (lazy and TYPE_CHECKING imports included), neither between
-modules nor between packages; every package importing only what its row of the README's package
-table names, from floors beneath it; a ground floor of at most 8 top-level modules that import
+modules nor between packages; every package importing only what its row of the module map (docs/internals.md, "Layout")
+names, from floors beneath it; a ground floor of at most 8 top-level modules that import
 no package; the lifecycle's data flowing one way (start → reload → serving → loader → loadset →
 timing); modules of at most 400 lines and functions of at most 50 (DESIGN.md, "Data flows one
 way"; STYLE.md); tests that mirror the packages and take their helpers from tests/kit/, not from
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kit.docs import section
 from kit.layout import function_sizes, import_graph, module_lines, readme_floors
 
 PACKAGE = Path(__file__).resolve().parent.parent / "edge"
@@ -20,7 +21,7 @@ GRAPH = import_graph(PACKAGE)
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 50
 MAX_GROUND_MODULES = 8
-FLOORS = readme_floors((PACKAGE.parent / "README.md").read_text())
+FLOORS = readme_floors(section("Layout"))  # the module map, docs/internals.md
 GROUND = next(f for f in FLOORS if not f.imports)  # the ground floor imports only itself ("one another")
 
 # Modules another helper is changing in its own branch: the lead removes these marks once that
@@ -43,7 +44,7 @@ def test_no_circle_between_packages() -> None:
 def test_the_ground_floor_is_small_and_imports_no_package() -> None:
     top = sorted(m for m in GRAPH.files if m.count(".") == 1 and GRAPH.files[m].parent == PACKAGE)
     assert len(top) <= MAX_GROUND_MODULES, f"{len(top)} top-level modules (at most {MAX_GROUND_MODULES}): {top}"
-    assert set(top) == set(GROUND.units), "the README's ground floor row is not the top level"
+    assert set(top) == set(GROUND.units), "the module map's ground floor row is not the top level"
     up = [str(a) for a in GRAPH.arrows if a.source in top and a.target not in top and a.target != "edge"]
     assert not up, "the ground floor imports a package: " + "; ".join(up)
 
@@ -56,7 +57,7 @@ def test_a_package_imports_only_what_its_row_names_from_floors_beneath(floor: st
              for u in (f"edge.{a}",) if next(i for i, f in enumerate(FLOORS) if u in f.units) <= row]
     assert not above, f"{floor}'s row names {above}, which stand on its floor or above it"
     unnamed = [str(a) for t in sorted(GRAPH.packages()[floor] - named) for a in GRAPH.package_arrows(floor, t)]
-    assert not unnamed, f"{floor} imports what its row of the README does not name: " + "; ".join(unnamed)
+    assert not unnamed, f"{floor} imports what its row of the module map does not name: " + "; ".join(unnamed)
 
 
 def test_every_package_is_a_row() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import typer
 
 from edge.cli import app
+from kit.docs import section
 from kit.layout import readme_floors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,7 +178,7 @@ def test_module_map_names_real_modules_and_every_module() -> None:
     package's `holds` cell is one of its modules (or a command group of cli/), every module of
     the package is named, and the ground floor's row names the top level's modules."""
     root = typer.main.get_command(app)
-    floors = readme_floors(README)
+    floors = readme_floors(section("Layout"))  # docs/internals.md
     assert len(floors) >= 8
     for floor in floors:
         for unit in floor.units:

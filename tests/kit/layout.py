@@ -218,18 +218,20 @@ def function_sizes(path: Path) -> list[Size]:
 
 @dataclass(frozen=True)
 class Floor:
-    """One row of the README's package table: the packages (or ground-floor modules) it names,
-    the modules its `holds` cell names, and the packages it may import ("ground": the ground floor)."""
+    """One row of the module map (the package table of docs/internals.md, "Layout"): the packages
+    (or ground-floor modules) it names, the modules its `holds` cell names, and the packages it may
+    import ("ground": the ground floor)."""
 
     units: tuple[str, ...]
     holds: tuple[str, ...]
     imports: tuple[str, ...]
 
 
-def readme_floors(readme: str, package: str = "edge") -> list[Floor]:
-    """The rows of the table under `| package | holds | imports |`, top floor first; a unit is
-    `edge.model` for `model/` and `edge.config` for `config.py`."""
-    section = readme.split("| package | holds | imports |", 1)[1].split("\n\n", 1)[0]
+def readme_floors(text: str, package: str = "edge") -> list[Floor]:
+    """The rows of the table under `| package | holds | imports |` in `text` (the "Layout" section
+    of the docs, `kit.docs.section("Layout")`), top floor first; a unit is `edge.model` for
+    `model/` and `edge.config` for `config.py`."""
+    section = text.split("| package | holds | imports |", 1)[1].split("\n\n", 1)[0]
     floors = []
     for line in section.splitlines()[2:]:
         first, holds, imports = (c.strip() for c in line.strip().strip("|").split(" | "))

@@ -23,7 +23,7 @@ QUESTION = "\nQuestion: When does the bakery open on Saturday?\nAnswer:"
 
 def load(path: Path, **fields: object) -> GGUFModel:
     """One slot: the whole states these checkpoints are made of need a one-sequence context
-    (README "Serving many clients", "Prompt cache per slot")."""
+    (docs/internals.md "Serving many clients", "Prompt cache per slot")."""
     cfg = ModelConfig(**{"name": "gemma", "path": str(path), "n_ctx": 1024, "n_threads": 2,  # type: ignore[arg-type]
                          "use_mlock": False, "parallel": 1, **fields})
     return load_gguf_model(cfg, read_gguf_info(path))
@@ -57,7 +57,7 @@ def test_a_restored_state_answers_as_the_computed_one(gemma_path: Path, tmp_path
     assert restored[:2] == computed[:2]  # the same state bytes: the same output, bit for bit
     # a prefix computed alone and then extended vs the whole prompt at once: llama.cpp's batches
     # differ (other kernels and activation quantization per batch), so logprobs differ by up to
-    # ~0.1 on this Q4 model (README "Reproducibility"); the greedy tokens are the same
+    # ~0.1 on this Q4 model (docs/api.md "Reproducibility"); the greedy tokens are the same
     assert restored[0] == recomputed[0]
 
 
@@ -180,7 +180,7 @@ def test_checkpoints_are_evicted_by_bytes_least_recently_used_first(gemma2k: GGU
 
 
 def test_a_checkpointed_answer_equals_a_fresh_prefill_within_the_documented_bound(gemma2k: GGUFModel) -> None:
-    """README "Reproducibility": a prefix from the cache was computed in other batches than a
+    """docs/api.md "Reproducibility": a prefix from the cache was computed in other batches than a
     fresh prefill uses, so logprobs may differ (scripts/bench-cache-bound: at most 0.64 within 12
     tokens over 200 prompts, 0.30 at p95); the greedy text is the same here. A checkpoint itself changes nothing: copies leave the batches as they were."""
     m = gemma2k

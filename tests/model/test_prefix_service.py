@@ -173,7 +173,7 @@ def test_a_prefix_that_cannot_fit_fails_the_start_naming_it(tmp_path: Path, tiny
 
 def test_cache_prompt_false_repeats_bit_for_bit_and_greedy_repeats_its_text(tmp_path: Path, tiny_gguf: Path,
                                                                             service) -> None:
-    """README "Reproducibility": temperature 0 repeats its text; cache_prompt: false (no KV
+    """docs/api.md "Reproducibility": temperature 0 repeats its text; cache_prompt: false (no KV
     reuse) repeats every logprob exactly, whatever the requests before it were."""
     cfg = write_config(tmp_path / "edge.toml", tiny_gguf, n_ctx=512)
     live = service(cfg)

@@ -67,7 +67,7 @@ def alone(m: GGUFModel, prompt: str, n: int = 20) -> str:
 
 
 def test_each_sequence_of_a_batch_gives_what_it_gives_alone(model: GGUFModel) -> None:
-    """Greedy, bit for bit on these tiny models (README "Serving many clients": the measured
+    """Greedy, bit for bit on these tiny models (docs/internals.md "Serving many clients": the measured
     bound on the real one), a prompt given twice included."""
     want = [alone(model, p) for p in (*PROMPTS, PROMPTS[0])]
     got = run_all(model, [job(model, p) for p in (*PROMPTS, PROMPTS[0])][:4])
@@ -154,7 +154,7 @@ def test_a_sequence_waits_for_cells_when_the_running_ones_may_take_them(tiny_ggu
 
 
 def test_on_the_real_model_a_batch_changes_logits_only_within_the_stated_bound(gemma_path: Path) -> None:
-    """README "Serving many clients": a sequence's logits decoded in one batch with others (one
+    """docs/internals.md "Serving many clients": a sequence's logits decoded in one batch with others (one
     output row, or one per sequence) are within LOGIT_BOUND of its logits decoded alone (llama.cpp
     computes the batch's rows with other kernel shapes: other rounding); greedy texts can then
     part at a near-tie. A sequence's own chunking changes nothing (its prefill in one batch or

@@ -184,7 +184,7 @@ def test_stream_is_timed_to_its_last_chunk(service: Service) -> None:
         got += b"".join(iter(lambda: s.recv(65536), b""))
         t_end = time.perf_counter()
     # a tiny model's 64 tokens may come in few events: pieces that arrive while the event loop is
-    # busy are merged into one (README "Steady state"); the last one says why the stream ended
+    # busy are merged into one (docs/internals.md, "Steady state"); the last one says why the stream ended
     assert got.startswith(b"HTTP/1.1 200") and b'"finish_reason": "length"' in got.replace(b'":"', b'": "')
     after = scrape(service)
     fam, labels = "edge_request_duration_seconds", {"route": "/v1/completions", "method": "POST"}
