@@ -1,4 +1,4 @@
-"""What a grammar costs llama.cpp on this machine, behind edge's grammar bounds (README "Grammar
+"""What a grammar costs llama.cpp on this machine, behind edge's grammar bounds (docs/api.md "Grammar
 bounds"): JSON on stdout (also .bench/grammar-limits.json), a table on stderr.
 
 - stack: how deep llama.cpp's grammar parser (nested groups) and its left-recursion check (a chain

@@ -157,7 +157,7 @@ def test_the_prompt_cache_bound_the_readme_states_is_the_measured_one() -> None:
 def test_a_section_is_found_by_its_title_wherever_it_is() -> None:
     """kit.docs.section: what tests holding a sentence read, README or docs page alike."""
     keywords = section("json_schema keywords")
-    assert "| enforced |" in keywords and "### Grammar bounds" not in keywords
+    assert "| enforced |" in keywords and "## Grammar bounds" not in keywords
     with pytest.raises(LookupError, match="found 0"):
         section("A heading no page has")
     with pytest.raises(LookupError, match="found 0"):

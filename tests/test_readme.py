@@ -219,16 +219,16 @@ def test_every_name_is_where_the_readme_places_it() -> None:
 
 
 def test_json_schema_keywords_and_grammar_bounds_are_the_codes() -> None:
-    """The README's json_schema keyword table is `KEYWORDS` (every keyword, each with its status),
+    """The json_schema keyword table (docs/api.md) is `KEYWORDS` (every keyword, each with its status),
     and "Grammar bounds" states `GRAMMAR_LIMITS` and `MAX_STACKS`."""
     from edge.serve.jsonschema import GRAMMAR_LIMITS, KEYWORDS, MAX_OPTIONAL_PROPERTIES, MAX_STACKS
 
-    section = README.split("### json_schema keywords")[1].split("\n### ")[0]
-    rows = re.findall(r"^\| (.+?) \| (enforced|refused|ignored) \| (.*) \|$", section, re.M)
+    keywords = section("json_schema keywords")
+    rows = re.findall(r"^\| (.+?) \| (enforced|refused|ignored) \| (.*) \|$", keywords, re.M)
     table = {kw: (status, how) for names, status, how in rows for kw in re.findall(r"`([^`]+)`", names)}
     assert {k: status for k, (status, _) in table.items()} == {k: status for k, (status, _) in KEYWORDS.items()}
     assert all(how == KEYWORDS[k][1] for k, (status, how) in table.items() if status != "refused")
-    bounds = README.split("### Grammar bounds")[1].split("\n### ")[0]
+    bounds = section("Grammar bounds")
     for stated in (f"{GRAMMAR_LIMITS.bytes // 1024} KiB of GBNF", f"at most {GRAMMAR_LIMITS.nesting:,} nested groups",
                    f"at most {GRAMMAR_LIMITS.widest} wide", f"at most {MAX_OPTIONAL_PROPERTIES} optional properties",
                    f"at most {MAX_STACKS} grammar stacks"):

@@ -1,6 +1,6 @@
 """A JSON schema (`response_format.json_schema`, a forced tool call's `parameters`) made a GBNF
 grammar for llama.cpp: every keyword enforced, refused with a 400 naming it, or ignored on
-purpose (annotations), as KEYWORDS says (the README's table is checked against it, and
+purpose (annotations), as KEYWORDS says (docs/api.md's table is checked against it, and
 tests/serve/test_schemaproperty.py holds every grammar's outputs to the schema with the
 `jsonschema` validator).
 
@@ -27,7 +27,7 @@ __all__ = ["GRAMMAR_LIMITS", "KEYWORDS", "MAX_OPTIONAL_PROPERTIES", "MAX_STACKS"
            "check_schema", "measure_gbnf", "schema_grammar"]
 
 _E, _R, _I = "enforced", "refused", "ignored"
-# keyword -> (status, how): the README's "json_schema keywords" table, row for row
+# keyword -> (status, how): docs/api.md's "json_schema keywords" table, row for row
 KEYWORDS: dict[str, tuple[str, str]] = {
     "type": (_E, "one type, or a list of them (any of them); beside `enum`/`const`: the values of that type "
                  "(none: refused); beside `anyOf`/`oneOf`: each alternative of that type"),
@@ -92,7 +92,7 @@ def _walk(s: Any, where: str) -> None:
         status = KEYWORDS.get(key, (None, ""))[0]
         if status is None:
             raise Refused(f"{where}.{key}", f"{key!r} is not a JSON Schema keyword edge knows "
-                          "(README: json_schema keywords)")
+                          "(docs/api.md: json_schema keywords)")
         if status == _R:
             raise Refused(f"{where}.{key}", f"{key!r} is not enforced by edge's grammar, so edge refuses "
                           "it rather than ignore it")
@@ -125,7 +125,7 @@ class GrammarSize:
     widest: int  # the most alternatives of one rule or group: grammar stacks alive at once
 
 
-# Measured on this project's 2-core VM (README "Grammar bounds"): a grammar within these compiles in
+# Measured on this project's 2-core VM (docs/api.md, "Grammar bounds"): a grammar within these compiles in
 # well under 0.1 s, and the widest alternation costs about 0.2 s per token on Gemma 3's 262k vocabulary.
 GRAMMAR_LIMITS = GrammarSize(bytes=128 * 1024, nesting=1000, widest=256)
 
@@ -166,7 +166,7 @@ def check_gbnf(gbnf: str, param: str) -> GrammarSize:
         if value > most:
             unit = " bytes" if what == "is" else (" levels" if what == "nests groups" else " choices")
             raise RequestError(f"{param}: the grammar made from it {what} {value}{unit}, more than the "
-                               f"{most} a request may use (README: grammar bounds)", param=param)
+                               f"{most} a request may use (docs/api.md: grammar bounds)", param=param)
     return size
 
 
@@ -189,7 +189,7 @@ def schema_grammar(schema: Any, param: str, prefix: str | None = None) -> str:
             size = sum(len(json.dumps(v)) for v in schema["enum"])
             if size > GRAMMAR_LIMITS.bytes:  # before a trie is built of them
                 raise Refused(".enum", f"its values' JSON is {size} bytes, more than the {GRAMMAR_LIMITS.bytes} "
-                              "bytes a grammar may be (README: grammar bounds)")
+                              "bytes a grammar may be (docs/api.md: grammar bounds)")
         converted = convert(schema)
     except Refused as exc:
         raise RequestError(f"{where}{exc.where}: {exc.why}", param=param) from None
@@ -199,5 +199,5 @@ def schema_grammar(schema: Any, param: str, prefix: str | None = None) -> str:
     if stacks(converted.rules) > MAX_STACKS:
         raise RequestError(f"{where}: the grammar made from it can keep more than {MAX_STACKS} grammar stacks "
                            "alive at once (alternatives that start alike, nested through $ref or repeated), "
-                           "each checked against every token (README: grammar bounds)", param=param)
+                           "each checked against every token (docs/api.md: grammar bounds)", param=param)
     return converted.gbnf

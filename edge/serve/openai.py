@@ -28,7 +28,7 @@ _COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                    "tool_choice", "parallel_tool_calls"}
 
-# Accepted, and on purpose without effect: why, for each (the README's table says the same).
+# Accepted, and on purpose without effect: why, for each (docs/api.md's table says the same).
 IGNORED = {
     "user": "logged with the request; edge has no per-user policy to apply",
     "safety_identifier": "logged like `user`",

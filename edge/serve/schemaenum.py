@@ -2,7 +2,7 @@
 
 llama-cpp-python's converter writes an enum as one alternative per value. llama.cpp keeps a
 grammar stack per alternative still open and checks the whole vocabulary against each at every
-token (an enum of 1,024 strings: 0.62 s a token on Gemma 3, README "Grammar bounds"). Here the
+token (an enum of 1,024 strings: 0.62 s a token on Gemma 3, docs/api.md "Grammar bounds"). Here the
 values share their common beginnings, so only the characters that can come next are
 alternatives: 1,000 numbered values are 10 wide, not 1,000. The converter also writes a value's
 JSON text into a GBNF string without escaping its backslashes (`"c\\\\d"` came out as `"c\\d"`,

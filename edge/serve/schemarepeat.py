@@ -1,7 +1,7 @@
 """`x{lo,hi}` for counts past what llama.cpp's grammar parser takes in one repetition.
 
 llama.cpp refuses a repetition whose rule count reaches 2,000 (MAX_REPETITION_THRESHOLD), yet the
-README promises `maxLength`/`maxItems` up to 10,000. A longer one is written in blocks: `lo`
+docs/api.md promises `maxLength`/`maxItems` up to 10,000. A longer one is written in blocks: `lo`
 as q copies of `x{BLOCK}` and the rest, the optional part `n = hi - lo` as `(x{BLOCK}){0,q}
 x{0,r}` with `r = n - q*BLOCK` between BLOCK-1 and 2*BLOCK-2: every count from 0 to n, none
 beyond. A count inside the optional part can be read as j or j-1 blocks and a tail, so such a

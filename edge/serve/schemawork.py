@@ -18,7 +18,7 @@ once, reading:
   (a recursive `anyOf` whose alternatives start alike) is unbounded.
 and every stack may have a twin: one reading the optional space before the next token, one past
 it (measured: 256 look-alike objects keep 512 stacks after `{`). The bound is an over-estimate:
-a schema refused by it names the field and the limit (MAX_STACKS, README "Grammar bounds").
+a schema refused by it names the field and the limit (MAX_STACKS, docs/api.md "Grammar bounds").
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Union
 
 __all__ = ["MAX_STACKS", "Cost", "Part", "alt", "box", "leaf", "ref", "seq", "stacks", "times"]
 
-MAX_STACKS = 256  # grammar stacks at once: ~0.18 s a token over Gemma 3's vocabulary (README)
+MAX_STACKS = 256  # grammar stacks at once: ~0.18 s a token over Gemma 3's vocabulary (docs/api.md)
 
 # ("leaf", n) | ("alt", [(firsts, Cost)]) | ("seq", [Cost]) | ("ref", name) | ("times", k, Cost)
 # | ("box", Cost)

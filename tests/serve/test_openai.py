@@ -328,7 +328,7 @@ def test_fields_ignored_on_purpose_are_accepted(tiny: Service) -> None:
                                             store=False, metadata={"k": "v"}, service_tier="auto",
                                             extra_body={"safety_identifier": "sid-7"})
     assert r.choices[0].finish_reason in ("stop", "length")
-    # README: both are logged with the request
+    # docs/api.md: both are logged with the request
     assert "request from user 'u-1', safety_identifier 'sid-7'" in tiny.pid1.log_tail(100_000)
 
 
