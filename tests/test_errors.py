@@ -1,5 +1,5 @@
-"""Exit codes of `edge serve` and the CLI (one table: edge.errors.EXIT_CODES, which the README's
-table must match), and clean stops: what an operator sees in the journal."""
+"""Exit codes of `edge serve` and the CLI (one table: edge.errors.EXIT_CODES, which both tables
+of docs/faults.md must match), and clean stops: what an operator sees in the journal."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from edge import toml
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_SOFTWARE, EX_UNAVAILABLE, EXIT_CODES
 from edge.host.units import UnitOptions, render_service
 from kit import EDGE, post, write_config
+from kit.docs import section
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,21 +121,23 @@ def test_n_ctx_beyond_the_trained_context_warns(tmp_path: Path, tiny_gguf: Path,
     assert status == 200, body
 
 
-def test_readme_exit_code_table_is_the_errors_table() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Exit codes of `edge serve`", 1)[1].split("\n## ", 1)[0]
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
-            if re.match(r"\| \d+ \|", line)]
-    documented = {int(code): (meaning, restarted) for code, meaning, restarted in rows}
+def test_the_exit_code_tables_are_the_errors_table() -> None:
+    """docs/faults.md has two: the generated one ("Exit codes of `edge serve`") and the causes in
+    detail ("Each exit code's causes"); each names every class under its code, and says "no" to a
+    restart exactly where the unit's RestartPreventExitStatus= has the code."""
     prevented = {int(c) for c in re.search(r"RestartPreventExitStatus=([\d ]+)",
                                            render_service(UnitOptions())).group(1).split()}
-    for cls, code in EXIT_CODES.items():
-        assert code in documented, f"{cls.__name__} exits {code}: not in the README's table"
-        assert f"`{cls.__name__}`" in documented[code][0], (cls.__name__, documented[code])
-    assert set(documented) == set(EXIT_CODES.values())
-    for code, (_, restarted) in documented.items():
-        if code:
-            assert restarted.startswith("no") == (code in prevented), (code, restarted)
+    for title in ("Exit codes of `edge serve`", "Each exit code's causes"):
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in section(title).splitlines()
+                if re.match(r"\| \d+ \|", line)]
+        documented = {int(code): (meaning, restarted) for code, meaning, restarted in rows}
+        for cls, code in EXIT_CODES.items():
+            assert code in documented, f"{cls.__name__} exits {code}: not in the table {title!r}"
+            assert f"`{cls.__name__}`" in documented[code][0], (title, cls.__name__, documented[code])
+        assert set(documented) == set(EXIT_CODES.values()), title
+        for code, (_, restarted) in documented.items():
+            if code:
+                assert restarted.startswith("no") == (code in prevented), (title, code, restarted)
 
 
 def test_every_error_class_is_drawn_in_the_tree_with_its_exit_code() -> None:

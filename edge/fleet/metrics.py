@@ -304,7 +304,7 @@ def _given_up(give_up: GiveUp | None) -> Iterator[Metric]:
     holds = give_up is not None and not give_up.retrying
     rows = [([give_up.phase, give_up.signal, give_up.target], 1.0)] if holds and give_up is not None else []
     yield _gauge("edge_given_up", "1 while safe mode is exhausted and the service only answers 503 (edge "
-                 "safe-mode; README \"Native faults\"): the phase, signal and model or engine of the last "
+                 "safe-mode; docs/faults.md): the phase, signal and model or engine of the last "
                  "crash.", ["phase", "signal", "target"], rows)
     yield _gauge("edge_given_up_retry_timestamp_seconds", "While given up: when one start will try the "
                  "native path again (unix time).", [], [([], give_up.retry_at)] if holds and give_up else [])

@@ -58,7 +58,7 @@ def test_stop_without_a_process_names_mainpid() -> None:
 
 def test_stop_after_the_main_process_ended_by_itself_is_a_clean_stop() -> None:
     """systemd runs ExecStop= also after the main process exited on its own (a give-up that ended:
-    README "Native faults"), with no $MAINPID and $SERVICE_RESULT set: exit 0, or the unit's clean
+    docs/faults.md "Native faults"), with no $MAINPID and $SERVICE_RESULT set: exit 0, or the unit's clean
     exit would be `Failed with result 'exit-code'` and restarted."""
     env = {k: v for k, v in os.environ.items() if k != "MAINPID"}
     r = subprocess.run([*EDGE, "stop"], capture_output=True, text=True, timeout=60,

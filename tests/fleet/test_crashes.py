@@ -1,4 +1,4 @@
-"""README "Native faults", the table of every way of ending: a test per row. A real process is
+"""docs/faults.md "Native faults", the table of every way of ending: a test per row. A real process is
 ended that way (a signal from outside, its own exit, systemd's word through `edge record-stop`
 with the variables systemd sets), then what it was recorded as (`result`, `cause`) and what two
 such ends in a row do to safe mode are read back. The processes here write the start journal and
@@ -25,6 +25,7 @@ from edge.host.units import UnitOptions, render_service
 from edge.lifecycle.safemode import SafeMode
 from kit import EDGE, PidOne, write_config
 from kit.cgroups import cgroup_tree
+from kit.docs import section
 from kit.unit import Unit, stop_post_env, wait_stopped
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -243,7 +244,7 @@ def row_exit_restarted(tmp_path: Path, tiny_gguf: Path) -> None:
     assert _reports(tmp_path) == {"failed-start": "failed"} and recent_crashes(tmp_path / "state") == []
 
 
-# README row (its first cell) -> its test: here, or where the behaviour lives
+# docs/faults.md row (its first cell) -> its test: here, or where the behaviour lives
 ROWS: dict[str, Callable[[Path, Path], None] | str] = {
     "SIGSEGV, SIGBUS, SIGILL, SIGABRT, SIGFPE in a phase with fallbacks": row_native_with_fallback,
     "the same in a phase without fallback (`config`, `imports`, `page_in`, ...)": row_native_without_fallback,
@@ -264,15 +265,15 @@ ROWS: dict[str, Callable[[Path, Path], None] | str] = {
 }
 
 
-def _readme_rows() -> dict[str, list[str]]:
-    text = (ROOT / "README.md").read_text()
+def _table_rows() -> dict[str, list[str]]:
+    text = section("Native faults: never silent, never a crash loop")  # docs/faults.md
     table = text.split("**Every way of ending**", 1)[1].split("\n\n", 2)[1]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
     return {r[0]: r for r in rows}
 
 
-def test_every_row_of_the_readme_table_has_its_test() -> None:
-    assert set(_readme_rows()) == set(ROWS)
+def test_every_row_of_the_table_has_its_test() -> None:
+    assert set(_table_rows()) == set(ROWS)
     for row, test in ROWS.items():
         if isinstance(test, str):
             path, name = test.split("::")
@@ -280,9 +281,9 @@ def test_every_row_of_the_readme_table_has_its_test() -> None:
 
 
 @pytest.mark.parametrize("row", [r for r, t in ROWS.items() if callable(t)])
-def test_each_way_of_ending_is_recorded_as_the_readme_says(row: str, tmp_path: Path, tiny_gguf: Path,
+def test_each_way_of_ending_is_recorded_as_the_docs_say(row: str, tmp_path: Path, tiny_gguf: Path,
                                                            edge_home: Path) -> None:
-    cells = _readme_rows()[row]
+    cells = _table_rows()[row]
     causes = re.findall(r"`([a-z-]+)`", cells[1])
     counts = cells[2].startswith("counts")
     for cause in causes[1:] if len(causes) > 1 else causes:

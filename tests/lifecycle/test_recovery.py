@@ -3,7 +3,7 @@
 counted with its phase and signal, two crashes of one phase take its safe fallback, the last one
 exits 76, and a client that connected during a crashed start is answered by the next one.
 
-Faults are real signals raised in the service at a named phase (EDGE_TEST_FAULT, README "Native
+Faults are real signals raised in the service at a named phase (EDGE_TEST_FAULT, docs/faults.md "Native
 faults"), or sent from here to a service that EDGE_TEST_FAULT=<phase>:STOP stopped as that phase
 began (the signal comes from outside, at a known phase)."""
 
