@@ -16,7 +16,7 @@ the old one's child also puts it in the unit's cgroup, where systemd accepts `MA
 (the unit has NotifyAccess=all: the new process's watchdog pings count before it is main).
 
 A new process that fails or is not ready in time is killed and the old one serves on; where memory
-does not allow both, the handover is today's restart (README "Handover").
+does not allow both, the handover is today's restart (docs/reload.md, "Handover").
 """
 
 from __future__ import annotations
