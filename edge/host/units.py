@@ -34,7 +34,7 @@ START_LIMIT_INTERVAL_S = 120
 
 STARTER_CONFIG = """\
 # Starter config written by `edge units install` (it never overwrites an existing file).
-# Every field and its default: README "Config". After editing: systemctl restart edge.service
+# Every field and its default: docs/config.md. After editing: systemctl restart edge.service
 [server]
 drain_timeout_s = 30.0
 
@@ -95,7 +95,7 @@ def render_socket(o: UnitOptions) -> str:
 
 
 SERVICE = string.Template("""\
-# Rendered by `edge units print`; see README "systemd" for every choice made here.
+# Rendered by `edge units print`; see docs/deploy.md ("The units in detail") for every choice made here.
 # Left out on purpose, each because it breaks the GPU path or mlock:
 #   MemoryDenyWriteExecute=  CUDA's PTX JIT and libffi (ctypes callbacks) map W+X pages
 #   PrivateDevices=          hides /dev/nvmap, /dev/nvhost-* and /dev/nvidia*; DevicePolicy=

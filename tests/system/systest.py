@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kit.docs import section
+
 ROOT = Path(__file__).resolve().parents[2]
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -128,9 +130,10 @@ class Machine:
             self.proc.wait(timeout=30)
 
 
-def readme_systemd_steps(readme: Path) -> list[str]:
-    """The command lines of the first code block in README's `## systemd` section, comments cut."""
-    section = readme.read_text().split("\n## systemd\n", 1)[1]
-    block = section.split("```", 2)[1].split("\n", 1)[1]
+def readme_systemd_steps() -> list[str]:
+    """The command lines of the first code block in docs/deploy.md's "From a wheel, without a
+    checkout" section (found by its title, wherever the docs keep it), comments cut."""
+    text = section("From a wheel, without a checkout")
+    block = text.split("```", 2)[1].split("\n", 1)[1]
     lines = [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines()]
     return [line for line in lines if line and not line.startswith("#")]

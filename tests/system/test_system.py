@@ -1,8 +1,9 @@
 """edge's units under a real systemd 252 as PID 1 (Debian 12 in systemd-nspawn).
 
-One container is booted per session; edge is installed into /opt/edge/venv with the README's
-systemd steps (pip from wheels built on the host, bind-mounted: the container has no network).
-The README test runs the embedded Gemma model; the rest switch /etc/edge/edge.toml to a tiny
+One container is booted per session; edge is installed into /opt/edge/venv with the install
+steps of docs/deploy.md ("From a wheel, without a checkout"; pip from wheels built on the host,
+bind-mounted: the container has no network).
+The install test runs the embedded Gemma model; the rest switch /etc/edge/edge.toml to a tiny
 GGUF so that each restart takes about a second.
 """
 
@@ -109,8 +110,8 @@ def machine() -> Iterator[Machine]:
 
 @pytest.fixture(scope="module")
 def installed(machine: Machine) -> subprocess.CompletedProcess[str]:
-    """The README's systemd steps, run verbatim (pip finds the wheels through its environment)."""
-    script = "\n".join(readme_systemd_steps(ROOT / "README.md"))
+    """docs/deploy.md's install steps from a wheel, run verbatim (pip finds the wheels through its environment)."""
+    script = "\n".join(readme_systemd_steps())
     return machine.run(script, check=False, timeout=600,
                        env={"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "/wheels /wheels-edge",
                             "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
@@ -119,7 +120,7 @@ def installed(machine: Machine) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def tiny(machine: Machine, installed: subprocess.CompletedProcess[str]) -> Machine:
     if installed.returncode != 0:
-        pytest.skip("the README's install steps failed (see test_readme_install_reaches_active_running)")
+        pytest.skip("docs/deploy.md's install steps failed (see test_readme_install_reaches_active_running)")
     machine.run(f"cat > /etc/edge/edge.toml <<'EOF'\n{TINY_CONFIG}EOF\nsystemctl restart edge.service")
     return machine
 
@@ -152,7 +153,7 @@ def test_start_report_has_resident_before(machine: Machine, installed: subproces
     page_in = next(p for p in report["phases"] if p["name"] == "page_in")
     # mincore is allowed by the syscall filter, so page-in could measure the cache before reading
     assert isinstance(page_in["detail"].get("resident_before"), float), page_in
-    # the README's install compiled everything the start imports: the unit (ProtectSystem=strict)
+    # docs/deploy.md's install compiled everything the start imports: the unit (ProtectSystem=strict)
     # could not have written a .pyc, so anything without one would have been compiled at this start
     assert report["compiled"] == [], report["compiled"]
     bytecode = next(c for c in json.loads(machine.run(f"{EDGE} doctor --json", check=False).stdout)
@@ -333,7 +334,7 @@ def test_doctor_checks_what_the_unit_runs(tiny: Machine) -> None:
 
 
 def test_the_api_key_credential_reaches_the_service_and_never_the_journal(tiny: Machine) -> None:
-    """README "Exposing edge beyond the device": the key file root's, passed by LoadCredential=;
+    """docs/security.md, "Exposing edge beyond the device": the key file root's, passed by LoadCredential=;
     requests with the key are served, without it refused; the key is nowhere in the journal."""
     m = tiny
     _serving(m)
