@@ -4,6 +4,7 @@ import pytest
 
 from edge.config import BUILTIN_PREFIX, find_config, load_config, parse_config, state_dir
 from edge.errors import EX_CONFIG, ConfigError
+from kit.docs import section
 
 MIN = '[[models]]\nname = "m"\npath = "m.gguf"\n'
 
@@ -70,10 +71,10 @@ def test_state_dir_follows_systemd_then_edge_home(monkeypatch: pytest.MonkeyPatc
     assert state_dir(cfg2) == Path("/s")
 
 
-def test_the_readme_example_config_is_valid() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    example = readme.split("```toml\n", 1)[1].split("```", 1)[0]
-    cfg = parse_config(example, source="README.md")
+def test_the_documented_example_config_is_valid() -> None:
+    """docs/config.md's commented example (found by its section title) is a valid config."""
+    example = section("A commented example").split("```toml\n", 1)[1].split("```", 1)[0]
+    cfg = parse_config(example, source="docs/config.md")
     assert cfg.models[0].path == BUILTIN_PREFIX + "gemma3-270m"
     assert cfg.warmup.long_prefill_fraction == 0.5
 

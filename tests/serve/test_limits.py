@@ -560,14 +560,13 @@ def test_file_descriptor_limit_fits_max_connections(tmp_path, tiny_gguf) -> None
             in pid1.log_tail(100_000)
 
 
-def test_readme_limits_match_the_config() -> None:
+def test_documented_limits_match_the_config() -> None:
     from edge import toml
     from edge.config import ServerConfig
     from edge.serve.jsoncheck import MAX_JSON_DEPTH
     from edge.serve.limits import FD_RESERVE
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    block = docs_section("A commented example").split("```toml\n", 1)[1].split("```", 1)[0]  # docs/config.md
     server = toml.loads(block.split("[paths]", 1)[0])["server"]
     defaults = ServerConfig()
     for name, value in server.items():
