@@ -1,7 +1,7 @@
 """The documentation site (mkdocs.yml, docs/): it builds with `mkdocs build --strict` and fetches
 nothing while it does, every page is in the navigation, the generated parts (the config reference,
-the exit-code table) are what the code gives now, every README section a page points to is there,
-and every command's help points to its page."""
+the exit-code table) are what the code gives now, the README is short and links every page (no
+page points back into it), and every command's help points to its page."""
 
 from __future__ import annotations
 
@@ -102,14 +102,25 @@ def test_a_config_of_every_documented_default_is_the_default_config() -> None:
     assert sum(len(tables[t]) for t in ("server", "warmup", "ota", "models")) > 50
 
 
-def test_every_readme_section_a_page_points_to_is_there() -> None:
-    """Until the move, stubs name README sections as `README.md#anchor`: each is a heading's anchor."""
+def test_the_readme_is_short_and_links_every_page() -> None:
+    """README.md is the short entry (at most 250 lines) with a link to every page of docs/, each
+    anchor it links to a heading of that page."""
     readme = (ROOT / "README.md").read_text()
-    anchors = {anchor(h) for h in re.findall(r"^#{2,3} (.+)$", readme, re.M)}
-    refs = [a for p in DOCS.glob("*.md") for a in re.findall(r"`README\.md#([\w-]+)`", p.read_text())]
-    mentions = sum(p.read_text().count("README.md#") for p in DOCS.glob("*.md"))
-    assert refs and len(refs) == mentions  # every pointer has the form read here (none goes unchecked)
-    assert sorted(set(refs) - anchors) == []
+    assert len(readme.splitlines()) <= 250
+    links = re.findall(r"\]\(docs/([\w-]+\.md)(?:#([\w-]+))?\)", readme)
+    assert {page for page, _ in links} == {p.name for p in DOCS.glob("*.md")}
+    for page, frag in links:
+        headings = re.findall(r"^#+ (.+)$", (DOCS / page).read_text(), re.M)
+        assert not frag or frag in {anchor(h) for h in headings}, f"README links {page}#{frag}: no such heading"
+
+
+def test_no_page_or_message_points_into_the_readme() -> None:
+    """The move is done: no docs page is a stub that sends the reader to a README section, and no
+    message, help text or comment of edge/ names one (they name the docs page)."""
+    stale = re.compile(r"README(?:\.md#| section|: | \")|Until the move|filled when")
+    files = [*DOCS.glob("*.md"), *(ROOT / "edge").rglob("*.py"), *(ROOT / "systemd").glob("*")]
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in files for m in stale.finditer(p.read_text())]
+    assert found == []
 
 
 def _commands(cmd: object, words: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], object]]:

@@ -7,6 +7,7 @@ options, every dotted module reference (`edge.x.Y`, `kit.Y`), every test it name
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -233,3 +234,16 @@ def test_json_schema_keywords_and_grammar_bounds_are_the_codes() -> None:
                    f"at most {GRAMMAR_LIMITS.widest} wide", f"at most {MAX_OPTIONAL_PROPERTIES} optional properties",
                    f"at most {MAX_STACKS} grammar stacks"):
         assert stated in bounds, stated
+
+
+def test_the_quick_start_is_the_two_commands_everywhere() -> None:
+    """The README's quick start is the clone, then `scripts/demo` and `scripts/test`: scripts there
+    are (CI runs the second), and the docs (the site's home, Install) show the very same block."""
+    block = section("Quick start").split("```\n", 1)[1].split("```", 1)[0]
+    commands = [line.split()[0] for line in block.splitlines()[1:]]
+    assert block.startswith("git clone <this repo> edge && cd edge\n")
+    assert commands == ["scripts/demo", "scripts/test"]
+    assert all(os.access(ROOT / c, os.X_OK) for c in commands)
+    assert "exec scripts/test" in (ROOT / ".ci" / "run").read_text()
+    for page in ("docs/index.md", "docs/install.md"):
+        assert f"```\n{block}```" in (ROOT / page).read_text(), page

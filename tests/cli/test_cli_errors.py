@@ -1,5 +1,5 @@
 """Bad inputs to the CLI: each one a one-line error naming the file, field or option and what
-was expected, with the exit code the README documents, and never a traceback."""
+was expected, with the exit code the docs give, and never a traceback."""
 
 from __future__ import annotations
 

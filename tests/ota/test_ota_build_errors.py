@@ -1,5 +1,5 @@
 """`edge ota build` and its neighbours refuse bad inputs before any work, each with a one-line
-error naming the option or file and what was expected, with the exit code the README gives:
+error naming the option or file and what was expected, with the exit code the docs give:
 2 for an argument, 78 for the config, never a traceback."""
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def test_a_repairing_reinstall_of_an_earlier_version_rewrites_its_signature_so_a
     (vdir / "manifest.sig").write_bytes(b"\0" * 64)  # damaged: the manifest no longer verifies
     r = edge_ota(dev, "rollback", "--no-activate", "--pubkey", str(dev["pub"]))
     assert r.returncode == 65 and "versions/1.0.0/manifest.json: does not verify" in r.stderr, r.stderr
-    answer = committed(dev, first, "--allow-downgrade")  # the fix the README names
+    answer = committed(dev, first, "--allow-downgrade")  # the fix docs/ota.md names
     assert "manifest.json and manifest.sig (from the bundle: its signed manifest)" in answer["checked"]["repaired"]
     assert verify_problems(dev) == ""
     committed(dev, build_version(dev, "3.0.0", config=MODEL_CFG + "# 3\n"))
