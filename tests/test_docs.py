@@ -117,7 +117,9 @@ def test_the_readme_is_short_and_links_every_page() -> None:
 def test_no_page_or_message_points_into_the_readme() -> None:
     """The move is done: no docs page is a stub that sends the reader to a README section, and no
     message, help text or comment of edge/ names one (they name the docs page)."""
-    stale = re.compile(r"README(?:\.md#| section|: | \")|Until the move|filled when")
+    # the stubs' own words, spelled apart so that a grep for them finds only a page that has them
+    words = [" ".join(w) for w in (("Until", "the", "move"), ("filled", "when"))]
+    stale = re.compile("|".join(["README" + r"(?:\.md#| section|: | \")", *words]))
     files = [*DOCS.glob("*.md"), *(ROOT / "edge").rglob("*.py"), *(ROOT / "systemd").glob("*")]
     found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in files for m in stale.finditer(p.read_text())]
     assert found == []

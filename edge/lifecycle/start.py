@@ -114,7 +114,7 @@ class ColdStart:
         signal.signal(signal.SIGHUP, self._hup_during_start)
         self.notifier.extend_while()
         self.loaded = self.loader.load()
-        import asyncio  # here, not before the config: it costs a start ~25 ms of imports (docs/internals.md, "Cold start, phase by phase")
+        import asyncio  # here, not before the config: it costs a start ~25 ms of imports (docs/internals.md, "Cold start")
 
         return asyncio.run(self._warm_and_serve(self.loaded))
 
