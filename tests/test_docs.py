@@ -135,12 +135,16 @@ def _commands(cmd: object, words: tuple[str, ...] = ()) -> list[tuple[tuple[str,
 
 def test_every_command_help_points_to_its_page() -> None:
     """`edge --help` and every command's and group's help end with a "Docs: docs/<page>.md" line
-    naming a page there is."""
+    naming a page there is, and a heading of it where the line names one (`#anchor`); the line fits
+    80 columns, so that a terminal's help does not break the link."""
     root = typer.main.get_command(app)
     missing, pages = [], {p.name for p in DOCS.glob("*.md")}
     for words, cmd in _commands(root):
-        found = re.findall(r"Docs: docs/([\w-]+\.md)", getattr(cmd, "help", None) or "")
-        if len(found) != 1 or found[0] not in pages:
+        found = re.findall(r"Docs: docs/([\w-]+\.md)(?:#([\w-]+))?$", getattr(cmd, "help", None) or "", re.M)
+        page, frag = found[0] if len(found) == 1 else ("", "")
+        headings = re.findall(r"^#+ (.+)$", (DOCS / page).read_text(), re.M) if page in pages else []
+        if page not in pages or (frag and frag not in {anchor(h) for h in headings}) \
+                or len(f"  Docs: docs/{page}#{frag}") > 80:
             missing.append(" ".join(("edge", *words)))
     assert len(_commands(root)) > 25
     assert missing == []

@@ -15,7 +15,7 @@ __all__ = ["register"]
 def doctor(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt) -> None:
     """Check config, model files, mlock limits, memory and units; explain each fix.
 
-    Docs: docs/deploy.md"""
+    Docs: docs/deploy.md#4-check-before-the-first-start"""
     from edge.host.doctor import run_checks
     from edge.host.units import unit_dir
 
@@ -35,7 +35,7 @@ def device(as_json: bool = JsonOpt) -> None:
     """What this machine is: Jetson module, L4T, SM arch, CUDA, TensorRT, ONNX Runtime, and the
     CPU paths llama.cpp uses (and any edge turned off, with why).
 
-    Docs: docs/install.md"""
+    Docs: docs/install.md#per-platform"""
     from edge.device.identity import detect
     from edge.model.cpupaths import llama_cpu
 

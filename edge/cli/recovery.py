@@ -17,7 +17,8 @@ from edge.cli.options import ConfigOpt, JsonOpt
 __all__ = ["register"]
 
 safe_mode_app = typer.Typer(no_args_is_help=False, invoke_without_command=True, rich_markup_mode=None,
-                            help="Safe mode: the fallbacks that crashes made the service take.\n\nDocs: docs/faults.md")
+                            help="Safe mode: the fallbacks that crashes made the service take.\n\n"
+                                 "Docs: docs/faults.md#native-faults-never-silent-never-a-crash-loop")
 
 
 def stop(pid: Optional[int] = typer.Option(None, "--pid", help="the process to stop (default: $MAINPID, "
@@ -29,7 +30,7 @@ def stop(pid: Optional[int] = typer.Option(None, "--pid", help="the process to s
     process is not systemd's own child, and systemd (249-252) would not wait for it after its
     SIGTERM but kill it at once; systemd waits for ExecStop= instead.
 
-    Docs: docs/deploy.md"""
+    Docs: docs/deploy.md#the-units-in-detail"""
     if pid is None:
         raw = os.environ.get("MAINPID", "")
         if not raw and os.environ.get("SERVICE_RESULT"):
@@ -60,7 +61,7 @@ def record_stop(config: Optional[str] = ConfigOpt) -> None:
     $EXIT_CODE, $EXIT_STATUS): a crash keeps its signal even when the process could write nothing.
     Always exits 0 (it must never fail the unit's stop).
 
-    Docs: docs/faults.md"""
+    Docs: docs/faults.md#native-faults-never-silent-never-a-crash-loop"""
     from edge.fleet.crashes import settle_all
     from edge.fleet.journal import Stop
     from edge.lifecycle.recovery import early_state_dir
@@ -81,7 +82,7 @@ def record_stop(config: Optional[str] = ConfigOpt) -> None:
 def show(ctx: typer.Context, config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt) -> None:
     """The safe-mode steps in force (and the crashes counted), or `clear` to end safe mode.
 
-    Docs: docs/faults.md"""
+    Docs: docs/faults.md#native-faults-never-silent-never-a-crash-loop"""
     if ctx.invoked_subcommand is not None:
         return
     from edge.fleet.crashes import recent_crashes
@@ -114,7 +115,7 @@ def clear(config: Optional[str] = ConfigOpt) -> None:
     no more. A give-up ends too: the process answering 503 exits at once, and the next client (or
     one waiting) starts the service, with no systemctl command.
 
-    Docs: docs/faults.md"""
+    Docs: docs/faults.md#native-faults-never-silent-never-a-crash-loop"""
     from edge.fleet.giveup import GiveUp
     from edge.lifecycle.recovery import early_state_dir
     from edge.lifecycle.safemode import SafeMode

@@ -36,7 +36,7 @@ def warmup(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt,
            svg: Optional[Path] = SvgOpt) -> None:
     """Rehearse a start (page-in, load, lock, warm-up) without serving, and report each phase.
 
-    Docs: docs/internals.md"""
+    Docs: docs/internals.md#cold-start-phase-by-phase"""
     from edge.lifecycle.start import ColdStart
     from edge.timing import format_report
 
@@ -128,7 +128,7 @@ def status(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt, svg: Opti
     and a start that failed after it, if one did. A damaged report is named (exit 1), the others
     are still shown.
 
-    Docs: docs/deploy.md"""
+    Docs: docs/deploy.md#6-see-it-serve"""
     from edge.fleet.history import FAILED_START
     from edge.timing import REPORT_NAME, visible
 

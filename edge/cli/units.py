@@ -13,7 +13,7 @@ from edge.errors import EdgeError
 __all__ = ["register"]
 
 units_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                        help="systemd units: print or install edge.socket + edge.service.\n\nDocs: docs/deploy.md")
+                        help="systemd units: print or install edge.socket + edge.service.\n\nDocs: docs/deploy.md#3-the-units-and-a-starter-config")
 
 def _absolute(value: Optional[str]) -> Optional[str]:
     if value is not None and not value.startswith("/"):
@@ -71,7 +71,7 @@ def units_print(edge: Optional[str] = EdgeOpt, config: str = UnitConfigOpt, list
     """Print edge.socket and edge.service (and edge-nvidia-uvm.service where nvidia-modprobe is) as
     they would be installed on the device at --root.
 
-    Docs: docs/deploy.md"""
+    Docs: docs/deploy.md#the-units-in-detail"""
     from edge.host.gpu_nodes import UVM_UNIT, nvidia_minors, render_uvm
     from edge.host.units import render_service, render_socket
 
@@ -89,7 +89,7 @@ def units_install(prefix: str = typer.Option("/", "--prefix", callback=_prefix, 
     """Write edge.socket and edge.service (atomically) and say which systemctl commands to run;
     the GPU device policy is that of the device at --prefix.
 
-    Docs: docs/deploy.md"""
+    Docs: docs/deploy.md#3-the-units-and-a-starter-config"""
     from edge.host.units import install_starter_config, install_units, reclaim_config_dir
 
     o = _options(edge, config, listen, unix_socket, socket_group, user, prefix)
