@@ -33,6 +33,7 @@ error that names the extra to install.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 
 __all__ = [
@@ -210,12 +211,13 @@ EXIT_CODES: dict[type[EdgeError], int] = {
 }
 
 
-def require(module: str, extra: str | None, purpose: str, *, package: str | None = None) -> ModuleType:
-    """Import `module` or raise MissingDependency naming the pip `package` and the `extra` of
-    edge that brings it (extras are those of pyproject.toml: default-model, ort, trt, bench;
-    None for edge's own dependencies)."""
+def require(module: str, extra: str | None, purpose: str, *, package: str | None = None,
+            importer: Callable[[], ModuleType] | None = None) -> ModuleType:
+    """Import `module` (by `importer` where given) or raise MissingDependency naming the pip
+    `package` and the `extra` of edge that brings it (extras are those of pyproject.toml:
+    default-model, ort, trt, bench; None for edge's own dependencies)."""
     try:
-        return importlib.import_module(module)
+        return importer() if importer is not None else importlib.import_module(module)
     except ImportError as exc:
         if exc.name is not None and not module.startswith(exc.name.split(".")[0]):
             raise  # the package is there but one of its own imports failed: show that

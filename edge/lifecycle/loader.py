@@ -18,14 +18,12 @@ serves the set it makes, `edge.lifecycle.reload` makes each new set with it besi
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, EngineConfig, ModelConfig, cache_dir, check_writable, find_config, load_config
-from edge.errors import require
 from edge.lifecycle.loadset import Loaded, LoadPlan, close_worker, model_key
 from edge.lifecycle.systemd import Notifier, setup_logging
 from edge.timing import Phases, StartTimer
@@ -42,7 +40,13 @@ if TYPE_CHECKING:
     from edge.lifecycle.warmplan import WarmTarget
     from edge.serve.worker import ModelWorker
 
-__all__ = ["Loader", "read_config", "save_learned"]
+__all__ = ["LOAD_SWITCH_INTERVAL_S", "Loader", "read_config", "save_learned"]
+
+# The GIL's switch interval while models load beside the imports: llama.cpp logs each line of a
+# load (about 760 for Gemma 3) through edge's callback, which takes the GIL, and a thread asking
+# for it waits up to the interval (5 ms) while this one imports: a 0.55 s load took 2.15 s beside
+# a busy thread at 5 ms, 0.58 s at 50 µs (the project's 2-core VM).
+LOAD_SWITCH_INTERVAL_S = 50e-6
 
 
 def read_config(path: str | None, timer: StartTimer) -> Config:
@@ -143,10 +147,13 @@ class Loader:
             raise
 
     def import_backends(self, plan: LoadPlan) -> None:
-        """llama_cpp (and onnxruntime) imported beside the page-in threads."""
+        """llama_cpp's bindings (and onnxruntime) imported beside the page-in threads: what a
+        model's load needs; the rest of llama_cpp comes beside the load (`import_http`)."""
+        from edge.lifecycle.backends import import_modules
+
         with self.timer.phase(Phases.IMPORTS) as ph:
             self.notifier.status("importing the inference backends")
-            ph.detail["modules"] = _import((["llama_cpp"] if plan.files else []) + (
+            ph.detail["modules"] = import_modules((["llama_cpp.llama_cpp"] if plan.files else []) + (
                 ["onnxruntime"] if any(e.backend == "onnxruntime" for e in plan.engines) else []))
 
     def finish_model_files(self, plan: LoadPlan) -> None:
@@ -166,17 +173,29 @@ class Loader:
 
     def load_models_beside_http(self, files: list[ModelFile], made: dict[str, Any]
                                 ) -> tuple[dict[str, ModelWorker], dict[str, Any]]:
-        """llama.cpp loads with the GIL released: the HTTP stack is imported meanwhile."""
+        """llama.cpp loads with the GIL released: the HTTP stack is imported meanwhile, with a
+        short switch interval (its log callback takes the GIL some 760 times a load)."""
         import concurrent.futures
+        import sys
 
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-load") as pool:
-            loading = pool.submit(self.load_models, files, made)
-            self.import_http()
-            return loading.result()
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, LOAD_SWITCH_INTERVAL_S))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-load") as pool:
+                loading = pool.submit(self.load_models, files, made)
+                self.import_http()
+                return loading.result()
+        finally:
+            sys.setswitchinterval(interval)
 
     def import_http(self) -> None:
+        """While the models load (the GIL released): llama_cpp's high-level half (chat formats,
+        numpy; edge.model.bindings), then the HTTP stack."""
+        from edge.lifecycle.backends import complete_llama_cpp, import_modules
+
         with self.timer.phase(Phases.IMPORTS_HTTP) as ph:
-            ph.detail["modules"] = _import(["uvicorn", "starlette.applications", "edge.serve.app", "edge.lifecycle.serving"])
+            ph.detail["modules"] = complete_llama_cpp() + import_modules(
+                ["uvicorn", "starlette.applications", "edge.serve.app", "edge.lifecycle.serving"])
 
     def load_models(self, files: list[ModelFile], made: dict[str, Any]
                     ) -> tuple[dict[str, ModelWorker], dict[str, Any]]:
@@ -355,21 +374,6 @@ async def _ready(value: Any) -> Any:
 
 async def _call(fn: Callable[[], Any]) -> Any:
     return fn()
-
-
-# module -> (extra of edge that brings it, pip package, what needs it); the rest: plain imports
-_BACKENDS = {"llama_cpp": (None, "llama-cpp-python", "loading GGUF models"),
-             "onnxruntime": ("ort", "onnxruntime", "serving ONNX Runtime engines")}
-
-
-def _import(names: list[str]) -> list[str]:
-    for name in names:
-        if name in _BACKENDS:
-            extra, package, purpose = _BACKENDS[name]
-            require(name, extra, purpose, package=package)
-        else:
-            importlib.import_module(name)
-    return names
 
 
 def _done(value: Any) -> concurrent.futures.Future[Any]:

@@ -40,6 +40,10 @@ def context_identity(model: GGUFModel, build: str | None) -> dict[str, Any]:
     KV state's key share. Reads the loaded context's settings (plain fields: any thread)."""
     import llama_cpp
 
+    from edge.model.bindings import complete
+
+    complete()  # `__version__` is the package's __init__'s (a start imports the bindings first)
+
     p = model.native.params
     return {**model_identity(model), "llama_cpp_python": getattr(llama_cpp, "__version__", None),
             "llama_system_info": llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip(),

@@ -49,6 +49,9 @@ class GGUFModel:
         template = self.cfg.chat_template or self.info.chat_template
         if not template:
             return None
+        from edge.model.bindings import complete
+
+        complete()  # where a start imported the bindings alone: the package whole, before its submodule
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         n = self.native

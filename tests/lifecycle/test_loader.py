@@ -26,3 +26,29 @@ def test_a_load_that_fails_after_the_model_frees_the_model(tmp_path: Path, tiny_
     with pytest.raises(ConfigError, match="prefixes"):
         Loader(load_config(cfg), StartTimer(), notifier).load()
     assert vm_locked_bytes() == before
+
+
+def test_models_load_with_a_short_switch_interval_then_it_is_restored() -> None:
+    """llama.cpp's log callback takes the GIL at every line of a load: while the HTTP stack is
+    imported beside it, the switch interval is short (LOAD_SWITCH_INTERVAL_S), and restored after."""
+    import sys
+    import types
+
+    from edge.lifecycle.loader import LOAD_SWITCH_INTERVAL_S, Loader
+
+    seen: dict[str, float] = {}
+    stub = types.SimpleNamespace(
+        load_models=lambda files, made: seen.setdefault("load", sys.getswitchinterval()) and ({}, {}),
+        import_http=lambda: seen.setdefault("imports", sys.getswitchinterval()))
+    before = sys.getswitchinterval()
+    assert Loader.load_models_beside_http(stub, [], {}) == ({}, {})
+    assert seen == pytest.approx({"load": LOAD_SWITCH_INTERVAL_S, "imports": LOAD_SWITCH_INTERVAL_S})
+    assert LOAD_SWITCH_INTERVAL_S < before
+    assert sys.getswitchinterval() == before
+
+    def failing(files: object, made: object) -> None:
+        raise RuntimeError("load failed")
+
+    with pytest.raises(RuntimeError):
+        Loader.load_models_beside_http(types.SimpleNamespace(load_models=failing, import_http=lambda: None), [], {})
+    assert sys.getswitchinterval() == before
