@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -329,7 +328,8 @@ def write_probe(path: Path) -> str | None:
         return "not a folder"
     try:
         path.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".edge-write-probe-", dir=path)
+        name = path / f".edge-write-probe-{os.getpid()}-{os.urandom(6).hex()}"  # mkstemp's way, without tempfile
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.write(fd, b"edge")
             os.fsync(fd)

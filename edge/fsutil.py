@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,6 +11,8 @@ __all__ = ["atomic_write", "cannot_create", "fsync_dir", "sha256_file"]
 
 
 def sha256_file(path: Path) -> str:
+    import hashlib  # here: every start imports this module before its config
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):
@@ -60,10 +60,10 @@ def cannot_create(path: Path) -> str | None:
     folder = path.parent
     if not folder.is_dir():
         return f"{path}: its folder {folder} does not exist"
+    probe = folder / f".{path.name}.{os.getpid()}.{os.urandom(6).hex()}.probe"  # tempfile's way, without its imports
     try:
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
-        os.close(fd)
-        os.unlink(name)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(probe)
     except OSError as exc:
         return f"{path}: cannot write in {folder}: {exc.strerror or exc}"
     return None

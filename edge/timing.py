@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -145,7 +144,7 @@ class StartTimer:
         return {
             "edge_version": _version(),
             "pid": os.getpid(),
-            "host": socket.gethostname(),
+            "host": os.uname().nodename,  # gethostname(), without importing socket before the config
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started_at)),
             "started_unix": round(self.started_at, 6),  # one start or reload, whatever else shares its second
             "ready_s": round(self.now(), 4),

@@ -23,7 +23,6 @@ back with twice the interval (at most 16 times `give_up_retry_s`), when it serve
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -46,6 +45,8 @@ _CHANGES = (("config", "the config file changed"), ("keys", "the model file, lla
 def fingerprint(config_source: str, keys: dict[str, str], edge_version: str) -> dict[str, str]:
     """What must stay the same for the give-up to hold: the config file's bytes, safe mode's keys,
     edge's version."""
+    import hashlib  # here: this module is imported before the config
+
     try:
         config = hashlib.sha256(Path(config_source).read_bytes()).hexdigest()
     except OSError:

@@ -16,7 +16,6 @@ written, and a missing or unreadable one is "no OTA on this device", never an er
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -62,6 +61,8 @@ def timestamp(text: Any) -> float | None:
     if not isinstance(text, str):
         return None
     try:
+        import datetime  # here: imported before the config
+
         return datetime.datetime.strptime(text.replace("Z", "+0000"), "%Y-%m-%dT%H:%M:%S%z").timestamp()
     except ValueError:
         return None

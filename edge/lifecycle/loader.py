@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 __all__ = ["LOAD_SWITCH_INTERVAL_S", "Loader", "read_config", "save_learned"]
 
+# What loading a model imports of edge's own, imported before the load thread starts rather than
+# on it, where they would share the GIL with the HTTP stack's imports.
+_MODEL_MODULES = ["edge.model.llm"]
 # The GIL's switch interval while models load beside the imports: llama.cpp logs each line of a
 # load (about 760 for Gemma 3) through edge's callback, which takes the GIL, and a thread asking
 # for it waits up to the interval (5 ms) while this one imports: a 0.55 s load took 2.15 s beside
@@ -153,7 +156,7 @@ class Loader:
 
         with self.timer.phase(Phases.IMPORTS) as ph:
             self.notifier.status("importing the inference backends")
-            ph.detail["modules"] = import_modules((["llama_cpp.llama_cpp"] if plan.files else []) + (
+            ph.detail["modules"] = import_modules((["llama_cpp.llama_cpp", *_MODEL_MODULES] if plan.files else []) + (
                 ["onnxruntime"] if any(e.backend == "onnxruntime" for e in plan.engines) else []))
 
     def finish_model_files(self, plan: LoadPlan) -> None:
@@ -202,7 +205,6 @@ class Loader:
         """Each model through llama.cpp (mmap, mlock), then the lock measured and the policy
         applied; each worker in `made` as soon as it exists."""
         from edge.model.llm import load_gguf_model
-        from edge.serve.worker import ModelWorker
 
         workers, infos = {}, {}
         for f in files:
@@ -212,6 +214,8 @@ class Loader:
                                   **_bufts(m)) as ph:
                 model = load_gguf_model(m, f.validate() if f.info is None else f.info)
                 ph.bytes = model.info.size
+            from edge.serve.worker import ModelWorker  # after the load: its asyncio is imported by then
+
             made[m.name] = workers[m.name] = ModelWorker(model, self.config.server.max_queue,
                                                          self.config.server.stream_interval_ms / 1000,
                                                          self.config.server.request_timeout_s)

@@ -31,11 +31,9 @@ State: `<state_dir>/safe-mode.json`, written atomically.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,7 +112,7 @@ def _runtime_identity() -> dict[str, Any]:
                 libs.append([p.name, st.st_size, st.st_mtime_ns])
             except OSError:
                 continue
-    return {"llama_libs": libs, "machine": platform.machine(), "cpu": _first_line("/proc/cpuinfo", "model name"),
+    return {"llama_libs": libs, "machine": os.uname().machine, "cpu": _first_line("/proc/cpuinfo", "model name"),
             "module": _read("/proc/device-tree/compatible")}
 
 
@@ -134,6 +132,8 @@ def _read(path: str) -> str:
 
 
 def _digest(value: Any) -> str:
+    import hashlib  # here: imported before the config
+
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 

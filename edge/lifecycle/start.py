@@ -26,7 +26,6 @@ import gc
 import json
 import logging
 import signal
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +44,7 @@ from edge.timing import Phases, StartTimer, write_report
 
 if TYPE_CHECKING:
     import asyncio
+    import socket
     from edge.serve.tls import TlsFiles
 
 __all__ = ["ColdStart"]
@@ -295,14 +295,15 @@ class ColdStart:
         """Inherited from systemd (LISTEN_FDS), else bound now from the [server] table; then who
         may use them (edge.serve.auth): a socket others can reach (as getsockname() shows) needs
         API keys or allow_unauthenticated, else the start ends here (78); and TLS, if set."""
-        from edge.lifecycle.serving import bind_sockets
         from edge.serve.auth import check_exposure
         from edge.serve.tls import tls_files
 
         with self.timer.phase(Phases.SOCKETS) as ph:
             self.sockets = listen_sockets()
             ph.detail["inherited"] = bool(self.sockets)
-            if not self.sockets:
+            if not self.sockets:  # (serving imports asyncio: only a start that binds its own pays it here)
+                from edge.lifecycle.serving import bind_sockets
+
                 self.sockets = bind_sockets(self.config.server, self.config.source)
             server, keys = self.config.server, self.loader.auth
             self.exposed = check_exposure(self.sockets, keys, server, self.config.source)

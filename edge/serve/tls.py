@@ -10,7 +10,6 @@ field, not a failure at the first connection.
 
 from __future__ import annotations
 
-import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +44,8 @@ def tls_files(server: ServerConfig, source: str) -> TlsFiles | None:
         raise ConfigError(source, f"server.{missing}", f"{have} is set but {missing} is not: TLS needs both "
                           "(or the credentials edge-tls-cert and edge-tls-key)")
     read_private(key, source, "server.tls_key_file")  # mode and readability, before OpenSSL reads it
+    import ssl  # here: a start without TLS does not import it before its load
+
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(str(cert), str(key))
     except (ssl.SSLError, OSError) as exc:

@@ -42,6 +42,7 @@ def test_eviction_then_pagein_brings_pages_back(tmp_path: Path) -> None:
     if before > 0.5:
         pytest.skip(f"this file system keeps the pages ({before:.0%} resident after eviction; tmpfs?)")
     assert res.resident_before is not None and res.resident_before <= 0.5
+    assert res.read is True and "reads" not in res.as_detail()  # pages out: the readers ran
     assert after == 1.0
 
 
@@ -49,3 +50,20 @@ def test_hash_only_mode_reads_with_no_prefetch_threads(tmp_path: Path) -> None:
     p = _file(tmp_path, 1 << 20)
     res = PageIn(p, threads=0, hash_sha256=True).start().result()
     assert res.sha256 == hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_a_file_whose_pages_are_all_resident_is_not_read_again(tmp_path: Path) -> None:
+    p = _file(tmp_path, 4 << 20)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.read(fd, p.stat().st_size + 1)  # every page in the page cache
+        if resident_fraction(fd, p.stat().st_size) != 1.0:
+            pytest.skip("mincore cannot say this file is resident here")
+    finally:
+        os.close(fd)
+    pagein = PageIn(p, threads=4).start()
+    assert pagein._workers == []  # no reader started: nothing to read
+    res = pagein.result()
+    assert res.resident_before == 1.0 and res.read is False
+    assert res.as_detail()["reads"] == "none: every page resident"
+    assert res.start_s <= res.end_s
