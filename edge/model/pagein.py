@@ -3,9 +3,9 @@
 Several reader threads pull chunks in file order (os.preadv releases the GIL), so the read runs
 beside the Python imports of start-up instead of after them, and llama.cpp's mmap then finds the
 pages resident. An optional sha256 is computed by one more thread from the same, now warm, pages.
-Where every page is resident already (mincore), there is nothing to read and no reader starts:
-reading a resident 253 MB file cost a start some 80 ms of CPU on the project's 2-core VM, taken
-from the imports and the validation beside it.
+Only the chunks holding a page that is not resident (mincore) are read; where every page is,
+no reader starts: reading a resident 253 MB file cost a start some 80 ms of CPU on the project's
+2-core VM, taken from the imports and the validation beside it.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import itertools
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,13 +67,15 @@ class PageIn:
         self._t0 = time.monotonic()
         self._fd = os.open(self.path, os.O_RDONLY)
         self._size = os.fstat(self._fd).st_size
-        self._resident = resident_fraction(self._fd, self._size)
+        pages = residency(self._fd, self._size)
+        self._resident = pages.translate(_LOW_BIT).count(1) / len(pages) if pages else None
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        chunks = itertools.count()
+        todo = _missing_chunks(pages, self._size)
+        chunks = iter(todo)
         lock = threading.Lock()
-        self._read = self._resident != 1.0  # unknown or some pages out: read
-        for i in range(self.threads if self._read else 0):
+        self._read = bool(todo)  # residency unknown, or some pages out: read those chunks
+        for i in range(min(self.threads, len(todo))):
             t = threading.Thread(target=self._guard, args=(self._read_chunks, chunks, lock),
                                  name=f"edge-pagein-{i}", daemon=True)
             self._workers.append(t)
@@ -93,13 +95,13 @@ class PageIn:
         finally:
             self._ends.append(time.monotonic())
 
-    def _read_chunks(self, chunks: "itertools.count[int]", lock: threading.Lock) -> None:
+    def _read_chunks(self, chunks: Iterator[int], lock: threading.Lock) -> None:
         buf = bytearray(CHUNK)
         view = memoryview(buf)
         while True:
             with lock:
-                offset = next(chunks) * CHUNK
-            if offset >= self._size:
+                offset = next(chunks, None)
+            if offset is None:
                 return
             os.preadv(self._fd, [view], offset)
 
@@ -146,6 +148,22 @@ def _libc() -> ctypes.CDLL | None:
 
 def resident_fraction(fd: int, size: int) -> float | None:
     """Fraction of the file's pages already in the page cache (mincore), None if unknown."""
+    pages = residency(fd, size)
+    return pages.translate(_LOW_BIT).count(1) / len(pages) if pages else None
+
+
+def _missing_chunks(pages: bytes | None, size: int) -> list[int]:
+    """The offsets of the CHUNKs holding a page that is not resident (every chunk where unknown)."""
+    if pages is None:
+        return list(range(0, size, CHUNK))
+    per = CHUNK // os.sysconf("SC_PAGE_SIZE")  # pages per chunk
+    low = pages.translate(_LOW_BIT)
+    return [i * CHUNK for i in range((len(low) + per - 1) // per) if 0 in low[i * per:(i + 1) * per]]
+
+
+def residency(fd: int, size: int) -> bytes | None:
+    """One byte per page of the file, bit 0 set where it is in the page cache (mincore); None
+    where that cannot be known."""
     libc = _libc()
     if libc is None or size == 0:
         return None
@@ -158,7 +176,7 @@ def resident_fraction(fd: int, size: int) -> float | None:
         vec = ctypes.create_string_buffer(pages)
         if libc.mincore(addr, size, vec) != 0:
             return None
-        return vec.raw.translate(_LOW_BIT).count(1) / pages
+        return vec.raw
     finally:
         libc.munmap(addr, size)
 

@@ -67,3 +67,17 @@ def test_a_file_whose_pages_are_all_resident_is_not_read_again(tmp_path: Path) -
     assert res.resident_before == 1.0 and res.read is False
     assert res.as_detail()["reads"] == "none: every page resident"
     assert res.start_s <= res.end_s
+
+
+def test_only_the_chunks_with_pages_out_are_read(tmp_path: Path) -> None:
+    from edge.model.pagein import CHUNK, _missing_chunks
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    per = CHUNK // page
+    size = 3 * CHUNK + 5 * page  # three whole chunks and a short last one
+    pages = bytearray(b"\x01" * (size // page))
+    pages[per + 7] = 0  # one page out in the second chunk
+    pages[-1] = 0x80  # only a high bit set: not resident (bit 0 says it)
+    assert _missing_chunks(bytes(pages), size) == [CHUNK, 3 * CHUNK]
+    assert _missing_chunks(b"\x01" * (size // page), size) == []
+    assert _missing_chunks(None, size) == [0, CHUNK, 2 * CHUNK, 3 * CHUNK]  # unknown: everything
