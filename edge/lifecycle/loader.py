@@ -165,7 +165,8 @@ class Loader:
         for f, done in zip(plan.files, plan.validations):
             start, end, info = done.result()
             ph = self.timer.add(Phases.VALIDATE, start, end, nbytes=info.size, model=f.cfg.name)
-            ph.detail.update(info.summary())
+            ph.detail.update(info.summary(), **({"header": "as validated before (same file identity)"}
+                                                 if f.validated_earlier else {}))
         mono0 = time.monotonic() - self.timer.now()
         for f in plan.files:
             res = f.finish()

@@ -57,7 +57,10 @@ def resolve_model(m: ModelConfig, cache_dir: Path, verified: "VerifiedCache") ->
 
 
 class VerifiedCache:
-    """sha256 digests already verified, keyed by file identity; stored as JSON in the cache dir."""
+    """sha256 digests already verified, and GGUF headers already validated, keyed by file
+    identity; stored as JSON in the cache dir. A header is kept with its identity including the
+    ctime, which any write to the file, chmod or rename onto it changes (and no user-space call
+    can set back): the same identity is the same bytes, validated once."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -74,13 +77,41 @@ class VerifiedCache:
     def is_verified(self, file: Path, sha256: str) -> bool:
         entry = self._data.get(str(file))
         try:
-            return bool(entry) and entry["sha256"] == sha256.lower() and \
+            return bool(entry) and entry.get("sha256") == sha256.lower() and \
                 entry["id"] == self._identity(file)
         except OSError:
             return False
 
     def remember(self, file: Path, sha256: str) -> None:
-        self._data[str(file)] = {"sha256": sha256.lower(), "id": self._identity(file)}
+        self._data[str(file)] = {**self._data.get(str(file), {}), "sha256": sha256.lower(), "id": self._identity(file)}
+        self._save()
+
+    @staticmethod
+    def _header_identity(file: Path) -> list[int]:
+        st = os.stat(file)
+        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+    def header(self, file: Path) -> GGUFInfo | None:
+        """The GGUF header validated earlier for this very file (identity), or None."""
+        entry = self._data.get(str(file))
+        gguf = entry.get("gguf") if isinstance(entry, dict) else None
+        try:
+            if not isinstance(gguf, dict) or gguf.get("id") != self._header_identity(file):
+                return None
+        except OSError:
+            return None
+        return GGUFInfo.from_json(str(file), gguf.get("info"))
+
+    def remember_header(self, file: Path, info: GGUFInfo) -> None:
+        try:
+            ident = self._header_identity(file)
+        except OSError:
+            return
+        entry = self._data.get(str(file))
+        self._data[str(file)] = {**(entry if isinstance(entry, dict) else {}), "gguf": {"id": ident, "info": info.as_json()}}
+        self._save()
+
+    def _save(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(self.path, json.dumps(self._data, indent=1))
@@ -97,6 +128,7 @@ class ModelFile:
         self.verified = verified
         self.pagein: PageIn | None = None
         self.info: GGUFInfo | None = None
+        self.validated_earlier = False  # the header as validated by an earlier start (same file identity)
 
     def needs_hash(self) -> bool:
         """A sha256 is configured and this very file (identity) was not verified against it."""
@@ -114,7 +146,13 @@ class ModelFile:
         return self
 
     def validate(self) -> GGUFInfo:
-        self.info = read_gguf_info(self.cfg.path)
+        """The GGUF header validated (edge.model.gguf), or as validated earlier for this very file."""
+        file = Path(self.cfg.path)
+        self.info = self.verified.header(file)
+        self.validated_earlier = self.info is not None
+        if self.info is None:
+            self.info = read_gguf_info(file)
+            self.verified.remember_header(file, self.info)
         return self.info
 
     def finish(self) -> PageInResult | None:

@@ -20,6 +20,8 @@ from edge.errors import ModelError
 
 __all__ = ["GGUFInfo", "OffloadSplit", "TensorRecord", "offload_split", "read_gguf_info", "GGML_BLOCKS"]
 
+INFO_FORMAT = 1  # of GGUFInfo.as_json(): a stored header of another format is read again
+
 MAGIC = b"GGUF"
 MAX_COUNT = 1 << 24  # more tensors or metadata entries than this means a corrupt header
 
@@ -81,6 +83,25 @@ class GGUFInfo:
     def chat_template(self) -> str | None:
         v = self.metadata.get("tokenizer.chat_template")
         return v if isinstance(v, str) else None
+
+    def as_json(self) -> dict[str, Any]:
+        """What validation found, to keep beside the file's identity (edge.model.file.VerifiedCache)."""
+        return {"format": INFO_FORMAT, "size": self.size, "version": self.version,
+                "tensor_count": self.tensor_count, "data_offset": self.data_offset, "data_bytes": self.data_bytes,
+                "metadata": self.metadata, "tensors": [[t.name, t.offset, t.nbytes] for t in self.tensors]}
+
+    @staticmethod
+    def from_json(path: str, raw: Any) -> GGUFInfo | None:
+        """`as_json()`'s dict back, or None where it is not one (another format, damaged)."""
+        try:
+            if raw["format"] != INFO_FORMAT or not isinstance(raw["metadata"], dict):
+                return None
+            return GGUFInfo(path=path, size=int(raw["size"]), version=int(raw["version"]),
+                            tensor_count=int(raw["tensor_count"]), data_offset=int(raw["data_offset"]),
+                            data_bytes=int(raw["data_bytes"]), metadata=raw["metadata"],
+                            tensors=tuple(TensorRecord(str(n), int(o), int(b)) for n, o, b in raw["tensors"]))
+        except (KeyError, TypeError, ValueError):
+            return None
 
     def summary(self) -> dict[str, Any]:
         return {"architecture": self.architecture, "name": self.metadata.get("general.name"),

@@ -1,3 +1,4 @@
+import json
 import os
 from pathlib import Path
 
@@ -126,3 +127,58 @@ def test_unmapped_load_locks_its_cpu_buffers(tmp_path: Path, tiny_gguf: Path) ->
     m = load_gguf_model(ModelConfig(name="t", path=str(tiny_gguf), n_ctx=128, use_mmap=False),
                         read_gguf_info(tiny_gguf))
     assert m.mlock.ok, m.mlock.as_dict()
+
+
+def test_a_header_is_validated_once_per_file_identity(tmp_path: Path, tiny_gguf: Path) -> None:
+    """edge.model.file.VerifiedCache keeps what validation found beside the file's identity (with
+    its ctime): the next start takes it from there; any change to the file validates it again."""
+    import shutil
+
+    from edge.config import ModelConfig
+    from edge.model.file import ModelFile, VerifiedCache
+
+    model = tmp_path / "m.gguf"
+    shutil.copyfile(tiny_gguf, model)
+    cache = tmp_path / "verified.json"
+    cfg = ModelConfig(name="m", path=str(model))
+
+    first = ModelFile(cfg, VerifiedCache(cache))
+    info = first.validate()
+    assert first.validated_earlier is False
+    again = ModelFile(cfg, VerifiedCache(cache))  # a later start: the cache read from disk
+    assert again.validate() == info and again.validated_earlier is True
+
+    # the same bytes rewritten in place: mtime set back, but the ctime moved: validated again
+    st = model.stat()
+    model.write_bytes(model.read_bytes())
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
+    third = ModelFile(cfg, VerifiedCache(cache))
+    assert third.validate() == info and third.validated_earlier is False
+
+    # a file cut short after it was validated: its identity changed, the cut is found
+    model.write_bytes(tiny_gguf.read_bytes()[:5000])
+    with pytest.raises(ModelError, match="truncated"):
+        ModelFile(cfg, VerifiedCache(cache)).validate()
+
+    # a damaged entry is read as none: validated again, never trusted
+    model.write_bytes(tiny_gguf.read_bytes())
+    ModelFile(cfg, VerifiedCache(cache)).validate()
+    raw = json.loads(cache.read_text())
+    raw[str(model)]["gguf"]["info"]["tensors"] = "not a table"
+    cache.write_text(json.dumps(raw))
+    fourth = ModelFile(cfg, VerifiedCache(cache))
+    assert fourth.validate() == info and fourth.validated_earlier is False
+
+
+def test_a_verified_sha256_and_a_validated_header_share_the_entry(tmp_path: Path, tiny_gguf: Path) -> None:
+    import hashlib
+
+    from edge.model.file import VerifiedCache
+
+    cache = VerifiedCache(tmp_path / "verified.json")
+    cache.remember_header(tiny_gguf, read_gguf_info(tiny_gguf))
+    digest = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    assert not cache.is_verified(tiny_gguf, digest)  # a header alone verifies no sha256
+    cache.remember(tiny_gguf, digest)
+    later = VerifiedCache(tmp_path / "verified.json")
+    assert later.is_verified(tiny_gguf, digest) and later.header(tiny_gguf) == read_gguf_info(tiny_gguf)
