@@ -216,9 +216,12 @@ class Bench:
         memory = mem.result()
         detail.update(_start_report(self.pid1.proc.pid if self.pid1.proc else 0, self.folder))
         lat = in_windows(load.spans, [(t0, over)])
+        # where the slowest overlapping requests ran, from the event's start (the switch is ready_s)
+        slow = sorted(((b - a, a - t0) for a, b in load.spans if a < over and b > t0), reverse=True)[:3]
         return {"path": path, "t0_monotonic": round(t0, 3), "loadavg_1m": round(os.getloadavg()[0], 2),
                 "ready_s": round(ready - t0, 4), "first_ttft_s": round(first, 4),
-                "worst_s": round(max(lat, default=0.0), 4), "requests_in_window": len(lat), **memory, **detail}
+                "worst_s": round(max(lat, default=0.0), 4), "requests_in_window": len(lat),
+                "slowest_started_at_s": [[round(d, 3), round(at, 3)] for d, at in slow], **memory, **detail}
 
 
 def _start_report(pid: int, folder: Path) -> dict[str, Any]:

@@ -30,7 +30,7 @@ def serve(config: str | None, watch: CompileWatch | None = None) -> int:
         from edge.lifecycle.priority import yield_cpu
 
         yielded = yield_cpu()  # below the serving process's CPU priority until ready, imports included
-        from edge.lifecycle.handover import Successor, SuccessorNotifier
+        from edge.lifecycle.successor import Successor, SuccessorNotifier
 
         successor = Successor.from_env()
         notifier = SuccessorNotifier(successor) if successor else None

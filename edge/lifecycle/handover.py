@@ -39,70 +39,17 @@ from edge.lifecycle.installed import Running
 from edge.lifecycle.loader import read_config
 from edge.lifecycle.loadset import split_cores, threads_of
 from edge.lifecycle.memguard import handover_decision
-from edge.lifecycle.priority import successor_yields
-from edge.lifecycle.systemd import HANDOVER_ENV, Notifier
+from edge.lifecycle.priority import BASE_NICE_ENV, lower_child, successor_yields
+from edge.lifecycle.systemd import DRAINED_ENV, HANDOVER_ENV, Notifier
 from edge.timing import ReloadTimer, write_report
 
-__all__ = ["HANDOVER_ENV", "Handover", "Successor", "SuccessorNotifier"]
+__all__ = ["HANDOVER_ENV", "Handover"]
 
 log = logging.getLogger("edge")
 
 SPAWN, SUCCESSOR, SWITCH, DRAIN, GUARD, DRAIN_OLD = "spawn", "successor_start", "switch", "drain", \
     "memory_guard", "drain_old"
 _PASSED_ON = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "JOURNAL_STREAM", "INVOCATION_ID", "MANAGERPID")
-
-
-# -- the new process's side ---------------------------------------------------------------------
-class Successor:
-    """The pipe to the process this one takes over from (EDGE_HANDOVER_FD, taken out of the
-    environment so that nothing this process starts inherits it)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        os.set_inheritable(fd, False)
-
-    @classmethod
-    def from_env(cls) -> "Successor | None":
-        raw = os.environ.pop(HANDOVER_ENV, None)
-        try:
-            return cls(int(raw)) if raw else None
-        except (ValueError, OSError):
-            log.warning("%s=%r is not an open file descriptor: starting as a plain start", HANDOVER_ENV, raw)
-            return None
-
-    def announce(self, status: str) -> None:
-        """Ready: the status line for systemd, sent by the old process with MAINPID=."""
-        try:
-            os.write(self.fd, json.dumps({"ready": True, "pid": os.getpid(), "status": status}).encode() + b"\n")
-        except OSError as exc:  # the old process is gone: there is no one to hand over from
-            log.warning("handover: the old process does not listen any more (%s)", exc)
-        finally:
-            os.close(self.fd)
-
-
-class SuccessorNotifier(Notifier):
-    """A new process's notifier: until it is ready, nothing it says may end the old process's
-    reload or stop the service (no READY=1, no STOPPING=1): its READY goes to the old process.
-    Once ready it is the service's notifier like any other."""
-
-    def __init__(self, successor: Successor) -> None:
-        super().__init__()
-        self.successor: Successor | None = successor
-
-    def ready(self, text: str) -> bool:
-        if self.successor is None:
-            return super().ready(text)
-        self.stop_extending()
-        log.info("%s (handing over)", text)
-        successor, self.successor = self.successor, None
-        successor.announce(text)
-        return True
-
-    def stopping(self, text: str = "draining in-flight requests") -> bool:
-        if self.successor is None:
-            return super().stopping(text)
-        log.info("stopping before the handover: %s", text)
-        return False
 
 
 # -- the old process's side ---------------------------------------------------------------------
@@ -190,6 +137,7 @@ class _Run:
         self.extra: dict[str, Any] = {"reload_kind": "process", "why": why, "config": path, "mode": None,
                                       "memory": None, "successor": None, "switch_s": None, "drain_s": None}
         self.switched_at = 0.0
+        self.child: _Child | None = None  # the new process, once it took over
         self.timeout: float | None = None  # for the new process to be ready (edge reload --timeout)
         self.held: list[socket.socket] = []  # the memory fallback: the sockets, kept across the drain
         h.notifier.reloading(f"handing over to a new process: {'; '.join(why)}")
@@ -235,6 +183,7 @@ class _Run:
         """Stop accepting (the new process accepts already), hand systemd the main pid, drain."""
         at = self.timer.now()
         self.h.successor_pid = child.pid
+        self.child = child  # told when this process has drained (the new one's models wait for it)
         server = self.h.server
         server.drain.begin(server, f"handed over to pid {child.pid}: draining", stopping=False)
         status = f"{said.get('status', 'ready')} (took over from pid {os.getpid()} in {at:.2f} s)"
@@ -247,6 +196,8 @@ class _Run:
         return {"ok": True, "status": status, "exit_code": 0, "report": self.summary()}
 
     def drained(self) -> None:
+        if self.child is not None:
+            self.child.say_drained()
         end = self.timer.now()
         self.timer.add(DRAIN, self.switched_at, end)
         self.extra["drain_s"] = round(end - self.switched_at, 4)
@@ -255,6 +206,7 @@ class _Run:
     def failed(self, exc: EdgeError, child: "_Child | None" = None) -> dict[str, Any]:
         self.extra["error"] = str(exc)
         if child is not None:
+            child.say_drained()
             self.extra["successor"] = {"pid": child.pid, **child.settle(state_dir(self.h.current))}
         log.error("handover failed: %s", exc)
         self._write()
@@ -279,8 +231,9 @@ class _Run:
 class _Child:
     """The new process: its pid, the pipe it says "ready" on, a pidfd that says when it ends."""
 
-    def __init__(self, pid: int, pipe: int) -> None:
+    def __init__(self, pid: int, pipe: int, drained: int = -1) -> None:
         self.pid, self.pipe = pid, pipe
+        self.drained = drained  # closed once this process has drained: the new one's models may decode
         self.pidfd = os.pidfd_open(pid)
         self.status: int | None = None
 
@@ -362,17 +315,26 @@ class _Child:
             os.close(fd)
         self.pipe = self.pidfd = -1
 
+    def say_drained(self) -> None:
+        if self.drained >= 0:
+            os.close(self.drained)
+            self.drained = -1
+
 
 def _spawn(sockets: list[Any], path: str | None, running: Running, client_env: dict[str, str] | None) -> _Child:
     """`edge serve` as installed now (this interpreter, `-m edge.cli`: the package on disk), with
     the listening sockets as fds 3.. and the pipe's writing end after them."""
     env = running.successor_environment(client_env)
     n = len(sockets)
-    env.update({k: os.environ[k] for k in _PASSED_ON if k in os.environ}, LISTEN_FDS=str(n), **{HANDOVER_ENV: f"{3 + n}"})
+    env.update({k: os.environ[k] for k in _PASSED_ON if k in os.environ}, LISTEN_FDS=str(n),
+               **{HANDOVER_ENV: f"{3 + n}", DRAINED_ENV: f"{4 + n}",
+                  BASE_NICE_ENV: str(os.getpriority(os.PRIO_PROCESS, 0))})
     read_end, write_end = os.pipe()
+    drained_read, drained_write = os.pipe()  # this process keeps the writing end until it has drained
     # above every target fd, so that no dup2 below overwrites a source
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in [s.fileno() for s in sockets] + [write_end]]
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in [s.fileno() for s in sockets] + [write_end, drained_read]]
     os.close(write_end)
+    os.close(drained_read)
     actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
     actions += [(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(high)]
     # LISTEN_PID (and WATCHDOG_PID) must name the new process: the shell's $$, which exec keeps
@@ -382,12 +344,14 @@ def _spawn(sockets: list[Any], path: str | None, running: Running, client_env: d
         pid = os.posix_spawn("/bin/sh", ["/bin/sh", "-c", script, "sh", *argv], env, file_actions=actions)
     except OSError:
         os.close(read_end)
+        os.close(drained_write)
         raise
     finally:
         for fd in high:
             os.close(fd)
+    lower_child(pid)  # its interpreter's start too runs below the serving threads
     log.info("handover: started pid %d: %s", pid, " ".join(argv))
-    return _Child(pid, read_end)
+    return _Child(pid, read_end, drained_write)
 
 
 def _successor_report(pid: int, folder: Path) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import os
 import resource
 from dataclasses import dataclass
 
-__all__ = ["HANDOVER_NICE", "Yielded", "can_restore", "successor_yields", "yield_cpu"]
+__all__ = ["BASE_NICE_ENV", "HANDOVER_NICE", "Yielded", "can_restore", "lower_child", "successor_yields", "yield_cpu"]
 
 log = logging.getLogger("edge")
 
@@ -30,6 +30,9 @@ log = logging.getLogger("edge")
 # done within seconds on a busy device (nice 19, weight 15, left it starved under 8 clients).
 HANDOVER_NICE = 10
 _CAP_SYS_NICE = 23
+# The old process lowers the new one right after it spawns it (`lower_child`: its interpreter's
+# start and first imports run lowered too, ~0.1 s of CPU), and names the nice value it serves at.
+BASE_NICE_ENV = "EDGE_HANDOVER_BASE_NICE"
 
 
 def can_restore(nice: int) -> bool:
@@ -82,17 +85,36 @@ def successor_yields() -> bool:
     return can_restore(os.getpriority(os.PRIO_PROCESS, 0))
 
 
-def yield_cpu(by: int = HANDOVER_NICE) -> Yielded | None:
-    """This thread (and every thread it starts from now on) `by` nice steps lower; None where the
-    priority could not be taken back (then nothing is changed)."""
+def lower_child(pid: int, by: int = HANDOVER_NICE) -> None:
+    """The new process `pid`, just spawned, `by` nice steps below this one (its environment's
+    BASE_NICE_ENV names the value it takes back). Only where it can take it back
+    (`successor_yields`); a process that is gone already is left alone."""
     nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if not can_restore(nice):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, min(19, nice + by))
+    except OSError:
+        pass
+
+
+def yield_cpu(by: int = HANDOVER_NICE) -> Yielded | None:
+    """This thread (and every thread it starts from now on) `by` nice steps below the service's
+    nice value (this process's, or the one the old process named: `lower_child` lowered it
+    already); None where the priority could not be taken back (then nothing is changed)."""
+    now = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        nice = int(os.environ.pop(BASE_NICE_ENV))
+    except (KeyError, ValueError):
+        nice = now
     if not can_restore(nice):
         log.info("handover: starting at the service's own CPU priority: nice %d could not be taken back "
                  "(RLIMIT_NICE %d, no CAP_SYS_NICE; the unit's LimitNICE=+0 allows it)", nice,
                  resource.getrlimit(resource.RLIMIT_NICE)[0])
         return None
-    lowered = min(19, nice + by)
-    os.setpriority(os.PRIO_PROCESS, 0, lowered)  # Linux: PRIO_PROCESS 0 is the calling thread
+    lowered = max(now, min(19, nice + by))
+    if lowered != now:
+        os.setpriority(os.PRIO_PROCESS, 0, lowered)  # Linux: PRIO_PROCESS 0 is the calling thread
     return Yielded(nice, lowered)
 
 

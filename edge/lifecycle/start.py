@@ -153,6 +153,9 @@ class ColdStart:
             gc.freeze()  # warm-up garbage is gone; what lives now is never scanned again
         if stop.is_set():
             raise StoppedDuringStart("SIGTERM before ready")
+        successor = getattr(self.notifier, "successor", None)  # a handover's new process (edge.lifecycle.handover)
+        if successor is not None:  # its models wait for the old process's last requests
+            successor.hold_until_drained(list(loaded.state.workers.values()), self.config.server.drain_timeout_s)
         ready_text = self.mark_ready(loaded)
         if self.recovery is not None:
             asyncio.get_running_loop().call_later(self.config.server.healthy_after_s, self.recovery.healthy)

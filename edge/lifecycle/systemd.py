@@ -13,10 +13,12 @@ import sys
 import threading
 import time
 
-__all__ = ["HANDOVER_ENV", "listen_sockets", "Notifier", "setup_logging", "watchdog_interval_s"]
+__all__ = ["DRAINED_ENV", "HANDOVER_ENV", "listen_sockets", "Notifier", "setup_logging", "watchdog_interval_s"]
 
 # Beside LISTEN_FDS: the pipe a handover's new process says "ready" on (edge.lifecycle.handover)
 HANDOVER_ENV = "EDGE_HANDOVER_FD"
+# ...and the pipe whose end (EOF) tells it the old process has drained: its models may decode
+DRAINED_ENV = "EDGE_HANDOVER_DRAINED_FD"
 
 log = logging.getLogger("edge")
 

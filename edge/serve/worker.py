@@ -66,6 +66,7 @@ class ModelWorker(Worker):
         self._calls: list[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]] = []
         self._waiting: collections.deque[tuple[Job, _Channel, float]] = collections.deque()
         self._closing = False
+        self._held = False  # admitted requests wait: no step runs (a handover's new process, see hold())
         self._thread: threading.Thread | None = None
         self.queue_wait_s = 0.0  # summed over started generations: time between submission and a slot
         self.started = 0
@@ -118,22 +119,35 @@ class ModelWorker(Worker):
             self._thread = threading.Thread(target=self._loop, name=f"edge-{self.name}", daemon=True)
             self._thread.start()
 
+    def hold(self) -> None:
+        """Requests are admitted and queued but no step runs until `resume()`: a handover's new
+        process, while the old one still decodes its last requests on the same cores."""
+        with self._cv:
+            self._held = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._held = False
+            self._cv.notify()
+
     def _loop(self) -> None:
         """The scheduler: calls between steps, free slots filled from the queue, one step."""
         slots = self.slots
         while True:
             with self._cv:
-                while not (self._calls or slots.busy or (self._waiting and self._ready(slots))):
+                while not (self._calls or (not self._held and (slots.busy or (self._waiting and self._ready(slots))))):
                     if self._closing:
                         return
                     self._cv.wait()
-                calls, self._calls = self._calls, []
+                calls, self._calls, held = self._calls, [], self._held
             for fn, args, fut in calls:
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(*args))
                     except BaseException as exc:
                         fut.set_exception(exc)
+            if held:
+                continue
             self._admit_waiting(slots)
             try:
                 slots.step()

@@ -5,6 +5,7 @@ the command line still goes through the typer app, and `edge --help` lists every
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -107,3 +108,16 @@ def test_help_lists_every_command_and_serve_help_still_works() -> None:
 def test_a_usage_error_of_serve_is_typers(tmp_path: Path) -> None:
     r = subprocess.run([*EDGE, "serve", "--bogus"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--bogus" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_edge_reload_steps_back_from_the_cpu_and_nothing_else_does() -> None:
+    """`edge reload` waits on the control socket: its start must not take the serving threads'
+    cores (edge.cli.lower_client); `edge serve` and every other command keep their priority."""
+    probe = ("import json, os, sys; from edge.cli import lower_client; before = os.getpriority(os.PRIO_PROCESS, 0); "
+             "got = lower_client(sys.argv[1:]); print(json.dumps([got, os.getpriority(os.PRIO_PROCESS, 0) - before]))")
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    step = min(19, nice + 10) - nice  # nice values stop at 19
+    for argv, expected in ((["reload", "--config", "x"], [True, step]), (["serve"], [False, 0]), (["status"], [False, 0])):
+        r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout) == expected, argv

@@ -77,7 +77,8 @@ def test_handover_under_load_fails_nothing_and_mainpid_follows(tmp_path: Path, t
     assert pid1.proc.pid == new != old.pid  # systemd's main pid (MAINPID=) follows the new process
     assert old.wait(60) == 0  # the old one drained and exited by itself
     before = load.result.ok
-    load.wait_ok(before + 20)
+    load.wait_ok(before + 20)  # served by the new process alone: its models waited for the old one's drain
+    assert "handover: the old process drained in" in pid1.log_tail(200_000)
     result = load.stop()
     assert result.errors == 0 and result.refused == 0, result.error_samples
     assert metric(pid1.address, "edge_requests_total", route="/v1/completions", status="200") >= 20

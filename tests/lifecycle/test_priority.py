@@ -37,14 +37,18 @@ print(json.dumps(seen))
 """
 
 
-def _probe(rlimit_nice: int, caps: str = "-all") -> dict:
+def _probe(rlimit_nice: int, caps: str = "-all", lowered_by_parent: bool = False) -> dict:
     """The probe run as `nobody` with RLIMIT_NICE set to `rlimit_nice` and the ambient capabilities
     `caps` (setpriv's syntax: -all is none, as under DynamicUser= with CapabilityBoundingSet=)."""
     ambient = [] if caps == "-all" else [f"--ambient-caps={caps}"]
-    argv = ["prlimit", f"--nice={rlimit_nice}:{rlimit_nice}", "--", "setpriv", "--reuid=65534", "--regid=65534",
-            "--clear-groups", f"--inh-caps={caps}", *ambient, sys.executable, "-c", _PROBE]
+    # lowered_by_parent: started at nice 10 with the service's 0 named, as a handover's old process
+    # spawns its new one (edge.lifecycle.priority.lower_child)
+    nice = ["nice", "-n", "10"] if lowered_by_parent else []
+    argv = ["prlimit", f"--nice={rlimit_nice}:{rlimit_nice}", "--", *nice, "setpriv", "--reuid=65534",
+            "--regid=65534", "--clear-groups", f"--inh-caps={caps}", *ambient, sys.executable, "-c", _PROBE]
+    base = {"EDGE_HANDOVER_BASE_NICE": "0"} if lowered_by_parent else {}
     r = subprocess.run(argv, capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"})
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1", **base})
     if "failed to set the NICE resource limit" in r.stderr:
         pytest.skip("this machine cannot raise RLIMIT_NICE (no CAP_SYS_RESOURCE here)")
     assert r.returncode == 0, r.stderr
@@ -63,6 +67,11 @@ def _yielded_and_restored(seen: dict) -> None:
 @needs_root
 def test_with_limitnice_0_it_yields_and_every_thread_takes_its_priority_back() -> None:
     _yielded_and_restored(_probe(20))  # LimitNICE=+0: nice 0 may be taken back, nothing above it
+
+
+@needs_root
+def test_started_lowered_by_the_old_process_it_takes_the_named_priority_back() -> None:
+    _yielded_and_restored(_probe(0, "+sys_nice", lowered_by_parent=True))  # not lowered twice (19): back to 0
 
 
 @needs_root

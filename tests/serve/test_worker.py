@@ -99,3 +99,54 @@ def test_a_control_call_runs_when_the_request_queue_is_full(model: GGUFModel) ->
         return await w.control(lambda: 2)
 
     assert asyncio.run(go()) == 2
+
+
+def test_a_held_worker_queues_requests_and_decodes_them_once_resumed(model: GGUFModel) -> None:
+    """A handover's new process holds its models until the old one has drained
+    (edge.lifecycle.successor): a request is admitted and queued, calls still run, no step does."""
+    async def held_then_resumed() -> tuple[list[str], bool, int, int]:
+        w = ModelWorker(model, 4)
+        w.hold()
+        stream = asyncio.ensure_future(pieces(w, job(model, 8), eager=True))
+        for _ in range(3):  # calls run between steps, held or not: each one is a turn of the loop
+            await w.control(lambda: None)
+        decoded_while_held = stream.done() or model.slots.busy
+        started = w.started
+        w.resume()
+        text = await stream
+        w.close()
+        return text, decoded_while_held, started, w.started
+
+    text, decoded_while_held, started_held, started_after = asyncio.run(held_then_resumed())
+    assert not decoded_while_held and started_held == 0  # queued, not started
+    assert started_after == 1 and "".join(text) == "".join(asyncio.run(pieces(ModelWorker(model, 4), job(model, 8),
+                                                                                    eager=True)))
+
+
+def test_a_successor_holds_its_models_until_the_old_process_drained(model: GGUFModel) -> None:
+    import os
+    import threading
+
+    from edge.lifecycle.successor import Successor
+
+    read_end, write_end = os.pipe()
+    ready_r, ready_w = os.pipe()
+    workers = [ModelWorker(model, 4)]
+    resumed = threading.Event()
+    real_resume = workers[0].resume
+    workers[0].resume = lambda: (real_resume(), resumed.set())  # type: ignore[method-assign]
+    Successor(ready_w, read_end).hold_until_drained(workers, limit_s=300)
+    assert workers[0]._held
+    assert not resumed.wait(0.05) and workers[0]._held  # the old process has not closed its end
+    os.close(write_end)  # it drained (or ended)
+    assert resumed.wait(60) and not workers[0]._held
+    # no drain in time: the models decode after the limit all the same
+    read2, write2 = os.pipe()
+    other = [ModelWorker(model, 4)]
+    done = threading.Event()
+    real2 = other[0].resume
+    other[0].resume = lambda: (real2(), done.set())  # type: ignore[method-assign]
+    Successor(ready_w, read2).hold_until_drained(other, limit_s=0.01)
+    assert done.wait(60) and not other[0]._held
+    for fd in (write2, ready_r, ready_w):
+        os.close(fd)

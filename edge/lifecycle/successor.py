@@ -1,0 +1,105 @@
+"""A handover's new process (edge.lifecycle.handover has the old one's side): the pipe it says
+"ready" on, its notifier until then, and the hold on its models until the old process has drained.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from edge.lifecycle.systemd import DRAINED_ENV, HANDOVER_ENV, Notifier
+
+__all__ = ["Successor", "SuccessorNotifier"]
+
+log = logging.getLogger("edge")
+
+
+class Successor:
+    """The pipe to the process this one takes over from (EDGE_HANDOVER_FD, taken out of the
+    environment so that nothing this process starts inherits it)."""
+
+    def __init__(self, fd: int, drained_fd: int | None = None) -> None:
+        self.fd = fd
+        os.set_inheritable(fd, False)
+        self.drained_fd = drained_fd  # EOF once the old process has drained (or is gone)
+        if drained_fd is not None:
+            os.set_inheritable(drained_fd, False)
+
+    @classmethod
+    def from_env(cls) -> "Successor | None":
+        raw, drained = os.environ.pop(HANDOVER_ENV, None), os.environ.pop(DRAINED_ENV, None)
+        try:
+            return cls(int(raw), int(drained) if drained else None) if raw else None
+        except (ValueError, OSError):
+            log.warning("%s=%r is not an open file descriptor: starting as a plain start", HANDOVER_ENV, raw)
+            return None
+
+    def hold_until_drained(self, workers: list[Any], limit_s: float) -> None:
+        """The models hold their requests (queued, not decoded) until the old process has drained,
+        at most `limit_s` (its drain limit): two processes decoding on the same cores at once
+        slow each other far more than their share (ggml's threads spin at their barriers), so the
+        requests that come at the switch wait for the old process's last ones instead. A
+        thread waits for the pipe's EOF, which comes when the old process closes its end after
+        its drain, or when it ends whatever way."""
+        if self.drained_fd is None:
+            return
+        import select
+        import threading
+        import time
+
+        models = [w for w in workers if hasattr(w, "hold")]
+        for w in models:
+            w.hold()
+        fd, self.drained_fd = self.drained_fd, None
+        t0 = time.monotonic()
+
+        def wait() -> None:
+            try:
+                ready, _, _ = select.select([fd], [], [], limit_s)
+                waited = time.monotonic() - t0
+                if ready:
+                    log.info("handover: the old process drained in %.3f s; decoding", waited)
+                else:
+                    log.warning("handover: the old process did not drain in %.1f s; decoding beside it", waited)
+            finally:
+                os.close(fd)
+                for w in models:
+                    w.resume()
+
+        threading.Thread(target=wait, name="edge-drained", daemon=True).start()
+
+    def announce(self, status: str) -> None:
+        """Ready: the status line for systemd, sent by the old process with MAINPID=."""
+        try:
+            os.write(self.fd, json.dumps({"ready": True, "pid": os.getpid(), "status": status}).encode() + b"\n")
+        except OSError as exc:  # the old process is gone: there is no one to hand over from
+            log.warning("handover: the old process does not listen any more (%s)", exc)
+        finally:
+            os.close(self.fd)
+
+
+class SuccessorNotifier(Notifier):
+    """A new process's notifier: until it is ready, nothing it says may end the old process's
+    reload or stop the service (no READY=1, no STOPPING=1): its READY goes to the old process.
+    Once ready it is the service's notifier like any other."""
+
+    def __init__(self, successor: Successor) -> None:
+        super().__init__()
+        self.successor: Successor | None = successor
+
+    def ready(self, text: str) -> bool:
+        if self.successor is None:
+            return super().ready(text)
+        self.stop_extending()
+        log.info("%s (handing over)", text)
+        successor, self.successor = self.successor, None
+        successor.announce(text)
+        return True
+
+    def stopping(self, text: str = "draining in-flight requests") -> bool:
+        if self.successor is None:
+            return super().stopping(text)
+        log.info("stopping before the handover: %s", text)
+        return False
