@@ -74,6 +74,7 @@ class Loader:
         self.timer = timer
         self.notifier = notifier
         self.recalibrate = recalibrate  # `edge warmup --calibrate`: measure anew whatever is stored
+        self.at_start = False  # a process's own start: what it imported is frozen for the GC (no reload)
 
     @functools.cached_property
     def auth(self) -> ApiKeys | None:
@@ -188,6 +189,11 @@ class Loader:
             with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edge-load") as pool:
                 loading = pool.submit(self.load_models, files, made)
                 self.import_http()
+                if self.at_start:  # while the load runs: the collect before READY scans only what came since
+                    import gc
+
+                    gc.collect()
+                    gc.freeze()
                 return loading.result()
         finally:
             sys.setswitchinterval(interval)

@@ -292,6 +292,7 @@ class ColdStart:
         cfg = read_config(self.config_path, self.timer)
         mode = self.recovery.decide(cfg) if self.recovery else SafeMode.load(state_dir(cfg))
         self._loader = Loader(cfg, self.timer, self.notifier, safe_mode=mode)
+        self._loader.at_start = True
         return self._loader.config
 
     def open_sockets(self) -> list[socket.socket]:
