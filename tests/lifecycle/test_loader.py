@@ -38,7 +38,7 @@ def test_models_load_with_a_short_switch_interval_then_it_is_restored() -> None:
 
     seen: dict[str, float] = {}
     stub = types.SimpleNamespace(
-        load_models=lambda files, made: seen.setdefault("load", sys.getswitchinterval()) and ({}, {}),
+        at_start=False, load_models=lambda files, made: seen.setdefault("load", sys.getswitchinterval()) and ({}, {}),
         import_http=lambda: seen.setdefault("imports", sys.getswitchinterval()))
     before = sys.getswitchinterval()
     assert Loader.load_models_beside_http(stub, [], {}) == ({}, {})
@@ -50,5 +50,6 @@ def test_models_load_with_a_short_switch_interval_then_it_is_restored() -> None:
         raise RuntimeError("load failed")
 
     with pytest.raises(RuntimeError):
-        Loader.load_models_beside_http(types.SimpleNamespace(load_models=failing, import_http=lambda: None), [], {})
+        Loader.load_models_beside_http(types.SimpleNamespace(at_start=True, load_models=failing,
+                                                             import_http=lambda: None), [], {})
     assert sys.getswitchinterval() == before
