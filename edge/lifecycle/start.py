@@ -77,6 +77,8 @@ class ColdStart:
         self.hup_pending = False  # SIGHUP before READY: reload once serving
         self.recovery: Recovery | None = None  # the journal and safe mode of a real start (not a rehearsal)
         self.gpu_lost: str | None = None  # why the service left while serving (a lost CUDA context)
+        self.report: tuple[dict[str, Any], Path] | None = None  # the start report and its file, once READY
+        self.calibrating: asyncio.Task[None] | None = None  # the warm-up's calibration after READY
 
     # -- the start, top to bottom ----------------------------------------------------------------
     def run(self) -> int:
@@ -135,6 +137,7 @@ class ColdStart:
         from edge.lifecycle.handover import Handover
         from edge.lifecycle.reload import Reloader
         from edge.lifecycle.serving import Dispatcher, build_server, serve_http
+        from edge.lifecycle.warmlater import stop_after_ready
 
         stop = await self._warm_unless_stopped(loaded)
         with self.timer.phase(Phases.HTTP_SETUP):
@@ -159,8 +162,11 @@ class ColdStart:
         async with reloader:
             if self.hup_pending:  # SIGHUP during the start: the config may have changed since
                 reloader.spawn(None, None)
-            await serve_http(server, self.sockets, self.notifier, ready_text, stop,
-                             on_ready=lambda: self.recovery.serving(self.config) if self.recovery else None)
+            try:
+                await serve_http(server, self.sockets, self.notifier, ready_text, stop,
+                                 on_ready=lambda: self._serving(loaded))
+            finally:
+                await stop_after_ready(self.calibrating)
             if handover.restart is not None:  # the memory fallback: drained; now the new start
                 await handover.after_drain(dispatcher.loaded)
         if handover.restart is not None or handover.successor_pid is not None:
@@ -173,6 +179,15 @@ class ColdStart:
         save_learned(dispatcher.loaded, reloader.in_force)
         dispatcher.loaded.close()
         return reloader.fatal.exit_code if reloader.fatal else 0
+
+    def _serving(self, loaded: Loaded) -> None:
+        """READY=1 is sent: the service counts as serving; the warm-up's calibration after READY starts."""
+        from edge.lifecycle.warmlater import start_after_ready
+
+        if self.recovery is not None:
+            self.recovery.serving(self.config)
+        if self.report is not None:
+            self.calibrating = start_after_ready(loaded, self.config, self.notifier, *self.report)
 
     def _handed_over(self, handover: Any, loaded: Loaded) -> int:
         """After a handover: drained, the report's drain written, this set freed (learned prefix
@@ -234,8 +249,8 @@ class ColdStart:
     async def _warm(self, loaded: Loaded) -> None:
         """The warm-up; a new process taking over warms up on a quarter of the cores, as a reload's
         new set does, beside the old process that serves on the rest (edge.lifecycle.handover)."""
-        if not self.takes_over:
-            return await self.loader.warm(loaded)
+        if not self.takes_over:  # a start calibrates CPU models after READY (edge.lifecycle.warmlater)
+            return await self.loader.warm(loaded, defer=True)
         workers = list(loaded.state.workers.values())
         await threads_of(workers, split_cores()[0])
         try:
@@ -317,6 +332,7 @@ class ColdStart:
         """The moment traffic is handed over: the report is written, then READY=1 and the first
         accept() follow at once. Returns the READY status text."""
         from edge.lifecycle.serving import describe_socket
+        from edge.lifecycle.warmlater import describe
 
         if self.yielded is not None:  # every thread back to the service's priority before it serves
             self.yielded.restore()
@@ -333,13 +349,14 @@ class ColdStart:
                                    **({"priority": self.yielded.as_dict()} if self.yielded else {}),
                                    **({"safe_mode": loaded.state.safe_mode} if loaded.state.safe_mode else {}))
         path: Path = write_report(report, state_dir(self.config))
+        self.report = (report, path)  # rewritten when a calibration after READY ends
         loaded.state.metrics.set_phases(report["phases"])
         loaded.state.metrics.track_fleet(state_dir(self.config))
         log.info("start report %s: ready in %.2f s", path, report["ready_s"],
                  extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
         safe = "; SAFE MODE: " + "; ".join(f"{s['target']}: {s['fallback']}" for s in loaded.state.safe_mode)
         return (f"ready: serving {', '.join(loaded.names)} on {', '.join(addresses)} "
-                f"(start {report['ready_s']:.2f} s){safe if loaded.state.safe_mode else ''}")
+                f"(start {report['ready_s']:.2f} s){safe if loaded.state.safe_mode else ''}{describe(loaded)}")
 
 
 def _stop_during_start(sig: int, frame: Any) -> None:
