@@ -66,7 +66,7 @@ class KeepRule:
 class Requests(Protocol):
     """Client requests, as calibration after READY sees them (edge.lifecycle.warmlater.Watch)."""
 
-    def came(self) -> bool: ...  # a client request was admitted since READY
+    def came(self) -> bool: ...  # a client request was admitted since READY (or the set is going away)
 
     async def arrival(self) -> None: ...  # returns when one is
 
@@ -94,8 +94,11 @@ async def _timed(http: LoopbackHTTP, name: str, path: str, body: dict[str, Any])
     return out
 
 
-async def _pair(http: LoopbackHTTP, step: WarmupStep) -> tuple[dict[str, Any], dict[str, Any]]:
+async def _pair(http: LoopbackHTTP, step: WarmupStep, requests: Requests | None
+                ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     first = await _timed(http, step.name, step.path, step.body)
+    if requests is not None and requests.came():
+        return None
     repeat = await _timed(http, f"{step.name}.repeat", step.path, step.repeat or step.body)
     return first, repeat
 
@@ -142,7 +145,7 @@ async def calibrate(http: LoopbackHTTP, candidates: list[Candidate], rule: KeepR
                           if guess is not None else "over budget")
             continue
         step = await build(cand.build)
-        runs = await _unless_a_request(_pair(http, step), requests)
+        runs = await _unless_a_request(_pair(http, step, requests), requests)
         if runs is None:
             row.update(pending=True, why=NOT_MEASURED)
             continue

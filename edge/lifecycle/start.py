@@ -137,7 +137,7 @@ class ColdStart:
         from edge.lifecycle.handover import Handover
         from edge.lifecycle.reload import Reloader
         from edge.lifecycle.serving import Dispatcher, build_server, serve_http
-        from edge.lifecycle.warmlater import stop_after_ready
+        from edge.lifecycle.warmlater import Watch, stop_after_ready
 
         stop = await self._warm_unless_stopped(loaded)
         with self.timer.phase(Phases.HTTP_SETUP):
@@ -162,9 +162,12 @@ class ColdStart:
         async with reloader:
             if self.hup_pending:  # SIGHUP during the start: the config may have changed since
                 reloader.spawn(None, None)
+            # client requests counted from here, before the first accept (the backlog's come at once)
+            watch = Watch(list(loaded.state.workers.values()), lambda: dispatcher.stopping or reloader.busy
+                          or dispatcher.loaded is not loaded)
             try:
                 await serve_http(server, self.sockets, self.notifier, ready_text, stop,
-                                 on_ready=lambda: self._serving(loaded))
+                                 on_ready=lambda: self._serving(loaded, watch))
             finally:
                 await stop_after_ready(self.calibrating)
             if handover.restart is not None:  # the memory fallback: drained; now the new start
@@ -180,14 +183,14 @@ class ColdStart:
         dispatcher.loaded.close()
         return reloader.fatal.exit_code if reloader.fatal else 0
 
-    def _serving(self, loaded: Loaded) -> None:
+    def _serving(self, loaded: Loaded, watch: Any) -> None:
         """READY=1 is sent: the service counts as serving; the warm-up's calibration after READY starts."""
         from edge.lifecycle.warmlater import start_after_ready
 
         if self.recovery is not None:
             self.recovery.serving(self.config)
         if self.report is not None:
-            self.calibrating = start_after_ready(loaded, self.config, self.notifier, *self.report)
+            self.calibrating = start_after_ready(loaded, self.config, self.notifier, *self.report, watch)
 
     def _handed_over(self, handover: Any, loaded: Loaded) -> int:
         """After a handover: drained, the report's drain written, this set freed (learned prefix

@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,10 +37,13 @@ log = logging.getLogger("edge")
 
 
 class Watch:
-    """Client requests to the set's models, counted from READY on (ModelWorker.arrivals)."""
+    """Client requests to the set's models, counted from its making on (ModelWorker.arrivals); and
+    whether the set is going away (`leaving`: a reload or the drain began), which ends the
+    calibration as a request does, before anything more is sent to models a reload may free."""
 
-    def __init__(self, workers: list[Any]) -> None:
+    def __init__(self, workers: list[Any], leaving: Callable[[], bool] = lambda: False) -> None:
         self.workers = [w for w in workers if hasattr(w, "arrivals")]
+        self.leaving = leaving
         self.at_ready = self._count()
         self._event = asyncio.Event()
         for w in self.workers:
@@ -49,7 +53,7 @@ class Watch:
         return sum(w.arrivals for w in self.workers)
 
     def came(self) -> bool:
-        return self._count() > self.at_ready
+        return self._count() > self.at_ready or self.leaving()
 
     async def arrival(self) -> None:
         if not self.came():
@@ -76,13 +80,14 @@ def describe(loaded: Loaded) -> str:
     return f"; calibrating after ready: {', '.join(names)}" if names else ""
 
 
-def start_after_ready(loaded: Loaded, cfg: Config, notifier: Notifier, report: dict[str, Any],
-                      path: Path) -> asyncio.Task[None] | None:
-    """The calibration task, made at READY (None when nothing is left to calibrate)."""
+def start_after_ready(loaded: Loaded, cfg: Config, notifier: Notifier, report: dict[str, Any], path: Path,
+                      watch: Watch) -> asyncio.Task[None] | None:
+    """The calibration task, made at READY (None when nothing is left to calibrate). `watch` was
+    made before the first accept: a client that waited in the backlog counts."""
     if not loaded.later:
+        watch.close()
         return None
-    return asyncio.ensure_future(_calibrate(loaded, cfg, Watch(list(loaded.state.workers.values())),
-                                            notifier, report, path))
+    return asyncio.ensure_future(_calibrate(loaded, cfg, watch, notifier, report, path))
 
 
 async def stop_after_ready(task: asyncio.Task[None] | None) -> None:
@@ -113,7 +118,8 @@ async def _calibrate(loaded: Loaded, cfg: Config, watch: Watch, notifier: Notifi
                          ", ".join(done["pending"]) or "none", result.plan_file)
         loaded.later.clear()
         _rewrite(report, path, loaded.plans, round(time.perf_counter() - t0, 4))
-        notifier.status(f"serving {', '.join(loaded.names)}; warm-up calibrated after ready")
+        notifier.status(f"ready: serving {', '.join(loaded.names)} on {', '.join(report.get('sockets', []))} "
+                        f"(start {report.get('ready_s', 0):.2f} s); warm-up calibrated after ready")
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # the set was replaced or closed meanwhile, a candidate failed: serving goes on

@@ -25,7 +25,7 @@ from edge.lifecycle import calibration
 from edge.lifecycle.calibration import KeepRule, keep_row
 from edge.lifecycle.loader import Loader, read_config
 from edge.lifecycle.systemd import Notifier
-from edge.lifecycle.warmlater import start_after_ready
+from edge.lifecycle.warmlater import Watch, start_after_ready
 from edge.timing import StartTimer
 from edge.errors import ConfigError, WarmupError
 from edge.lifecycle.loadset import Loaded
@@ -342,7 +342,8 @@ def test_a_request_during_calibration_after_ready_is_answered_and_what_it_distur
         names = [n for x in loaded.later for n in (x.names or [])]
         report = tmp_path / "state" / "reports" / "start.json"
         report.parent.mkdir(parents=True, exist_ok=True)
-        task = start_after_ready(loaded, loader.config, notifier, {"pid": -1}, report)
+        task = start_after_ready(loaded, loader.config, notifier, {"pid": -1}, report,
+                                 Watch(list(loaded.state.workers.values())))
         worker = loaded.state.workers["tiny"]
         watching = worker.on_arrival
         worker.on_arrival = lambda: (watching(), go.set())  # the double lets len65 go once a request came
