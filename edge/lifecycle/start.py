@@ -162,9 +162,8 @@ class ColdStart:
         async with reloader:
             if self.hup_pending:  # SIGHUP during the start: the config may have changed since
                 reloader.spawn(None, None)
-            # client requests counted from here, before the first accept (the backlog's come at once)
-            watch = Watch(list(loaded.state.workers.values()), lambda: dispatcher.stopping or reloader.busy
-                          or dispatcher.loaded is not loaded)
+            watch = Watch(list(loaded.state.workers.values()),  # clients counted from before the first accept
+                          lambda: dispatcher.stopping or reloader.busy or dispatcher.loaded is not loaded)
             try:
                 await serve_http(server, self.sockets, self.notifier, ready_text, stop,
                                  on_ready=lambda: self._serving(loaded, watch))
