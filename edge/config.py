@@ -158,6 +158,15 @@ class WarmupConfig:
     budget_s: float = field(default=1.0, metadata=_range(0.0, 3600.0))
     min_gain_s: float = field(default=0.020, metadata=_range(0.0, 60.0))  # a candidate is kept when first - repeat > max(min_gain_s, min_gain_ratio x repeat)
     min_gain_ratio: float = field(default=0.5, metadata=_range(0.0, 100.0))  # see min_gain_s
+    # When a model without a stored plan (or with candidates still pending) is calibrated:
+    # before_ready (a start pays for it; first-use costs are real on a GPU, a request must not see
+    # them), after_ready (the floor and the kept steps before READY, the rest measured in idle time
+    # after it, giving way to every client request), auto (after_ready for GGUF models with
+    # n_gpu_layers = 0 or a CPU build of llama.cpp, before_ready for offloaded models and engines).
+    # `edge warmup` and a reload's new set always calibrate before they serve.
+    calibrate: str = field(default="auto", metadata={"choices": ("auto", "before_ready", "after_ready")})
+    after_ready_budget_s: float = field(default=30.0, metadata=_range(0.0, 3600.0))  # calibration after READY: its own budget (budget_s is the start's)
+    after_ready_idle_s: float = field(default=0.5, metadata=_range(0.0, 3600.0))  # calibration after READY begins after this long with no client request
 
 
 @dataclass(frozen=True)

@@ -301,12 +301,13 @@ def _plan_lines(plan: dict[str, Any]) -> list[str]:
     lines = ["", f"warm-up plan of {name}: {head}; file {plan.get('plan_file')}"]
     if plan.get("warning"):
         lines.append(f"  warning: {plan['warning']}")
-    if plan.get("candidates"):
-        lines.append(f"{'candidate':<19}{'first s':>9}{'repeat s':>9}  {'kept':<5} why")
+    if plan.get("candidates"):  # waited: for a CPU (schedstat run_delay), over the first run and the repeat
+        lines.append(f"{'candidate':<19}{'first s':>9}{'repeat s':>9}{'waited s':>15}  {'kept':<7} why")
     for c in plan.get("candidates", []):
-        first = f"{c['first_s']:.3f}" if "first_s" in c else "-"
-        repeat = f"{c['repeat_s']:.3f}" if "repeat_s" in c else "-"
-        lines.append(f"{c['name']:<19}{first:>9}{repeat:>9}  {'yes' if c.get('kept') else 'no':<5} {c.get('why', '')}")
+        first, repeat = (f"{c[k]:.3f}" if c.get(k) is not None else "-" for k in ("first_s", "repeat_s"))
+        waited = "/".join(f"{c[k]:.3f}" if c.get(k) is not None else "-" for k in ("delay_first_s", "delay_repeat_s"))
+        kept = "pending" if c.get("pending") else "yes" if c.get("kept") else "no"
+        lines.append(f"{c['name']:<19}{first:>9}{repeat:>9}{waited:>15}  {kept:<7} {c.get('why', '')}")
     lines += [f"not run: {x['name']}: {x['why']}" for x in plan.get("left_out", [])]
     return lines
 

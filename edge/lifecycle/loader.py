@@ -278,9 +278,10 @@ class Loader:
                       keys=plan.keys, kept=list(plan.kept))
 
     # -- warm ---------------------------------------------------------------------------------------
-    async def warm(self, loaded: Loaded) -> list[dict[str, Any]]:
+    async def warm(self, loaded: Loaded, defer: bool = False) -> list[dict[str, Any]]:
         """The warm half of load-and-warm: for each model and engine the floor request, then its
-        stored plan (known key) or a calibration that makes one (new key), over loopback HTTP."""
+        stored plan (known key) or a calibration that makes one (new key), over loopback HTTP.
+        `defer` (a start): calibrations `[warmup] calibrate` puts after READY go to `loaded.later`."""
         from edge.lifecycle.warmplan import PlanStore, warm_one
         from edge.lifecycle.warmup import LoopbackHTTP
 
@@ -294,10 +295,11 @@ class Loader:
                 self.notifier.status(f"warming up {target.name}")
                 with self.timer.phase(Phases.WARMUP, **{target.kind: target.name}, **self._bufts_of(target)) as ph:
                     result = await warm_one(http, target, cfg.warmup, store, recalibrate=self.recalibrate,
-                                            status=self.notifier.status)
+                                            defer=defer, status=self.notifier.status)
                     ph.detail.update(plan=result.plan, steps=result.steps)
                 loaded.warmup += result.steps
                 loaded.plans.append(result.as_dict())
+                loaded.later += [result.later] if result.later else []
         return loaded.warmup
 
     def _bufts_of(self, target: WarmTarget) -> dict[str, Any]:
@@ -330,9 +332,9 @@ class Loader:
             if name in loaded.kept:  # serving already, and warm: its thread belongs to clients,
                 await w.call(check_prompts, w.model, cfg.warmup, cfg.source)  # but the prompts must fit
                 continue
-            make = functools.partial(w.call, model_candidates, w.model, cfg.warmup)
+            make = functools.partial(w.control, model_candidates, w.model, cfg.warmup)  # no client request
             targets.append(WarmTarget("model", name, functools.partial(key_of_model, w),
-                                      model_floor(w.model, cfg.warmup), make, w.call))
+                                      model_floor(w.model, cfg.warmup), make, w.control))
         for name, eng in state.engines.items():
             if name not in loaded.kept and next(e for e in cfg.engines if e.name == name).warmup:
                 cands = engine_candidates(name, eng.session)

@@ -40,6 +40,7 @@ class Loaded:
     keys: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # name -> what makes it the same
     kept: list[str] = field(default_factory=list)  # workers taken over from the previous set
     closed: set[str] = field(default_factory=set)
+    later: list[Any] = field(default_factory=list)  # calibrations left for after READY (warmplan.Later)
 
     @property
     def names(self) -> list[str]:

@@ -73,6 +73,11 @@ class Reloader:
         self.handover = handover  # to a new process (edge.lifecycle.handover), where one is needed
 
     @property
+    def busy(self) -> bool:
+        """A reload is under way (loading, warming, switching or handing over)."""
+        return self._lock.locked()
+
+    @property
     def in_force(self) -> Config:
         """The config in force, as loaded: with safe mode's steps."""
         return self.safe_mode.apply(self.current)[0] if self.safe_mode else self.current

@@ -77,6 +77,8 @@ class ColdStart:
         self.hup_pending = False  # SIGHUP before READY: reload once serving
         self.recovery: Recovery | None = None  # the journal and safe mode of a real start (not a rehearsal)
         self.gpu_lost: str | None = None  # why the service left while serving (a lost CUDA context)
+        self.report: tuple[dict[str, Any], Path] | None = None  # the start report and its file, once READY
+        self.calibrating: asyncio.Task[None] | None = None  # the warm-up's calibration after READY
 
     # -- the start, top to bottom ----------------------------------------------------------------
     def run(self) -> int:
@@ -135,6 +137,7 @@ class ColdStart:
         from edge.lifecycle.handover import Handover
         from edge.lifecycle.reload import Reloader
         from edge.lifecycle.serving import Dispatcher, build_server, serve_http
+        from edge.lifecycle.warmlater import Watch, stop_after_ready
 
         stop = await self._warm_unless_stopped(loaded)
         with self.timer.phase(Phases.HTTP_SETUP):
@@ -153,17 +156,19 @@ class ColdStart:
             gc.freeze()  # warm-up garbage is gone; what lives now is never scanned again
         if stop.is_set():
             raise StoppedDuringStart("SIGTERM before ready")
-        successor = getattr(self.notifier, "successor", None)  # a handover's new process (edge.lifecycle.handover)
-        if successor is not None:  # its models wait for the old process's last requests
-            successor.hold_until_drained(list(loaded.state.workers.values()), self.config.server.drain_timeout_s)
         ready_text = self.mark_ready(loaded)
         if self.recovery is not None:
             asyncio.get_running_loop().call_later(self.config.server.healthy_after_s, self.recovery.healthy)
         async with reloader:
             if self.hup_pending:  # SIGHUP during the start: the config may have changed since
                 reloader.spawn(None, None)
-            await serve_http(server, self.sockets, self.notifier, ready_text, stop,
-                             on_ready=lambda: self.recovery.serving(self.config) if self.recovery else None)
+            watch = Watch(list(loaded.state.workers.values()),  # clients counted from before the first accept
+                          lambda: dispatcher.stopping or reloader.busy or dispatcher.loaded is not loaded)
+            try:
+                await serve_http(server, self.sockets, self.notifier, ready_text, stop,
+                                 on_ready=lambda: self._serving(loaded, watch))
+            finally:
+                await stop_after_ready(self.calibrating)
             if handover.restart is not None:  # the memory fallback: drained; now the new start
                 await handover.after_drain(dispatcher.loaded)
         if handover.restart is not None or handover.successor_pid is not None:
@@ -176,6 +181,15 @@ class ColdStart:
         save_learned(dispatcher.loaded, reloader.in_force)
         dispatcher.loaded.close()
         return reloader.fatal.exit_code if reloader.fatal else 0
+
+    def _serving(self, loaded: Loaded, watch: Any) -> None:
+        """READY=1 is sent: the service counts as serving; the warm-up's calibration after READY starts."""
+        from edge.lifecycle.warmlater import start_after_ready
+
+        if self.recovery is not None:
+            self.recovery.serving(self.config)
+        if self.report is not None:
+            self.calibrating = start_after_ready(loaded, self.config, self.notifier, *self.report, watch)
 
     def _handed_over(self, handover: Any, loaded: Loaded) -> int:
         """After a handover: drained, the report's drain written, this set freed (learned prefix
@@ -237,8 +251,8 @@ class ColdStart:
     async def _warm(self, loaded: Loaded) -> None:
         """The warm-up; a new process taking over warms up on a quarter of the cores, as a reload's
         new set does, beside the old process that serves on the rest (edge.lifecycle.handover)."""
-        if not self.takes_over:
-            return await self.loader.warm(loaded)
+        if not self.takes_over:  # a start calibrates CPU models after READY (edge.lifecycle.warmlater)
+            return await self.loader.warm(loaded, defer=True)
         workers = list(loaded.state.workers.values())
         await threads_of(workers, split_cores()[0])
         try:
@@ -322,9 +336,13 @@ class ColdStart:
         """The moment traffic is handed over: the report is written, then READY=1 and the first
         accept() follow at once. Returns the READY status text."""
         from edge.lifecycle.serving import describe_socket
+        from edge.lifecycle.warmlater import describe
 
         if self.yielded is not None:  # every thread back to the service's priority before it serves
             self.yielded.restore()
+        successor = getattr(self.notifier, "successor", None)  # a handover's new process (edge.lifecycle.successor)
+        if successor is not None:  # its models wait for the old process's last requests
+            successor.hold_until_drained(list(loaded.state.workers.values()), self.config.server.drain_timeout_s)
         loaded.state.ready = True
         addresses = [describe_socket(s) for s in self.sockets]
         now = self.timer.now()
@@ -338,13 +356,14 @@ class ColdStart:
                                    **({"priority": self.yielded.as_dict()} if self.yielded else {}),
                                    **({"safe_mode": loaded.state.safe_mode} if loaded.state.safe_mode else {}))
         path: Path = write_report(report, state_dir(self.config))
+        self.report = (report, path)  # rewritten when a calibration after READY ends
         loaded.state.metrics.set_phases(report["phases"])
         loaded.state.metrics.track_fleet(state_dir(self.config))
         log.info("start report %s: ready in %.2f s", path, report["ready_s"],
                  extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
         safe = "; SAFE MODE: " + "; ".join(f"{s['target']}: {s['fallback']}" for s in loaded.state.safe_mode)
         return (f"ready: serving {', '.join(loaded.names)} on {', '.join(addresses)} "
-                f"(start {report['ready_s']:.2f} s){safe if loaded.state.safe_mode else ''}")
+                f"(start {report['ready_s']:.2f} s){safe if loaded.state.safe_mode else ''}{describe(loaded)}")
 
 
 def _stop_during_start(sig: int, frame: Any) -> None:

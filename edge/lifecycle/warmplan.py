@@ -24,13 +24,15 @@ from typing import TYPE_CHECKING, Any
 from edge.config import WarmupConfig
 from edge.fsutil import atomic_write
 from edge.model.identity import context_identity, device_identity, key_differences
-from edge.lifecycle.warmup import Candidate, KeepRule, LoopbackHTTP, WarmupStep, calibrate, run_step, run_steps
+from edge.lifecycle.calibration import KeepRule, Requests, calibrate
+from edge.lifecycle.warmup import Candidate, LoopbackHTTP, WarmupStep, run_step, run_steps
 
 if TYPE_CHECKING:
     from edge.device.identity import DeviceInfo
     from edge.model.llm import GGUFModel
 
-__all__ = ["PLAN_FORMAT", "Plan", "PlanStore", "WarmResult", "engine_plan_key", "model_plan_key", "warm_one"]
+__all__ = ["PLAN_FORMAT", "Later", "Plan", "PlanStore", "WarmResult", "after_ready", "engine_plan_key",
+           "finish_later", "model_plan_key", "warm_one"]
 
 log = logging.getLogger("edge")
 
@@ -45,12 +47,23 @@ def engine_plan_key(engine_key: dict[str, Any], device: DeviceInfo) -> dict[str,
 
 @dataclass
 class Plan:
-    """Kept steps (name, path, body, first_s, repeat_s) and every candidate's calibration row."""
+    """Kept steps (name, path, body, first_s, repeat_s) and every candidate's calibration row;
+    a row with `pending` was not measured yet (a request came): a later start measures it."""
 
     key: dict[str, Any]
     steps: list[dict[str, Any]]
     candidates: list[dict[str, Any]] = field(default_factory=list)
     calibrated_at: str = ""
+
+    def pending(self) -> list[str]:
+        return [c["name"] for c in self.candidates if c.get("pending")]
+
+    def merged(self, rows: list[dict[str, Any]], kept: list[dict[str, Any]]) -> Plan:
+        """This plan with the rows of a calibration of some of its candidates put in their place."""
+        new = {r["name"]: r for r in rows}
+        names = [c["name"] for c in self.candidates]
+        candidates = [new.get(c["name"], c) for c in self.candidates] + [r for r in rows if r["name"] not in names]
+        return Plan(self.key, self.steps + kept, candidates)
 
     def as_dict(self) -> dict[str, Any]:
         return {"format": PLAN_FORMAT, "key": self.key, "calibrated_at": self.calibrated_at,
@@ -112,7 +125,7 @@ class WarmResult:
 
     kind: str  # model | engine
     name: str
-    plan: str  # calibrated | stored | floor only
+    plan: str  # calibrated | stored | floor only | calibrating after ready
     why: str
     steps: list[dict[str, Any]]  # every warm-up request that ran, floor first (calibration: both runs)
     candidates: list[dict[str, Any]] = field(default_factory=list)
@@ -120,11 +133,13 @@ class WarmResult:
     plan_file: str | None = None
     warning: str | None = None
     calibrated_at: str = ""
+    later: Later | None = None  # what is left to calibrate after READY
 
     def as_dict(self) -> dict[str, Any]:
         out = {self.kind: self.name, "plan": self.plan, "why": self.why, "plan_file": self.plan_file,
                "calibrated_at": self.calibrated_at, "candidates": self.candidates,
-               "left_out": self.left_out, "kept": [c["name"] for c in self.candidates if c.get("kept")]}
+               "left_out": self.left_out, "kept": [c["name"] for c in self.candidates if c.get("kept")],
+               "pending": [c["name"] for c in self.candidates if c.get("pending")]}
         return {**out, **({"warning": self.warning} if self.warning else {})}
 
 
@@ -140,9 +155,27 @@ class WarmTarget:
     build: Callable[[Callable[[], WarmupStep]], Awaitable[WarmupStep]]  # where a candidate is made
 
 
+@dataclass(frozen=True)
+class Later:
+    """A calibration left for after READY: the plan it adds to, and which candidates (None: all)."""
+
+    target: WarmTarget
+    plan: Plan
+    names: frozenset[str] | None
+
+
+def after_ready(cfg: WarmupConfig, key: dict[str, Any]) -> bool:
+    """Whether `[warmup] calibrate` puts this target's calibration after READY (see the field)."""
+    if cfg.calibrate != "auto":
+        return cfg.calibrate == "after_ready"
+    return key.get("kind") == "model" and (key.get("n_gpu_layers") == 0 or key.get("backend") == "cpu")
+
+
 async def warm_one(http: LoopbackHTTP, target: WarmTarget, cfg: WarmupConfig, store: PlanStore, *,
-                   recalibrate: bool = False, status: Callable[[str], None] = lambda s: None) -> WarmResult:
-    """The floor, then the stored plan for this key, or a calibration that makes and stores one."""
+                   recalibrate: bool = False, defer: bool = False,
+                   status: Callable[[str], None] = lambda s: None) -> WarmResult:
+    """The floor, then the stored plan for this key, or a calibration that makes and stores one.
+    `defer` (a start): a calibration `after_ready` puts after READY is left in `later`."""
     floor = await run_step(http, "floor", target.floor.path, target.floor.body)
     floor["floor"] = True
     key = await target.key()
@@ -155,18 +188,58 @@ async def warm_one(http: LoopbackHTTP, target: WarmTarget, cfg: WarmupConfig, st
     if warn:
         log.warning("warm-up plan of %s: %s", target.name, why)
     path = str(store.path(target.kind, target.name))
+    later, steps, left_out = defer and after_ready(cfg, key), [floor], []
     if plan is not None:
         ran, left_out = await run_steps(http, plan.steps, cfg.budget_s)
-        return WarmResult(target.kind, target.name, "stored", "known key", [floor, *ran], plan.candidates,
-                          left_out, path, calibrated_at=plan.calibrated_at)
-    status(f"calibrating the warm-up of {target.name}: {why}")
+        steps += ran
+        pending = plan.pending()
+        result = WarmResult(target.kind, target.name, "stored", "known key", steps, plan.candidates,
+                            left_out, path, calibrated_at=plan.calibrated_at)
+        if not pending:
+            return result
+        if later:
+            result.why = f"known key; {len(pending)} candidates pending: calibrating after ready"
+            result.later = Later(target, plan, frozenset(pending))
+            return result
+        status(f"calibrating the warm-up of {target.name}: {len(pending)} candidates pending")
+        names: frozenset[str] | None = frozenset(pending)
+        why = f"known key; the {len(pending)} pending candidates measured now"
+    else:
+        plan, names = Plan(key, []), None
+        if later:
+            status(f"warm-up of {target.name}: {why}; calibrating after ready, plan to {path}")
+            return WarmResult(target.kind, target.name, "calibrating after ready", why, [floor], [], [], path,
+                              why if warn else None, later=Later(target, plan, None))
+        status(f"calibrating the warm-up of {target.name}: {why}")
     rule = KeepRule(cfg.min_gain_s, cfg.min_gain_ratio)
-    rows, kept, ran = await calibrate(http, await target.candidates(), rule, cfg.budget_s, target.build)
-    new = Plan(key, kept, rows)
+    rows, kept, ran = await calibrate(http, _only(await target.candidates(), names), rule, cfg.budget_s,
+                                      target.build)
+    new, path = _store(store, target, plan.merged(rows, kept), path)
+    return WarmResult(target.kind, target.name, "calibrated", why, steps + ran, new.candidates, left_out, path,
+                      why if warn else None, new.calibrated_at)
+
+
+async def finish_later(http: LoopbackHTTP, later: Later, cfg: WarmupConfig, store: PlanStore,
+                       requests: Requests) -> WarmResult:
+    """A calibration after READY: the candidates left (all, or the pending ones) while no client
+    request came, within `after_ready_budget_s`; the plan stored with what is still pending."""
+    target = later.target
+    rule = KeepRule(cfg.min_gain_s, cfg.min_gain_ratio)
+    rows, kept, ran = await calibrate(http, _only(await target.candidates(), later.names), rule,
+                                      cfg.after_ready_budget_s, target.build, requests)
+    new, path = _store(store, target, later.plan.merged(rows, kept), str(store.path(target.kind, target.name)))
+    return WarmResult(target.kind, target.name, "calibrated after ready", "measured in idle time after READY",
+                      ran, new.candidates, [], path, calibrated_at=new.calibrated_at)
+
+
+def _only(candidates: list[Candidate], names: frozenset[str] | None) -> list[Candidate]:
+    return candidates if names is None else [c for c in candidates if c.name in names]
+
+
+def _store(store: PlanStore, target: WarmTarget, plan: Plan, path: str) -> tuple[Plan, str]:
     try:
-        store.save(target.kind, target.name, new)
+        store.save(target.kind, target.name, plan)
     except OSError as exc:  # a read-only cache dir costs a calibration per start, not the start
         log.warning("warm-up plan of %s not stored in %s: %s", target.name, path, exc)
         path = f"not stored: {exc}"
-    return WarmResult(target.kind, target.name, "calibrated", why, [floor, *ran], rows, [], path,
-                      why if warn else None, new.calibrated_at)
+    return plan, path

@@ -8,7 +8,7 @@ What a warm-up should contain differs per device and backend (on a CPU a first 5
 prefill costs what the next one costs; on a GPU the first batch of a shape pays for lazy module
 loading, cuBLAS handles, graph capture). So the steps are candidates, and calibration keeps one
 only when its first run costs measurably more than a repeat of the same shape with other tokens
-(`calibrate`). The floor, one light streamed completion through HTTP, tokenizer, sampler and SSE,
+(edge.lifecycle.calibration). The floor, one light streamed completion through HTTP, tokenizer, sampler and SSE,
 always runs first: readiness means one real request has succeeded.
 """
 
@@ -20,7 +20,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from edge.config import WarmupConfig
@@ -30,7 +30,7 @@ from edge.serve.client import encode_request, parse_response
 if TYPE_CHECKING:
     from edge.model.llm import GGUFModel
 
-__all__ = ["Candidate", "KeepRule", "LoopbackHTTP", "WarmupStep", "WarmupError", "calibrate", "check_prompts",
+__all__ = ["Candidate", "LoopbackHTTP", "WarmupStep", "WarmupError", "check_prompts",
            "engine_candidates", "model_candidates", "model_floor", "run_step", "run_steps"]
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -68,17 +68,6 @@ class Candidate:
     path: str
     work: int  # prompt tokens + DECODE_WEIGHT x max_tokens, or tensor elements: for the budget
     build: Callable[[], WarmupStep]
-
-
-@dataclass(frozen=True)
-class KeepRule:
-    """A step is kept when first - repeat > max(min_gain_s, min_gain_ratio x repeat)."""
-
-    min_gain_s: float
-    min_gain_ratio: float
-
-    def threshold(self, repeat_s: float) -> float:
-        return max(self.min_gain_s, self.min_gain_ratio * repeat_s)
 
 
 class LoopbackHTTP:
@@ -327,59 +316,3 @@ async def run_steps(http: LoopbackHTTP, steps: list[dict[str, Any]], budget_s: f
             continue
         ran.append(await run_step(http, s["name"], s["path"], s["body"]))
     return ran, left_out
-
-
-class _Estimator:
-    """Predicts a request's seconds from the median seconds-per-work of the repeats measured so
-    far (the median: one repeat slowed by another process must not skip the rest)."""
-
-    def __init__(self) -> None:
-        self.rates: list[float] = []
-
-    def add(self, work: int, seconds: float) -> None:
-        self.rates.append(seconds / max(1, work))
-
-    def predict(self, work: int) -> float | None:
-        return sorted(self.rates)[len(self.rates) // 2] * work if self.rates else None
-
-
-async def calibrate(http: LoopbackHTTP, candidates: list[Candidate], rule: KeepRule, budget_s: float,
-                    build: Callable[[Callable[[], WarmupStep]], Awaitable[WarmupStep]]
-                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """Run each candidate twice (first, then the same shape with other tokens) while the
-    predicted cost fits the budget: (one row per candidate, the kept steps, every request that
-    ran). `build` makes a candidate's step where it must be made (a model's worker thread)."""
-    rows: list[dict[str, Any]] = []
-    kept: list[dict[str, Any]] = []
-    ran: list[dict[str, Any]] = []
-    est, t0 = _Estimator(), time.perf_counter()
-    for cand in candidates:
-        row: dict[str, Any] = {"name": cand.name, "path": cand.path, "kept": False}
-        left, guess = budget_s - (time.perf_counter() - t0), est.predict(cand.work)
-        if left <= 0 or (guess is not None and 2 * guess > left):
-            row["why"] = (f"over budget: ~{2 * guess:.2f} s predicted, {max(left, 0):.2f} s left"
-                          if guess is not None else "over budget")
-            rows.append(row)
-            continue
-        step = await build(cand.build)
-        first = await run_step(http, step.name, step.path, step.body)
-        repeat = await run_step(http, f"{step.name}.repeat", step.path, step.repeat or step.body)
-        ran += [first, repeat]
-        est.add(cand.work, repeat["seconds"])
-        rows.append(_row(row, first, repeat, rule))
-        if row["kept"]:
-            kept.append({"name": step.name, "path": step.path, "body": step.body,
-                         "first_s": first["seconds"], "repeat_s": repeat["seconds"]})
-    return rows, kept, ran
-
-
-def _row(row: dict[str, Any], first: dict[str, Any], repeat: dict[str, Any], rule: KeepRule) -> dict[str, Any]:
-    gain, need = first["seconds"] - repeat["seconds"], rule.threshold(repeat["seconds"])
-    row.update(first_s=first["seconds"], repeat_s=repeat["seconds"], gain_s=round(gain, 4),
-               threshold_s=round(need, 4), kept=gain > need,
-               why=(f"first run {gain * 1000:.1f} ms slower than the repeat "
-                    f"{'>' if gain > need else '<='} threshold {need * 1000:.1f} ms"))
-    for k in ("prompt_tokens", "completion_tokens", "events", "output_shapes"):
-        if k in first:
-            row[k] = first[k]
-    return row

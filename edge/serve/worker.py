@@ -70,6 +70,8 @@ class ModelWorker(Worker):
         self._thread: threading.Thread | None = None
         self.queue_wait_s = 0.0  # summed over started generations: time between submission and a slot
         self.started = 0
+        self.arrivals = 0  # client requests admitted (warm-up's own not counted)
+        self.on_arrival: Callable[[], None] | None = None  # called at each (calibration after READY)
 
     @property
     def slots(self) -> Slots:
@@ -83,6 +85,12 @@ class ModelWorker(Worker):
                                f"({self.slots.n} slots, max_queue = {self.max_queue}); retry later",
                                status=503, code="server_busy")
         self.pending += 1
+        from edge.serve.metrics import in_warmup  # imported with the app already: a dict lookup
+
+        if not in_warmup():
+            self.arrivals += 1
+            if self.on_arrival is not None:
+                self.on_arrival()
 
     def release(self) -> None:
         self.pending -= 1

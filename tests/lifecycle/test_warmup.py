@@ -9,19 +9,29 @@ load would. Thresholds in these configs are far above a tiny model's request tim
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import threading
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 
 from edge.config import parse_config
+from edge.lifecycle import calibration
+from edge.lifecycle.calibration import KeepRule, keep_row
+from edge.lifecycle.loader import Loader, read_config
+from edge.lifecycle.systemd import Notifier
+from edge.lifecycle.warmlater import Watch, start_after_ready
+from edge.timing import StartTimer
 from edge.errors import ConfigError, WarmupError
 from edge.lifecycle.loadset import Loaded
 from edge.lifecycle.start import ColdStart
 from kit import EDGE, write_config
+from kit.prom import until
 
 DELAY_S = 1.5  # the double's first-use cost
 # kept only when first - repeat > max(0.5 s, repeat): a tiny model's requests take milliseconds
@@ -31,15 +41,20 @@ TINY = "n_batch = 64\nn_threads = 1"
 CALIBRATION = "min_gain_s = 0.5\nmin_gain_ratio = 1.0\nbudget_s = 120.0\n"
 
 
+def _pay() -> None:
+    threading.Event().wait(DELAY_S)  # the injected first-use cost (not a wait on anything)
+
+
 class FirstUseCostDouble:
     """Test double at the llama.cpp boundary (edge.model.native.Native): delegates everything,
     records the whole prompt of every prefill (the tokens reused from the KV cache and those
-    decoded now: what the prompt cache's `begin` was given for the sequence), and sleeps DELAY_S
-    in the first batch decode that holds a chunk of a `slow_len`-token prompt."""
+    decoded now: what the prompt cache's `begin` was given for the sequence), and calls `pay`
+    (sleeps DELAY_S) in the first batch decode that holds a chunk of a `slow_len`-token prompt."""
 
-    def __init__(self, native: Any, cache: Any, slow_len: int | None) -> None:
+    def __init__(self, native: Any, cache: Any, slow_len: int | None, pay: Callable[[], None] = _pay) -> None:
         object.__setattr__(self, "_native", native)
         object.__setattr__(self, "slow_len", slow_len)
+        object.__setattr__(self, "pay", pay)
         object.__setattr__(self, "prompts", [])
         object.__setattr__(self, "_paid", threading.Event())
         object.__setattr__(self, "_starting", {})  # sequence -> the prompt its next chunk starts
@@ -66,20 +81,25 @@ class FirstUseCostDouble:
                 slow = slow or len(prompt) == self.slow_len
         if slow and not self._paid.is_set():
             self._paid.set()
-            threading.Event().wait(DELAY_S)  # the injected first-use cost (not a wait on anything)
+            self.pay()
         self._native.decode_batch(tokens, pos, seqs, out)
 
 
-def rehearse(config: Path, slow_len: int | None = None, recalibrate: bool = False
+def install_double(loaded: Loaded, slow_len: int | None, pay: Callable[[], None] = _pay) -> FirstUseCostDouble:
+    model = loaded.state.workers["tiny"].model
+    double = FirstUseCostDouble(model.native, model.cache, slow_len, pay)
+    model.native = model.cache.native = model.slots.native = double
+    return double
+
+
+def rehearse(config: Path, slow_len: int | None = None, recalibrate: bool = False, pay: Callable[[], None] = _pay
              ) -> tuple[dict[str, Any], FirstUseCostDouble]:
     """A start up to READY in this process (ColdStart.rehearse), the double installed through
     ColdStart's before_warm hook."""
     doubles: list[FirstUseCostDouble] = []
 
     def install(loaded: Loaded) -> None:
-        model = loaded.state.workers["tiny"].model
-        doubles.append(FirstUseCostDouble(model.native, model.cache, slow_len))
-        model.native = model.cache.native = model.slots.native = doubles[0]
+        doubles.append(install_double(loaded, slow_len, pay))
 
     start = ColdStart(str(config))
     start.before_warm = install
@@ -196,7 +216,10 @@ def test_the_floor_runs_when_nothing_else_does(tmp_path: Path, tiny_gguf: Path) 
     assert plan_of(report)["plan"] == "floor only"
 
 
-def test_serve_says_it_calibrates_then_reuses_the_plan(config: Path, service) -> None:
+def test_serve_says_it_calibrates_then_reuses_the_plan(tmp_path: Path, tiny_gguf: Path, service) -> None:
+    # before_ready: the start calibrates as an offloaded model's does (CPU models: test_warmlater)
+    config = write_config(tmp_path / "edge.toml", tiny_gguf, extra_model=TINY,
+                          extra=CALIBRATION + 'calibrate = "before_ready"\n')
     first = service(config)
     assert first.stop() == 0
     statuses = [n.fields.get("STATUS", "") for n in first.notifications]
@@ -216,3 +239,141 @@ def test_warmup_calibration_fields_are_validated(field: str, value: str) -> None
     text = f'[[models]]\nname = "m"\npath = "m.gguf"\n[warmup]\n{field} = {value}\n'
     with pytest.raises(ConfigError, match=f"warmup.{field}"):
         parse_config(text, source="edge.toml")
+
+
+# -- the keep rule and the CPU this process waited for (schedstat) ----------------------------------
+
+class FakeSchedstat:
+    """Test double of the schedstat reader (edge.lifecycle.calibration.run_delay): the seconds this
+    process's threads waited for a CPU, as the test says (None: a kernel without schedstat)."""
+
+    def __init__(self, waited: float | None = 0.0) -> None:
+        self.waited = waited
+
+    def read(self) -> float | None:
+        return self.waited
+
+
+def _runs(first: float, repeat: float, waited_first: float | None, waited_repeat: float | None
+          ) -> tuple[dict[str, Any], dict[str, Any]]:
+    return {"seconds": first, "waited_s": waited_first}, {"seconds": repeat, "waited_s": waited_repeat}
+
+
+def test_the_keep_rule_takes_off_what_waiting_for_a_cpu_explains() -> None:
+    rule = KeepRule(0.02, 0.5)  # threshold max(20 ms, 0.5 x 0.1 s repeat) = 50 ms; the first is 150 ms slower
+    assert keep_row({}, *_runs(0.25, 0.1, 0.0, 0.0), rule)["kept"] is True  # nothing waited: a first-use cost
+    below = keep_row({}, *_runs(0.25, 0.1, 0.11, 0.01), rule)  # 100 ms of it waiting: 50 ms left, not > 50
+    assert below["kept"] is False and below["waited_s"] == pytest.approx(0.1) and "waiting for a CPU" in below["why"]
+    above = keep_row({}, *_runs(0.25, 0.1, 0.09, 0.0), rule)  # 90 ms of it waiting: 60 ms left
+    assert above["kept"] is True and (above["delay_first_s"], above["delay_repeat_s"]) == (0.09, 0.0)
+    more = keep_row({}, *_runs(0.25, 0.1, 0.0, 0.2), rule)  # the repeat waited more: nothing taken off, nothing added
+    assert more["kept"] is True and more["waited_s"] == 0.0
+    missing = keep_row({}, *_runs(0.25, 0.1, None, None), rule)  # no schedstat: the plain rule, said so
+    assert missing["kept"] is True and missing["delay_first_s"] is None and "no schedstat" in missing["why"]
+
+
+def test_a_first_run_slowed_by_waiting_for_a_cpu_is_not_kept(config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeSchedstat()
+    monkeypatch.setattr(calibration, "run_delay", fake.read)
+
+    def waited() -> None:  # len65's first run is slower by DELAY_S, every bit of it spent waiting for a CPU
+        fake.waited = (fake.waited or 0.0) + DELAY_S
+        _pay()
+    report, _ = rehearse(config, slow_len=65, pay=waited)
+    slow = rows(report)["len65"]
+    assert slow["gain_s"] > slow["threshold_s"] and slow["kept"] is False, slow
+    assert slow["delay_first_s"] - slow["delay_repeat_s"] == pytest.approx(DELAY_S)
+    assert "len65" not in [s["name"] for s in json.loads(plan_file(config).read_text())["steps"]]
+    report, _ = rehearse(config, slow_len=65, recalibrate=True)  # the same cost, nothing waited: kept
+    assert rows(report)["len65"]["kept"] is True and rows(report)["len65"]["delay_first_s"] == 0.0
+    fake.waited = None  # a kernel without schedstat: the plain rule
+    report, _ = rehearse(config, slow_len=65, recalibrate=True)
+    assert rows(report)["len65"]["kept"] is True and "no schedstat" in rows(report)["len65"]["why"]
+    assert rows(report)["len65"]["delay_first_s"] is None
+
+
+# -- calibration after READY (CPU models: calibrate = "auto") ------------------------------------------
+
+def _plan_if_stored(config: Path) -> dict[str, Any] | None:
+    return json.loads(plan_file(config).read_text()) if plan_file(config).exists() else None
+
+
+def test_a_cpu_start_without_a_plan_warms_the_floor_and_calibrates_after_ready(tmp_path: Path, tiny_gguf: Path,
+                                                                                service) -> None:
+    config = write_config(tmp_path / "edge.toml", tiny_gguf, extra_model=TINY,
+                          extra=CALIBRATION + "after_ready_idle_s = 0.0\n")
+    first = service(config)
+    (ready,) = [n.fields["STATUS"] for n in first.notifications if n.fields.get("READY") == "1"]
+    assert f"calibrating after ready: tiny (plan to {plan_file(config)})" in ready
+    report_file = config.parent / "state" / "last-start.json"
+    warm = next(p for p in json.loads(report_file.read_text())["phases"] if p["name"] == "warmup")
+    assert warm["detail"]["plan"] == "calibrating after ready"  # the floor only, before READY
+    assert [s["name"] for s in warm["detail"]["steps"]] == ["floor"]
+    stored = until("the plan stored after READY", lambda: _plan_if_stored(config), timeout=120)
+    measured = {c["name"]: c for c in stored["candidates"]}
+    assert {"tok1", "chat", "batch2", "batch4", "len65", "len128"} <= set(measured)  # beyond budget_s's reach too
+    assert all("first_s" in c and not c.get("pending") for c in measured.values()), measured
+    rewritten = until("the start report rewritten", lambda: (lambda r: r if r["calibration"][0]["plan"] ==
+                      "calibrated after ready" else None)(json.loads(report_file.read_text())), timeout=60)
+    assert rewritten["calibration"][0]["candidates"] == stored["candidates"]
+    assert first.stop() == 0
+    second = service(config)  # a plan with nothing pending: the start runs it, nothing after READY
+    (ready,) = [n.fields["STATUS"] for n in second.notifications if n.fields.get("READY") == "1"]
+    assert "calibrating" not in ready
+    assert json.loads(report_file.read_text())["calibration"][0]["plan"] == "stored"
+    assert second.stop() == 0
+
+
+def test_a_request_during_calibration_after_ready_is_answered_and_what_it_disturbed_stays_pending(
+        tmp_path: Path, tiny_gguf: Path) -> None:
+    config = write_config(tmp_path / "edge.toml", tiny_gguf, extra_model=TINY,
+                          extra=CALIBRATION + "after_ready_idle_s = 0.0\n")
+    timer, notifier = StartTimer(), Notifier()
+    notifier.enabled = False
+    loader = Loader(read_config(str(config), timer), timer, notifier)
+    reached, go = threading.Event(), threading.Event()
+
+    def held() -> None:  # len65's first run waits, in llama.cpp's place, until a client request came
+        reached.set()
+        go.wait(60)
+
+    async def start(loaded: Loaded, ask: bool) -> tuple[int | None, list[str]]:
+        await loader.warm(loaded, defer=True)
+        names = [n for x in loaded.later for n in (x.names or [])]
+        report = tmp_path / "state" / "reports" / "start.json"
+        report.parent.mkdir(parents=True, exist_ok=True)
+        task = start_after_ready(loaded, loader.config, notifier, {"pid": -1}, report,
+                                 Watch(list(loaded.state.workers.values())))
+        worker = loaded.state.workers["tiny"]
+        watching = worker.on_arrival
+        worker.on_arrival = lambda: (watching(), go.set())  # the double lets len65 go once a request came
+        status = None
+        if ask and await asyncio.to_thread(reached.wait, 60):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=loaded.app), base_url="http://edge") as c:
+                status = (await c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})).status_code
+        await task
+        return status, names
+
+    loaded = loader.load()
+    install_double(loaded, slow_len=65, pay=held)
+    try:
+        status, _ = asyncio.run(start(loaded, ask=True))
+    finally:
+        loaded.close()
+    assert status == 200  # answered, not held behind the warm-up
+    by_name = {c["name"]: c for c in json.loads(plan_file(config).read_text())["candidates"]}
+    for name in ("tok1", "chat", "batch2", "len64"):  # measured before it came
+        assert "first_s" in by_name[name] and not by_name[name].get("pending"), by_name[name]
+    for name in ("len65", "len128"):  # the one it disturbed, and every one after
+        assert by_name[name]["pending"] is True and "first_s" not in by_name[name], by_name[name]
+        assert by_name[name]["why"] == "not measured: a request came" and by_name[name]["kept"] is False
+    # a later start: floor and kept steps before READY, the pending candidates measured after it
+    loaded = loader.load()
+    install_double(loaded, slow_len=None)
+    try:
+        _, names = asyncio.run(start(loaded, ask=False))
+    finally:
+        loaded.close()
+    assert set(names) == {n for n, c in by_name.items() if c.get("pending")}
+    stored = json.loads(plan_file(config).read_text())["candidates"]
+    assert not [c["name"] for c in stored if c.get("pending")] and len(stored) == len(by_name)
