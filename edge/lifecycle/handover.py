@@ -185,6 +185,7 @@ class _Run:
         self.h.successor_pid = child.pid
         self.child = child  # told when this process has drained (the new one's models wait for it)
         server = self.h.server
+        server.drain.on_empty = child.say_drained  # no connection left: the new process decodes
         server.drain.begin(server, f"handed over to pid {child.pid}: draining", stopping=False)
         status = f"{said.get('status', 'ready')} (took over from pid {os.getpid()} in {at:.2f} s)"
         self.h.notifier.send(f"MAINPID={child.pid}\nREADY=1\nSTATUS={status}")

@@ -222,6 +222,9 @@ class Drain:
         self.dispatcher, self.notifier, self.loop, self.guard = dispatcher, notifier, loop, guard
         self.timeout_s = timeout_s
         self.stopped_at = 0.0
+        # called once when the drain has no connection left, before uvicorn's shutdown (a handover:
+        # the new process's models may decode from then on, edge.lifecycle.successor)
+        self.on_empty: Callable[[], None] | None = None
 
     def on_signal(self, server: Any) -> None:
         if server.should_exit or self.dispatcher.stopping:
@@ -257,6 +260,9 @@ class Drain:
         for conn in list(conns):
             if self._may_close(conn, now):
                 conn.transport.close()
+        if not conns and self.on_empty is not None:
+            self.on_empty, empty = None, self.on_empty
+            empty()
         if not conns or now - self.stopped_at >= self.timeout_s:
             server.should_exit = True
         else:
