@@ -219,7 +219,7 @@ class Loader:
             self.notifier.status(f"loading {m.name} ({m.path})")
             with self.timer.phase(Phases.MODEL_LOAD, model=m.name, use_mmap=m.use_mmap, use_mlock=m.use_mlock,
                                   **_bufts(m)) as ph:
-                model = load_gguf_model(m, f.validate() if f.info is None else f.info)
+                model = load_gguf_model(m, f.validate() if f.info is None else f.info, quiet=self.at_start)
                 ph.bytes = model.info.size
             from edge.serve.worker import ModelWorker  # after the load: its asyncio is imported by then
 

@@ -174,8 +174,9 @@ def settings_for(cfg: ModelConfig) -> ContextSettings:
                            use_extra_bufts=cfg.use_extra_bufts, n_seq=parallel_for(cfg))
 
 
-def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
-    """Load through llama.cpp with mmap/mlock and measure whether the lock really took."""
+def load_gguf_model(cfg: ModelConfig, info: GGUFInfo, quiet: bool = False) -> GGUFModel:
+    """Load through llama.cpp with mmap/mlock and measure whether the lock really took (`quiet`:
+    at a process's own start, its log into memory meanwhile: edge.model.native.Native)."""
     llama_cpp = require("llama_cpp", None, "loading GGUF models", package="llama-cpp-python")
     from edge.model.gpu import require_gpu_offload
 
@@ -187,7 +188,7 @@ def load_gguf_model(cfg: ModelConfig, info: GGUFInfo) -> GGUFModel:
                     info.architecture, trained)
     before = vm_locked_bytes()
     try:
-        native = Native(info.path, settings_for(cfg))
+        native = Native(info.path, settings_for(cfg), quiet=quiet)
     except (ValueError, RuntimeError) as exc:
         why = diagnose_load_failure(info, llama_cpp)
         raise ModelError(info.path, f"llama.cpp could not load the model: {exc}"

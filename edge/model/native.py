@@ -74,8 +74,23 @@ class Native:
     act on `seq`, the sequence the prompt cache works on now (edge.model.slots sets it);
     `decode_batch` decodes tokens of many sequences in one llama_decode."""
 
-    def __init__(self, path: str, s: ContextSettings) -> None:
-        self.lib = lib = _lib()
+    def __init__(self, path: str, s: ContextSettings, quiet: bool = False) -> None:
+        """`quiet`: a process's own start, nothing else in llama.cpp yet: its log goes to memory
+        while it loads (edge.model.nativelog.quiet_load), not through the GIL."""
+        self.lib = _lib()
+        if not quiet:
+            self._open(path, s)
+            return
+        from edge.model.nativelog import quiet_load
+
+        try:
+            with quiet_load() as q:
+                self._open(path, s)
+        except ValueError as exc:  # the log's error lines are there once the block has ended
+            raise ValueError(f"{exc}: {'; '.join(q.errors[-2:])}" if q.errors else str(exc)) from None
+
+    def _open(self, path: str, s: ContextSettings) -> None:
+        lib = self.lib
         self.settings = s
         self.model = self.ctx = None
         self._batch: Any = None
