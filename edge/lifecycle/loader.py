@@ -201,11 +201,11 @@ class Loader:
     def import_http(self) -> None:
         """While the models load (the GIL released): llama_cpp's high-level half (chat formats,
         numpy; edge.model.bindings), then the HTTP stack."""
-        from edge.lifecycle.backends import complete_llama_cpp, import_modules
+        from edge.lifecycle.backends import LAZY_FIRST_REQUEST, complete_llama_cpp, import_modules
 
         with self.timer.phase(Phases.IMPORTS_HTTP) as ph:
             ph.detail["modules"] = complete_llama_cpp() + import_modules(
-                ["uvicorn", "starlette.applications", "edge.serve.app", "edge.lifecycle.serving"])
+                ["uvicorn", "starlette.applications", "edge.serve.app", "edge.lifecycle.serving"], LAZY_FIRST_REQUEST)
 
     def load_models(self, files: list[ModelFile], made: dict[str, Any]
                     ) -> tuple[dict[str, ModelWorker], dict[str, Any]]:

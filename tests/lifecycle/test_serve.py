@@ -63,6 +63,7 @@ def test_connection_made_before_ready_is_answered_after_warmup(tiny_config: Path
     # llama.cpp's bindings alone before the load (edge.model.bindings), the rest of llama_cpp beside it
     assert phases["imports"]["detail"]["modules"][0] == "llama_cpp.llama_cpp"
     assert phases["imports_http"]["detail"]["modules"][0] == "llama_cpp"
+    assert "anyio._backends._asyncio" in phases["imports_http"]["detail"]["modules"]  # not the floor's to import
     warm = phases["warmup"]
     # a CPU model with no plan yet: the floor before READY, the calibration after it (test_warmup)
     assert warm["detail"]["steps"][0]["name"] == "floor" and warm["detail"]["plan"] == "calibrating after ready"

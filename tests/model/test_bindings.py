@@ -64,3 +64,8 @@ def test_llama_cpp_missing_is_a_missing_dependency(monkeypatch: pytest.MonkeyPat
         import_modules(["llama_cpp.llama_cpp"])
     assert "llama-cpp-python" in str(err.value) and "GGUF" in str(err.value)
     assert "llama_cpp" not in sys.modules  # nothing half-made left behind
+
+
+def test_an_optional_module_that_is_not_there_is_skipped() -> None:
+    assert import_modules(["json"], ["anyio._backends._asyncio", "edge_no_such_module"]) == \
+        ["json", "anyio._backends._asyncio"]
