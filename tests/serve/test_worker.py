@@ -123,30 +123,34 @@ def test_a_held_worker_queues_requests_and_decodes_them_once_resumed(model: GGUF
                                                                                     eager=True)))
 
 
+def _resumed(worker: ModelWorker) -> "threading.Event":
+    """Set when `worker` is resumed (its own resume() runs first)."""
+    import threading
+
+    event, real = threading.Event(), worker.resume
+    worker.resume = lambda: (real(), event.set())  # type: ignore[method-assign]
+    return event
+
+
 def test_a_successor_holds_its_models_until_the_old_process_drained(model: GGUFModel) -> None:
     import os
-    import threading
 
     from edge.lifecycle.successor import Successor
 
     read_end, write_end = os.pipe()
     ready_r, ready_w = os.pipe()
-    workers = [ModelWorker(model, 4)]
-    resumed = threading.Event()
-    real_resume = workers[0].resume
-    workers[0].resume = lambda: (real_resume(), resumed.set())  # type: ignore[method-assign]
-    Successor(ready_w, read_end).hold_until_drained(workers, limit_s=300)
-    assert workers[0]._held
-    assert not resumed.wait(0.05) and workers[0]._held  # the old process has not closed its end
+    worker = ModelWorker(model, 4)
+    resumed = _resumed(worker)
+    Successor(ready_w, read_end).hold_until_drained([worker], limit_s=300)
+    assert worker._held
+    assert not resumed.wait(0.05) and worker._held  # the old process has not closed its end
     os.close(write_end)  # it drained (or ended)
-    assert resumed.wait(60) and not workers[0]._held
+    assert resumed.wait(60) and not worker._held
     # no drain in time: the models decode after the limit all the same
     read2, write2 = os.pipe()
-    other = [ModelWorker(model, 4)]
-    done = threading.Event()
-    real2 = other[0].resume
-    other[0].resume = lambda: (real2(), done.set())  # type: ignore[method-assign]
-    Successor(ready_w, read2).hold_until_drained(other, limit_s=0.01)
-    assert done.wait(60) and not other[0]._held
+    other = ModelWorker(model, 4)
+    done = _resumed(other)
+    Successor(ready_w, read2).hold_until_drained([other], limit_s=0.01)
+    assert done.wait(60) and not other._held
     for fd in (write2, ready_r, ready_w):
         os.close(fd)
