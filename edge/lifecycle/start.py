@@ -342,7 +342,10 @@ class ColdStart:
             self.yielded.restore()
         successor = getattr(self.notifier, "successor", None)  # a handover's new process (edge.lifecycle.successor)
         if successor is not None:  # its models wait for the old process's last requests
-            successor.hold_until_drained(list(loaded.state.workers.values()), self.config.server.drain_timeout_s)
+            from edge.lifecycle.successor import HOLD_AT_MOST_S
+
+            successor.hold_until_drained(list(loaded.state.workers.values()),
+                                         min(HOLD_AT_MOST_S, self.config.server.drain_timeout_s))
         loaded.state.ready = True
         addresses = [describe_socket(s) for s in self.sockets]
         now = self.timer.now()

@@ -11,7 +11,12 @@ from typing import Any
 
 from edge.lifecycle.systemd import DRAINED_ENV, HANDOVER_ENV, Notifier
 
-__all__ = ["Successor", "SuccessorNotifier"]
+__all__ = ["HOLD_AT_MOST_S", "Successor", "SuccessorNotifier"]
+
+# How long a new process's models wait at most for the old process's drain: its last requests of
+# a few tokens end within a second or so; a long stream there (a drain can last drain_timeout_s)
+# must not hold every new request that long, so after this the two decode side by side.
+HOLD_AT_MOST_S = 2.0
 
 log = logging.getLogger("edge")
 
@@ -38,7 +43,7 @@ class Successor:
 
     def hold_until_drained(self, workers: list[Any], limit_s: float) -> None:
         """The models hold their requests (queued, not decoded) until the old process has drained,
-        at most `limit_s` (its drain limit): two processes decoding on the same cores at once
+        at most `limit_s` (HOLD_AT_MOST_S, or the drain limit if shorter): two processes decoding on the same cores at once
         slow each other far more than their share (ggml's threads spin at their barriers), so the
         requests that come at the switch wait for the old process's last ones instead. A
         thread waits for the pipe's EOF, which comes when the old process closes its end after
