@@ -36,14 +36,23 @@ CLIENT_NICE = 10
 
 
 def lower_client(argv: list[str]) -> bool:
-    """`edge reload` (ExecReload=, an operator, an OTA activation): this process steps back."""
+    """`edge reload` (ExecReload=, an operator, an OTA activation): this process steps back, and
+    from its first instruction a SIGTERM (systemd stopping the unit during its reload) ends it
+    with 0: the stop supersedes the reload (edge.cli.serve's handler says so once it runs)."""
     if argv[:1] != ["reload"]:
         return False
+    import signal
+
+    signal.signal(signal.SIGTERM, _superseded_early)
     try:
         os.nice(CLIENT_NICE)
     except OSError:
         return False
     return True
+
+
+def _superseded_early(sig: int, frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def main() -> None:

@@ -90,6 +90,9 @@ def reload(config: Optional[str] = typer.Option(
     path = Path(socket_path) if socket_path else control_path(_config_for_state(config))
     signal.signal(signal.SIGTERM, _superseded)
     answer = request_reload(path, target, timeout, process, dict(os.environ))
+    # answered: a stop from now on (while this prints and exits) must not kill it mid-exit either
+    # (Python's finalization puts SIGTERM's default back); ignored, it ends with its own code
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if as_json:
         typer.echo(json.dumps(answer, indent=2))
     if not answer.get("ok"):
