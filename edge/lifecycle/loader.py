@@ -66,7 +66,7 @@ class Loader:
     """Loaded, warmed sets made from one config: `prepare()` → `load(plan)` → `warm(loaded)`."""
 
     def __init__(self, cfg: Config, timer: StartTimer, notifier: Notifier, *, recalibrate: bool = False,
-                 safe_mode: SafeMode | None = None) -> None:
+                 safe_mode: SafeMode | None = None, at_start: bool = False) -> None:
         # safe mode's steps in force (edge.lifecycle.safemode): the config as it will be loaded
         self.config, self.left_out = safe_mode.apply(cfg) if safe_mode else (cfg, {})
         self.read = cfg  # the config as read, before those steps
@@ -74,7 +74,7 @@ class Loader:
         self.timer = timer
         self.notifier = notifier
         self.recalibrate = recalibrate  # `edge warmup --calibrate`: measure anew whatever is stored
-        self.at_start = False  # a process's own start: what it imported is frozen for the GC (no reload)
+        self.at_start = at_start  # a process's own start: its load's log in memory, its imports frozen for the GC
 
     @functools.cached_property
     def auth(self) -> ApiKeys | None:

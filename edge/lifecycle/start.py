@@ -305,8 +305,7 @@ class ColdStart:
         rehearsal); this start's loader is made from what they give."""
         cfg = read_config(self.config_path, self.timer)
         mode = self.recovery.decide(cfg) if self.recovery else SafeMode.load(state_dir(cfg))
-        self._loader = Loader(cfg, self.timer, self.notifier, safe_mode=mode)
-        self._loader.at_start = True
+        self._loader = Loader(cfg, self.timer, self.notifier, safe_mode=mode, at_start=True)
         return self._loader.config
 
     def open_sockets(self) -> list[socket.socket]:

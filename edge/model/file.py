@@ -83,8 +83,12 @@ class VerifiedCache:
             return False
 
     def remember(self, file: Path, sha256: str) -> None:
-        self._data[str(file)] = {**self._data.get(str(file), {}), "sha256": sha256.lower(), "id": self._identity(file)}
+        self._data[str(file)] = {**self._entry(file), "sha256": sha256.lower(), "id": self._identity(file)}
         self._save()
+
+    def _entry(self, file: Path) -> dict[str, Any]:
+        entry = self._data.get(str(file))
+        return entry if isinstance(entry, dict) else {}
 
     @staticmethod
     def _header_identity(file: Path) -> list[int]:
@@ -93,8 +97,7 @@ class VerifiedCache:
 
     def header(self, file: Path) -> GGUFInfo | None:
         """The GGUF header validated earlier for this very file (identity), or None."""
-        entry = self._data.get(str(file))
-        gguf = entry.get("gguf") if isinstance(entry, dict) else None
+        gguf = self._entry(file).get("gguf")
         try:
             if not isinstance(gguf, dict) or gguf.get("id") != self._header_identity(file):
                 return None
@@ -107,8 +110,7 @@ class VerifiedCache:
             ident = self._header_identity(file)
         except OSError:
             return
-        entry = self._data.get(str(file))
-        self._data[str(file)] = {**(entry if isinstance(entry, dict) else {}), "gguf": {"id": ident, "info": info.as_json()}}
+        self._data[str(file)] = {**self._entry(file), "gguf": {"id": ident, "info": info.as_json()}}
         self._save()
 
     def _save(self) -> None:

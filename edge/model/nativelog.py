@@ -87,13 +87,18 @@ def _on_log(level: int, text: bytes | None, _user: Any) -> None:
         _last_level[0] = level
         if level != _ERROR or not text or not text.strip():
             return
-        ok, held = _LIMITER.allow(_DIGITS.sub(b"#", text[:200])[:120])
-        if held:
-            log.error("llama.cpp: %d more lines like the next held back in the last %.0f s", held, RATE_WINDOW_S)
-        if ok:
-            log.error("llama.cpp: %s", summarize_native_output(text))
+        _log_error_line(text)
     except Exception:  # never raise into C
         pass
+
+
+def _log_error_line(text: bytes) -> None:
+    """One error line of llama.cpp's, cut and rate-limited by its kind (its numbers taken out)."""
+    ok, held = _LIMITER.allow(_DIGITS.sub(b"#", text[:200])[:120])
+    if held:
+        log.error("llama.cpp: %d more lines like the next held back in the last %.0f s", held, RATE_WINDOW_S)
+    if ok:
+        log.error("llama.cpp: %s", summarize_native_output(text))
 
 
 @functools.cache
@@ -130,10 +135,10 @@ def quiet_load() -> Iterator[Quiet]:
             yield out
     finally:  # a load that failed too: its reason is among the lines
         llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
-        out.errors = [summarize_native_output(line) for line in text.text.splitlines() if _ERROR_LINE.search(line)]
-        for line in out.errors:
-            if _LIMITER.allow(_DIGITS.sub(b"#", line.encode()[:200])[:120])[0]:
-                log.error("llama.cpp: %s", line)
+        lines = [line for line in text.text.splitlines() if _ERROR_LINE.search(line)]
+        out.errors = [summarize_native_output(line) for line in lines]
+        for line in lines:
+            _log_error_line(line)
 
 
 @functools.cache

@@ -68,7 +68,7 @@ class PageIn:
         self._fd = os.open(self.path, os.O_RDONLY)
         self._size = os.fstat(self._fd).st_size
         pages = residency(self._fd, self._size)
-        self._resident = pages.translate(_LOW_BIT).count(1) / len(pages) if pages else None
+        self._resident = _fraction(pages)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_WILLNEED)
         todo = _missing_chunks(pages, self._size)
@@ -148,7 +148,10 @@ def _libc() -> ctypes.CDLL | None:
 
 def resident_fraction(fd: int, size: int) -> float | None:
     """Fraction of the file's pages already in the page cache (mincore), None if unknown."""
-    pages = residency(fd, size)
+    return _fraction(residency(fd, size))
+
+
+def _fraction(pages: bytes | None) -> float | None:
     return pages.translate(_LOW_BIT).count(1) / len(pages) if pages else None
 
 
