@@ -149,7 +149,7 @@ class WarmupConfig:
     decode_tokens: int = field(default=16, metadata=_range(1, 4096))  # the streamed-decode candidate's tokens
     chat: bool = True  # chat-template candidates
     prompts: list[str] = field(default_factory=list)  # extra prompts from the real workload
-    # Calibration (edge.lifecycle.warmup): a candidate is kept when its first run is slower than a repeat
+    # Calibration (edge.lifecycle.warmup.steps): a candidate is kept when its first run is slower than a repeat
     # of the same shape by more than max(min_gain_s, min_gain_ratio x repeat); calibration and
     # the stored plan each get budget_s seconds at most (what does not fit is reported).
     # The ratio sits above the repeat-to-repeat spread measured by scripts/warmup-noise on the

@@ -73,7 +73,7 @@ def cost(widths: list[int], runs: int) -> list[dict[str, object]]:
     L.llama_decode(ctx, L.llama_batch_get_one((L.llama_token * 1)(L.llama_vocab_bos(vocab)), 1))
     threading.stack_size(64 << 20)
     rows = []
-    from edge.serve.jsonschema import measure_gbnf, schema_grammar
+    from edge.serve.schema import measure_gbnf, schema_grammar
 
     for width, how in [(w, h) for w in widths for h in ("converter", "edge")]:
         schema = {"enum": [f"value-{i:06d}" for i in range(width)]}

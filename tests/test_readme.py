@@ -222,7 +222,7 @@ def test_every_name_is_where_the_readme_places_it() -> None:
 def test_json_schema_keywords_and_grammar_bounds_are_the_codes() -> None:
     """The json_schema keyword table (docs/api.md) is `KEYWORDS` (every keyword, each with its status),
     and "Grammar bounds" states `GRAMMAR_LIMITS` and `MAX_STACKS`."""
-    from edge.serve.jsonschema import GRAMMAR_LIMITS, KEYWORDS, MAX_OPTIONAL_PROPERTIES, MAX_STACKS
+    from edge.serve.schema import GRAMMAR_LIMITS, KEYWORDS, MAX_OPTIONAL_PROPERTIES, MAX_STACKS
 
     keywords = section("json_schema keywords")
     rows = re.findall(r"^\| (.+?) \| (enforced|refused|ignored) \| (.*) \|$", keywords, re.M)

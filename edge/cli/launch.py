@@ -27,10 +27,10 @@ def serve(config: str | None, watch: CompileWatch | None = None) -> int:
 
     successor = yielded = notifier = None
     if os.environ.get(HANDOVER_ENV):  # started by a running edge to take over from it
-        from edge.lifecycle.priority import yield_cpu
+        from edge.lifecycle.handover.priority import yield_cpu
 
         yielded = yield_cpu()  # below the serving process's CPU priority until ready, imports included
-        from edge.lifecycle.successor import Successor, SuccessorNotifier
+        from edge.lifecycle.handover.successor import Successor, SuccessorNotifier
 
         successor = Successor.from_env()
         notifier = SuccessorNotifier(successor) if successor else None

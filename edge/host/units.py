@@ -170,7 +170,7 @@ Also=edge.socket
 """)
 # Why some lines are as they are (comments in the rendered unit would be read by every device):
 # - ExecReload=: below TimeoutStartSec=, which systemd also applies to reloads.
-# - NotifyAccess=all: a handover's new process (edge.lifecycle.handover) is the old one's child; the
+# - NotifyAccess=all: a handover's new process (edge.lifecycle.handover.handover) is the old one's child; the
 #   old one sends MAINPID=<new> and the new one's watchdog pings count before it is the main process.
 # - RestartPreventExitStatus=: config error, bad model or engine file, mlock refused, no GPU for
 #   offloaded layers, safe mode exhausted: a restart cannot fix these.
@@ -179,7 +179,7 @@ Also=edge.socket
 # - CUDA_CACHE_PATH: CUDA's PTX JIT cache (default ~/.nv, absent for a DynamicUser) kept across
 #   restarts, so kernels are compiled once per driver, not once per start.
 # - LimitNICE=+0: a handover's new process starts at a lower CPU priority and takes nice 0 back
-#   before it serves (edge.lifecycle.priority); never above the service's own priority.
+#   before it serves (edge.lifecycle.handover.priority); never above the service's own priority.
 # - LimitNOFILE=: server.max_connections plus the files (edge.serve.limits.nofile_for).
 # - No ConfigurationDirectory=: with DynamicUser= it chowns /etc/edge to the service's uid, which
 #   could then rewrite its own config and the OTA key; ProtectSystem=strict keeps /etc read-only.

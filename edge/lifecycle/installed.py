@@ -1,6 +1,6 @@
 """What is installed on disk against what this process runs: the three things only a new process
 picks up, and so the reasons `edge reload` hands the service over to a new process
-(edge.lifecycle.handover) rather than reloading in place.
+(edge.lifecycle.handover.handover) rather than reloading in place.
 
 - edge itself: `__version__` of the package's `__init__.py` on disk (where this process imported
   it from; a package update replaces it there) against the one in memory;

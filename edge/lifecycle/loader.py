@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from edge.serve.auth import ApiKeys
     from edge.serve.metrics import Metrics
     from edge.model.file import ModelFile
-    from edge.lifecycle.warmplan import WarmTarget
+    from edge.lifecycle.warmup.plan import WarmTarget
     from edge.serve.worker import ModelWorker
 
 __all__ = ["LOAD_SWITCH_INTERVAL_S", "Loader", "read_config", "save_learned"]
@@ -282,8 +282,8 @@ class Loader:
         """The warm half of load-and-warm: for each model and engine the floor request, then its
         stored plan (known key) or a calibration that makes one (new key), over loopback HTTP.
         `defer` (a start): calibrations `[warmup] calibrate` puts after READY go to `loaded.later`."""
-        from edge.lifecycle.warmplan import PlanStore, warm_one
-        from edge.lifecycle.warmup import LoopbackHTTP
+        from edge.lifecycle.warmup.plan import PlanStore, warm_one
+        from edge.lifecycle.warmup.steps import LoopbackHTTP
 
         cfg = self.config
         store = PlanStore(cache_dir(cfg) / "warmup")
@@ -309,8 +309,8 @@ class Loader:
     async def _warm_targets(self, loaded: Loaded) -> list[WarmTarget]:
         """What to warm: models, then engines that ask for a warm-up. Each plan key needs the
         device identity, found on a thread while the first floor request runs."""
-        from edge.lifecycle.warmplan import WarmTarget, engine_plan_key, model_plan_key
-        from edge.lifecycle.warmup import check_prompts, engine_candidates, model_candidates, model_floor
+        from edge.lifecycle.warmup.plan import WarmTarget, engine_plan_key, model_plan_key
+        from edge.lifecycle.warmup.steps import check_prompts, engine_candidates, model_candidates, model_floor
 
         import asyncio
 

@@ -118,7 +118,7 @@ class Recovery:
 
     def __init__(self, config_path: str | None, timer: StartTimer, kind: str = "start") -> None:
         self.state_dir = early_state_dir(config_path)
-        self.kind = kind  # "handover": started by a running edge to take over (edge.lifecycle.handover)
+        self.kind = kind  # "handover": started by a running edge to take over (edge.lifecycle.handover.handover)
         self.journal = Journal(self.state_dir, kind=kind)
         self.fault = FaultInjector.from_env()
         self.observers: list[Callable[[str, str, dict[str, Any]], None]] = [self.journal.observe]

@@ -35,7 +35,7 @@ from edge.lifecycle.systemd import Notifier
 from edge.timing import PhaseObserver, Phases, ReloadTimer, write_report
 
 if TYPE_CHECKING:
-    from edge.lifecycle.handover import Handover
+    from edge.lifecycle.handover.handover import Handover
     from edge.lifecycle.memguard import Decision
     from edge.lifecycle.safemode import SafeMode
     from edge.lifecycle.serving import Dispatcher, Route
@@ -70,7 +70,7 @@ class Reloader:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._control: ControlServer | None = None
         self._making: asyncio.Task[Any] | None = None  # the reload now loading/warming, if any
-        self.handover = handover  # to a new process (edge.lifecycle.handover), where one is needed
+        self.handover = handover  # to a new process (edge.lifecycle.handover.handover), where one is needed
 
     @property
     def busy(self) -> bool:

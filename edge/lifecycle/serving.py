@@ -223,7 +223,7 @@ class Drain:
         self.timeout_s = timeout_s
         self.stopped_at = 0.0
         # called once when the drain has no connection left, before uvicorn's shutdown (a handover:
-        # the new process's models may decode from then on, edge.lifecycle.successor)
+        # the new process's models may decode from then on, edge.lifecycle.handover.successor)
         self.on_empty: Callable[[], None] | None = None
 
     def on_signal(self, server: Any) -> None:
@@ -235,7 +235,7 @@ class Drain:
 
     def begin(self, server: Any, status: str = "draining in-flight requests", stopping: bool = True) -> None:
         """Stop accepting and drain, STOPPING=1 with `status` (a signal's, or a fatal error's);
-        not `stopping`: a handover (edge.lifecycle.handover), where the service goes on in
+        not `stopping`: a handover (edge.lifecycle.handover.handover), where the service goes on in
         another process and systemd must not hear of a stop."""
         if self.dispatcher.stopping:
             return

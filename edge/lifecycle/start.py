@@ -34,7 +34,7 @@ from edge.config import Config, state_dir
 from edge.errors import EX_SAFE_MODE_EXHAUSTED, EX_SOFTWARE, EdgeError, StoppedDuringStart
 from edge.lifecycle.bytecode import CompileWatch
 from edge.lifecycle.installed import Running
-from edge.lifecycle.priority import Yielded
+from edge.lifecycle.handover.priority import Yielded
 from edge.lifecycle.loader import Loader, read_config, save_learned
 from edge.lifecycle.loadset import Loaded, split_cores, threads_of
 from edge.lifecycle.recovery import GivenUp, Recovery
@@ -64,7 +64,7 @@ class ColdStart:
         self.config_path = config_path
         self.notifier = notifier or Notifier()
         self.running = Running.now()  # what this process runs, before anything changes its environment
-        self.takes_over = takes_over  # started by a running edge to take over (edge.lifecycle.handover)
+        self.takes_over = takes_over  # started by a running edge to take over (edge.lifecycle.handover.handover)
         self.handed_over_to: int | None = None  # the process this one handed the service to
         self._loader: Loader | None = None  # made from the config, once it is read
         self.sockets: list[socket.socket] = []
@@ -134,10 +134,10 @@ class ColdStart:
     async def _warm_and_serve(self, loaded: Loaded) -> int:
         import asyncio
 
-        from edge.lifecycle.handover import Handover
+        from edge.lifecycle.handover.handover import Handover
         from edge.lifecycle.reload import Reloader
         from edge.lifecycle.serving import Dispatcher, build_server, serve_http
-        from edge.lifecycle.warmlater import Watch, stop_after_ready
+        from edge.lifecycle.warmup.after_ready import Watch, stop_after_ready
 
         stop = await self._warm_unless_stopped(loaded)
         with self.timer.phase(Phases.HTTP_SETUP):
@@ -184,7 +184,7 @@ class ColdStart:
 
     def _serving(self, loaded: Loaded, watch: Any) -> None:
         """READY=1 is sent: the service counts as serving; the warm-up's calibration after READY starts."""
-        from edge.lifecycle.warmlater import start_after_ready
+        from edge.lifecycle.warmup.after_ready import start_after_ready
 
         if self.recovery is not None:
             self.recovery.serving(self.config)
@@ -250,8 +250,8 @@ class ColdStart:
 
     async def _warm(self, loaded: Loaded) -> None:
         """The warm-up; a new process taking over warms up on a quarter of the cores, as a reload's
-        new set does, beside the old process that serves on the rest (edge.lifecycle.handover)."""
-        if not self.takes_over:  # a start calibrates CPU models after READY (edge.lifecycle.warmlater)
+        new set does, beside the old process that serves on the rest (edge.lifecycle.handover.handover)."""
+        if not self.takes_over:  # a start calibrates CPU models after READY (edge.lifecycle.warmup.after_ready)
             return await self.loader.warm(loaded, defer=True)
         workers = list(loaded.state.workers.values())
         await threads_of(workers, split_cores()[0])
@@ -335,13 +335,13 @@ class ColdStart:
         """The moment traffic is handed over: the report is written, then READY=1 and the first
         accept() follow at once. Returns the READY status text."""
         from edge.lifecycle.serving import describe_socket
-        from edge.lifecycle.warmlater import describe
+        from edge.lifecycle.warmup.after_ready import describe
 
         if self.yielded is not None:  # every thread back to the service's priority before it serves
             self.yielded.restore()
-        successor = getattr(self.notifier, "successor", None)  # a handover's new process (edge.lifecycle.successor)
+        successor = getattr(self.notifier, "successor", None)  # a handover's new process (edge.lifecycle.handover.successor)
         if successor is not None:  # its models wait for the old process's last requests
-            from edge.lifecycle.successor import HOLD_AT_MOST_S
+            from edge.lifecycle.handover.successor import HOLD_AT_MOST_S
 
             successor.hold_until_drained(list(loaded.state.workers.values()),
                                          min(HOLD_AT_MOST_S, self.config.server.drain_timeout_s))

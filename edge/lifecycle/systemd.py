@@ -15,7 +15,7 @@ import time
 
 __all__ = ["DRAINED_ENV", "HANDOVER_ENV", "listen_sockets", "Notifier", "setup_logging", "watchdog_interval_s"]
 
-# Beside LISTEN_FDS: the pipe a handover's new process says "ready" on (edge.lifecycle.handover)
+# Beside LISTEN_FDS: the pipe a handover's new process says "ready" on (edge.lifecycle.handover.handover)
 HANDOVER_ENV = "EDGE_HANDOVER_FD"
 # ...and the pipe whose end (EOF) tells it the old process has drained: its models may decode
 DRAINED_ENV = "EDGE_HANDOVER_DRAINED_FD"

@@ -28,7 +28,7 @@ __all__ = ["CHUNK", "CHUNK_S", "MIN_CHUNK", "Candidates", "Interrupted", "TOPS"]
 
 # candidates the grammar goes over between two looks at the clock (`check`): a request's
 # deadline, a drain or a client that left ends a full pass within one chunk's time instead of
-# the whole pass's. The grammar's cost per candidate grows with its stacks (edge.serve.schemawork
+# the whole pass's. The grammar's cost per candidate grows with its stacks (edge.serve.schema.stacks
 # bounds them) and with the candidate's text, unevenly: under 256 look-alike objects one chunk of
 # 8,192 of Gemma 3's candidates took 85 ms on average and 0.96 s at most (loaded 2-core VM). So
 # the chunk adapts: sized for CHUNK_S from the last one's time, between MIN_CHUNK and CHUNK.

@@ -5,7 +5,7 @@ llama.cpp's grammar parser recurses once per nested group (about 450 bytes of st
 measured: 8 MiB, the default thread stack, overflows near 18,700 levels, which is a SIGSEGV of the
 whole service), and its left-recursion check once per rule reference (about 130 bytes a level). So
 every compile runs on one thread of its own with a COMPILE_STACK_BYTES stack, far more than the
-bounds edge.serve.jsonschema puts on a grammar need (1,000 levels, 128 KiB of text: at most
+bounds edge.serve.schema puts on a grammar need (1,000 levels, 128 KiB of text: at most
 ~0.5 MiB + 64k references x 130 bytes ~ 9 MiB). The stack is virtual memory: only the pages a
 compile touches become resident.
 

@@ -1,6 +1,6 @@
 """What a llama.cpp model's saved artefacts are keyed by: the model file, the llama.cpp that loaded
 it, the context settings that change what it computes, and the device. The warm-up plan's key
-(edge.lifecycle.warmplan) and a saved KV state's key (edge.model.prefixstore) are made of these,
+(edge.lifecycle.warmup.plan) and a saved KV state's key (edge.model.prefixstore) are made of these,
 and a stored key that differs is reported field by field (`key_differences`).
 """
 

@@ -1,5 +1,5 @@
 """What a JSON request body may hold beyond being JSON: how deep it nests, lone surrogates. (What
-a JSON schema may ask of its grammar: edge.serve.jsonschema.)
+a JSON schema may ask of its grammar: edge.serve.schema.)
 
 Python's `json` parser recurses once per nested array or object and raises RecursionError near
 a thousand levels (the interpreter's recursion limit), so nesting is measured on the text

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge.errors import RequestError
-from edge.serve.jsonschema import check_schema, schema_grammar
-from edge.serve.schemamerge import rebase
+from edge.serve.schema import check_schema, schema_grammar
+from edge.serve.schema.merge import rebase
 
 __all__ = ["Ask", "Limits", "IGNORED", "REFUSED", "parse"]
 
@@ -360,7 +360,7 @@ def _chat_fields(body: dict[str, Any], ask: Ask, limits: Limits) -> None:
 
 
 def grammar(schema: dict[str, Any], param: str) -> str:
-    """GBNF for a JSON schema (edge.serve.jsonschema: edge's own converter, bounded in size and work)."""
+    """GBNF for a JSON schema (edge.serve.schema: edge's own converter, bounded in size and work)."""
     return schema_grammar(schema, param)
 
 

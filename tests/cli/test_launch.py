@@ -23,7 +23,7 @@ EDGE_BEFORE_CONFIG = {
     "edge", "edge.builtin_models", "edge.cli", "edge.cli.launch", "edge.config", "edge.errors", "edge.fleet",
     "edge.fleet.crashes", "edge.fleet.history", "edge.fleet.journal", "edge.fsutil", "edge.lifecycle",
     "edge.lifecycle.bytecode", "edge.lifecycle.installed", "edge.lifecycle.loader", "edge.lifecycle.loadset",
-    "edge.lifecycle.priority", "edge.lifecycle.recovery", "edge.lifecycle.safemode", "edge.lifecycle.start",
+    "edge.lifecycle.handover", "edge.lifecycle.handover.priority", "edge.lifecycle.recovery", "edge.lifecycle.safemode", "edge.lifecycle.start",
     "edge.lifecycle.systemd", "edge.prefixconfig", "edge.timing", "edge.toml",
     "edge.engineconfig",  # the config's engine tables
     # the recovery phase, before the config by design: a give-up is seen before anything else runs,
@@ -34,7 +34,7 @@ EDGE_BEFORE_CONFIG = {
 # beside the model's load (asyncio included: uvicorn imports it there anyway).
 NOT_BEFORE_CONFIG = {"typer", "click", "rich", "asyncio", "ssl", "concurrent", "numpy", "llama_cpp", "starlette",
                      "uvicorn", "h11", "anyio", "prometheus_client", "edge.cli.commands", "edge.cli.doctor",
-                     "edge.host", "edge.serve", "edge.model", "edge.engines", "edge.lifecycle.handover"}
+                     "edge.host", "edge.serve", "edge.model", "edge.engines", "edge.lifecycle.handover.handover"}
 
 _SNAPSHOT = """\
 import json, sys

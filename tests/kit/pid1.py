@@ -9,7 +9,7 @@ is exactly a systemd restart: connections made meanwhile wait in the socket's ba
 
 It follows `MAINPID=` as systemd does under `NotifyAccess=all`: a notification naming another
 pid makes that process the service (`proc`), as a handover's old process says of the new one it
-started (edge.lifecycle.handover). So that the new process, orphaned when the old one exits, is
+started (edge.lifecycle.handover.handover). So that the new process, orphaned when the old one exits, is
 reaped here, the test process is a child subreaper (PR_SET_CHILD_SUBREAPER), as systemd is.
 
 A death is noticed at once: a reaper thread per child blocks in waitpid() and wakes every waiter,

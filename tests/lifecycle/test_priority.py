@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 _PROBE = """\
 import json, os, threading
-from edge.lifecycle.priority import yield_cpu
+from edge.lifecycle.handover.priority import yield_cpu
 y = yield_cpu()
 seen = {"yielded": y is not None, "main": os.getpriority(os.PRIO_PROCESS, 0)}
 started, restored = threading.Event(), threading.Event()
@@ -42,7 +42,7 @@ def _probe(rlimit_nice: int, caps: str = "-all", lowered_by_parent: bool = False
     `caps` (setpriv's syntax: -all is none, as under DynamicUser= with CapabilityBoundingSet=)."""
     ambient = [] if caps == "-all" else [f"--ambient-caps={caps}"]
     # lowered_by_parent: started at nice 10 with the service's 0 named, as a handover's old process
-    # spawns its new one (edge.lifecycle.priority.lower_child)
+    # spawns its new one (edge.lifecycle.handover.priority.lower_child)
     nice = ["nice", "-n", "10"] if lowered_by_parent else []
     argv = ["prlimit", f"--nice={rlimit_nice}:{rlimit_nice}", "--", *nice, "setpriv", "--reuid=65534",
             "--regid=65534", "--clear-groups", f"--inh-caps={caps}", *ambient, sys.executable, "-c", _PROBE]

@@ -21,11 +21,11 @@ import httpx
 import pytest
 
 from edge.config import parse_config
-from edge.lifecycle import calibration
-from edge.lifecycle.calibration import KeepRule, keep_row
+from edge.lifecycle.warmup import calibrate as calibration
+from edge.lifecycle.warmup.calibrate import KeepRule, keep_row
 from edge.lifecycle.loader import Loader, read_config
 from edge.lifecycle.systemd import Notifier
-from edge.lifecycle.warmlater import Watch, start_after_ready
+from edge.lifecycle.warmup.after_ready import Watch, start_after_ready
 from edge.timing import StartTimer
 from edge.errors import ConfigError, WarmupError
 from edge.lifecycle.loadset import Loaded
@@ -244,7 +244,7 @@ def test_warmup_calibration_fields_are_validated(field: str, value: str) -> None
 # -- the keep rule and the CPU this process waited for (schedstat) ----------------------------------
 
 class FakeSchedstat:
-    """Test double of the schedstat reader (edge.lifecycle.calibration.run_delay): the seconds this
+    """Test double of the schedstat reader (edge.lifecycle.warmup.calibrate.run_delay): the seconds this
     process's threads waited for a CPU, as the test says (None: a kernel without schedstat)."""
 
     def __init__(self, waited: float | None = 0.0) -> None:

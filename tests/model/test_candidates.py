@@ -9,7 +9,7 @@ import pytest
 import edge.model.candidates as candidates_mod
 from edge.model.generate import GenParams, Job, SamplerChain
 from edge.model.llm import GGUFModel
-from edge.serve.jsonschema import schema_grammar
+from edge.serve.schema import schema_grammar
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
           "required": ["name", "n"]}

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from edge.errors import RequestError
-from edge.serve.jsonschema import GRAMMAR_LIMITS, KEYWORDS, MAX_STACKS, measure_gbnf, schema_grammar
+from edge.serve.schema import GRAMMAR_LIMITS, KEYWORDS, MAX_STACKS, measure_gbnf, schema_grammar
 from kit.schemagen import nested_any_of
 
 P = "response_format.json_schema"

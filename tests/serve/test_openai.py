@@ -534,7 +534,7 @@ def test_a_client_leaving_a_queued_request_is_an_abort_and_never_runs(tiny: Serv
 
 
 def test_a_forced_calls_schema_keeps_each_tools_refs_pointing_into_its_parameters() -> None:
-    from edge.serve.jsonschema import schema_grammar
+    from edge.serve.schema import schema_grammar
     from edge.serve.openai import _call_schema
 
     params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/a~1b"}}, "required": ["p"],

@@ -8,8 +8,8 @@ import json
 import random
 import re
 
-from edge.serve.jsonschema import measure_gbnf, schema_grammar
-from edge.serve.schemaenum import enum_gbnf, enum_regex, enum_texts, gbnf_literal
+from edge.serve.schema import measure_gbnf, schema_grammar
+from edge.serve.schema.enums import enum_gbnf, enum_regex, enum_texts, gbnf_literal
 
 
 def test_the_trie_matches_exactly_the_values_json_texts() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from edge.errors import RequestError
-from edge.serve.jsonschema import schema_grammar
+from edge.serve.schema import schema_grammar
 from kit.grammarwalk import accepts
 
 P = "response_format.json_schema"

@@ -13,7 +13,7 @@ import pytest
 
 from edge.errors import RequestError
 from edge.model.llm import GGUFModel
-from edge.serve.jsonschema import KEYWORDS, schema_grammar
+from edge.serve.schema import KEYWORDS, schema_grammar
 from kit.grammarwalk import Walker
 from kit.schemagen import SchemaGen
 

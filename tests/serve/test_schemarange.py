@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from edge.serve.schemarange import OPEN_DIGITS, integer_bounds, range_gbnf, range_regex, range_tree
+from edge.serve.schema.ranges import OPEN_DIGITS, integer_bounds, range_gbnf, range_regex, range_tree
 
 
 def test_ranges_match_exactly_their_integers() -> None:

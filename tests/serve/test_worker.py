@@ -103,7 +103,7 @@ def test_a_control_call_runs_when_the_request_queue_is_full(model: GGUFModel) ->
 
 def test_a_held_worker_queues_requests_and_decodes_them_once_resumed(model: GGUFModel) -> None:
     """A handover's new process holds its models until the old one has drained
-    (edge.lifecycle.successor): a request is admitted and queued, calls still run, no step does."""
+    (edge.lifecycle.handover.successor): a request is admitted and queued, calls still run, no step does."""
     async def held_then_resumed() -> tuple[list[str], bool, int, int]:
         w = ModelWorker(model, 4)
         w.hold()
@@ -135,7 +135,7 @@ def _resumed(worker: ModelWorker) -> "threading.Event":
 def test_a_successor_holds_its_models_until_the_old_process_drained(model: GGUFModel) -> None:
     import os
 
-    from edge.lifecycle.successor import Successor
+    from edge.lifecycle.handover.successor import Successor
 
     read_end, write_end = os.pipe()
     ready_r, ready_w = os.pipe()

@@ -12,9 +12,9 @@ schema accepts (tested: tests/serve/test_schemaproperty.py walks the grammars).
   no name a client writes ever becomes a rule name, so nothing collides with the built-in rules
   (`j-...`).
 - Conjunctions (`allOf`, `type` beside `enum`/`anyOf`, a `$ref` beside keywords) are merged
-  first (edge.serve.schemamerge) or refused.
+  first (edge.serve.schema.merge) or refused.
 
-Beside the text, each rule gets a cost node (edge.serve.schemawork) from which the worst number
+Beside the text, each rule gets a cost node (edge.serve.schema.stacks) from which the worst number
 of grammar stacks llama.cpp keeps at once is bounded before the grammar is accepted.
 """
 
@@ -24,14 +24,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from edge.serve.regexgrammar import pattern_gbnf
-from edge.serve.schemaenum import enum_gbnf
-from edge.serve.schemaformat import FORMAT_RULES
-from edge.serve.schemamerge import Refused, flatten, pointer, type_set
-from edge.serve.schemarange import integer_bounds, range_gbnf, range_tree
-from edge.serve.schemarepeat import MAX_REPEAT, repeat
-from edge.serve.schemaobject import array_part, object_part
-from edge.serve.schemawork import Cost, Part, alt, leaf, ref
+from edge.serve.schema.pattern import pattern_gbnf
+from edge.serve.schema.enums import enum_gbnf
+from edge.serve.schema.formats import FORMAT_RULES
+from edge.serve.schema.merge import Refused, flatten, pointer, type_set
+from edge.serve.schema.ranges import integer_bounds, range_gbnf, range_tree
+from edge.serve.schema.repeat import MAX_REPEAT, repeat
+from edge.serve.schema.objects import array_part, object_part
+from edge.serve.schema.stacks import Cost, Part, alt, leaf, ref
 
 __all__ = ["BUILTINS", "Converted", "convert"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from edge.serve.schemawork import leaf
+from edge.serve.schema.stacks import leaf
 
 __all__ = ["BLOCK", "MAX_REPEAT", "repeat"]
 

@@ -1,4 +1,4 @@
-"""A handover's new process (edge.lifecycle.handover has the old one's side): the pipe it says
+"""A handover's new process (edge.lifecycle.handover.handover has the old one's side): the pipe it says
 "ready" on, its notifier until then, and the hold on its models until the old process has drained.
 """
 

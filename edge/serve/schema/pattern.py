@@ -14,7 +14,7 @@ many readings as repetitions, each a grammar stack), more than MAX_REPEAT copies
 groups nested deeper than MAX_PATTERN_GROUP_DEPTH.
 
 `pattern_gbnf` answers the GBNF and an estimate of the grammar stacks it can keep at once
-(edge.serve.schemawork): alternatives add up, a part of variable length adds to the parts
+(edge.serve.schema.stacks): alternatives add up, a part of variable length adds to the parts
 around it, a repeated part of variable length multiplies by its count.
 """
 
@@ -25,10 +25,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from edge.serve.schemaenum import gbnf_literal
-from edge.serve.schemamerge import Refused
-from edge.serve.schemarepeat import MAX_REPEAT, repeat
-from edge.serve.schemawork import leaf
+from edge.serve.schema.enums import gbnf_literal
+from edge.serve.schema.merge import Refused
+from edge.serve.schema.repeat import MAX_REPEAT, repeat
+from edge.serve.schema.stacks import leaf
 
 try:  # Python 3.11+
     from re import _parser as _sre  # type: ignore[attr-defined]

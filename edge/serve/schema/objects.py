@@ -1,4 +1,4 @@
-"""Objects and arrays of a JSON schema as GBNF (edge.serve.schemagrammar's containers).
+"""Objects and arrays of a JSON schema as GBNF (edge.serve.schema.convert's containers).
 
 An object's members come in the order of `properties` (then the `required` names it does not
 list, then extra keys): after a member, a comma and the next member, or the end once no
@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from edge.serve.schemaenum import gbnf_literal
-from edge.serve.schemamerge import Refused
-from edge.serve.schemarepeat import MAX_REPEAT, repeat
-from edge.serve.schemawork import Part, box, leaf, seq, times
+from edge.serve.schema.enums import gbnf_literal
+from edge.serve.schema.merge import Refused
+from edge.serve.schema.repeat import MAX_REPEAT, repeat
+from edge.serve.schema.stacks import Part, box, leaf, seq, times
 
 __all__ = ["MAX_OPTIONAL_PROPERTIES", "array_part", "object_part"]
 

@@ -4,10 +4,10 @@ purpose (annotations), as KEYWORDS says (docs/api.md's table is checked against 
 tests/serve/test_schemaproperty.py holds every grammar's outputs to the schema with the
 `jsonschema` validator).
 
-The conversion is edge's own (edge.serve.schemagrammar, with schemaobject, schemamerge,
+The conversion is edge's own (edge.serve.schema.convert, with schemaobject, schemamerge,
 schemaformat, regexgrammar, schemarange, schemaenum). The grammar it writes is then bounded twice
 before anything compiles it: its size (`measure_gbnf`: bytes, nesting of groups, the widest
-alternation; GRAMMAR_LIMITS) and its work (edge.serve.schemawork: the most grammar stacks
+alternation; GRAMMAR_LIMITS) and its work (edge.serve.schema.stacks: the most grammar stacks
 llama.cpp can keep at once, MAX_STACKS). Past either, a 400 naming the field.
 """
 
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from edge.errors import RequestError
-from edge.serve.schemamerge import Refused
-from edge.serve.schemaobject import MAX_OPTIONAL_PROPERTIES
-from edge.serve.schemarepeat import MAX_REPEAT
-from edge.serve.schemawork import MAX_STACKS, stacks
+from edge.serve.schema.merge import Refused
+from edge.serve.schema.objects import MAX_OPTIONAL_PROPERTIES
+from edge.serve.schema.repeat import MAX_REPEAT
+from edge.serve.schema.stacks import MAX_STACKS, stacks
 
 __all__ = ["GRAMMAR_LIMITS", "KEYWORDS", "MAX_OPTIONAL_PROPERTIES", "MAX_STACKS", "GrammarSize", "check_gbnf",
            "check_schema", "measure_gbnf", "schema_grammar"]
@@ -180,7 +180,7 @@ def check_schema(schema: Any, param: str, prefix: str | None = None) -> None:
 def schema_grammar(schema: Any, param: str, prefix: str | None = None) -> str:
     """GBNF for a JSON schema; a 400 naming the keyword (its path from `prefix`, default `param`)
     for what it would not enforce, or the field for a grammar past the bounds (size or work)."""
-    from edge.serve.schemagrammar import convert
+    from edge.serve.schema.convert import convert
 
     where = param if prefix is None else prefix
     try:

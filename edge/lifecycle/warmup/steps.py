@@ -8,7 +8,7 @@ What a warm-up should contain differs per device and backend (on a CPU a first 5
 prefill costs what the next one costs; on a GPU the first batch of a shape pays for lazy module
 loading, cuBLAS handles, graph capture). So the steps are candidates, and calibration keeps one
 only when its first run costs measurably more than a repeat of the same shape with other tokens
-(edge.lifecycle.calibration). The floor, one light streamed completion through HTTP, tokenizer, sampler and SSE,
+(edge.lifecycle.warmup.calibrate). The floor, one light streamed completion through HTTP, tokenizer, sampler and SSE,
 always runs first: readiness means one real request has succeeded.
 """
 

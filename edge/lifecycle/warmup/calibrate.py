@@ -9,7 +9,7 @@ gain. A busy machine then makes no step "lazy" (on a first start after boot, cha
 0.313 s first vs 0.133 s repeat with nothing lazy on this CPU). Where the kernel has no schedstat
 (no CONFIG_SCHED_INFO) the rule is the plain one, and each row says so.
 
-After READY (edge.lifecycle.warmlater) calibration runs in idle time and gives way to clients: a
+After READY (edge.lifecycle.warmup.after_ready) calibration runs in idle time and gives way to clients: a
 client request arriving cancels the running candidate, and that candidate and every one after it
 stays pending ("not measured: a request came"), measured at a later start's idle time. A request
 may have run a candidate's shape already, so nothing measured after one is trusted.
@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from edge.lifecycle.warmup import Candidate, LoopbackHTTP, WarmupStep, run_step
+from edge.lifecycle.warmup.steps import Candidate, LoopbackHTTP, WarmupStep, run_step
 
 __all__ = ["KeepRule", "Requests", "calibrate", "keep_row", "run_delay"]
 
@@ -64,7 +64,7 @@ class KeepRule:
 
 
 class Requests(Protocol):
-    """Client requests, as calibration after READY sees them (edge.lifecycle.warmlater.Watch)."""
+    """Client requests, as calibration after READY sees them (edge.lifecycle.warmup.after_ready.Watch)."""
 
     def came(self) -> bool: ...  # a client request was admitted since READY (or the set is going away)
 

@@ -1,6 +1,6 @@
 """A handover's new process starts at a lower CPU priority, and takes its own back before it serves.
 
-The new process (edge.lifecycle.handover) imports, pages in, loads, locks and warms up on the cores
+The new process (edge.lifecycle.handover.handover) imports, pages in, loads, locks and warms up on the cores
 the old process serves on: at the same priority, every request in flight meanwhile waits for its
 share. So its start runs at a higher nice value (`yield_cpu`, first thing in `edge serve`: every
 thread started later inherits it), and each of its threads gets the nice value it began with back

@@ -1,5 +1,5 @@
 """A JSON schema's conjunctions made one schema before it becomes a grammar
-(edge.serve.schemagrammar): `allOf`, a `$ref` with keywords beside it, `type` beside
+(edge.serve.schema.convert): `allOf`, a `$ref` with keywords beside it, `type` beside
 `enum`/`const`/`anyOf`/`oneOf`. What cannot be merged exactly is refused (`Refused`, naming the
 keyword), never loosened: the grammar's language must stay inside the schema's.
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from edge.config import WarmupConfig
 from edge.fsutil import atomic_write
 from edge.model.identity import context_identity, device_identity, key_differences
-from edge.lifecycle.calibration import KeepRule, Requests, calibrate
-from edge.lifecycle.warmup import Candidate, LoopbackHTTP, WarmupStep, run_step, run_steps
+from edge.lifecycle.warmup.calibrate import KeepRule, Requests, calibrate
+from edge.lifecycle.warmup.steps import Candidate, LoopbackHTTP, WarmupStep, run_step, run_steps
 
 if TYPE_CHECKING:
     from edge.device.identity import DeviceInfo

@@ -1,6 +1,6 @@
 """Calibration after READY: off the start's path, in idle time, giving way to clients.
 
-A start whose model calibrates `after_ready` (edge.lifecycle.warmplan.after_ready) runs the floor
+A start whose model calibrates `after_ready` (edge.lifecycle.warmup.plan.after_ready) runs the floor
 and the stored steps before READY; what is left (every candidate without a plan, or a plan's
 pending ones) is measured here, by a task the start makes once READY=1 is sent:
 
@@ -9,7 +9,7 @@ pending ones) is measured here, by a task the start makes once READY=1 is sent:
 
 A client request to any model of the set (ModelWorker.arrivals, warm-up's own not counted) before
 the wait ends leaves everything for a later start; one during the calibration cancels the running
-candidate, which stays pending with every one after it (edge.lifecycle.calibration). SIGTERM,
+candidate, which stays pending with every one after it (edge.lifecycle.warmup.calibrate). SIGTERM,
 a handover or a reload's switch cancels the task: what was measured until then is lost, the
 plan file is written only whole.
 """
@@ -98,8 +98,8 @@ async def stop_after_ready(task: asyncio.Task[None] | None) -> None:
 
 async def _calibrate(loaded: Loaded, cfg: Config, watch: Watch, notifier: Notifier, report: dict[str, Any],
                      path: Path) -> None:
-    from edge.lifecycle.warmplan import PlanStore, finish_later
-    from edge.lifecycle.warmup import LoopbackHTTP
+    from edge.lifecycle.warmup.plan import PlanStore, finish_later
+    from edge.lifecycle.warmup.steps import LoopbackHTTP
 
     try:
         if not await watch.quiet(cfg.warmup.after_ready_idle_s):

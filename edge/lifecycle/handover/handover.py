@@ -39,7 +39,7 @@ from edge.lifecycle.installed import Running
 from edge.lifecycle.loader import read_config
 from edge.lifecycle.loadset import split_cores, threads_of
 from edge.lifecycle.memguard import handover_decision
-from edge.lifecycle.priority import BASE_NICE_ENV, lower_child, successor_yields
+from edge.lifecycle.handover.priority import BASE_NICE_ENV, lower_child, successor_yields
 from edge.lifecycle.systemd import DRAINED_ENV, HANDOVER_ENV, Notifier
 from edge.timing import ReloadTimer, write_report
 
@@ -161,7 +161,7 @@ class _Run:
                 return self.failed(EdgeError(f"cannot start the new process: {exc}"))
         self.extra["successor"] = {"pid": child.pid}
         self.h.starting = child.pid
-        # the fallback freed its set; a new process that yields the CPU (edge.lifecycle.priority)
+        # the fallback freed its set; a new process that yields the CPU (edge.lifecycle.handover.priority)
         # leaves the serving threads as they are
         serving = [] if self.extra["mode"] == "restart" or successor_yields() else self.h.serving()
         # queued behind the requests on each worker's thread (FIFO), not waited for: the switch must
