@@ -14,17 +14,20 @@ llama.cpp can keep at once, MAX_STACKS). Past either, a 400 naming the field.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from edge.errors import RequestError
 from edge.serve.schema.merge import Refused
+from edge.serve.schema.ranges import integer_bounds
+from edge.serve.schema.values import not_json
 from edge.serve.schema.objects import MAX_OPTIONAL_PROPERTIES
 from edge.serve.schema.repeat import MAX_REPEAT
 from edge.serve.schema.stacks import MAX_STACKS, stacks
 
 __all__ = ["GRAMMAR_LIMITS", "KEYWORDS", "MAX_OPTIONAL_PROPERTIES", "MAX_STACKS", "GrammarSize", "check_gbnf",
-           "check_schema", "measure_gbnf", "schema_grammar"]
+           "measure_gbnf", "schema_grammar"]
 
 _E, _R, _I = "enforced", "refused", "ignored"
 # keyword -> (status, how): docs/api.md's "json_schema keywords" table, row for row
@@ -82,8 +85,59 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_ONE = ("items", "additionalProperties")
 
 
+def _count(v: Any) -> str | None:
+    ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_REPEAT
+    return None if ok else f"must be an integer from 0 to {MAX_REPEAT}"
+
+
+def _bound(key: str) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        try:
+            integer_bounds({key: v})
+        except ValueError as exc:
+            return str(exc)
+        return None
+    return check
+
+
+def _values(v: Any) -> str | None:
+    return None if isinstance(v, list) and v else "enum must be a non-empty list"
+
+
+def _items(v: Any) -> str | None:
+    return "items as a list is draft 4-2019's tuple: write prefixItems" if isinstance(v, list) else None
+
+
+def _required(v: Any) -> str | None:
+    ok = isinstance(v, list) and all(isinstance(r, str) for r in v) and len(set(v)) == len(v)
+    return None if ok else "required must be a list of distinct names"
+
+
+# keyword -> what its value must be (an error message, or None): checked everywhere in the schema
+# before anything merges or converts it
+_VALUE_CHECKS: dict[str, Callable[[Any], str | None]] = {
+    **{k: _count for k in ("minLength", "maxLength", "minItems", "maxItems")},
+    **{k: _bound(k) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")},
+    "enum": _values, "items": _items, "required": _required,
+}
+
+
+def _check_values(s: dict[str, Any], where: str) -> None:
+    for key, check in _VALUE_CHECKS.items():
+        why = check(s[key]) if key in s else None
+        if why is not None:
+            raise Refused(f"{where}.{key}", why)
+    for key in ("enum", "const"):
+        bad = not_json(s[key]) if key in s else None
+        if bad is not None:
+            at = "" if bad == "<value>" else bad
+            raise Refused(f"{where}.{key}{at}", "NaN and the infinities are no JSON values (the grammar would "
+                          "write `NaN` or `Infinity`, which no JSON parser reads): give finite numbers")
+
+
 def _walk(s: Any, where: str) -> None:
-    """Refused for a keyword edge does not know or does not enforce, anywhere in the schema."""
+    """Refused for a keyword edge does not know or does not enforce, or a value no keyword may
+    have, anywhere in the schema."""
     if isinstance(s, bool):
         return
     if not isinstance(s, dict):
@@ -99,6 +153,7 @@ def _walk(s: Any, where: str) -> None:
     if "$id" in s and where:  # a resource of its own: `#` inside it would point into it, not the root
         raise Refused(f"{where}.$id", "$id inside a schema is not supported: `#` in a $ref would point "
                       "into that schema, not the root")
+    _check_values(s, where)
     for key in _SCHEMA_MAPS:
         if key in s:
             if not isinstance(s[key], dict):
@@ -112,10 +167,8 @@ def _walk(s: Any, where: str) -> None:
             for i, sub in enumerate(s[key]):
                 _walk(sub, f"{where}.{key}[{i}]")
     for key in _SCHEMA_ONE:
-        if key in s and not isinstance(s[key], list):
+        if key in s:
             _walk(s[key], f"{where}.{key}")
-    if "enum" in s and (not isinstance(s["enum"], list) or not s["enum"]):
-        raise Refused(f"{where}.enum", "enum must be a non-empty list")
 
 
 @dataclass(frozen=True)
@@ -170,19 +223,13 @@ def check_gbnf(gbnf: str, param: str) -> GrammarSize:
     return size
 
 
-def check_schema(schema: Any, param: str, prefix: str | None = None) -> None:
-    """A 400 naming `param` (its message the keyword's path from `prefix`, default `param`) for
-    anything schema_grammar would refuse: a forced tool's parameters checked one by one, so
-    the message names the tool's own path."""
-    schema_grammar(schema, param, prefix)
-
-
-def schema_grammar(schema: Any, param: str, prefix: str | None = None) -> str:
-    """GBNF for a JSON schema; a 400 naming the keyword (its path from `prefix`, default `param`)
-    for what it would not enforce, or the field for a grammar past the bounds (size or work)."""
+def schema_grammar(schema: Any, param: str, place: Callable[[str], str] | None = None) -> str:
+    """GBNF for a JSON schema; a 400 naming `param`, its message the keyword's path as the client
+    wrote it (`place(path)`; default: `param` then the path), for what edge would not enforce,
+    or naming the field for a grammar past the bounds (size or work)."""
     from edge.serve.schema.convert import convert
 
-    where = param if prefix is None else prefix
+    name = place or (lambda path: param + path)
     try:
         _walk(schema, "")
         if isinstance(schema, dict) and isinstance(schema.get("enum"), list):
@@ -192,12 +239,12 @@ def schema_grammar(schema: Any, param: str, prefix: str | None = None) -> str:
                               "bytes a grammar may be (docs/api.md: grammar bounds)")
         converted = convert(schema)
     except Refused as exc:
-        raise RequestError(f"{where}{exc.where}: {exc.why}", param=param) from None
+        raise RequestError(f"{name(exc.where)}: {exc.why}", param=param) from None
     except RecursionError:
-        raise RequestError(f"{where}: the schema nests too deep to convert", param=param) from None
+        raise RequestError(f"{name('')}: the schema nests too deep to convert", param=param) from None
     check_gbnf(converted.gbnf, param)
     if stacks(converted.rules) > MAX_STACKS:
-        raise RequestError(f"{where}: the grammar made from it can keep more than {MAX_STACKS} grammar stacks "
+        raise RequestError(f"{name('')}: the grammar made from it can keep more than {MAX_STACKS} grammar stacks "
                            "alive at once (alternatives that start alike, nested through $ref or repeated), "
                            "each checked against every token (docs/api.md: grammar bounds)", param=param)
     return converted.gbnf
