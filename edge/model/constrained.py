@@ -70,6 +70,7 @@ class GrammarSampling:
         self.resampled = 0  # tokens chosen again under the grammar (tests, profiles)
         self.full_passes = 0  # of those, the ones the grammar went over the whole vocabulary for
         self.guarded = 0  # tokens the guard turned down
+        self.set_aside = 0  # times a pass was set aside at a step's budget
 
     @property
     def pending(self) -> bool:
@@ -94,6 +95,7 @@ class GrammarSampling:
         try:
             tok = self._rest_of_pick(check)
         except Deferred:
+            self.set_aside += 1
             pick = self._pick
             if pick.saved is None:  # the row is still this step's: kept for the next step
                 import numpy as np
