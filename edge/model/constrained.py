@@ -25,6 +25,7 @@ every token (the reference the tests compare with).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -242,8 +243,6 @@ class StepBudget:
         self.t0: float | None = None
 
     def __call__(self) -> None:
-        import time
-
         now = time.perf_counter()
         if self.t0 is None:
             self.t0 = now

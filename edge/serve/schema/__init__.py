@@ -4,8 +4,8 @@ purpose (annotations), as KEYWORDS says (docs/api.md's table is checked against 
 tests/serve/test_schemaproperty.py holds every grammar's outputs to the schema with the
 `jsonschema` validator).
 
-The conversion is edge's own (edge.serve.schema.convert, with schemaobject, schemamerge,
-schemaformat, regexgrammar, schemarange, schemaenum). The grammar it writes is then bounded twice
+The conversion is edge's own (edge.serve.schema.convert, with objects, merge, disjoint, values,
+formats, pattern, ranges, enums). The grammar it writes is then bounded twice
 before anything compiles it: its size (`measure_gbnf`: bytes, nesting of groups, the widest
 alternation; GRAMMAR_LIMITS) and its work (edge.serve.schema.stacks: the most grammar stacks
 llama.cpp can keep at once, MAX_STACKS). Past either, a 400 naming the field.
@@ -43,26 +43,31 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "prefixItems": (_E, "the first items, in order; then `items`"),
     "minItems": (_E, f"0..{MAX_REPEAT}"),
     "maxItems": (_E, f"0..{MAX_REPEAT}"),
-    "enum": (_E, "any JSON values, as a trie of their JSON texts (only the characters that can come next are alternatives)"),
-    "const": (_E, "any JSON value"),
+    "enum": (_E, "any JSON values, as a trie of their JSON texts (only the characters that can come next are "
+                 "alternatives); NaN or an infinity: refused; beside `const`: the values in both (none: refused)"),
+    "const": (_E, "any JSON value (NaN or an infinity: refused)"),
     "anyOf": (_E, "one of the schemas"),
-    "oneOf": (_E, "one of the schemas, where no output can match two (they start with different characters, "
-                  "or are values with none in common); else refused"),
-    "allOf": (_E, "merged into one schema: properties merged, types and values intersected, `anyOf` "
-                  "distributed; a keyword two members set differently: refused"),
+    "oneOf": (_E, "one of the schemas, where edge proves no value matches two (as the validator reads each: other "
+                  "types, other values, lengths, ranges or item counts apart, a required property with disjoint "
+                  "schemas); else refused"),
+    "allOf": (_E, "merged into one schema that keeps every constraint: each property gets what every member asks "
+                  "of it (closed members stay closed), prefixItems merged by position, the tighter bound, types "
+                  "and values intersected, `anyOf`/`oneOf` distributed; `pattern`/`format` set twice differently: "
+                  "refused"),
     "$ref": (_E, "a JSON pointer into the schema (`#`, `#/$defs/x`); beside other keywords, merged as `allOf`"),
     "$defs": (_E, "what `$ref` points to"),
     "definitions": (_E, "what `$ref` points to"),
     "pattern": (_E, "Python's `re`, anchored `^...$`; `\\d` `\\w` `\\s` as their ASCII members; lookarounds, "
-                    "back-references, inner anchors, `(?i)`, a repeated part that can match nothing: refused"),
+                    "back-references, inner anchors, `(?i)`, a repeated part that can match nothing, a surrogate "
+                    "escape (`\\ud83d`): refused"),
     "minLength": (_E, f"0..{MAX_REPEAT} code points (an escape counts as the one character it writes)"),
     "maxLength": (_E, f"0..{MAX_REPEAT} code points"),
     "format": (_E, "`date` (the days of each month, February 29 in leap years), `time`, `date-time` "
                    "(RFC 3339), `uuid` (others refused)"),
     "minimum": (_E, "on `integer` (a grammar of the range); on `number`: refused"),
     "maximum": (_E, "on `integer`; on `number`: refused"),
-    "exclusiveMinimum": (_E, "on `integer`, a number or draft 4's boolean; on `number`: refused"),
-    "exclusiveMaximum": (_E, "on `integer`, a number or draft 4's boolean; on `number`: refused"),
+    "exclusiveMinimum": (_E, "on `integer`, a number (2020-12; draft 4's boolean: refused); on `number`: refused"),
+    "exclusiveMaximum": (_E, "on `integer`, a number (2020-12; draft 4's boolean: refused); on `number`: refused"),
     "title": (_I, "an annotation"),
     "description": (_I, "an annotation"),
     "$schema": (_I, "an annotation"),
