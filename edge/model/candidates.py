@@ -12,6 +12,9 @@ under a grammar (edge.model.generate.SamplerChain).
   outside them, it is the one the grammar over the whole vocabulary leads greedy to (of equal
   logits, the lowest id: greedy's first in vocabulary order). k is each of TOPS in turn; the
   whole vocabulary is asked only where none decides.
+- A pass over the whole vocabulary that its `check` ended goes on from the same chunk at the
+  next call (a step's grammar budget, edge.model.constrained), and a filled array's verdicts can
+  be kept (`snapshot`) and filled again less the tokens the guard after the grammar turned down.
 """
 
 from __future__ import annotations
@@ -100,6 +103,15 @@ class Candidates:
         """The tokens of the filled array (as fill() and the samplers before the chain left it)
         not at -inf: what the grammar allows."""
         return self._np.flatnonzero(self._logits != float("-inf"))
+
+    def copy_row(self, logits: Any) -> Any:
+        """A copy of a logits row that outlives the next decode (fill() and biased() take it)."""
+        return self._row(logits).copy()
+
+    @property
+    def ref(self) -> Any:
+        """The filled array, for llama_sampler_apply."""
+        return self._ref
 
     def snapshot(self) -> Any:
         """A copy of the filled array's logits, to fill() it again as it is now."""

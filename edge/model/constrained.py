@@ -99,9 +99,7 @@ class GrammarSampling:
             self.set_aside += 1
             pick = self._pick
             if pick.saved is None:  # the row is still this step's: kept for the next step
-                import numpy as np
-
-                pick.saved = np.ctypeslib.as_array(self._logits_ptr(), shape=(self._cur._n,)).copy()
+                pick.saved = self._cur.copy_row(self._logits_ptr())
             raise
         except BaseException:
             self._pick = None
@@ -190,7 +188,7 @@ class GrammarSampling:
             if attempt == RETRIES:  # the guard's no to many in a row: every allowed token asked at once
                 ids = cur.allowed_ids()
                 cur.ban(ids[self._veto(ids)])
-            lib.llama_sampler_apply(self.rest, cur._ref)
+            lib.llama_sampler_apply(self.rest, cur.ref)
             tok = cur.selected()
             if tok is None or self.guard is None or self.guard.allows(tok):
                 return tok

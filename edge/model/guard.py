@@ -67,7 +67,7 @@ class TokenTable:
     def __init__(self, native: Native) -> None:
         import numpy as np
 
-        self._np, self._native = np, native
+        self.np, self._native = np, native
         lib = native.lib
         self._attr, self._vocab = lib.llama_vocab_get_attr, native.vocab
         self._hide = lib.LLAMA_TOKEN_ATTR_UNKNOWN | lib.LLAMA_TOKEN_ATTR_CONTROL
@@ -98,7 +98,7 @@ class TokenTable:
     def classes(self, ids: Any) -> Any:
         """The classes of the tokens `ids` (a numpy array), classifying those not known yet."""
         flags = self.flags[ids]
-        for i in self._np.flatnonzero(flags == 0):
+        for i in self.np.flatnonzero(flags == 0):
             flags[i] = self.classify(int(ids[i]))
         return flags
 
@@ -217,7 +217,7 @@ class OutputGuard:
         """For the tokens `ids` (a numpy array): True where allows() says no, read from their
         classes where they say it (a look at the text only for the few they do not)."""
         flags = self.table.classes(ids)
-        np, st = self.table._np, self.state
+        np, st = self.table.np, self.state
         eog = (flags & EOG) != 0
         out = (flags & HIDDEN) != 0
         if st.need:
