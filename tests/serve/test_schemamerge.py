@@ -47,6 +47,9 @@ CASES = [  # (schema, accepted, rejected): every accepted one valid, every rejec
      ["0", "1", '"x"'], ["1.5"]),
     ({"oneOf": [{"const": 1}, {"type": "integer", "minimum": 2}]}, ["1", "2"], ["0"]),
     ({"oneOf": [{"const": 0}, {"const": False}, {"const": None}, {"const": ""}]}, ["0", "false", "null", '""'], ["1"]),
+    ({"allOf": [{"$ref": "#/$defs/t"}, {"$ref": "#/$defs/t"}, {"required": ["v"]}], "$defs": {"t": {  # A and A is A
+        "type": "object", "properties": {"k": {"$ref": "#/$defs/t"}, "v": {"type": "integer"}}}}},
+     ['{"v": 1}', '{"k": {}, "v": 1}', '{"k": {"k": {"v": 3}}, "v": 2}'], ["{}", '{"k": {}}', '{"k": {"v": "x"}, "v": 1}']),
     ({"type": "object", "additionalProperties": {"type": "integer"}}, ['{"x": 1, "y": 2}'], ['{"x": 1, "x": 2}']),
     ({"type": "object"}, ['{"a/": 1, "b": {"a/": 2}}'], ['{"a/": 1, "a\\/": 2}', '{"a": {"k": 1, "k": 2}}']),
 ]

@@ -246,6 +246,8 @@ def merge(a: Any, b: Any, where: str, root: Any, depth: int = 0) -> Any:
     for x, y in ((a, b), (b, a)):
         if y is True or y == {}:  # nothing to add: x as it is (a lone $ref stays a reference)
             return x
+    if json_key(a) == json_key(b):  # A and A is A (a recursive $ref merged with itself ends here)
+        return a
     a, b = (_resolved(flatten(x, where, root, depth + 1), where, root, depth) for x in (a, b))
     if a is False or b is False:
         return False
