@@ -9,7 +9,7 @@ overlaps `{"type": "string"}` though its grammar writes integers). Two schemas a
   `number`) do not meet;
 - one is a list of values (`enum`, `const`) of which none can match the other (a different
   value, compared as JSON values: 1 == 1.0, 0 == -0.0, objects by value; a value of another
-  kind; one its lengths, bounds, pattern or required names rule out);
+  kind; one its lengths, bounds or required names rule out: no client regex is run);
 - each alternative of one (`anyOf`/`oneOf`) is disjoint from the other;
 - within every kind both allow, they part: strings by lengths that do not overlap, integers by
   ranges, arrays by item counts or a position both require with disjoint item schemas, objects by

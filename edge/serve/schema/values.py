@@ -8,14 +8,14 @@
   in a request body; none is a JSON value, and an enum or const holding one would make the
   grammar write `NaN` or `Infinity`, so the keyword is refused, naming the value's path.
 - Outside a schema (`outside`): whether a value provably fails a (flattened) schema's own
-  keywords, read the way the `jsonschema` validator reads them; "may be inside" where a keyword
-  is not one this reads (the proofs that use it then fail safe: a oneOf is refused).
+  keywords (lengths, counts, bounds, required names), read the way the `jsonschema` validator
+  reads them; "may be inside" where a keyword is not one this reads (the proofs that use it then
+  fail safe: a oneOf is refused).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 __all__ = ["KINDS", "json_key", "kind", "kinds_of_types", "not_json", "outside"]
@@ -87,17 +87,11 @@ def _number_outside(v: Any, s: dict[str, Any]) -> bool:
             or (xlo is not None and v <= xlo) or (xhi is not None and v >= xhi))
 
 
-def _pattern_outside(v: str, s: dict[str, Any]) -> bool:
-    try:
-        return re.search(s["pattern"], v) is None
-    except (re.error, TypeError, RecursionError, OverflowError):
-        return False  # a pattern edge refuses anyway: no proof from it
-
-
 def outside(value: Any, s: Any, kinds: frozenset[str]) -> bool:
     """Whether `value` provably fails the flattened schema `s`, whose kinds are `kinds`: its kind
     is not one of them, it is not one of `s`'s enum values, or it breaks one of `s`'s lengths,
-    counts, bounds, pattern or required names. False where this cannot tell."""
+    counts, bounds or required names. False where this cannot tell (a `pattern` is never run on a
+    value: a client's regex can take exponential time in Python's `re`)."""
     if s is False:
         return True
     if not isinstance(s, dict):
@@ -108,8 +102,6 @@ def outside(value: Any, s: Any, kinds: frozenset[str]) -> bool:
     if "enum" in s and json_key(value) not in {json_key(v) for v in s["enum"]}:
         return True
     if k in ("string", "array") and _length_outside(value, s):
-        return True
-    if k == "string" and "pattern" in s and _pattern_outside(value, s):
         return True
     if k in ("integer", "fraction") and _number_outside(value, s):
         return True
