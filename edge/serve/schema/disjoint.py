@@ -23,7 +23,7 @@ from typing import Any
 
 from edge.serve.schema.merge import MAX_MERGE_DEPTH, flatten, pointer, type_set
 from edge.serve.schema.ranges import NoInteger, integer_bounds
-from edge.serve.schema.values import KINDS, kind, kinds_of_types, outside
+from edge.serve.schema.values import KINDS, json_key, kind, kinds_of_types, outside
 
 __all__ = ["disjoint"]
 
@@ -33,6 +33,9 @@ _INF = float("inf")
 class _Prover:
     def __init__(self, root: Any, where: str) -> None:
         self.root, self.where = root, where
+        # id of a schema -> (the schema, kept alive so that its id is not reused; its enum's values as
+        # json_key): asked once per value of the other side
+        self._keys: dict[int, tuple[Any, set[Any]]] = {}
 
     def flat(self, s: Any, depth: int) -> Any:
         """`s` flattened, a lone `$ref` followed (None past the depth bound: no proof)."""
@@ -99,7 +102,11 @@ class _Prover:
             flats = [self.flat(alt, depth + 1) for alt in alts]
             return all(f is not None and self.rules_out(f, self.kinds(f, depth + 1), value, depth + 1)
                        for f in flats)
-        return outside(value, s, kinds)
+        if "enum" not in s:
+            return outside(value, s, kinds)
+        if id(s) not in self._keys:
+            self._keys[id(s)] = (s, {json_key(v) for v in s["enum"]})
+        return outside(value, s, kinds, self._keys[id(s)][1])
 
     def within(self, k: str, a: dict[str, Any], b: dict[str, Any], depth: int) -> bool:
         """Whether no value of kind `k` matches both."""

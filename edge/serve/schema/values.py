@@ -87,11 +87,12 @@ def _number_outside(v: Any, s: dict[str, Any]) -> bool:
             or (xlo is not None and v <= xlo) or (xhi is not None and v >= xhi))
 
 
-def outside(value: Any, s: Any, kinds: frozenset[str]) -> bool:
+def outside(value: Any, s: Any, kinds: frozenset[str], values: set[Any] | None = None) -> bool:
     """Whether `value` provably fails the flattened schema `s`, whose kinds are `kinds`: its kind
     is not one of them, it is not one of `s`'s enum values, or it breaks one of `s`'s lengths,
     counts, bounds or required names. False where this cannot tell (a `pattern` is never run on a
-    value: a client's regex can take exponential time in Python's `re`)."""
+    value: a client's regex can take exponential time in Python's `re`). `values`: the json_key
+    set of `s`'s enum, where the caller keeps it."""
     if s is False:
         return True
     if not isinstance(s, dict):
@@ -99,7 +100,7 @@ def outside(value: Any, s: Any, kinds: frozenset[str]) -> bool:
     k = kind(value)
     if k not in kinds:
         return True
-    if "enum" in s and json_key(value) not in {json_key(v) for v in s["enum"]}:
+    if "enum" in s and json_key(value) not in (values if values is not None else {json_key(v) for v in s["enum"]}):
         return True
     if k in ("string", "array") and _length_outside(value, s):
         return True
