@@ -35,6 +35,7 @@ __all__ = ["ANNOTATIONS", "Empty", "Refused", "flatten", "merge", "pointer", "re
 
 TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 MAX_MERGE_DEPTH = 16  # allOf inside $ref inside allOf...: past this, refused (a merge that loops)
+MAX_ALTERNATIVES = 256  # what distributing anyOf/oneOf over a merge may make (GRAMMAR_LIMITS.widest)
 ANNOTATIONS = ("title", "description", "$schema", "$id", "$comment", "default", "examples", "deprecated",
                "readOnly", "writeOnly", "$defs", "definitions")
 _LISTS = ("anyOf", "oneOf")
@@ -263,16 +264,29 @@ def merge(a: Any, b: Any, where: str, root: Any, depth: int = 0) -> Any:
     return out
 
 
+def _leaves(s: Any) -> int:
+    """The alternatives a merged schema holds, through anyOf/oneOf in anyOf/oneOf."""
+    alts = s.get("anyOf") or s.get("oneOf") if isinstance(s, dict) else None
+    return sum(_leaves(a) for a in alts) if alts else 1
+
+
 def _each(alts: list[Any], rest: dict[str, Any], other: Any, where: str, root: Any, depth: int) -> list[Any]:
     """Each alternative with `rest` and `other`; one that provably matches nothing is dropped
-    (the union means the same without it), all of them: Empty."""
-    out, first = [], None
+    (the union means the same without it), all of them: Empty. Refused once the alternatives
+    made pass MAX_ALTERNATIVES (allOf of anyOfs multiplies them: 3 x 60 were 216,000 merges)."""
+    out, first, made = [], None, 0
     for i, alt in enumerate(alts):
         try:
             out.append(merge(merge(alt, rest, f"{where}[{i}]", root, depth + 1), other, f"{where}[{i}]", root,
                              depth + 1))
         except Empty as exc:
             first = first or exc
+            continue
+        made += _leaves(out[-1])
+        if made > MAX_ALTERNATIVES:
+            raise Refused(where, f"merged with the keywords around it (allOf, a $ref beside keywords), it makes "
+                          f"more than {MAX_ALTERNATIVES} alternatives, the widest alternation a grammar may have "
+                          "(docs/api.md: grammar bounds)")
     if first is not None and not out:
         raise first  # every alternative: the first one's reason
     return out
