@@ -25,14 +25,16 @@ from edge.serve.schema.merge import MAX_MERGE_DEPTH, flatten, pointer, type_set
 from edge.serve.schema.ranges import NoInteger, integer_bounds
 from edge.serve.schema.values import KINDS, json_key, kind, kinds_of_types, outside
 
-__all__ = ["disjoint"]
+__all__ = ["MAX_STEPS", "disjoint"]
 
 _INF = float("inf")
+MAX_STEPS = 10_000  # comparisons one proof may make (required properties nest: their product could be huge)
 
 
 class _Prover:
     def __init__(self, root: Any, where: str) -> None:
         self.root, self.where = root, where
+        self.steps = MAX_STEPS  # past them, "may overlap": the oneOf is refused, never a wrong proof
         # id of a schema -> (the schema, kept alive so that its id is not reused; its enum's values as
         # json_key): asked once per value of the other side
         self._keys: dict[int, tuple[Any, set[Any]]] = {}
@@ -72,7 +74,8 @@ class _Prover:
 
     def apart(self, a: Any, b: Any, depth: int) -> bool:
         """Whether no JSON value matches both (flattened) schemas."""
-        if a is None or b is None or depth > MAX_MERGE_DEPTH:
+        self.steps -= 1
+        if a is None or b is None or depth > MAX_MERGE_DEPTH or self.steps < 0:
             return False
         if a is False or b is False:
             return True
