@@ -1,7 +1,7 @@
 """The demo model behind engines/mlp-demo.toml: a small MLP built with onnx.helper, fixed weights
 from a seed, so that the whole engine path (build, store, serve, infer) runs in tests anywhere;
 the same MLP deeper and wider (the batching benchmark's), and small models with a shape the
-batcher must respect (edge.serve.batcher): a dynamic non-batch dim, a data-dependent failure, an
+batcher must respect (edge.engines.dynamic_batching): a dynamic non-batch dim, a data-dependent failure, an
 output that does not follow the batch, no batch dim at all."""
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ def _prompt_cache_families(workers: dict[str, Any]) -> Iterator[Metric]:
 
 
 def _batch_families(engines: dict[str, Any]) -> Iterator[Metric]:
-    """Each batching engine's batches (edge.serve.batcher), read at the scrape: requests per
+    """Each batching engine's batches (edge.engines.dynamic_batching), read at the scrape: requests per
     execution, and each request's wait for its batch (warm-up excluded)."""
     size = HistogramMetricFamily("edge_engine_batch_size", "Requests per execution of an engine that "
                                  "batches ([engines.batching]).", labels=["engine"])

@@ -1,4 +1,4 @@
-"""Dynamic batching of engine requests (edge.serve.batcher) on real ONNX Runtime engines: batches
+"""Dynamic batching of engine requests (edge.engines.dynamic_batching) on real ONNX Runtime engines: batches
 form, each answer equals the request's answer alone, groups by shape, a failing request fails
 alone, the policy's checks; and over real sockets, `edge serve` batching concurrent clients."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from edge.config import BatchingConfig
 from edge.errors import ConfigError, RequestError
-from edge.serve.batcher import batch_policy, batch_rows
+from edge.engines.dynamic_batching import batch_policy, batch_rows
 from edge.serve.worker import EngineWorker
 from kit import EDGE, PidOne, metric, post
 from onnxgen import make_gather, make_mlp, make_rowsum, make_static, make_total

@@ -34,7 +34,6 @@ import numpy as np
 from edge.config import BatchingConfig
 from edge.engines.tensors import EngineSession, profile_for
 from edge.errors import ConfigError, EngineError, GpuContextLost
-from edge.serve.metrics import in_warmup
 
 __all__ = ["BATCH_SIZE_BUCKETS", "QUEUE_DELAY_BUCKETS", "Batcher", "BatchPolicy", "BatchStats",
            "batch_policy", "batch_rows"]
@@ -173,10 +172,11 @@ class Batcher:
         self._closed = False
         self.enabled = True  # false once the engine's outputs proved not to follow the batch
 
-    async def infer(self, feeds: Feeds) -> Feeds:
+    async def infer(self, feeds: Feeds, warm: bool = False) -> Feeds:
+        """`warm`: a warm-up request, kept out of the stats (the caller knows; this floor has no HTTP)."""
         loop = asyncio.get_running_loop()
         rows, group = _group_of(feeds)
-        req = _Request(feeds, rows, group, loop, loop.create_future(), in_warmup())
+        req = _Request(feeds, rows, group, loop, loop.create_future(), warm)
         with self._cond:
             if self._closed:
                 raise EngineError(f"engine {self.name!r} is closed")
