@@ -43,7 +43,7 @@ from bench_load import TimedLoad, correct, in_windows  # noqa: E402
 from benchlib import EDGE, REQUEST, ROOT, edge_config, emit, env_for_bench, gemma_path, novel_prompts  # noqa: E402
 from kit import PidOne  # noqa: E402
 
-from edge.lifecycle.bytecode import compile_missing, package_sources  # noqa: E402
+from edge.bytecode import compile_missing, package_sources  # noqa: E402
 from edge.lifecycle.installed import installed_version  # noqa: E402
 from edge.serve.bench import percentile  # noqa: E402
 

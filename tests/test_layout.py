@@ -1,6 +1,6 @@
 """The house: no import circle in edge/ (lazy and TYPE_CHECKING imports included), neither between
 modules nor between packages; every package importing only what its row of the module map (docs/internals.md, "Layout")
-names, from floors beneath it; a ground floor of at most 8 top-level modules that import
+names, from floors beneath it; a ground floor of at most 9 top-level modules that import
 no package; the lifecycle's data flowing one way (start → reload → serving → loader → loadset →
 timing); modules of at most 400 lines and functions of at most 50 (DESIGN.md, "Data flows one
 way"; STYLE.md); tests that mirror the packages and take their helpers from tests/kit/, not from
@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "edge"
 GRAPH = import_graph(PACKAGE)
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 50
-MAX_GROUND_MODULES = 8
+MAX_GROUND_MODULES = 9  # bytecode joined the eight: why, in the module map's words above its table
 FLOORS = readme_floors(section("Layout"))  # the module map, docs/internals.md
 GROUND = next(f for f in FLOORS if not f.imports)  # the ground floor imports only itself ("one another")
 

@@ -61,7 +61,7 @@ def main() -> None:
     plain = plain_serve(sys.argv[1:])
     watch = None
     if plain is not None:  # first: the watch sees every module compiled from here on
-        from edge.lifecycle.bytecode import CompileWatch
+        from edge.bytecode import CompileWatch
 
         watch = CompileWatch()
     from edge.errors import EX_SOFTWARE, EdgeError

@@ -7,7 +7,7 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from edge.lifecycle.bytecode import CompileWatch
+    from edge.bytecode import CompileWatch
 
 __all__ = ["serve"]
 
@@ -37,7 +37,7 @@ def serve(config: str | None, watch: CompileWatch | None = None) -> int:
     from edge.lifecycle.start import ColdStart
 
     if watch is None:
-        from edge.lifecycle.bytecode import CompileWatch
+        from edge.bytecode import CompileWatch
 
         watch = CompileWatch()
     start = ColdStart(config, timer=timer, notifier=notifier, takes_over=successor is not None,

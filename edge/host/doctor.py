@@ -291,8 +291,8 @@ def _access(cfg: Config, unit_dirs: list[Path], unit_text: str | None) -> list[C
 
 def _bytecode(cfg: Config) -> list[Check]:
     """Bytecode for every module a start imports: the unit (ProtectSystem=strict) can never write
-    it, so a module without it is compiled from source at every start (edge.lifecycle.bytecode)."""
-    from edge.lifecycle.bytecode import dependency_sources, edge_package, missing_bytecode, package_sources
+    it, so a module without it is compiled from source at every start (edge.bytecode)."""
+    from edge.bytecode import dependency_sources, edge_package, missing_bytecode, package_sources
     from edge.timing import UnreadableReport, read_last_report
 
     pkg = edge_package()

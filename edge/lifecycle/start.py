@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, state_dir
 from edge.errors import EX_SAFE_MODE_EXHAUSTED, EX_SOFTWARE, EdgeError, StoppedDuringStart
-from edge.lifecycle.bytecode import CompileWatch
+from edge.bytecode import CompileWatch
 from edge.lifecycle.installed import Running
 from edge.lifecycle.handover.priority import Yielded
 from edge.lifecycle.loader import Loader, read_config, save_learned
@@ -59,7 +59,7 @@ class ColdStart:
                  notifier: Notifier | None = None, takes_over: bool = False,
                  compiled: CompileWatch | None = None, yielded: Yielded | None = None) -> None:
         self.timer = timer or StartTimer()  # offsets from exec, whenever it is made
-        self.compiled = compiled  # the source files compiled since exec (edge.lifecycle.bytecode)
+        self.compiled = compiled  # the source files compiled since exec (edge.bytecode)
         self.yielded = yielded  # a new process taking over: its CPU priority, lowered until ready
         self.config_path = config_path
         self.notifier = notifier or Notifier()

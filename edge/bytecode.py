@@ -30,7 +30,7 @@ _HASH_BASED, _CHECK_SOURCE = 0b01, 0b10
 
 def edge_package() -> Path:
     """The directory of the edge this Python imports (the installed one, or a checkout)."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parent
 
 
 def stale(source: Path) -> str | None:

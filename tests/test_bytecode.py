@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.lifecycle.bytecode import CompileWatch, compile_missing, edge_package, missing_bytecode, package_sources, stale
+from edge.bytecode import CompileWatch, compile_missing, edge_package, missing_bytecode, package_sources, stale
 from kit import PidOne, write_config
 
 EDGE_SRC = edge_package()
