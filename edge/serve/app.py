@@ -28,10 +28,11 @@ from edge.serve.limits import check_prompt_text
 from edge.model.generate import GenParams, Hold, Job, Piece
 from edge.model.llm import GGUFModel
 from edge.model.promptcache import Marks
-from edge.serve.metrics import Metrics, MetricsMiddleware, in_warmup
+from edge.serve.metrics import Metrics, MetricsMiddleware
 from edge.serve.openai import Ask, Limits, grammar, parse
 from edge.serve.openai_shapes import Choice, Shape, parse_tool_calls
 from edge.serve.state import ServiceState
+from edge.serve.warmscope import in_warmup
 from edge.serve.worker import ModelWorker
 
 __all__ = ["ServiceState", "build_app"]

@@ -158,7 +158,7 @@ class AuthMiddleware:
     (route, status and duration, as the limits' own answers are)."""
 
     def __init__(self, app: Any, current: Callable[[], Any], observe: Callable[[dict[str, Any], int, float], None]) -> None:
-        from edge.serve.metrics import WARMUP_SCOPE_KEY  # here: the start's sockets phase imports this module
+        from edge.serve.warmscope import WARMUP_SCOPE_KEY  # here: the start's sockets phase imports this module
 
         self.app, self.current, self.observe = app, current, observe
         self.warmup_key = WARMUP_SCOPE_KEY

@@ -7,9 +7,7 @@ known method or `OTHER`. The exposition is written by `generate_latest`, which e
 values, so no request can make it unparseable.
 
 Warm-up traffic is recognised by a key in the ASGI scope that only the warm-up's private
-loopback transport (`warmup_transport`) sets. A scope key is not something an HTTP client can
-send: no header, path or body reaches it, so an external client cannot pass its traffic off as
-warm-up to hide it. Warm-up requests are counted apart (`edge_warmup_requests_total`) and kept
+loopback transport sets (edge.serve.warmscope). Warm-up requests are counted apart (`edge_warmup_requests_total`) and kept
 out of every production family; the per-model families (tokens, time to first token, aborts) are
 recorded in the handler, so the middleware tells them through a context variable, which each
 request's task (and the tasks it spawns) sees on its own.
@@ -17,7 +15,6 @@ request's task (and the tasks it spawns) sees on its own.
 
 from __future__ import annotations
 
-import contextvars
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
@@ -26,24 +23,16 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-__all__ = ["Metrics", "MetricsMiddleware", "UNMATCHED", "WARMUP_SCOPE_KEY", "in_warmup",
-           "warmup_transport"]
+from edge.serve.warmscope import in_warmup, is_warm, request_scope
+
+__all__ = ["Metrics", "MetricsMiddleware", "UNMATCHED"]
 
 UNMATCHED = "<unmatched>"
-WARMUP_SCOPE_KEY = "edge.lifecycle.warmup"
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-# Not state: a declaration whose value lives in each request's context (set by the middleware).
-_IN_WARMUP: contextvars.ContextVar[bool] = contextvars.ContextVar("edge_metrics_in_warmup", default=False)
-
 T = TypeVar("T")
-
-
-def in_warmup() -> bool:
-    """Whether the request being handled came over the warm-up's private loopback transport."""
-    return _IN_WARMUP.get()
 ASGIApp = Any  # (scope, receive, send) -> awaitable
 
 
@@ -86,7 +75,7 @@ class Metrics:
 
     # -- what the app records ------------------------------------------------------------------
     def tokens(self, prompt: int, completion: int, model: str = "") -> None:
-        if _IN_WARMUP.get():
+        if in_warmup():
             return
         self.prompt_tokens.labels(model).inc(prompt)
         self.completion_tokens.labels(model).inc(completion)
@@ -95,7 +84,7 @@ class Metrics:
         """`pieces` passed through, timing the first one: from when it was made (`piece.at`,
         stamped on the generating thread) where it says, else from its arrival (client aborts
         are counted by the route, which knows whether the client left: `client_abort`)."""
-        t0, first, warm = time.perf_counter(), True, _IN_WARMUP.get()
+        t0, first, warm = time.perf_counter(), True, in_warmup()
         try:
             async for piece in pieces:
                 if first and not warm:
@@ -112,7 +101,7 @@ class Metrics:
 
     def client_abort(self, model: str) -> None:
         """The client went away before its answer was whole (queued, generating or streaming)."""
-        if not _IN_WARMUP.get():
+        if not in_warmup():
             self.aborts.labels(model).inc()
 
     def unauthorized(self, reason: str) -> None:
@@ -306,7 +295,7 @@ class MetricsMiddleware:
         """One request answered outside this middleware (the limits layer), counted as if here."""
         method = scope["method"] if scope["method"] in _METHODS else "OTHER"
         self.metrics._observe(self.route_of(scope), method, status, seconds,
-                              scope.get(WARMUP_SCOPE_KEY) is True)
+                              is_warm(scope))
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -338,25 +327,15 @@ class MetricsMiddleware:
             if last:
                 record()
 
-        token = _IN_WARMUP.set(scope.get(WARMUP_SCOPE_KEY) is True)
         try:
-            await self.app(scope, watched_receive, timed_send)
+            with request_scope(scope):
+                await self.app(scope, watched_receive, timed_send)
         except BaseException:
             failed = True
             raise
         finally:
-            _IN_WARMUP.reset(token)
             # Ended before its last chunk: the client went away (a stream cut short is 499, like
             # an abandoned non-streamed request), or the app failed.
             status = 499 if gone else 500 if failed else status
             record()
 
-
-def warmup_transport(app: ASGIApp) -> ASGIApp:
-    """`app` as served on the warm-up's private loopback socket: every request's scope carries
-    the warm-up key (set here, by the transport, never from anything the client sends)."""
-
-    async def marked(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        await app({**scope, WARMUP_SCOPE_KEY: True}, receive, send)
-
-    return marked

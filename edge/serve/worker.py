@@ -85,7 +85,7 @@ class ModelWorker(Worker):
                                f"({self.slots.n} slots, max_queue = {self.max_queue}); retry later",
                                status=503, code="server_busy")
         self.pending += 1
-        from edge.serve.metrics import in_warmup  # imported with the app already: a dict lookup
+        from edge.serve.warmscope import in_warmup  # imported with the app already: a dict lookup
 
         if not in_warmup():
             self.arrivals += 1
@@ -309,7 +309,7 @@ class EngineWorker(Worker):
             return await self.call(self.session.infer, feeds)
         self.pending += 1
         try:
-            from edge.serve.metrics import in_warmup  # imported with the app already
+            from edge.serve.warmscope import in_warmup  # imported with the app already
 
             return await self.batcher.infer(feeds, in_warmup())
         finally:

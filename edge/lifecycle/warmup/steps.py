@@ -77,7 +77,7 @@ class LoopbackHTTP:
     READY."""
 
     def __init__(self, app: Any) -> None:
-        from edge.serve.metrics import warmup_transport
+        from edge.serve.warmscope import warmup_transport
 
         self.app = warmup_transport(app)  # its requests are marked warm-up, apart from production
 
