@@ -1,4 +1,5 @@
-"""The file-system steps every atomic write in edge is made of: hash, fsync, rename."""
+"""The file-system steps every atomic write in edge is made of: hash, fsync, rename; and a file's
+identity, by which edge knows a file it has seen without reading it again."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["atomic_write", "cannot_create", "fsync_dir", "sha256_file"]
+__all__ = ["atomic_write", "cannot_create", "file_identity", "fsync_dir", "sha256_file"]
 
 
 def sha256_file(path: Path) -> str:
@@ -18,6 +19,15 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(8 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def file_identity(path: str | os.PathLike[str], *, ctime: bool = False) -> tuple[int, ...]:
+    """(device, inode, size, mtime in ns): the same file, unchanged, while these are; with `ctime`
+    also its change time, which moves on every write and every metadata change (a `touch -m` that
+    sets an old mtime back included). Raises OSError where the file cannot be stat'ed."""
+    st = os.stat(path)
+    found = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (*found, st.st_ctime_ns) if ctime else found
 
 
 def fsync_dir(d: Path) -> None:

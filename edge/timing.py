@@ -21,10 +21,17 @@ from typing import Any
 from edge.fsutil import atomic_write
 
 __all__ = ["BIDI_CONTROLS", "visible", "Phase", "PhaseObserver", "Phases", "StartTimer", "ReloadTimer", "format_report", "write_report", "read_last_report",
-           "process_age_s", "REPORT_NAME", "RELOAD_REPORT_NAME", "format_reload_report", "UnreadableReport"]
+           "rewrite_report", "last_report_name", "process_age_s", "REPORT_NAME", "RELOAD_REPORT_NAME", "format_reload_report", "UnreadableReport"]
 
-REPORT_NAME = "last-start.json"
-RELOAD_REPORT_NAME = "last-reload.json"
+
+
+def last_report_name(kind: str = "start") -> str:
+    """The name of the last report of a kind (start, reload, failed-start, crash) in the state dir."""
+    return f"last-{kind}.json"
+
+
+REPORT_NAME = last_report_name("start")
+RELOAD_REPORT_NAME = last_report_name("reload")
 
 
 # Unicode's bidirectional controls (marks, embeddings, overrides, isolates): in a model, host or
@@ -182,9 +189,24 @@ def write_report(report: dict[str, Any], state_dir: Path, kind: str = "start") -
             break
         micros += 1
     atomic_write(path, data)
-    atomic_write(state_dir / f"last-{kind}.json", data)
+    atomic_write(state_dir / last_report_name(kind), data)
     _prune(reports, kind, keep=50)
     return path
+
+
+def rewrite_report(report: dict[str, Any], path: Path, kind: str = "start") -> None:
+    """`report` changed after write_report wrote it at `path` (a start's calibration after READY):
+    written again there (atomically), and as the last report too unless a later process (a
+    handover's new one) has written its own there since."""
+    data = json.dumps(report, indent=2) + "\n"
+    atomic_write(path, data)
+    last = path.parent.parent / last_report_name(kind)  # path is <state dir>/reports/<name>
+    try:
+        ours = json.loads(last.read_text(encoding="utf-8")).get("pid") == report.get("pid")
+    except (OSError, ValueError):
+        ours = False
+    if ours:
+        atomic_write(last, data)
 
 
 class UnreadableReport(ValueError):
@@ -202,7 +224,7 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {"edge_version": str, "pid": int, 
 
 def read_last_report(state_dir: Path, kind: str = "start") -> dict[str, Any] | None:
     """last-<kind>.json; None when there is none yet; UnreadableReport when it is damaged."""
-    path = state_dir / f"last-{kind}.json"
+    path = state_dir / last_report_name(kind)
     try:
         report = json.loads(path.read_text())
     except FileNotFoundError:

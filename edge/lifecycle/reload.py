@@ -135,7 +135,7 @@ class Reloader:
             why = self.handover.reasons(env) if self.handover is not None and process is not False else []
             if self.handover is not None and (process or why):
                 return await self.handover.run(path, timeout, env, why or ["edge reload --process"])
-            run = _Run(self, path)
+            run = _ReloadRun(self, path)
             self._making = asyncio.current_task()
             try:
                 new = await asyncio.wait_for(run.make(), None if end is None else max(0.0, end - loop.time()))
@@ -160,14 +160,14 @@ class Reloader:
             if not handed_on:
                 self._lock.release()
 
-    async def _drain_then_release(self, run: _Run, old: Route, new: Loaded) -> None:
+    async def _drain_then_release(self, run: _ReloadRun, old: Route, new: Loaded) -> None:
         try:
             await run.drain(old, new)
         finally:
             self._lock.release()
 
 
-class _Run:
+class _ReloadRun:
     """The state of one reload: its timer, its loader (made from the config it reads), its report."""
 
     def __init__(self, reloader: Reloader, path: str | None) -> None:

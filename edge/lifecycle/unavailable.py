@@ -35,6 +35,7 @@ from typing import Any
 
 from edge.config import Config, state_dir
 from edge.fleet.giveup import GIVE_UP_FILE, GiveUp, fingerprint
+from edge.fsutil import file_identity
 from edge.lifecycle.systemd import Notifier, watchdog_interval_s
 
 __all__ = ["CHECK_S", "Unavailable", "answer", "current_fingerprint", "status_text"]
@@ -50,12 +51,11 @@ def status_text(give_up: GiveUp) -> str:
             f"model, llama.cpp or edge, or the retry at {give_up.as_dict()['retry_at']}")
 
 
-def _stamp(path: Path) -> tuple[int, int, int] | None:
+def _stamp(path: Path) -> tuple[int, ...] | None:
     try:
-        st = path.stat()
+        return file_identity(path)
     except OSError:
         return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 class _Gate(socket.socket):

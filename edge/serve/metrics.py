@@ -18,12 +18,15 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from edge.serve.warmscope import in_warmup, is_warm, request_scope
+
+if TYPE_CHECKING:
+    from edge.serve.worker import EngineWorker, ModelWorker
 
 __all__ = ["Metrics", "MetricsMiddleware", "UNMATCHED"]
 
@@ -200,10 +203,10 @@ class _StateCollector:
         yield phases
 
 
-def _prompt_cache_families(workers: dict[str, Any]) -> Iterator[Metric]:
+def _prompt_cache_families(workers: dict[str, ModelWorker]) -> Iterator[Metric]:
     """Each model's prompt cache (edge.model.promptcache), read at the scrape: bytes held and allowed,
     requests that reused a cached prefix or not, prompt tokens reused."""
-    caches = {n: w.model.cache for n, w in workers.items() if hasattr(getattr(w, "model", None), "cache")}
+    caches = {n: w.model.cache for n, w in workers.items()}
     held = GaugeMetricFamily("edge_prompt_cache_bytes", "KV state bytes the prompt cache holds in host "
                              "memory (saved prefixes, pinned ones included).", labels=["model"])
     limit = GaugeMetricFamily("edge_prompt_cache_limit_bytes", "The prompt cache's bound "
@@ -223,7 +226,7 @@ def _prompt_cache_families(workers: dict[str, Any]) -> Iterator[Metric]:
     yield from (held, limit, hits, misses, reused)
 
 
-def _batch_families(engines: dict[str, Any]) -> Iterator[Metric]:
+def _batch_families(engines: dict[str, EngineWorker]) -> Iterator[Metric]:
     """Each batching engine's batches (edge.engines.dynamic_batching), read at the scrape: requests per
     execution, and each request's wait for its batch (warm-up excluded)."""
     size = HistogramMetricFamily("edge_engine_batch_size", "Requests per execution of an engine that "
@@ -232,16 +235,16 @@ def _batch_families(engines: dict[str, Any]) -> Iterator[Metric]:
                                   "an engine's batcher to the start of its batch's execution.",
                                   labels=["engine"])
     for name, worker in engines.items():
-        stats = getattr(getattr(worker, "batcher", None), "stats", None)
-        if stats is None:
+        if worker.batcher is None:  # one request at a time
             continue
+        stats = worker.batcher.stats
         with stats.lock:
             size.add_metric([name], stats.batch_size.cumulative(), stats.batch_size.sum)
             delay.add_metric([name], stats.queue_delay.cumulative(), stats.queue_delay.sum)
     yield from (size, delay)
 
 
-def _slot_families(workers: dict[str, Any]) -> Iterator[Metric]:
+def _slot_families(workers: dict[str, ModelWorker]) -> Iterator[Metric]:
     """Each model's slots (edge.model.slots), read at the scrape: how many, how many busy, the
     steps and what they held (tokens and sequences per step: the rates' ratio), the time
     generations waited for a slot."""
@@ -257,16 +260,14 @@ def _slot_families(workers: dict[str, Any]) -> Iterator[Metric]:
     started = CounterMetricFamily("edge_queue_started", "Generations that left the queue for a slot.",
                                   labels=["model"])
     for name, w in workers.items():
-        slots = getattr(getattr(w, "model", None), "slots", None)
-        if slots is None:
-            continue
+        slots = w.model.slots
         gauges["slots"].add_metric([name], float(slots.n))
         gauges["busy"].add_metric([name], float(slots.busy))
         st = slots.stats
         for k, v in (("steps", st.steps), ("tokens", st.batch_tokens), ("sequences", st.batch_sequences)):
             counters[k].add_metric([name], float(v))
-        wait.add_metric([name], float(getattr(w, "queue_wait_s", 0.0)))
-        started.add_metric([name], float(getattr(w, "started", 0)))
+        wait.add_metric([name], float(w.queue_wait_s))
+        started.add_metric([name], float(w.started))
     yield from (*gauges.values(), *counters.values(), wait, started)
 
 

@@ -41,7 +41,7 @@ from edge.lifecycle.loadset import split_cores, threads_of
 from edge.lifecycle.memguard import handover_decision
 from edge.lifecycle.handover.priority import BASE_NICE_ENV, lower_child, successor_yields
 from edge.lifecycle.systemd import DRAINED_ENV, HANDOVER_ENV, Notifier
-from edge.timing import ReloadTimer, write_report
+from edge.timing import REPORT_NAME, ReloadTimer, write_report
 
 __all__ = ["HANDOVER_ENV", "Handover"]
 
@@ -66,7 +66,7 @@ class Handover:
         self.restart: asyncio.Future[dict[str, Any]] | None = None  # memory fallback: after the drain
         self.starting: int | None = None  # the pid of a new process not ready yet
         self.abandoned = False  # this process stops: a handover under way ends quietly
-        self._run: _Run | None = None
+        self._run: _HandoverRun | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def reasons(self, client_env: dict[str, str] | None) -> list[str]:
@@ -75,7 +75,7 @@ class Handover:
     async def run(self, path: str | None, timeout: float | None, client_env: dict[str, str] | None,
                   why: list[str]) -> dict[str, Any]:
         """A handover (or, memory short, a restart); the answer for `edge reload`."""
-        run = self._run = _Run(self, path, why, client_env)
+        run = self._run = _HandoverRun(self, path, why, client_env)
         run.timeout = timeout
         try:
             cfg = await asyncio.to_thread(read_config, path, run.timer)
@@ -128,7 +128,7 @@ class Handover:
             self._run.drained()
 
 
-class _Run:
+class _HandoverRun:
     """One handover: its timer, its report, the new process."""
 
     def __init__(self, h: Handover, path: str | None, why: list[str], client_env: dict[str, str] | None) -> None:
@@ -358,7 +358,7 @@ def _spawn(sockets: list[Any], path: str | None, running: Running, client_env: d
 def _successor_report(pid: int, folder: Path) -> dict[str, Any]:
     """The new process's start report (it wrote it just before it said ready)."""
     try:
-        report = json.loads((folder / "last-start.json").read_text())
+        report = json.loads((folder / REPORT_NAME).read_text())
     except (OSError, ValueError):
         return {"pid": pid}
     keys = ("edge_version", "ready_s", "started_unix", "phases") if report.get("pid") == pid else ()

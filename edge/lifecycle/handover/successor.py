@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge.lifecycle.systemd import DRAINED_ENV, HANDOVER_ENV, Notifier
+
+if TYPE_CHECKING:
+    from edge.serve.worker import ModelWorker
 
 __all__ = ["HOLD_AT_MOST_S", "Successor", "SuccessorNotifier"]
 
@@ -41,7 +44,7 @@ class Successor:
             log.warning("%s=%r is not an open file descriptor: starting as a plain start", HANDOVER_ENV, raw)
             return None
 
-    def hold_until_drained(self, workers: list[Any], limit_s: float) -> None:
+    def hold_until_drained(self, models: list[ModelWorker], limit_s: float) -> None:
         """The models hold their requests (queued, not decoded) until the old process has drained,
         at most `limit_s` (HOLD_AT_MOST_S, or the drain limit if shorter): two processes decoding on the same cores at once
         slow each other far more than their share (ggml's threads spin at their barriers), so the
@@ -54,7 +57,6 @@ class Successor:
         import threading
         import time
 
-        models = [w for w in workers if hasattr(w, "hold")]
         for w in models:
             w.hold()
         fd, self.drained_fd = self.drained_fd, None
