@@ -152,7 +152,7 @@ class WarmupConfig:
     # Calibration (edge.lifecycle.warmup.steps): a candidate is kept when its first run is slower than a repeat
     # of the same shape by more than max(min_gain_s, min_gain_ratio x repeat); calibration and
     # the stored plan each get budget_s seconds at most (what does not fit is reported).
-    # The ratio sits above the repeat-to-repeat spread measured by scripts/warmup-noise on the
+    # The ratio sits above the repeat-to-repeat spread measured by scripts/bench warmup_noise on the
     # shared 2-core machine (|first - repeat| / repeat with nothing lazy: median 0.26, p95 0.39,
     # Gemma 270M, one thread); 20 ms is less than a step costs to run.
     budget_s: float = field(default=1.0, metadata=_range(0.0, 3600.0))

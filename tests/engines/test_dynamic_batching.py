@@ -18,7 +18,7 @@ from edge.errors import ConfigError, RequestError
 from edge.engines.dynamic_batching import batch_policy, batch_rows
 from edge.serve.worker import EngineWorker
 from kit import EDGE, PidOne, metric, post
-from onnxgen import make_gather, make_mlp, make_rowsum, make_static, make_total
+from harness.onnxgen import make_gather, make_mlp, make_rowsum, make_static, make_total
 
 ort = pytest.importorskip("onnxruntime")
 

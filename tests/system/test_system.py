@@ -86,8 +86,7 @@ def machine() -> Iterator[Machine]:
     deps, own = _wheels()
     models = CACHE / "models"
     models.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT / "tests"))
-    from ggufgen import write_tiny_llama
+    from harness.ggufgen import write_tiny_llama
 
     write_tiny_llama(models / "tiny.gguf")
     models.chmod(0o755)

@@ -14,7 +14,7 @@ Also edge's own time per request (everything that is not llama.cpp's compute or 
 threads, tokenizing included), the figure issue 19 bounds at 5 ms for a 100-token prompt with 16
 tokens out; a worker thread waiting for the GIL while the event loop runs is counted where it
 waits (so on both threads). Prints JSON (also
-.bench/profile.json). Needs py-spy (the bench extra) and ptrace (root, or
+.bench/profile.json). Needs py-spy (`.venv/bin/pip install py-spy`) and ptrace (root, or
 kernel.yama.ptrace_scope = 0).
 """
 
@@ -31,11 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from bench_steady import banned_tokens, body, timed  # noqa: E402  (requests as bench-steady sends them)
-from benchlib import edge_config, emit, env_for_bench, gemma_path, novel_prompts, start_edge  # noqa: E402
+from benchmarks.steady import banned_tokens, body, timed  # requests as `scripts/bench steady` sends them
+from benchmarks.common import edge_config, emit, env_for_bench, gemma_path, novel_prompts, start_edge
 
 # The leaf Python frame of a sample says what the thread was doing: a ctypes call shows as the
 # Python function that made it (py-spy without --native never pauses edge). Leaves are

@@ -12,11 +12,11 @@ edge twice: with the prefix declared in its config (`[[models.prefixes]]`, its s
 disk at every start) and with `learn_prefixes` only (saved at SIGTERM from what traffic reused);
 and edge's first request after a zero-gap reload. Also edge's ready time with and without the
 declared prefix (case `kept`). Cases `rotation` (2 and 3 undeclared prefixes in turns) and `chat`
-(chats re-sent with a growing history) compare edge with llama-server: scripts/bench_turns.py.
+(chats re-sent with a growing history) compare edge with llama-server: scripts/turns.py.
 Prints JSON (also .bench/prefix.json) and a table with the ratios; targets are reported, never
 asserted: after an unrelated request <= 1.0x llama-server; after a restart or reload <= 0.1x
 llama-server's and <= 1.5x edge's own next request; ready with restored prefixes <= ready
-without + 5%; the rotation's and chat's in scripts/bench_turns.py.
+without + 5%; the rotation's and chat's in scripts/turns.py.
 """
 
 from __future__ import annotations
@@ -34,13 +34,11 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test kit (tests/kit)
 
-import bench_turns  # noqa: E402
-from benchlib import (EDGE, Peer, Started, edge_config, emit, env_for_bench, gemma_path,  # noqa: E402
+from benchmarks import turns
+from benchmarks.common import (EDGE, Peer, Started, edge_config, emit, env_for_bench, gemma_path,
                       llama_cpp_server, llama_server, novel_prompts, start_edge, start_peer, summary)
-from edge.serve.client import request as http  # noqa: E402
+from edge.serve.client import request as http
 
 STEPS = ("first", "next", "after_unrelated", "after_restart")
 CASES = ("kept", "rotation", "chat")
@@ -108,7 +106,7 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--cases", default=",".join(CASES),
                     help=f"comma-separated, of {', '.join(CASES)} (kept: the steps above; rotation and chat: "
-                         "scripts/bench_turns.py, edge and llama-server only)")
+                         "scripts/turns.py, edge and llama-server only)")
     ap.add_argument("--rotation-tokens", type=int, default=800, help="each rotating prefix's tokens")
     ap.add_argument("--llama-server", type=Path)
     ap.add_argument("--llama-server-skipped", default="")
@@ -122,7 +120,7 @@ def main() -> None:
     result = kept(args, model, tmp) if "kept" in cases else {
         "model": "gemma3-270m Q4_K_M", "threads": args.threads, "n_ctx": args.n_ctx, "rounds": args.rounds,
         "cpus": os.cpu_count(), "llama_server_skipped": args.llama_server_skipped or None}
-    turn_cases = [c for case in cases if case != "kept" for c in bench_turns.CASES[case]]
+    turn_cases = [c for case in cases if case != "kept" for c in turns.CASES[case]]
     if turn_cases:
         result["turns"] = turns(args, model, tmp, turn_cases)
     result["load_average"] = [round(x, 2) for x in os.getloadavg()]
@@ -130,7 +128,7 @@ def main() -> None:
     if "kept" in cases:
         table(result)
     if turn_cases:
-        bench_turns.table(result["turns"]["summary"], sys.stderr)
+        turns.table(result["turns"]["summary"], sys.stderr)
         print(f"load average {result['load_average']}", file=sys.stderr)
 
 
@@ -167,16 +165,16 @@ def kept(args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, Any]:
 
 
 def turns(args: argparse.Namespace, model: Path, tmp: Path, cases: list[str]) -> dict[str, Any]:
-    """Prefixes in turns and chats (scripts/bench_turns.py): edge with no declared prefix and
+    """Prefixes in turns and chats (scripts/turns.py): edge with no declared prefix and
     its built-in Gemma chat template, llama-server with its default cache flags and that template."""
     from edge.builtin_models import GEMMA_TEMPLATE
-    from kit import metric
+    from harness import metric
 
     template = tmp / "gemma-template.jinja"
     template.write_text(GEMMA_TEMPLATE)
     cfg = edge_config(tmp / "edge-turns", model, args.n_ctx, n_threads=args.threads)
     cfg.write_text(cfg.read_text().replace("[warmup]", f"chat_template = {json.dumps(GEMMA_TEMPLATE)}\n[warmup]"))
-    launchers: dict[str, bench_turns.Launch] = {"edge": lambda: start_edge(cfg, env_for_bench())}
+    launchers: dict[str, turns.Launch] = {"edge": lambda: start_edge(cfg, env_for_bench())}
     if args.llama_server:
         base = llama_server(args.llama_server, model, args.n_ctx, args.threads)
         peer = Peer(base.name, lambda port: [*base.argv(port), "--jinja", "--chat-template-file", str(template)],
@@ -190,8 +188,8 @@ def turns(args: argparse.Namespace, model: Path, tmp: Path, cases: list[str]) ->
         return {"cache_bytes": metric(s.address, "edge_prompt_cache_bytes", model="gemma"),
                 "cache_limit_bytes": metric(s.address, "edge_prompt_cache_limit_bytes", model="gemma")}
 
-    texts = bench_turns.Texts(model, args.rotation_tokens, args.rounds)
-    out = bench_turns.run(launchers, texts, args.rounds, cases, cache_bytes)
+    texts = turns.Texts(model, args.rotation_tokens, args.rounds)
+    out = turns.run(launchers, texts, args.rounds, cases, cache_bytes)
     return {"cases": cases, "rotation_tokens": args.rotation_tokens, "llama_server_argv": argv,
             "edge_config": cfg.read_text(), **out}
 

@@ -29,13 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test kit (tests/kit)
 
-from benchlib import (EDGE, WORDS, Answer, Peer, Started, completion, edge_config, emit,  # noqa: E402
+from benchmarks.common import (EDGE, WORDS, Answer, Peer, Started, completion, edge_config, emit,
                       env_for_bench, gemma_path, llama_cpp_server, llama_server, novel_prompts,
                       proc_memory, request_until_answered, start_edge, start_peer, summary)
-from edge.model.pagein import evict  # noqa: E402
+from edge.model.pagein import evict
 
 EDGE_NAME = "edge"
 # issue 11's targets: edge's TTFSA over each peer's, hot and cold alike.

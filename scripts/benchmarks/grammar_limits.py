@@ -21,9 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
-
 
 def grammar(shape: str, n: int) -> str:
     if shape == "nest":
@@ -45,7 +42,7 @@ def probe(shape: str, n: int, stack: int, model: str) -> None:
 
 
 def survives(shape: str, n: int, stack: int, model: Path) -> bool:
-    r = subprocess.run([sys.executable, __file__, "--probe", shape, str(n), str(stack), str(model)],
+    r = subprocess.run([sys.executable, "-m", "benchmarks.grammar_limits", "--probe", shape, str(n), str(stack), str(model)],
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return r.returncode == 0
 
@@ -62,7 +59,7 @@ def cost(widths: list[int], runs: int) -> list[dict[str, object]]:
     import llama_cpp as L
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-    from benchlib import gemma_path
+    from benchmarks.common import gemma_path
 
     L.llama_backend_init()
     m = L.llama_model_load_from_file(str(gemma_path()).encode(), L.llama_model_default_params())
@@ -112,7 +109,7 @@ def main() -> None:
         shape, n, stack, model = args.probe
         probe(shape, int(n), int(stack), model)
         return
-    from ggufgen import write_tiny_llama
+    from harness.ggufgen import write_tiny_llama
 
     tiny = write_tiny_llama(Path(os.environ.get("TMPDIR", "/tmp")) / "grammar-limits-tiny.gguf")
     load_before = os.getloadavg()
@@ -127,7 +124,7 @@ def main() -> None:
     for r in rows:
         print(f"enum of {r['enum']:>5} ({r['grammar']:>9}, {r['widest']:>4} wide): {r['gbnf_bytes']:>7} bytes, compile {r['compile_s']:.4f} s, "
               f"one token {r['sample_token_s']:.4f} s", file=sys.stderr)
-    from benchlib import emit
+    from benchmarks.common import emit
 
     emit(result, "grammar-limits")
 

@@ -19,13 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test kit (tests/kit)
 
-from benchlib import EDGE, REQUEST, edge_config, emit, env_for_bench, gemma_path  # noqa: E402
-from kit import ClientLoad, LoadResult, PidOne  # noqa: E402
+from benchmarks.common import EDGE, REQUEST, edge_config, emit, env_for_bench, gemma_path
+from harness import ClientLoad, LoadResult, PidOne
 
-from edge.serve.bench import percentile  # noqa: E402
+from edge.serve.bench import percentile
 
 
 def correct(status: int, body: bytes) -> bool:

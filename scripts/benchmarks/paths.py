@@ -35,17 +35,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test kit (tests/kit)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's edge, whatever is installed
 
-from bench_load import TimedLoad, correct, in_windows  # noqa: E402
-from benchlib import EDGE, REQUEST, ROOT, edge_config, emit, env_for_bench, gemma_path, novel_prompts  # noqa: E402
-from kit import PidOne  # noqa: E402
+from benchmarks.load import TimedLoad, correct, in_windows
+from benchmarks.common import EDGE, REQUEST, ROOT, edge_config, emit, env_for_bench, gemma_path, novel_prompts
+from harness import PidOne
 
-from edge.bytecode import compile_missing, package_sources  # noqa: E402
-from edge.lifecycle.installed import installed_version  # noqa: E402
-from edge.serve.bench import percentile  # noqa: E402
+from edge.bytecode import compile_missing, package_sources
+from edge.lifecycle.installed import installed_version
+from edge.serve.bench import percentile
 
 PATHS = ("cold", "hot", "restart", "upgrade")
 BASE_VERSION = installed_version(ROOT / "edge") or "0"

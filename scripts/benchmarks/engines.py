@@ -1,5 +1,5 @@
 """Start from a prebuilt engine vs. building it at start, in one run, as a ratio (JSON); with
-`--batching`, KServe throughput at 8 clients batched vs one at a time (scripts/bench_batching.py).
+`--batching`, KServe throughput at 8 clients batched vs one at a time (scripts/benchmarks/batching.py).
 
 ONNX Runtime everywhere: load the ORT-format engine from the store (read, sha256, session with
 optimization off) vs. optimizing the ONNX into a session at start. TensorRT too where a GPU and
@@ -18,15 +18,14 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import ROOT, emit, summary  # noqa: E402
-from edge.device.identity import detect  # noqa: E402
-from edge.engines.build import build_engine  # noqa: E402
-from edge.engines.recipe import load_recipe  # noqa: E402
-from edge.engines.runtime import session_from_engine  # noqa: E402
-from edge.lifecycle.engines import read_verified  # noqa: E402
-from edge.engines.store import EngineStore  # noqa: E402
+from benchmarks.common import ROOT, emit, summary
+from edge.device.identity import detect
+from edge.engines.build import build_engine
+from edge.engines.recipe import load_recipe
+from edge.engines.runtime import session_from_engine
+from edge.lifecycle.engines import read_verified
+from edge.engines.store import EngineStore
 
 RECIPE = ROOT / "engines" / "mlp-demo.toml"
 
@@ -54,7 +53,7 @@ def build_at_start(backend: str, device: Any) -> float:
 
 def main() -> int:
     if "--batching" in sys.argv[1:]:
-        from bench_batching import main as batching
+        from benchmarks.batching import main as batching
 
         return batching([a for a in sys.argv[1:] if a != "--batching"])
     ap = argparse.ArgumentParser(description=__doc__)

@@ -1,12 +1,12 @@
 """KServe throughput of one ONNX Runtime engine at C concurrent clients, batched (edge's dynamic
 batcher, `[engines.batching]` defaults) vs one request at a time (`enabled = false`), in one run
-(JSON with the ratio and the load average). `scripts/bench-engines --batching`.
+(JSON with the ratio and the load average). `scripts/bench engines --batching`.
 
 One `edge serve` serves the same stored engine twice, as `batched` and `single`; rounds
 alternate between them, so drift and the other load on the machine hit both alike; the service's
 CPU time per request is reported too (what the machine's other load does not change). The model is
 an MLP of realistic width, 256 -> 4096 -> 4096 -> 16 (17.9 M FP32 weights, 72 MB: the feed-forward
-block of a ~1B-parameter transformer), made by tests/onnxgen.py: one row is a matrix-vector
+block of a ~1B-parameter transformer), made by scripts/harness/onnxgen.py: one row is a matrix-vector
 product that streams every weight from memory, so one call costs nearly what eight do, as on a
 Jetson's GPU. Every answer is checked against the request's own answer alone (ONNX Runtime on the
 ONNX, one row); a wrong one makes the exit status 1.
@@ -28,16 +28,14 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # onnxgen, the test kit
 
-from benchlib import emit, env_for_bench, start_edge, summary  # noqa: E402
-from onnxgen import make_mlp  # noqa: E402
+from benchmarks.common import emit, env_for_bench, start_edge, summary
+from harness.onnxgen import make_mlp
 
-from edge.device.identity import detect  # noqa: E402
-from edge.engines.build import build_engine  # noqa: E402
-from edge.engines.recipe import load_recipe  # noqa: E402
-from edge.engines.store import EngineStore  # noqa: E402
+from edge.device.identity import detect
+from edge.engines.build import build_engine
+from edge.engines.recipe import load_recipe
+from edge.engines.store import EngineStore
 
 N_IN, HIDDEN, DEPTH, N_OUT = 256, 4096, 2, 16
 MODEL = f"MLP {N_IN} -> {' -> '.join([str(HIDDEN)] * DEPTH)} -> {N_OUT}, FP32, ONNX Runtime (CPU)"

@@ -26,11 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test kit (tests/kit)
 
-from bench_steady import banned_tokens, body, timed  # noqa: E402
-from benchlib import (Started, edge_config, emit, env_for_bench, gemma_path, llama_server,  # noqa: E402
+from benchmarks.steady import banned_tokens, body, timed
+from benchmarks.common import (Started, edge_config, emit, env_for_bench, gemma_path, llama_server,
                       novel_prompts, start_edge, start_peer, summary)
 
 PER_CLIENT = 3  # requests each client sends back to back

@@ -36,14 +36,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test kit (tests/kit)
 
-from bench_load import TimedLoad, correct, in_windows, stats  # noqa: E402
-from benchlib import EDGE, REQUEST, emit, env_for_bench, gemma_path  # noqa: E402
-from kit import PidOne  # noqa: E402
+from benchmarks.load import TimedLoad, correct, in_windows, stats
+from benchmarks.common import EDGE, REQUEST, emit, env_for_bench, gemma_path
+from harness import PidOne
 
-from edge.serve.bench import percentile  # noqa: E402
+from edge.serve.bench import percentile
 
 
 def load_average() -> list[float]:

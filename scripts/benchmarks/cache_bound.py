@@ -29,9 +29,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import WORDS, emit, gemma_path  # noqa: E402
+from benchmarks.common import WORDS, emit, gemma_path
 
 if TYPE_CHECKING:  # the model's modules load llama.cpp: imported where a measurement runs, so that
     # tests/test_docs.py can check docs/api.md against a recorded result without them
@@ -164,7 +163,7 @@ def main() -> None:
             kind, prefix = ("words", "sentences")[i % 2], args.prefix_tokens[(i // 2) % len(args.prefix_tokens)]
             rows.append(measure(m, kind, 1000 + i, prefix))
             if (i + 1) % 20 == 0:
-                print(f"bench-cache-bound: {i + 1}/{args.prompts}", file=sys.stderr)
+                print(f"bench cache_bound: {i + 1}/{args.prompts}", file=sys.stderr)
     finally:
         m.close()
     result = {"model": "builtin:gemma3-270m (Gemma 3 270M Q4_K_M)", "n_ctx": 2048, "n_batch": cfg.n_batch,

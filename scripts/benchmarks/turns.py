@@ -1,6 +1,6 @@
 """Prefixes that take turns, and chats re-sent with a growing history: edge vs llama.cpp's
 `llama-server` with its default cache flags (context checkpoints, RAM prompt cache), the same
-model, llama.cpp, threads, n_ctx and batch, in one run (`scripts/bench-prefix`, cases `rotation`
+model, llama.cpp, threads, n_ctx and batch, in one run (`scripts/bench prefix`, cases `rotation`
 and `chat`).
 
 Cases, each on a freshly started server, in an order of servers that alternates every round:
@@ -33,11 +33,11 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from benchlib import Started, novel_prompts, summary
+from benchmarks.common import Started, novel_prompts, summary
 
 ROTATIONS = {"rotation-2": 2, "rotation-3": 3}
 CHATS = {"chat": 1, "chats-in-turns": 2}
-CASES = {"rotation": list(ROTATIONS), "chat": list(CHATS)}  # scripts/bench-prefix --cases
+CASES = {"rotation": list(ROTATIONS), "chat": list(CHATS)}  # scripts/bench prefix --cases
 PER_PREFIX = 4  # requests per prefix in a rotation
 TURNS = 6
 ANSWER_TOKENS = 32

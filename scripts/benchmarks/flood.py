@@ -20,14 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from benchlib import EDGE, ROOT, emit, env_for_bench, summary  # noqa: E402
-from edge.config import ServerConfig  # noqa: E402
-from edge.serve.client import request  # noqa: E402
-from ggufgen import write_tiny_llama  # noqa: E402
-from kit import PidOne, half_heads, metric  # noqa: E402
+from benchmarks.common import EDGE, ROOT, emit, env_for_bench, summary
+from edge.config import ServerConfig
+from edge.serve.client import request
+from harness.ggufgen import write_tiny_llama
+from harness import PidOne, half_heads, metric
 
 NORMAL = b'{"prompt": "Hello", "max_tokens": 2, "temperature": 0}'
 SCENARIOS = {"default-limits": None, "LimitNOFILE=1024": 1024}

@@ -2,7 +2,7 @@
 same way, a raw HTTP client.
 
 The servers compared on one model:
-- `edge serve`, socket-activated by the test kit's PidOne (tests/kit) (the listening socket exists before the
+- `edge serve`, socket-activated by the harness's PidOne (scripts/harness/pid1.py: the listening socket exists before the
   process, as under systemd: a client's connection waits in the backlog);
 - `python -m llama_cpp.server`, llama-cpp-python's own server (binds after the model load);
 - `llama-server`, llama.cpp's C++ server built from the llama.cpp that llama-cpp-python vendors
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from edge.serve.client import request as http  # one request per connection: (status, unchunked body)
+from harness import EDGE, PidOne, dies_with_us
 
-ROOT = Path(__file__).resolve().parent.parent
-EDGE = [sys.executable, "-m", "edge.cli"]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: scripts/benchmarks/common.py
 PROMPT = "Question: What is the capital of France?\nAnswer:"
 REQUEST = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stop": ["\n"]}
 
@@ -202,8 +202,6 @@ class Started:
 
 @contextmanager
 def start_edge(cfg: Path, env: dict[str, str]) -> Iterator[Started]:
-    from kit import PidOne  # the test kit (tests/kit): the scripts put tests/ on sys.path
-
     with PidOne([*EDGE, "serve", "--config", str(cfg)], env=env) as pid1:
         t0 = time.monotonic()
         child = pid1.start()
@@ -215,8 +213,6 @@ def start_edge(cfg: Path, env: dict[str, str]) -> Iterator[Started]:
 
 @contextmanager
 def start_peer(peer: Peer, log: Path) -> Iterator[Started]:
-    from kit import dies_with_us  # the test kit (tests/kit): the scripts put tests/ on sys.path
-
     port = free_port()
     with open(log, "ab") as f:
         t0 = time.monotonic()

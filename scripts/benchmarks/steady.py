@@ -34,13 +34,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test kit (tests/kit)
 
-from benchlib import (Started, edge_config, emit, env_for_bench, gemma_path, llama_cpp_server,  # noqa: E402
+from benchmarks.common import (Started, edge_config, emit, env_for_bench, gemma_path, llama_cpp_server,
                       llama_server, novel_prompts, start_edge, start_peer, summary)
-from edge.serve.client import request as http  # noqa: E402
-from edge.serve.openai import grammar as edge_grammar  # noqa: E402
+from edge.serve.client import request as http
+from edge.serve.openai import grammar as edge_grammar
 
 TARGETS = {"decode_ms_per_token": 1.03, "prefill_s": 1.03, "request_s": 1.05, "schema_decode_ms_per_token": 1.05}
 SCHEMA = {"type": "array", "minItems": 40, "maxItems": 60,

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """How noisy is a warm-up candidate's first-minus-repeat on this machine? (JSON)
 
 Loads the model of a config (default: the embedded Gemma) as a start does, then calibrates the
@@ -6,7 +5,7 @@ candidates ROUNDS times in the same process with a zero threshold. Round 1 is a 
 calibration; in later rounds nothing is lazy any more, so their first - repeat is pure noise:
 the spread the keep threshold ([warmup] min_gain_s, min_gain_ratio) must stay above.
 
-    scripts/warmup-noise [--config F] [--rounds N] [--budget S]
+    scripts/bench warmup_noise [--config F] [--rounds N] [--budget S]
 """
 
 from __future__ import annotations
