@@ -37,6 +37,7 @@ import numpy as np
 
 from edge.device.identity import detect, probe_gpu
 from edge.serve.client import request as http
+from edge.timing import REPORT_NAME
 from harness import EDGE, PidOne, post  # scripts/harness: beside this file, so on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +117,7 @@ def serve_and_query(folder: Path, backend: str, store: Path, gguf: Path | None) 
                                {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0})
             result["gguf_offload"] = {"ok": status == 200, "status": status}
         result["exit_code"] = pid1.stop()
-    report = json.loads((folder / "state" / "last-start.json").read_text())
+    report = json.loads((folder / "state" / REPORT_NAME).read_text())
     result["phases"] = {p["name"]: p["seconds"] for p in report["phases"]}
     return result
 

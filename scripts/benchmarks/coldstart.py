@@ -34,6 +34,7 @@ from benchmarks.common import (EDGE, WORDS, Answer, Peer, Started, completion, e
                       env_for_bench, gemma_path, llama_cpp_server, llama_server, novel_prompts,
                       proc_memory, request_until_answered, start_edge, start_peer, summary)
 from edge.model.pagein import evict
+from edge.timing import REPORT_NAME
 
 EDGE_NAME = "edge"
 # issue 11's targets: edge's TTFSA over each peer's, hot and cold alike.
@@ -230,7 +231,7 @@ def contenders(args: argparse.Namespace, model: Path, work: Path,
     """edge and the peers that can run here; the skipped ones with the reason."""
     cfg = edge_config(work / "edge", model, args.n_ctx, n_threads=args.threads, n_batch=args.n_batch)
     out = [Contender(EDGE_NAME, lambda: start_edge(cfg, env), [*EDGE, "serve", "--config", str(cfg)],
-                     work / "edge" / "state" / "last-start.json")]
+                     work / "edge" / "state" / REPORT_NAME)]
     peers: list[Peer] = []
     skipped: dict[str, str] = {}
     if args.no_llama_cpp_server:
