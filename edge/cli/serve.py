@@ -38,7 +38,7 @@ def warmup(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt,
 
     Docs: docs/internals.md#cold-start-phase-by-phase"""
     from edge.lifecycle.start import ColdStart
-    from edge.timing import format_report
+    from edge.cli.reports import format_report
 
     report = ColdStart(config).rehearse(recalibrate=calibrate)
     typer.echo(json.dumps(report, indent=2) if as_json else format_report(report))
@@ -210,7 +210,8 @@ def _read_report(folder: Path, kind: str, damaged: list[str]) -> Optional[dict[s
 def _print_reports(folder: Path, report: Any, reload_report: Any, failed: Any, damaged: list[str]) -> None:
     """Each report as a table; one whose fields cannot be shown is named in `damaged` instead."""
     from edge.fleet.history import FAILED_START
-    from edge.timing import format_reload_report, format_report, visible
+    from edge.cli.reports import format_reload_report, format_report
+    from edge.timing import visible
 
     shown = False
     for r, kind, render in ((report, "start", format_report), (reload_report, "reload", format_reload_report),
@@ -257,7 +258,7 @@ def _newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def _format_failed(r: dict[str, Any]) -> str:
-    from edge.timing import format_report
+    from edge.cli.reports import format_report
 
     table = format_report({**r, "sockets": []}).split("\n", 2)[2]  # its phases, without the head
     how = f"exit {r['exit_code']}" if r.get("exit_code") is not None else f"signal {r.get('signal', 'unknown')}"
