@@ -17,13 +17,13 @@ from edge.errors import EdgeError
 __all__ = ["register"]
 
 
-def serve(config: Optional[str] = ConfigOpt) -> None:
+def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Load, lock and warm up the models, then serve on the inherited or configured socket.
 
     Docs: docs/deploy.md"""
     from edge.cli.launch import serve as run
 
-    raise typer.Exit(run(config))
+    raise typer.Exit(run(config, ctx.obj))  # ctx.obj: the compile watch edge.cli.main made first
 
 
 SvgOpt = typer.Option(None, "--svg", callback=output_file,

@@ -31,14 +31,19 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, state_dir
 from edge.fleet.giveup import GIVE_UP_FILE, GiveUp, fingerprint
 from edge.fsutil import file_identity
-from edge.lifecycle.systemd import Notifier, watchdog_interval_s
+from edge.lifecycle.server import serve_on, uvicorn_server
+from edge.lifecycle.systemd import Notifier, listen_sockets
+from edge.timing import Phases, StartTimer
 
-__all__ = ["CHECK_S", "Unavailable", "answer", "current_fingerprint", "status_text"]
+if TYPE_CHECKING:
+    from edge.lifecycle.recovery import GivenUp, Recovery
+
+__all__ = ["CHECK_S", "Unavailable", "answer", "answer_given_up", "current_fingerprint", "status_text"]
 
 log = logging.getLogger("edge")
 
@@ -56,6 +61,10 @@ def _stamp(path: Path) -> tuple[int, ...] | None:
         return file_identity(path)
     except OSError:
         return None
+
+
+def _exit(server: Any) -> None:
+    server.should_exit = True
 
 
 class _Gate(socket.socket):
@@ -106,39 +115,24 @@ class Unavailable:
         self.server.should_exit = True
 
     async def serve(self, sockets: list[socket.socket]) -> str:
-        """Answer until SIGTERM or the give-up ends; why it ended."""
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig: int, frame: Any) -> None:  # no re-raise after the shutdown
-                self.should_exit = True
-
-        config = uvicorn.Config(self.app, loop="asyncio", http="h11", interface="asgi3", lifespan="off", access_log=False,
-                                log_config=None, log_level="warning", timeout_graceful_shutdown=1)
-        config.load()
-        self.server = Server(config)
+        """Answer until SIGTERM or the give-up ends; why it ended. A signal only ends the serving:
+        no re-raise after uvicorn's shutdown (edge.lifecycle.server)."""
+        self.server = uvicorn_server(self.app, _exit, interface="asgi3")
         gated = [_Gate(s, self.holds, self.end) for s in sockets]
-        serving = asyncio.create_task(self.server.serve(sockets=gated))
-        while not self.server.started and not serving.done():
-            await asyncio.sleep(0.001)
-        self.notifier.send(f"READY=1\nSTATUS={status_text(self.give_up)}\nMAINPID={os.getpid()}")  # logged by answer()
-        checks = asyncio.create_task(self._check())
-        try:
-            await serving
-        finally:
-            checks.cancel()
+        await serve_on(gated, self.server, self.notifier, self._ready, beside=[self._check])
         return self.ended_why or "stopped"
 
+    def _ready(self) -> None:
+        self.notifier.send(f"READY=1\nSTATUS={status_text(self.give_up)}\nMAINPID={os.getpid()}")  # logged by answer()
+
     async def _check(self) -> None:
-        """The full check every CHECK_S (and the watchdog's ping, from this loop)."""
+        """The full check every CHECK_S."""
         while True:
             if self.ended_why is None:
                 self.ended_why = self.give_up.ended_by(await asyncio.to_thread(self.current))
             if not self.holds():
                 self.end()
-            if watchdog_interval_s():
-                self.notifier.watchdog()
-            await asyncio.sleep(min(CHECK_S, (watchdog_interval_s() or CHECK_S * 4) / 4))
+            await asyncio.sleep(CHECK_S)
 
     def body(self) -> dict[str, Any]:
         g = self.give_up
@@ -191,3 +185,18 @@ def answer(give_up: GiveUp, cfg: Config, sockets: list[socket.socket], notifier:
     log.error("%s", status_text(give_up))
     unavailable = Unavailable(give_up, cfg, notifier, lambda: current_fingerprint(cfg))
     return asyncio.run(unavailable.serve(sockets))
+
+
+def answer_given_up(given_up: GivenUp, timer: StartTimer, recovery: Recovery, notifier: Notifier) -> int:
+    """A start that found safe mode exhausted: its sockets (systemd's, else bound now), the give-up
+    recorded, every request answered until the give-up ends or SIGTERM, the journal's end; 0, so
+    that the next connection (or one waiting in the backlog) starts the service again."""
+    from edge.lifecycle.sockets import bind_sockets
+
+    cfg = given_up.config
+    with timer.phase(Phases.SOCKETS):
+        sockets = listen_sockets() or bind_sockets(cfg.server, cfg.source)
+    recovery.given_up(given_up.give_up, cfg)
+    why = answer(given_up.give_up, cfg, sockets, notifier)
+    recovery.journal.end("given_up", 0, why=why)
+    return 0
