@@ -7,7 +7,7 @@ known method or `OTHER`. The exposition is written by `generate_latest`, which e
 values, so no request can make it unparseable.
 
 Warm-up traffic is recognised by a key in the ASGI scope that only the warm-up's private
-loopback transport (`warmup_transport`) sets. A scope key is not something an HTTP client can
+transport (`warmup_transport`, over a socket pair of the process: no listener) sets. A scope key is not something an HTTP client can
 send: no header, path or body reaches it, so an external client cannot pass its traffic off as
 warm-up to hide it. Warm-up requests are counted apart (`edge_warmup_requests_total`) and kept
 out of every production family; the per-model families (tokens, time to first token, aborts) are
@@ -42,7 +42,7 @@ T = TypeVar("T")
 
 
 def in_warmup() -> bool:
-    """Whether the request being handled came over the warm-up's private loopback transport."""
+    """Whether the request being handled came over the warm-up's private transport."""
     return _IN_WARMUP.get()
 ASGIApp = Any  # (scope, receive, send) -> awaitable
 
@@ -61,7 +61,7 @@ class Metrics:
                                   "(streams included) or the client's disconnect.",
                                   ["route", "method"], buckets=_DURATION_BUCKETS, registry=reg)
         self.warmup_requests = Counter("edge_warmup_requests", "Warm-up requests sent over the "
-                                       "private loopback socket before READY, by route and status.",
+                                       "warm-up's private transport (no listener), by route and status.",
                                        ["route", "status"], registry=reg)
         self.ttft = Histogram("edge_time_to_first_token_seconds", "Time from a generation's "
                               "submission (queue wait and prefill included) to its first token.",
@@ -353,7 +353,7 @@ class MetricsMiddleware:
 
 
 def warmup_transport(app: ASGIApp) -> ASGIApp:
-    """`app` as served on the warm-up's private loopback socket: every request's scope carries
+    """`app` as served over the warm-up's private socket pairs: every request's scope carries
     the warm-up key (set here, by the transport, never from anything the client sends)."""
 
     async def marked(scope: dict[str, Any], receive: Any, send: Any) -> None:
