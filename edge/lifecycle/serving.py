@@ -338,7 +338,7 @@ def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier, 
     import uvicorn
 
     metrics = dispatcher.loaded.state.metrics  # carried over by every reload
-    guard = ConnectionGuard(cfg, on_shed=metrics.connections_shed)
+    guard = ConnectionGuard(cfg, on_shed=metrics.connections_shed, tls=tls is not None)
     drain = Drain(dispatcher, notifier, asyncio.get_running_loop(), guard, cfg.drain_timeout_s)
 
     class Server(uvicorn.Server):

@@ -10,6 +10,7 @@ import ipaddress
 import secrets
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,3 +114,72 @@ def test_tls_config_errors_name_the_field(tmp_path: Path) -> None:
     key.chmod(0o644)
     with pytest.raises(ConfigError, match="server.tls_key_file: .* is readable by every user"):
         tls_files(ServerConfig(tls_cert_file=str(cert), tls_key_file=str(key)), "edge.toml")
+
+
+# -- handshakes hold no slot -----------------------------------------------------------------------
+SILENT = 20  # TCP connections that never send a ClientHello
+HANDSHAKE_S = 3.0  # header_timeout_s: from the accept, the TLS handshake included
+
+
+@pytest.fixture(scope="module")
+def capped_tls(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Iterator[tuple[PidOne, Path]]:
+    d = tmp_path_factory.mktemp("capped")
+    cert, key = self_signed(d)
+    keys = d / "api-keys"
+    keys.write_text(KEY + "\n")
+    keys.chmod(0o600)
+    cfg = write_config(d / "edge.toml", tiny_gguf, server=f'api_key_file = "{keys}"\ntls_cert_file = "{cert}"\n'
+                                                          f'tls_key_file = "{key}"\nmax_connections = 16\n'
+                                                          f"header_timeout_s = {HANDSHAKE_S}")
+    with PidOne([*EDGE, "serve", "--config", str(cfg)]) as pid1:
+        pid1.start()
+        pid1.wait_for("READY", "1", timeout=120)
+        yield pid1, cert
+        assert pid1.stop() == 0
+
+
+def _keyed_get(pid1: PidOne, cert: Path, path: str = "/v1/models") -> tuple[float, httpx.Response]:
+    """A keyed HTTPS request on a new connection: (seconds to its answer, the answer)."""
+    t0 = time.perf_counter()
+    with httpx.Client(verify=trusting(cert), timeout=120) as client:
+        r = client.get(f"https://127.0.0.1:{pid1.address[1]}{path}", headers={"Authorization": f"Bearer {KEY}"})
+    return time.perf_counter() - t0, r
+
+
+def test_silent_connections_do_not_delay_a_keyed_request_at_the_cap(capped_tls: tuple[PidOne, Path]) -> None:
+    """At max_connections = 16, 20 connections that never start their TLS handshake are shed as
+    fresh plain ones are (counted from their accept): a keyed HTTPS request is answered at
+    once, not after asyncio's 60 s handshake timeout or even header_timeout_s."""
+    pid1, cert = capped_tls
+    baseline, r = _keyed_get(pid1, cert)
+    assert r.status_code == 200
+    before = _shed(pid1, cert)
+    silent = [socket.create_connection(("127.0.0.1", pid1.address[1]), timeout=60) for _ in range(SILENT)]
+    try:
+        took, r = _keyed_get(pid1, cert)
+    finally:
+        for s in silent:
+            s.close()
+    print(f"\n{SILENT} silent TLS connections at max_connections 16: a keyed request answered in "
+          f"{took:.3f} s (alone: {baseline:.3f} s)")
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+    assert took - baseline < 1.0 < HANDSHAKE_S  # shed, not freed by a timeout
+    assert _shed(pid1, cert) - before >= SILENT - 16 + 1
+
+
+def _shed(pid1: PidOne, cert: Path) -> float:
+    _, r = _keyed_get(pid1, cert, "/metrics")
+    return next(float(line.split()[-1]) for line in r.text.splitlines()
+                if line.startswith("edge_connections_shed_total "))
+
+
+def test_a_handshake_that_never_comes_is_ended_at_header_timeout_s(capped_tls: tuple[PidOne, Path]) -> None:
+    pid1, _ = capped_tls
+    with socket.create_connection(("127.0.0.1", pid1.address[1]), timeout=60) as s:
+        t0 = time.perf_counter()
+        try:
+            end = s.recv(1)  # the end of stream, once the guard ended the handshake
+        except ConnectionResetError:
+            end = b""
+        waited = time.perf_counter() - t0
+    assert end == b"" and HANDSHAKE_S * 0.9 <= waited < HANDSHAKE_S + 5, waited  # swept at most a tick late
