@@ -212,6 +212,53 @@ def test_bad_key_files_are_config_errors_that_never_quote_a_key(tmp_path: Path, 
     assert KEY not in message and WRONG not in message and "secretpart" not in message
 
 
+@pytest.mark.parametrize("mode, words", [(0o602, "writable by every user (mode 0602)"),
+                                         (0o660, "writable by its group (mode 0660)"),
+                                         (0o620, "writable by its group (mode 0620)")])
+def test_a_key_file_others_may_write_is_refused(tmp_path: Path, mode: int, words: str) -> None:
+    path = write_keys(tmp_path / "k", f"{KEY}\n", mode=mode)
+    with pytest.raises(ConfigError) as caught:
+        load_api_keys(ServerConfig(api_key_file=str(path)), "edge.toml")
+    message = str(caught.value)
+    assert words in message and str(path) in message and "server.api_key_file" in message and KEY not in message
+
+
+@pytest.mark.parametrize("folder_mode, words", [(0o777, "which every user may write (mode 0777)"),
+                                                (0o1777, "which every user may write (mode 1777)"),
+                                                (0o770, "which its group may write (mode 0770)")])
+def test_a_key_file_in_a_directory_others_may_write_is_refused(tmp_path: Path, folder_mode: int, words: str) -> None:
+    """Sticky too (/tmp): anyone may create a file there under the name the config will read next."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    path = write_keys(folder / "k", f"{KEY}\n")
+    folder.chmod(folder_mode)
+    with pytest.raises(ConfigError) as caught:
+        load_api_keys(ServerConfig(api_key_file=str(path)), "edge.toml")
+    assert words in str(caught.value) and str(folder) in str(caught.value)
+    folder.chmod(0o755)
+    assert load_api_keys(ServerConfig(api_key_file=str(path)), "edge.toml") is not None
+    deeper = folder / "private"  # below a folder every user may write: anyone may rename the path's folders
+    deeper.mkdir(mode=0o700)
+    inner = write_keys(deeper / "k", f"{KEY}\n")
+    folder.chmod(0o777)
+    with pytest.raises(ConfigError, match="which every user may write"):
+        load_api_keys(ServerConfig(api_key_file=str(inner)), "edge.toml")
+    folder.chmod(0o1777)  # sticky, as /tmp: nobody else may rename what is in it
+    assert load_api_keys(ServerConfig(api_key_file=str(inner)), "edge.toml") is not None
+
+
+@pytest.mark.parametrize("short", ["Z", "0123456789abcde"])
+def test_a_key_shorter_than_16_characters_is_refused_by_its_line(tmp_path: Path, short: str) -> None:
+    path = write_keys(tmp_path / "k", f"# keys\n{KEY}\n{short}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_api_keys(ServerConfig(api_key_file=str(path)), "edge.toml")
+    message = str(caught.value)
+    assert f"{path} line 3: the key is shorter than 16 characters" in message and "openssl rand" in message
+    assert short not in message.replace(str(path), "") and KEY not in message
+    write_keys(path, f"{short}x{'y' * (15 - len(short))}\n")  # 16 characters
+    assert load_api_keys(ServerConfig(api_key_file=str(path)), "edge.toml") is not None
+
+
 def test_a_world_readable_key_file_is_refused(tmp_path: Path) -> None:
     path = write_keys(tmp_path / "k", f"{KEY}\n", mode=0o644)
     with pytest.raises(ConfigError, match="readable by every user .mode 0644.") as caught:
