@@ -31,6 +31,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import logging
 import os
 import socket
 import stat
@@ -45,7 +46,9 @@ from edge.errors import ConfigError
 
 __all__ = ["ApiKeys", "AuthMiddleware", "CREDENTIAL", "MIN_KEY_CHARS", "OPEN_PATHS", "check_exposure", "credential_path",
            "exposure_problem", "is_loopback", "key_file", "load_api_keys", "parse_keys", "read_private", "resolve",
-           "secret_problem", "socket_address"]
+           "secret_problem", "served_open", "socket_address"]
+
+log = logging.getLogger("edge")
 
 CREDENTIAL = "edge-api-keys"
 MIN_KEY_CHARS = 16  # 64 bits of hex at the least: `openssl rand -hex 32` makes 64 characters
@@ -263,3 +266,14 @@ def check_exposure(sockets: Iterable[socket.socket], keys: ApiKeys | None, serve
             raise ConfigError(source, _FIELD, problem)
         exposed.append(address)
     return exposed
+
+
+def served_open(exposed: list[str], keys: ApiKeys | None) -> list[str]:
+    """The sockets of `exposed` (others can reach them) that a set with `keys` serves with no
+    key: all of them when it has none (allow_unauthenticated, which check_exposure let pass),
+    else none. A start, and each reload whose new set serves them so, says it in one WARNING."""
+    if keys is not None or not exposed:
+        return []
+    log.warning("serving %s with no API key (server.allow_unauthenticated = true): anyone who "
+                "can reach it may use every model", ", ".join(exposed))
+    return list(exposed)

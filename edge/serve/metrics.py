@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 __all__ = ["Metrics", "MetricsMiddleware", "UNMATCHED", "WARMUP_SCOPE_KEY", "in_warmup",
@@ -80,6 +80,13 @@ class Metrics:
                                "accepted (reason=invalid).", ["reason"], registry=reg)
         for reason in ("missing", "invalid"):
             self.refused.labels(reason)  # both series exist from the start, at 0
+        self.open_sockets = Gauge("edge_sockets_without_key", "Listening sockets other machines can "
+                                  "reach that the serving set answers with no API key "
+                                  "(server.allow_unauthenticated = true), as the start or the last "
+                                  "reload left them.", registry=reg)
+        self.opened = Counter("edge_served_without_key", "Starts and reloads that served a socket "
+                              "other machines can reach with no API key, by event (start, reload).",
+                              ["event"], registry=reg)
         self._state = _StateCollector()
         reg.register(self._state)
         self._fleet: Any = None  # edge.fleet.metrics.FleetCollector, once the state dir is known
@@ -117,6 +124,12 @@ class Metrics:
 
     def unauthorized(self, reason: str) -> None:
         self.refused.labels(reason).inc()
+
+    def served_without_keys(self, sockets: list[str], event: str) -> None:
+        """A start or a reload's switch: the sockets others can reach that its set serves with no key."""
+        self.open_sockets.set(len(sockets))
+        if sockets:
+            self.opened.labels(event).inc()
 
     def connections_shed(self, n: int) -> None:
         self.shed.inc(n)

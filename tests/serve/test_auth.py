@@ -307,6 +307,8 @@ def test_allow_unauthenticated_serves_open_and_doctor_warns(tmp_path: Path, tiny
         pid1.wait_for("READY", "1", timeout=120)
         assert call(("127.0.0.1", pid1.address[1]), "GET", "/v1/models")[0] == 200
         assert "with no API key (server.allow_unauthenticated = true)" in pid1.log_tail()
+        _, text = call(("127.0.0.1", pid1.address[1]), "GET", "/metrics")
+        assert "\nedge_sockets_without_key 1.0\n" in text and 'edge_served_without_key_total{event="start"} 1.0' in text
         assert pid1.stop() == 0
     r = subprocess.run([*EDGE, "doctor", "--config", str(cfg), "--json"], capture_output=True, text=True, timeout=120)
     access = [c for c in json.loads(r.stdout) if c["name"] == "access"]
@@ -335,6 +337,48 @@ def test_keys_are_read_again_at_a_reload_which_may_not_drop_them(tmp_path: Path,
         assert status.startswith("reload failed:") and "allow_unauthenticated" in status
         assert call(address, "GET", "/v1/models")[0] == 401  # still keyed, with the keys it had
         assert call(address, "GET", "/v1/models", headers={"x-api-key": OTHER_KEY})[0] == 200
+        assert pid1.stop() == 0
+
+
+def test_a_reload_that_opens_the_socket_warns_as_a_start_does_and_counts(tmp_path: Path, tiny_gguf: Path) -> None:
+    """Keys, then a reload to allow_unauthenticated on 0.0.0.0 (open on purpose): the same WARNING
+    as a start logs, and /metrics says so (edge_sockets_without_key 1, a reload counted); a
+    reload back to keys sets the gauge to 0."""
+    keys = write_keys(tmp_path / "api-keys", f"{KEY}\n")
+    keyed = write_config(tmp_path / "edge.toml", tiny_gguf, server=f'api_key_file = "{keys}"')
+    text = keyed.read_text()
+    warning = "with no API key (server.allow_unauthenticated = true): anyone who can reach it may use every model"
+    with PidOne([*EDGE, "serve", "--config", str(keyed)], host="0.0.0.0") as pid1:
+        pid1.start()
+        pid1.wait_for("READY", "1", timeout=120)
+        address = ("127.0.0.1", pid1.address[1])
+
+        def reload() -> str:
+            after = time.monotonic()
+            pid1.proc.send_signal(signal.SIGHUP)
+            return pid1.wait_count("READY", 1, after=after, timeout=120)[0].fields.get("STATUS", "")
+
+        def families(headers: dict[str, str]) -> dict[tuple[str, tuple], float]:
+            status, body = call(address, "GET", "/metrics", headers=headers)
+            assert status == 200, body
+            return {(x.name, tuple(sorted(x.labels.items()))): x.value
+                    for fam in text_string_to_metric_families(body) for x in fam.samples}
+
+        start = families(GOOD)
+        assert start[("edge_sockets_without_key", ())] == 0 and warning not in pid1.log_tail(1 << 20)
+        keyed.write_text(text.replace(f'api_key_file = "{keys}"', "allow_unauthenticated = true"))
+        assert reload().startswith("ready: serving")
+        assert f"serving 0.0.0.0:{pid1.address[1]} {warning}" in pid1.log_tail(1 << 20)
+        opened = families({})  # no key any more: /metrics too is open
+        assert opened[("edge_sockets_without_key", ())] == 1
+        assert opened[("edge_served_without_key_total", (("event", "reload"),))] == 1
+        assert call(address, "GET", "/v1/models")[0] == 200
+        keyed.write_text(text)
+        assert reload().startswith("ready: serving")
+        closed = families(GOOD)
+        assert closed[("edge_sockets_without_key", ())] == 0
+        assert closed[("edge_served_without_key_total", (("event", "reload"),))] == 1
+        assert call(address, "GET", "/v1/models")[0] == 401
         assert pid1.stop() == 0
 
 
