@@ -144,7 +144,6 @@ class ColdStart:
             self.running.note_libraries()  # llama.cpp's libraries as they are on disk, now that they are loaded
             dispatcher = Dispatcher(loaded)  # a reload swaps the set behind it
             dispatcher.exposed = self.exposed
-            loaded.state.metrics.served_without_keys(self.exposed if loaded.state.auth is None else [], "start")
             server = build_server(dispatcher, self.config.server, self.notifier, tls=self.tls)
             dispatcher.on_fatal = lambda reason: _leave(server, reason)
             handover = Handover(server, self.sockets, self.notifier, self.running, self.loader.read,
@@ -359,6 +358,7 @@ class ColdStart:
         path: Path = write_report(report, state_dir(self.config))
         self.report = (report, path)  # rewritten when a calibration after READY ends
         loaded.state.metrics.set_phases(report["phases"])
+        loaded.state.metrics.served_without_keys(self.exposed if loaded.state.auth is None else [], "start")
         loaded.state.metrics.track_fleet(state_dir(self.config))
         log.info("start report %s: ready in %.2f s", path, report["ready_s"],
                  extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
