@@ -19,6 +19,7 @@ from edge import toml as tomllib
 from edge.builtin_models import BUILTINS  # light: the table, not the model
 from edge.engineconfig import BatchingConfig, EngineConfig, check_engines, check_name
 from edge.errors import ConfigError
+from edge.fsutil import private_dir
 from edge.prefixconfig import MessageConfig, PrefixConfig, check_prefixes
 from edge.toml import build_dataclass  # also the engine recipes' builder (edge.engines.recipe)
 
@@ -336,7 +337,8 @@ def write_probe(path: Path) -> str | None:
     if path.exists() and not path.is_dir():
         return "not a folder"
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if not path.is_dir():  # made by edge: its own, 0700 (it will hold reports, prompts' states, crashes)
+            private_dir(path)
         name = path / f".edge-write-probe-{os.getpid()}-{os.urandom(6).hex()}"  # mkstemp's way, without tempfile
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
