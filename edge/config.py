@@ -78,7 +78,7 @@ class ServerConfig:
     # Who may ask (edge.serve.auth; docs/security.md): keys one per line
     # (# comments), not world-readable; the systemd credential edge-api-keys comes first.
     api_key_file: str | None = None
-    metrics_auth: str = field(default="open", metadata={"choices": ("open", "key")})  # /metrics: open (scrapers send no key) or keyed like the API
+    metrics_auth: str = field(default="key", metadata={"choices": ("key", "open")})  # /metrics with API keys configured: keyed like the API (scrapers send a key), or "open" on purpose
     # a non-loopback socket without keys refuses to start (exit 78) unless this says it on purpose
     allow_unauthenticated: bool = False
     # TLS (edge.serve.tls): uvicorn's own, on the same sockets; or the credentials edge-tls-cert/-key

@@ -189,7 +189,9 @@ def _units(unit_dirs: list[Path]) -> tuple[list[Check], str | None]:
     for d in unit_dirs:
         sock, svc = d / "edge.socket", d / "edge.service"
         if sock.is_file() and svc.is_file():
-            text = svc.read_text()
+            from edge.host.units import with_drop_ins
+
+            text = with_drop_ins(svc)  # `systemctl edit`'s drop-ins too: what systemd runs
             listen = re.findall(r"^ListenStream=(.+)$", sock.read_text(), re.M)
             return [Check("units", "ok", f"{sock} listens on {', '.join(listen)}; {svc} present")], text
     return [Check("units", "warn", "edge.socket / edge.service not installed in "

@@ -18,8 +18,8 @@ request without a valid key (`Authorization: Bearer <key>` or `x-api-key: <key>`
 401 (`invalid_api_key`, `WWW-Authenticate: Bearer`) from its head alone, before the body is
 read and before any handler runs: a flood of bad keys costs one SHA-256 and a comparison per
 key each, and never reaches a model's queue. Only `/healthz`, `/readyz` and KServe's
-`/v2/health/ready` are always open (systemd, load balancers); `/metrics` is keyed unless
-`metrics_auth = "open"`. Warm-up's own requests (marked by their private transport, never by anything a client sends)
+`/v2/health/ready` are always open (systemd, load balancers); `/metrics` is keyed like the rest
+unless `metrics_auth = "open"` opens it on purpose. Warm-up's own requests (marked by their private transport, never by anything a client sends)
 pass. No key ever appears in a log line, a metric label or an error message.
 
 `check_exposure` refuses to serve a non-loopback socket without keys (`no open port by accident`).
@@ -66,7 +66,7 @@ class ApiKeys:
 
     digests: tuple[bytes, ...]
     origin: str
-    metrics_keyed: bool = False
+    metrics_keyed: bool = True
 
     def __repr__(self) -> str:  # never the keys, whatever prints this
         return f"ApiKeys({len(self.digests)} keys from {self.origin})"

@@ -1,6 +1,6 @@
 """The test kit (not shipped in the wheel): a PID-1 stand-in that socket-activates `edge serve`
 and receives its sd_notify datagrams, client load, one HTTP client, the `edge` command line and
-config files (kit.configs), chats in turns on a loaded model (kit.chats), and the package's layout
+config files (kit.configs), self-signed TLS certificates (kit.tls), chats in turns on a loaded model (kit.chats), and the package's layout
 checks (kit.layout, for test_layout).
 
 Tests import it as `kit` (tests/ is on sys.path through conftest.py); scripts/ put tests/ on

@@ -105,11 +105,19 @@ def test_every_route_family_needs_a_key(keyed: Keyed, family: str, case: str) ->
         assert answer["error"]["code"] == "invalid_api_key"
 
 
-def test_metrics_stay_open_by_default_with_keys(tmp_path: Path) -> None:
+def test_metrics_are_keyed_by_default_with_keys_and_open_only_on_purpose(tmp_path: Path, tiny_gguf: Path) -> None:
     keys = write_keys(tmp_path / "k", f"{KEY}\n")
-    assert load_api_keys(ServerConfig(api_key_file=str(keys)), "edge.toml").keyed("/metrics") is False
-    keyed = load_api_keys(ServerConfig(api_key_file=str(keys), metrics_auth="key"), "edge.toml")
+    keyed = load_api_keys(ServerConfig(api_key_file=str(keys)), "edge.toml")
     assert keyed.keyed("/metrics") and keyed.keyed("/v1/models") and not keyed.keyed("/healthz")
+    opened = load_api_keys(ServerConfig(api_key_file=str(keys), metrics_auth="open"), "edge.toml")
+    assert opened.keyed("/metrics") is False and opened.keyed("/v1/models")
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, server=f'api_key_file = "{keys}"')  # no metrics_auth
+    with PidOne([*EDGE, "serve", "--config", str(cfg)]) as pid1:
+        pid1.start()
+        pid1.wait_for("READY", "1", timeout=120)
+        assert call(pid1.address, "GET", "/metrics")[0] == 401
+        assert call(pid1.address, "GET", "/metrics", headers=GOOD)[0] == 200
+        assert pid1.stop() == 0
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/readyz", "/v2/health/ready"])

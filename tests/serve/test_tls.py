@@ -1,12 +1,10 @@
 """TLS (edge.serve.tls): uvicorn's own, on the socket systemd hands over. A self-signed
-certificate for 127.0.0.1 made here with `cryptography`; a socket-activated `edge serve` with
+certificate for 127.0.0.1 made with `cryptography` (kit.tls); a socket-activated `edge serve` with
 API keys; real TLS clients (httpx, the `openai` client) over 127.0.0.1 that trust only that
 certificate. Then the config errors of a certificate and key that do not go together."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import secrets
 import socket
 import ssl
@@ -16,36 +14,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from edge.config import ServerConfig
 from edge.errors import ConfigError
 from edge.serve.tls import tls_files
 from kit import EDGE, PidOne, write_config
+from kit.tls import self_signed
 
 KEY = "sk-edge-" + secrets.token_hex(16)
-
-
-def self_signed(folder: Path, name: str = "edge") -> tuple[Path, Path]:
-    """(certificate, private key) PEM files for 127.0.0.1, the key mode 0600."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = folder / f"{name}.crt", folder / f"{name}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    key_path.chmod(0o600)
-    return cert_path, key_path
 
 
 @pytest.fixture(scope="module")
