@@ -159,3 +159,44 @@ def test_a_handshake_that_never_comes_is_ended_at_header_timeout_s(capped_tls: t
             end = b""
         waited = time.perf_counter() - t0
     assert end == b"" and HANDSHAKE_S * 0.9 <= waited < HANDSHAKE_S + 5, waited  # swept at most a tick late
+
+
+def _served_certificate(port: int) -> bytes:
+    """The DER certificate the service presents (not verified: which one is the question)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as raw, ctx.wrap_socket(raw) as tls:
+        return tls.getpeercert(binary_form=True)
+
+
+def test_new_tls_files_are_served_after_a_handover_not_after_a_reload(tmp_path: Path, tiny_gguf: Path,
+                                                                       service) -> None:
+    """docs/security.md, "Rotating keys and certificates": tls_cert_file/tls_key_file are read at a
+    start; a reload in place keeps serving the old certificate, a handover's new process the new."""
+    import subprocess
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    cert, key = self_signed(tmp_path)
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, server=f'tls_cert_file = "{cert}"\ntls_key_file = "{key}"')
+    pid1 = service(cfg)
+    der = lambda path: x509.load_pem_x509_certificate(path.read_bytes()).public_bytes(Encoding.DER)  # noqa: E731
+    old = der(cert)
+    assert _served_certificate(pid1.address[1]) == old
+    (tmp_path / "new").mkdir()
+    new_cert, new_key = self_signed(tmp_path / "new")
+    new_cert.replace(cert)  # the same paths, new contents
+    new_key.replace(key)
+    assert der(cert) != old
+
+    def reload(*args: str) -> None:
+        r = subprocess.run([*EDGE, "reload", "--config", str(cfg), *args], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+    reload("--in-place")
+    assert _served_certificate(pid1.address[1]) == old
+    reload("--process")
+    assert _served_certificate(pid1.address[1]) == der(cert)
+    assert pid1.stop() == 0
