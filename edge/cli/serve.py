@@ -53,7 +53,7 @@ def _write_svg(path: Path, charts: list[Any]) -> None:
     from edge.fleet.timeline import render_svg
 
     try:
-        atomic_write(path, render_svg(charts))
+        atomic_write(path, render_svg(charts), mode=None)  # the file asked for, as the umask makes it
     except OSError as exc:
         raise EdgeError(f"--svg {path}: cannot write it: {exc.strerror or exc}") from None
     typer.echo(f"timeline written to {path}", err=True)
