@@ -7,7 +7,7 @@ drawn (favouring closing characters so that walks end) and accepted by both. Wha
 exactly what a model sampling under the grammar could have written with those tokens, so every
 way the grammar and its guard could let invalid text through is open to a walk.
 
-Needs a model whose vocabulary has a token per byte (tests/ggufgen.py's tiny ones: `<0xNN>`).
+Needs a model whose vocabulary has a token per byte (scripts/harness/ggufgen.py's tiny ones: `<0xNN>`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from ggufgen import byte_token, write_tiny_llama
+from harness.ggufgen import byte_token, write_tiny_llama
 from kit import EDGE, PidOne, metric, post, write_config
 from kit.schemacheck import invalid
 from kit.schemagen import SchemaGen
