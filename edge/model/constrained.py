@@ -222,7 +222,7 @@ class GrammarSampling:
         return tok
 
 
-GRAMMAR_SHARE = 0.5  # of a step's decode time: what its grammar passes may add while others wait
+GRAMMAR_SHARE = 0.25  # of a step's decode time: what its grammar passes may add while others wait
 GRAMMAR_MIN_S = 0.005  # ...and at least this (a tiny model's decode takes a millisecond)
 
 

@@ -3,15 +3,16 @@ under the heaviest grammar edge accepts, against beside 4 plain clients, on the 
 with `parallel = 5`.
 
 Per round, 4 neighbours start streaming and keep the other slots busy (each sends its next request
-as soon as one ends): either plain completions (greedy, EOS banned) or chats whose
+as soon as one ends): either plain completions (EOS banned) or chats whose
 `response_format` is the heaviest schema edge accepts (an array of an anyOf of 128 look-alike
 objects: 256 grammar stacks, MAX_STACKS; temperature 1, so the grammar goes over every candidate
-for the tokens it rejects). Once every neighbour has its first token, the measured client streams a
+for the tokens it rejects); both kinds at temperature 1 with the same sampling chain, so that
+what differs is the grammar. Once every neighbour has its first token, the measured client streams a
 novel plain completion (greedy, EOS banned, `--tokens` tokens); its ms/token is the time from its
 first token to its last over the tokens between. The neighbours' kind alternates every round.
 Prints JSON (also .bench/grammar-share.json) and a table: the medians, and heavy / plain (the bound
-edge states: a step is stretched by at most GRAMMAR_SHARE of its decode plus one chunk, so about
-1.5x at worst). `--edge-src DIR` runs the edge of another checkout (its `edge/` first on
+edge states: a step is stretched by at most GRAMMAR_SHARE of its decode, one chunk, and each
+grammar sequence's one-token check and accept: about 1.25x). `--edge-src DIR` runs the edge of another checkout (its `edge/` first on
 PYTHONPATH), to measure the same rows before the change. Run as `scripts/bench grammar_share`.
 Reports, never asserts; the load average is part of the result.
 """
@@ -79,7 +80,7 @@ def neighbour(address: tuple[str, int], heavy: bool, bias: dict[str, float], fir
                     "name": "records", "schema": HEAVY}}}
         else:
             path, body = "/v1/completions", {"prompt": f"Story {n}: once upon a time", "max_tokens": 600,
-                                             "temperature": 0, "logit_bias": bias}
+                                             "temperature": 1.0, "seed": n, "logit_bias": bias}
         try:
             stream(address, path, body, first, stop)
         except (OSError, RuntimeError) as exc:
