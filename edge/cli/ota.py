@@ -314,16 +314,19 @@ def recover(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typ
                                       help="at boot, before the service starts: no restart"),
             pubkey: Optional[Path] = PubOpt) -> None:
     """Converge what a killed command or a power cut left: an uncommitted version is rolled back
-    (the version it goes back to checked against its signed manifest first), links are made to
-    agree with state.json (rebuilt if it is damaged), leftovers are deleted, old versions pruned.
-    Needs no free space.
+    (the version it goes back to checked against its signed manifest first), an interrupted repair
+    is finished (and activated), links are made to agree with state.json (rebuilt if it is
+    damaged), leftovers are deleted, old versions pruned. With --boot, the current version is
+    checked as a boot can afford (sizes, sampled hashes, type, mode, links; in full after an
+    interrupted repair) and repaired from the device's store, or the version before it is
+    served. Needs no free space unless a file must be repaired.
 
     Docs: docs/ota.md"""
     ota, cfg = _ota(config, pubkey=pubkey)
     act = None if boot else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file,
                                        reload, control)
     rebuilt = ota.state().get("rebuilt")  # read-only: said here, written by recover
-    result = ota.recover(act) or {"result": "nothing pending", "version": ota.state()["current"]}
+    result = ota.recover(act, boot=boot) or {"result": "nothing pending", "version": ota.state()["current"]}
     _echo({**result, **({"rebuilt": rebuilt} if rebuilt else {})})
 
 

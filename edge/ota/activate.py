@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 __all__ = ["Activator", "ServiceWatch", "ReloadActivator", "RestartActivator", "SystemdWatch", "PidWatch",
-           "command_activator", "systemd_activator", "unit_state_dirs"]
+           "activation_report", "command_activator", "run_activation", "systemd_activator", "unit_state_dirs"]
 
 
 class Activator(Protocol):
@@ -209,3 +209,14 @@ class ReloadActivator:
         if answer.get("ok"):
             return True, ""
         return False, f"reload refused the version (exit {answer.get('exit_code')}): {answer.get('error')}"
+
+
+def run_activation(act: Any) -> tuple[bool, str]:
+    """An Activator, or a plain callable (tests and embedders): (healthy?, why not)."""
+    return act.activate() if hasattr(act, "activate") else act()
+
+
+def activation_report(act: Any) -> dict[str, Any]:
+    """What a reload activation did (kept, loaded, mode), for the command's answer."""
+    report = getattr(act, "report", None)
+    return {"reload": {k: report.get(k) for k in ("kept", "loaded", "mode")}} if report else {}

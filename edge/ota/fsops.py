@@ -134,6 +134,12 @@ class Fs:
         self.op("rename", f"{src} -> {dst}")
         os.replace(src, dst)
 
+    def chmod(self, path: Path, mode: int) -> None:
+        """The mode of the file at `path` (a regular file: the caller checked), in place: no room
+        needed."""
+        self.op("chmod", path)
+        os.chmod(path, mode)
+
     def symlink(self, target: str, path: Path) -> None:
         self.op("symlink", path)
         os.symlink(target, path)
