@@ -43,7 +43,7 @@ from edge.ota import links
 from edge.ota.activate import Activator, activation_report, run_activation
 from edge.ota.bundle import Bundle
 from edge.ota.errors import BundleError, OtaBusy, OtaIOError, OtaStateError, RolledBackUnhealthy
-from edge.ota.fsops import Fs
+from edge.ota.fsops import Fs, make_dirs
 from edge.ota.policy import refuse
 from edge.ota.rebuild import EMPTY, rebuild_state
 from edge.ota.repair import RepairMixin
@@ -139,7 +139,7 @@ class Ota(RepairMixin):
     def _locked(self) -> Iterator[None]:
         """The lock; a file-system error inside is one line naming the file and the state left."""
         try:
-            self.versions.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.versions)  # 0755: the service, another user, reads the versions
             with open(self.root / ".lock", "a") as lock:  # "a": an existing lock file is not truncated
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -188,3 +188,27 @@ def test_an_insecure_push_never_replaces_a_signature_that_verifies(dev, tmp_path
     assert (dev["ota"].versions / "1.0.0" / "manifest.sig").read_bytes() == sig and problems(dev) == ""
     committed(dev, build_version(dev, "2.0.0", config=MODEL_CFG + "# 2\n"))
     assert ota_ok(dev, "rollback", "--no-activate")["version"] == "1.0.0"
+
+
+def test_what_root_installs_under_the_units_umask_the_service_can_read(dev) -> None:
+    """`edge ota` run as ExecStartPre=+ (or by Mender) keeps the unit's UMask=0077: every folder
+    it makes is 0755 and every file readable by the service's (dynamic) user: the config, the
+    models (0444), the state the fleet metrics read."""
+    import subprocess
+
+    from kit import EDGE
+
+    def under_umask(*args: str) -> None:
+        r = subprocess.run([*EDGE, "ota", *args, "--config", str(dev["cfg"])], capture_output=True, text=True,
+                           timeout=120, preexec_fn=lambda: os.umask(0o077))
+        assert r.returncode == 0, r.stderr
+
+    under_umask("recover", "--boot")  # the first: OTA takes over (the factory config)
+    under_umask("install", str(build_version(dev, "1.0.0")), "--no-activate")
+    under_umask("commit")
+    for p in dev["ota"].root.rglob("*"):
+        if p.is_symlink() or p.name == ".lock":
+            continue
+        mode = stat.S_IMODE(p.stat().st_mode)
+        assert mode == 0o755 if p.is_dir() else mode & 0o044 == 0o044, (p, oct(mode))
+    assert stat.S_IMODE((dev["ota"].root / "current" / "models" / "m.gguf").stat().st_mode) == 0o444
