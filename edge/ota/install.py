@@ -15,16 +15,16 @@ per transition, each an atomic exchange of the two state slots, none allocating)
   commit    write #2 {current: V, previous: old current, pending: null, highest: max}: IDLE;
             V's marker says committed.
   rollback  write #2' {pending: null} (current/previous as before the install): IDLE, links
-            back (to the factory state after a first install); V's marker says failed.
+            back (to the factory state after a first install); V's marker says failed. Where
+            that version is damaged beyond repair, the highest intact committed one instead.
 
 recover: deletes staging dirs, temp links and files and every version dir without .complete;
-in PENDING it rolls back (a version that was not committed was never confirmed healthy, so it is
-never served after a crash or reboot); in IDLE it only makes the links agree. Then it prunes.
-Every path that makes a version current again (a version already on disk installed again, a
-rollback, recover's choice) checks its files against its signed manifest first
-(edge.ota.recheck). Every refusal comes before the first write, on a fresh device too (what the
-install made is removed again). Every file-system call goes through edge.ota.fsops.Fs (tests
-kill the process, or fail it with ENOSPC, at each one).
+in PENDING it rolls back (a version never committed was never confirmed healthy: not served
+after a crash or reboot); in IDLE it makes the links agree, finishes an interrupted repair and,
+at boot, checks the current version (edge.ota.repair). Then it prunes. Every path that makes a
+version current again checks its files against its signed manifest first (edge.ota.recheck).
+Every refusal comes before the first write, on a fresh device too. Every file-system call goes
+through edge.ota.fsops.Fs (tests fail it with ENOSPC at each one; the kill matrix kills at each).
 """
 
 from __future__ import annotations
@@ -279,17 +279,14 @@ class Ota(RepairMixin):
             bad, target = st["current"], st["previous"]
         else:
             raise BundleError(f"{reason}: nothing to roll back to (no install pending, no previous version)")
-        try:
-            checked = {"checked": self._recheck(target, bundle)} if target else {}
-        except BundleError as exc:
-            raise BundleError(f"{bad} cannot be rolled back ({reason}): {exc}") from None
-        if st["pending"]:
+        gone = [bad] if retire else []  # removed with the switch (a kill before: the next recover does it)
+        target, checked = self._checked_target(bad, target, bundle, f"{bad} cannot be rolled back ({reason})",
+                                               bool(st["pending"] or retire), gone)
+        if st["pending"] and target == st["current"]:
             st["pending"] = None  # current and previous are still what they were before the install
         else:
-            st.update(current=target, previous=None)
-        st["repair"] = None  # `target` was checked (and repaired) in full just now; this activates it
-        if retire:
-            st["retire"] = bad  # with the switch: a kill before the removal leaves it to the next recover
+            st.update(pending=None, current=target, previous=None)
+        st.update(repair=None, retire=gone or None)  # `target` was checked in full just now; this activates it
         self._event(st, bad, "rolled back", reason)
         self._save(st)  # write #2': back to IDLE on the version before
         self._mark(st, bad, "failed")
@@ -297,6 +294,7 @@ class Ota(RepairMixin):
             self._mark(st, target, "committed")  # the floor lives on in the current version's marker
         self._sync_links(st)
         self._prune(st)
+        self._retire_owed()  # a version damaged beyond repair, once the switch is written
         result = {"result": "rolled back", "version": st["current"], "failed": bad, "reason": reason, **checked}
         if st["current"] is None:
             if not self._factory_ok(st):
@@ -377,9 +375,6 @@ class Ota(RepairMixin):
         st = self.state()
         st.pop("digests")
         st["links"] = {name: self.link_target(name) for name in LINKS}
-        st["on_disk"] = sorted(d.name for d in self.versions.glob("*") if (d / ".complete").is_file()) \
-            if self.versions.exists() else []
+        st["on_disk"] = sorted(d.name for d in self.versions.glob("*") if (d / ".complete").is_file())
         st["store"] = self.store.usage()
         return st
-
-

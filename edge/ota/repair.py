@@ -31,7 +31,7 @@ from edge.ota.bundle import Bundle
 from edge.ota.errors import BundleError, RepairedUnhealthy
 from edge.ota.fsops import Fs
 from edge.ota.recheck import Inspection, inspect, remember_sampled, repair, summary
-from edge.ota.statefile import now
+from edge.ota.statefile import LEGACY, now, read_marker
 from edge.ota.store import Store
 
 __all__ = ["RepairMixin"]
@@ -65,6 +65,9 @@ class RepairMixin:
 
     def _recover(self, activate: Any, why: str = "", bundle: Bundle | None = None, boot: bool = False,
                  current: bool = True, pending: bool = True) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _recheck(self, version: str, bundle: Bundle | None = None) -> dict[str, Any]:
         raise NotImplementedError
 
     def _already_current(self, bundle: Bundle, activate: Any) -> dict[str, Any]:
@@ -145,24 +148,50 @@ class RepairMixin:
         if not st["previous"]:
             raise BundleError(f"{why}; and there is no version before {version} to fall back to")
         result = self._rollback(activate, f"damaged beyond repair on this device: {why}", retire=True)
-        self._retire_owed()
         return {**result, "removed": version}
 
     def _retire_owed(self) -> None:
         """The version a fall back switched away from, removed (its .complete first), its objects
         collected; the state says so once done (a kill before: the next recover does it)."""
         st = self.state()
-        version = st.get("retire")
-        if not version:
+        owed = st.get("retire")
+        if not owed:
             return
         kept = (st["current"], st["previous"], (st["pending"] or {}).get("version"))
-        if version not in kept and (self.versions / version).is_dir():
-            from edge.ota.retention import retire
+        from edge.ota.retention import retire
 
-            retire(self.versions / version, self.fs)
+        for version in [owed] if isinstance(owed, str) else owed:
+            if isinstance(version, str) and version not in kept and "/" not in version and (self.versions / version).is_dir():
+                retire(self.versions / version, self.fs)
         self.store.collect()  # also after a kill between the removal and here
         st["retire"] = None
         self._save(st)
+
+    def _checked_target(self, bad: str, target: str | None, bundle: Bundle | None, why: str, instead: bool,
+                        gone: list[str | None]) -> tuple[str | None, dict[str, Any]]:
+        """The version a rollback goes to, checked (and repaired) in full; where it is damaged beyond
+        repair and `instead` (not an operator's rollback, which goes where it was asked or nowhere),
+        an intact committed version instead, the damaged one added to `gone`."""
+        try:
+            return target, {"checked": self._recheck(target, bundle)} if target else {}
+        except BundleError as exc:
+            if not instead:
+                raise BundleError(f"{why}: {exc}") from None
+            gone.append(target)
+            return self._intact_instead({bad, target}, f"{why}: {exc}")
+
+    def _intact_instead(self, damaged: set[str | None], why: str) -> tuple[str, dict[str, Any]]:
+        """The highest committed version on this device (not `damaged`) whose files check (and
+        repair) in full: where the version a rollback would go back to is damaged beyond repair."""
+        from edge.ota.version import parsed
+
+        on_disk = [d.name for d in self.versions.iterdir() if read_marker(d) in ("committed", LEGACY)]
+        for v in sorted((v for v in on_disk if v not in damaged and parsed(v)), key=parsed, reverse=True):
+            try:
+                return v, {"checked": self._recheck(v), "instead": f"{v}: {why}"}
+            except BundleError:
+                continue
+        raise BundleError(f"{why}; no other version on this device is intact")
 
     def at_start(self) -> dict[str, Any] | None:
         """The service's own start (edge.cli.launch, before its config is read): an interrupted

@@ -212,3 +212,30 @@ def test_what_root_installs_under_the_units_umask_the_service_can_read(dev) -> N
         mode = stat.S_IMODE(p.stat().st_mode)
         assert mode == 0o755 if p.is_dir() else mode & 0o044 == 0o044, (p, oct(mode))
     assert stat.S_IMODE((dev["ota"].root / "current" / "models" / "m.gguf").stat().st_mode) == 0o444
+
+
+@pytest.mark.parametrize("harm", ["its model lost a bit", "its manifest.sig zeroed"])
+def test_a_boot_with_a_damaged_version_to_go_back_to_serves_the_intact_one_before_it(dev, harm: str) -> None:
+    """3.0.0 pending (a power cut before its commit), 2.0.0 to go back to damaged beyond repair on
+    this device: recover --boot serves 1.0.0 (checked in full), removes 2.0.0, and says why;
+    the failed update is not left pending and served."""
+    models = {}
+    for v in ("1.0.0", "2.0.0", "3.0.0"):
+        models[v] = dev["dir"] / f"{v}.gguf"
+        models[v].write_bytes(os.urandom(64 << 10))
+        bundle = build_version(dev, v, config=MODEL_CFG + f"# {v}\n", model=models[v])
+        if v != "3.0.0":
+            committed(dev, bundle)
+    vdir = dev["ota"].versions / "2.0.0"
+    if harm.startswith("its model"):
+        damage(vdir / "models" / "m.gguf")
+    else:
+        (vdir / "manifest.sig").write_bytes(b"\0" * 64)
+    ota_ok(dev, "install", str(dev["dir"] / "3.0.0.edgeb"), "--no-activate")  # pending, never committed
+    answer = ota_ok(dev, "recover", "--boot")
+    assert answer["result"] == "rolled back" and answer["failed"] == "3.0.0" and answer["version"] == "1.0.0", answer
+    assert answer["instead"].startswith("1.0.0: 3.0.0 cannot be rolled back") and "2.0.0" in answer["instead"]
+    st = json.loads(edge_ota(dev, "status").stdout)
+    assert st["current"] == "1.0.0" and st["pending"] is None and st["links"]["current"] == "1.0.0"
+    assert "2.0.0" not in st["on_disk"] and problems(dev) == ""
+    assert sha256_file(dev["ota"].root / "current" / "models" / "m.gguf") == sha256_file(models["1.0.0"])
