@@ -93,7 +93,7 @@ def _damaged(dev, kind: str) -> Path:
     return bundles["2.0.0"]
 
 
-@pytest.mark.parametrize("kind, command", [("content", "re-push"), ("type", "re-push"), ("type", "recover --boot")])
+@pytest.mark.parametrize("kind, command", [("content", "re-push"), ("type", "recover --boot")])
 def test_enospc_at_every_operation_of_a_repair_is_75_and_the_repair_converges(dev, tmp_path: Path, kind: str,
                                                                                command: str) -> None:
     """A repair on a file system that fills at any one of its operations: 75 with one line (or 0

@@ -40,7 +40,7 @@ DAMAGES = ("content", "type", "mode", "link", "object", "manifest", "signature")
 # manifest that verifies, a boot or a start serves the version before; its bundle repairs all
 FALLS_BACK = {(d, p) for d in ("content", "manifest", "signature") for p in ("recover --boot", "start")}
 FULL = os.environ.get("EDGE_OTA_MATRIX") == "full"
-SAMPLE = 2  # kill points per cell in a default run
+SAMPLE = 1  # kill points per cell in a default run (21 in all: every damage kind x every path)
 
 
 def _sha(path: Path) -> str:
