@@ -16,13 +16,14 @@ boot (`recover --boot`) or a start checks the current version as a boot can affo
 sampled hashes: edge.ota.audit) when nothing was interrupted, repairs from what the device has,
 and falls back to the version before it (a rollback, checked in full, the damaged version then
 removed: its bundle installs it again) where the current version cannot be repaired or its
-manifest does not verify. RepairMixin is edge.ota.install.Ota's; it uses the Ota's state writes.
+manifest does not verify; where the version a rollback goes back to is damaged beyond repair
+too, to the highest committed version that is intact. RepairMixin is edge.ota.install.Ota's; it
+uses the Ota's state writes.
 """
 
 from __future__ import annotations
 
 import fcntl
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,6 @@ from edge.ota.store import Store
 
 __all__ = ["RepairMixin"]
 
-log = logging.getLogger("edge")
 MAX_WHAT = 20  # files named in the record (the state file has a fixed size)
 
 
