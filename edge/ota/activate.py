@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -96,6 +94,8 @@ class RestartActivator:
         return self._wait_ready()
 
     def _restart(self) -> tuple[bool, str]:
+        import tempfile  # here: a service's start imports this module (edge.cli.launch's OTA check)
+
         # Output goes to a file, not a pipe: a service the command leaves running in the
         # background would hold a pipe open and make the restart look hung.
         with tempfile.TemporaryFile() as out:
@@ -111,6 +111,8 @@ class RestartActivator:
         return True, ""
 
     def _wait_ready(self) -> tuple[bool, str]:
+        import urllib.request  # here: the HTTP client's imports are an activation's, never a start's
+
         deadline, last = time.monotonic() + self.timeout, "no answer"
         while time.monotonic() < deadline:
             died = self.watch.failed() if self.watch else None
