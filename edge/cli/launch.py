@@ -75,6 +75,9 @@ def _ota_at_start(config: str | None) -> None:
     except (OSError, EdgeError) as exc:
         log.warning("the OTA check of the served version before this start was not made: %s", exc)
         return
+    except Exception:  # an OTA bug must not keep the service from starting: said once, with its stack
+        log.exception("the OTA check of the served version before this start failed")
+        return
     if done is not None:
         log.warning("OTA, before this start: %s", json.dumps(done))
 
