@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -89,23 +87,9 @@ def _echo(result: Any) -> None:
 
 
 def _say(text: str) -> None:
-    """The command's answer on stdout. Written after the command did its work: where stdout cannot
-    take it (closed: `>&-`; a full file system; a reader gone), one line says so with exit 74, and
-    the work stands. edge.cli.main put /dev/null on a closed descriptor, so no file the command
-    opened took its number."""
-    from edge.ota.errors import OtaIOError
-
-    done = "the command completed, but its answer could not be written (`edge ota status` shows the state)"
-    if sys.stdout is None:
-        raise OtaIOError(f"stdout is closed: {done}")
-    try:
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-    except OSError as exc:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, sys.stdout.fileno())  # what is left in the buffer goes nowhere, not into a traceback at exit
-        os.close(null)
-        raise OtaIOError(f"stdout: {exc.strerror or exc}: {done}") from None
+    """The command's answer on stdout, after its work: an answer stdout cannot take is exit 74
+    with the work standing (edge.cli.output, for every command)."""
+    typer.echo(text)
 
 
 def _new_key(value: Path) -> Path:
@@ -236,7 +220,7 @@ def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey"
     Docs: docs/ota.md"""
     from edge.ota.bundle import open_bundle
     from edge.ota.checks import check_bundle
-    from edge.ota.errors import BundleError, OtaIOError
+    from edge.ota.errors import BundleError
     from edge.ota.extract import scan
 
     b = open_bundle(bundle, pubkey, insecure=pubkey is None)
@@ -255,12 +239,8 @@ def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey"
         state = "dev" if not f.carried else state  # a thin bundle's file the device must have
         lines.append(f"  {state} {f.kind:<7} {f.size:>12}  {f.path}{key}" + (f"  ({problem})" if problem else ""))
     lines.append("config:\n" + "\n".join("  " + line for line in b.manifest["config"].splitlines()))
-    try:
-        _say("\n".join(lines))
-    except OtaIOError:
-        if not bad:
-            raise  # the verdict is the exit code: a bad bundle's 65 goes before stdout's 74
-    if bad:
+    _say("\n".join(lines))
+    if bad:  # the verdict is the exit code, also where stdout could not take the lines (not 74)
         raise BundleError(f"{bad} file(s) in {bundle} do not match the manifest")
 
 
@@ -334,16 +314,19 @@ def recover(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typ
                                       help="at boot, before the service starts: no restart"),
             pubkey: Optional[Path] = PubOpt) -> None:
     """Converge what a killed command or a power cut left: an uncommitted version is rolled back
-    (the version it goes back to checked against its signed manifest first), links are made to
-    agree with state.json (rebuilt if it is damaged), leftovers are deleted, old versions pruned.
-    Needs no free space.
+    (the version it goes back to checked against its signed manifest first), an interrupted repair
+    is finished (and activated), links are made to agree with state.json (rebuilt if it is
+    damaged), leftovers are deleted, old versions pruned. With --boot, the current version is
+    checked as a boot can afford (sizes, sampled hashes, type, mode, links; in full after an
+    interrupted repair) and repaired from the device's store, or the version before it is
+    served. Needs no free space unless a file must be repaired.
 
     Docs: docs/ota.md"""
     ota, cfg = _ota(config, pubkey=pubkey)
     act = None if boot else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file,
                                        reload, control)
     rebuilt = ota.state().get("rebuilt")  # read-only: said here, written by recover
-    result = ota.recover(act) or {"result": "nothing pending", "version": ota.state()["current"]}
+    result = ota.recover(act, boot=boot) or {"result": "nothing pending", "version": ota.state()["current"]}
     _echo({**result, **({"rebuilt": rebuilt} if rebuilt else {})})
 
 

@@ -28,6 +28,8 @@ from systest import ROOT, Machine, readme_systemd_steps, wait_for, why_not_boota
 pytestmark = pytest.mark.system
 PORT = 8088
 EDGE = "/opt/edge/venv/bin/edge"
+# host -> container, read only, files written after the boot included (one folder per checkout)
+OTA_EXCHANGE = CACHE / f"ota-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]}"
 TINY_CONFIG = """\
 [[models]]
 name = "tiny"
@@ -92,8 +94,10 @@ def machine() -> Iterator[Machine]:
     models.chmod(0o755)
     (models / "tiny.gguf").chmod(0o644)
     prepared = time.monotonic()
+    OTA_EXCHANGE.mkdir(parents=True, exist_ok=True)  # this checkout's: bundles, artifacts, packages
     m = Machine(rootfs, f"edge-systest-{time.monotonic_ns() % 10**6}",
-                {str(deps): "/wheels", str(own): "/wheels-edge", str(models): "/srv/edge-test"},
+                {str(deps): "/wheels", str(own): "/wheels-edge", str(models): "/srv/edge-test",
+                 str(OTA_EXCHANGE): "/srv/edge-ota"},
                 CACHE / "nspawn.log")
     try:
         m.boot()
@@ -723,3 +727,107 @@ def test_doctor_flags_a_root_only_tls_key_and_a_model_under_root_before_the_star
     assert m.show("edge.service", "ExecMainStatus")["ExecMainStatus"] == "78"
     m.run("mv /root/edge.toml.good /etc/edge/edge.toml && rm -rf /etc/edge/tls /root/tiny.gguf")
     _serving(m)
+
+
+# -- Mender, the real client, under the real systemd: a repair deployment commits (issue 52) --------
+MENDER_DEBS = ("mender-client", "libglib2.0-0")  # Debian's client, and what of it the rootfs lacks
+MENDER_DATA = "/var/lib/mender-systest"  # the standalone client's own data dir and configs (as tests/ota's)
+MENDER = f"mender -c /etc/mender/systest.conf -b /etc/mender/none.conf -d {MENDER_DATA} --no-syslog"
+OTA_DROP_IN = """\
+[Service]
+ExecStartPre=-+/opt/edge/venv/bin/edge ota recover --boot --config /etc/edge/edge.toml
+ExecStart=
+ExecStart=/opt/edge/venv/bin/edge serve --config /var/lib/edge/ota/current/edge.toml"""
+
+
+def _mender_debs(folder: Path) -> str | None:
+    """Debian's mender-client packages in `folder` (apt-get download, once); why not, or None."""
+    if sorted(p.name.split("_")[0] for p in folder.glob("*.deb")) == sorted(MENDER_DEBS):
+        return None
+    r = subprocess.run(["apt-get", "download", *MENDER_DEBS], cwd=folder, capture_output=True, text=True, timeout=300)
+    return None if r.returncode == 0 else f"apt-get download {' '.join(MENDER_DEBS)} failed: {r.stderr[-300:]}"
+
+
+def _artifacts(tmp: Path) -> tuple[str, list[str]]:
+    """A signing key, edge's bundle 1.0.0 of the tiny model and two artifacts of it (the install,
+    then the repair deployment), written where the container reads them; the public key's text."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from edge.ota.bundle import build_bundle, keygen
+
+    pub = keygen(tmp / "signing.key")
+    bundle = OTA_EXCHANGE / "tiny-1.0.0.edgeb"
+    config = TINY_CONFIG.replace("/srv/edge-test/tiny.gguf", "models/tiny.gguf")
+    build_bundle(bundle, version="1.0.0", files=[(CACHE / "models" / "tiny.gguf", "models/tiny.gguf", "model", None)],
+                 config=config, key=tmp / "signing.key")
+    names = ["art-1", "art-1-repair"]
+    for name in names:
+        subprocess.run(["mender-artifact", "write", "module-image", "-T", "edge-bundle", "-t", "edge-systest",
+                        "-n", name, "-f", str(bundle), "-o", str(OTA_EXCHANGE / f"{name}.mender")], check=True,
+                       capture_output=True, timeout=120)
+    (OTA_EXCHANGE / "edge-bundle").write_bytes((ROOT / "scripts" / "mender" / "edge-bundle").read_bytes())
+    return pub.read_text(), names
+
+
+def _with_mender(m: Machine, pub: str) -> None:
+    """Debian's client installed (its daemon never started: standalone installs), edge's update
+    module with its environment, and the unit serving the OTA `current` config, checked at boot."""
+    m.run("printf '#!/bin/sh\\nexit 101\\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && "
+          "dpkg -i /srv/edge-ota/*.deb >/dev/null && rm /usr/sbin/policy-rc.d && "
+          "systemctl disable --now mender-client.service >/dev/null 2>&1 || true", timeout=300)
+    module = ("#!/bin/sh\nexport EDGE_BIN=/opt/edge/venv/bin/edge EDGE_CONFIG=/etc/edge/edge.toml "
+              "EDGE_OTA_PUBKEY=/etc/edge/ota-systest.pub EDGE_OTA_ARGS='--unit edge.service --timeout 240'\n"
+              "exec sh /srv/edge-ota/edge-bundle \"$@\"\n")
+    m.run(f"mkdir -p /usr/share/mender/modules/v3 {MENDER_DATA} /etc/mender && cat > /usr/share/mender/modules/v3/"
+          f"edge-bundle <<'EOF'\n{module}EOF\nchmod 755 /usr/share/mender/modules/v3/edge-bundle && "
+          f"echo device_type=edge-systest > {MENDER_DATA}/device_type && "
+          f"echo '{{\"DeviceTypeFile\": \"{MENDER_DATA}/device_type\"}}' > /etc/mender/systest.conf && "
+          "echo artifact_name=systest-initial > /etc/mender/artifact_info && "
+          f"cat > /etc/edge/ota-systest.pub <<'EOF'\n{pub}EOF\n"
+          f"printf '\\n[ota]\\npubkey = \"/etc/edge/ota-systest.pub\"\\n' >> /etc/edge/edge.toml")
+    _drop_in(m, OTA_DROP_IN)
+    r = m.run("systemctl restart edge.service", check=False, timeout=300)  # ExecStartPre: OTA takes over
+    assert r.returncode == 0, m.run("journalctl -u edge.service -n 40 --no-pager", check=False).stdout
+
+
+def _mapped_model(m: Machine) -> str:
+    pid = m.show("edge.service", "MainPID")["MainPID"]
+    lines = [line for line in m.run(f"cat /proc/{pid}/maps").stdout.splitlines() if "tiny.gguf" in line]
+    assert lines, "the service maps no model file"
+    return lines[0].split(None, 5)[5]
+
+
+def test_the_real_mender_client_commits_a_repair_deployment(tiny: Machine, tmp_path: Path) -> None:
+    """Deployed by Debian's mender-client under systemd: the version installs (ArtifactInstall,
+    restart, health check; ArtifactCommit). Its model then loses a bit; the same bundle deployed
+    again repairs it in place and restarts the service onto the repaired file, and ArtifactCommit
+    succeeds, so Mender records the repair deployment as installed, not failed."""
+    m = tiny
+    _serving(m)
+    why = _mender_debs(OTA_EXCHANGE)
+    if why:
+        print(f"\nthe Mender system test skipped: {why}", file=sys.stderr)
+        pytest.skip(why)
+    pub, (install, repair) = _artifacts(tmp_path)
+    _with_mender(m, pub)
+    try:
+        for name in (install, repair):
+            if name == repair:  # flash bit-rot in the served model: the running service maps it
+                m.run("python3 -c \"import os,sys;f=open(sys.argv[1],'r+b');f.seek(os.path.getsize(sys.argv[1])-4096);"
+                      "b=f.read(1);f.seek(-1,1);f.write(bytes([b[0]^16]))\" /var/lib/edge/ota/current/models/tiny.gguf")
+                assert m.run(f"{EDGE} ota verify --config /etc/edge/edge.toml", check=False).returncode == 65
+            r = m.run(f"{MENDER} install /srv/edge-ota/{name}.mender", check=False, timeout=600)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            r = m.run(f"{MENDER} commit", check=False, timeout=300)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]  # not "nothing to commit"
+            assert m.run(f"{MENDER} show-artifact").stdout.strip() == name
+        st = json.loads(m.run(f"{EDGE} ota status --config /etc/edge/edge.toml").stdout)
+        assert st["current"] == "1.0.0" and st["pending"] is None and st["repair"] is None, st
+        assert [e["event"] for e in st["history"]][-1] == "repaired", st["history"]
+        assert m.run(f"{EDGE} ota verify --config /etc/edge/edge.toml", check=False).returncode == 0
+        mapped = _mapped_model(m)
+        assert mapped == "/var/lib/private/edge/ota/versions/1.0.0/models/tiny.gguf" or \
+            mapped.endswith("/ota/versions/1.0.0/models/tiny.gguf"), mapped  # the repaired file, not "(deleted)"
+        assert m.show("edge.service", "ActiveState")["ActiveState"] == "active"
+    finally:
+        m.run("rm -rf /etc/systemd/system/edge.service.d /var/lib/edge/ota && systemctl daemon-reload", check=False)
+        _serving(m)
