@@ -64,7 +64,7 @@ def _wheels() -> tuple[Path, Path]:
     if not (deps / ".complete").exists():
         subprocess.run([*pip, str(deps), "--find-links", str(llama.parent), "--only-binary", "llama-cpp-python",
                         f"{ROOT}[default-model]"], check=True, timeout=1500)
-        for w in deps.glob("edge-*.whl"):
+        for w in [*deps.glob("edge_coldstart-*.whl"), *deps.glob("edge-*.whl")]:
             w.unlink()  # the checkout's own wheel is rebuilt every session
         taken = [w for w in deps.glob("llama_cpp_python-*.whl") if w.read_bytes() == llama.read_bytes()]
         assert taken, f"pip did not take the keyed llama-cpp-python wheel {llama} into {deps}"
