@@ -36,6 +36,11 @@ def _ota(config: Optional[Path], keep: Optional[int] = None, pubkey: Optional[Pa
     from edge.config import find_config, load_config, state_dir
     from edge.ota.install import Ota
 
+    # The OTA tree is read by the service's own user (the unit's DynamicUser=) whoever writes it:
+    # root's `edge ota install`, or the drop-in's `ExecStartPre=+… recover` under the unit's
+    # UMask=0077, which would leave a current/edge.toml the service cannot read (exit 78). It holds
+    # no key, prompt or crash detail, and the state dir above it is the service's alone.
+    os.umask(0o022)
     path = find_config(str(config) if config else None)
     cfg = load_config(path)
     key = pubkey or Path(cfg.ota.pubkey)

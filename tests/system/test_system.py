@@ -635,6 +635,11 @@ def _blocks(title: str) -> list[str]:
     return re.findall(r"^```[^\n]*\n(.*?)^```", section(title), re.M | re.S)
 
 
+def _journal(m: Machine) -> str:
+    return m.run("systemctl status edge.service --no-pager -l; journalctl -u edge.service --no-pager -o cat -n 60",
+                 check=False).stdout
+
+
 def _answer(m: Machine, path: str) -> dict:
     code = f"import json, urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{PORT}{path}').read().decode())"
     return json.loads(m.run(f"/opt/edge/venv/bin/python -c \"{code}\"").stdout)
@@ -657,7 +662,8 @@ def test_ota_end_to_end_as_the_page_says(tiny: Machine) -> None:
     path = "PATH=/opt/edge/venv/bin:$PATH"
     try:
         m.run(f"cd {work} && export {path} && {host}", timeout=300)
-        m.run(f"cd {work} && {once}", timeout=300)
+        r = m.run(f"cd {work} && {once}", timeout=300, check=False)
+        assert r.returncode == 0, r.stdout + r.stderr + _journal(m)
         unit = m.show("edge.service", "ExecStart", "ActiveState", "ExecStartPre")
         assert unit["ActiveState"] == "active" and "/var/lib/edge/ota/current/edge.toml" in unit["ExecStart"], unit
         assert "ota recover --boot" in unit["ExecStartPre"], unit
