@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests")]
+from docgen import commands, configref, exitcodes, metrics  # scripts/docgen: beside this file, so on sys.path
 
-from docgen import commands, configref, exitcodes, metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # name: (page, what makes it). A part may be given what another part already made (metrics:
 # one scrape serves both tables), so each is called through `made` below.

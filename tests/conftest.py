@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from ggufgen import write_tiny_gemma3, write_tiny_llama  # noqa: E402
+from harness.ggufgen import write_tiny_gemma3, write_tiny_llama  # noqa: E402
 from kit import EDGE, PidOne, write_config  # noqa: E402
 
 pytest_plugins = ["kit.ota"]  # OTA fixtures (kit, live) for the OTA and Mender tests

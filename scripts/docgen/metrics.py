@@ -45,7 +45,7 @@ def _history(d: Path, tiny: Path) -> None:
     from edge.fleet.history import CRASH
     from edge.ota.bundle import build_bundle, keygen
     from edge.timing import write_report
-    from kit.configs import EDGE
+    from harness import EDGE
 
     pub = keygen(d / "signing.key")
     bundle = d / "v1.edgeb"
@@ -71,8 +71,8 @@ def _scrape() -> str:
     from edge.engines.build import build_engine
     from edge.engines.recipe import load_recipe
     from edge.engines.store import EngineStore
-    from ggufgen import write_tiny_llama
-    from kit import EDGE, PidOne, get, post
+    from harness import EDGE, PidOne, get, post
+    from harness.ggufgen import write_tiny_llama
 
     with tempfile.TemporaryDirectory(prefix="edge-gen-metrics-") as tmp:
         d = Path(tmp)

@@ -4,7 +4,7 @@ bytes (ASCII, a few multi-byte characters) and whether the end of generation the
 allows; one is drawn, favouring closing characters so that walks end, and accepted. What comes
 out is exactly what a model sampling under the grammar could have written with those tokens.
 
-Needs a model whose vocabulary has a token per byte (tests/ggufgen.py's tiny ones: `<0xNN>`).
+Needs a model whose vocabulary has a token per byte (scripts/harness/ggufgen.py's tiny ones: `<0xNN>`).
 """
 
 from __future__ import annotations

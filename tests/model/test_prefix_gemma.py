@@ -190,7 +190,7 @@ def test_a_checkpointed_answer_is_the_state_its_request_left_bit_for_bit(gemma2k
     prompt is another computation: other batches (this model's Q4_K kernels round differently by
     batch on an AVX-512 build, not on an AVX2 one) and the KV cells in another order; the greedy
     text then parts at a near-tie on some CPUs ("Yes, bread is baked" / "Yes, it is baked").
-    That is llama.cpp's, measured by scripts/bench-cache-bound, and not asserted here."""
+    That is llama.cpp's, measured by `scripts/bench cache_bound`, and not asserted here."""
     m = gemma2k
     fresh_cache(m)
     prefix = m.tokenize_prompt(RULES * 2)[:800]

@@ -1,7 +1,7 @@
 """The OpenAI API through the official `openai` client against a real `edge serve` subprocess.
 
 Each honored field's effect is observed; each refused field is a 400 naming it. The tiny models
-(tests/ggufgen.py) produce noise, so effects are checked by comparing requests with each other
+(scripts/harness/ggufgen.py) produce noise, so effects are checked by comparing requests with each other
 (greedy output with and without the field), never against fixed text.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ggufgen import write_tiny_llama
+from harness.ggufgen import write_tiny_llama
 
 openai = pytest.importorskip("openai")
 from kit import EDGE, PidOne, write_config

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ggufgen import write_tiny_llama
+from harness.ggufgen import write_tiny_llama
 from kit import EDGE, PidOne, metric, post, write_config
 from kit.schemagen import SchemaGen
 
