@@ -23,7 +23,7 @@ from typing import Any
 from docgen.markdown import cell, code
 from docgen.paths import ROOT
 
-_ROW = re.compile(r"^\| `([a-z_:]+)` \| [^|]+ \| [^|]* \| (.*) \|$", re.M)
+_ROW = re.compile(r"^\| `([a-z_:]+)` \|[^|]+\|[^|]*\| (.*) \|$", re.M)
 _SUFFIX = {"counter": "_total", "info": "_info"}
 
 
