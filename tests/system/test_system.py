@@ -787,9 +787,12 @@ def test_ota_end_to_end_as_the_page_says(tiny: Machine) -> None:
         assert m.show("edge.service", "ActiveState")["ActiveState"] == "active"
         assert _answer(m, "/readyz")["status"] == "ready"
     finally:
-        m.run("rm -rf /etc/systemd/system/edge.service.d /etc/edge/ota.pub /var/lib/edge/ota && "
-              f"{EDGE} units install >/dev/null && systemctl daemon-reload", check=False)
+        # the units as the install left them, and a service started anew on /etc/edge/edge.toml
+        # (_serving starts one that is not running: this one runs on the OTA version's config)
+        m.run(f"rm -rf /etc/systemd/system/edge.service.d /etc/edge/ota.pub && {EDGE} units install >/dev/null && "
+              "systemctl daemon-reload && systemctl stop edge.service && rm -rf /var/lib/edge/ota", check=False)
         _serving(m)
+        assert "ota/current" not in m.show("edge.service", "ExecStart")["ExecStart"]
 
 
 def _lines(block: str) -> str:
