@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from edge.ota.bundle import build_bundle, keygen
-from ggufgen import write_tiny_llama
+from harness.ggufgen import write_tiny_llama
 from kit import EDGE, PidOne
 from kit.crashpoints import kill_at, pristine, record, strace
 from kit.ota import damage
