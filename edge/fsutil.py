@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["atomic_write", "cannot_create", "file_identity", "fsync_dir", "sha256_file"]
+__all__ = ["atomic_write", "cannot_create", "file_identity", "fsync_dir", "sha256_file", "write_probe"]
 
 
 def sha256_file(path: Path) -> str:
@@ -76,4 +76,23 @@ def cannot_create(path: Path) -> str | None:
         os.unlink(probe)
     except OSError as exc:
         return f"{path}: cannot write in {folder}: {exc.strerror or exc}"
+    return None
+
+
+def write_probe(path: Path) -> str | None:
+    """None if a file can be created, fsynced and removed in `path` (made if missing), else why not."""
+    if path.exists() and not path.is_dir():
+        return "not a folder"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        name = path / f".edge-write-probe-{os.getpid()}-{os.urandom(6).hex()}"  # mkstemp's way, without tempfile
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"edge")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+    except OSError as exc:
+        return exc.strerror or str(exc)
     return None
