@@ -11,11 +11,12 @@ promises, and on a device's few cores they would only take turns at its threads 
 Pooling reduces an input's token embeddings to one vector inside llama.cpp's graph, per
 sequence and per physical batch, so an input is never split across batches: the context's batch
 is `n_batch` tokens (n_ctx = n_batch = n_ubatch) and an input longer than that is refused before
-it reaches the model. Inputs are packed into a batch as sequences of their own (each from
-position 0, its cells cleared after), so their vectors are the ones each gets alone: with flash
-attention off (the default, `flash_attn`) to within cosine 0.99993 on Gemma 3 270M (the kernels'
-row counts differ), where llama.cpp's CPU flash attention takes another path for larger batches
-(0.9985).
+it reaches the model. Inputs are packed into a batch in order as sequences of their own (each from
+position 0, its cells cleared after), as llama.cpp's own tools pack them, so the vectors are
+theirs; an input's vector in a batch and alone part by at most ~1e-4 in cosine with flash
+attention off (the default, `flash_attn`: llama.cpp's matmul kernels differ with a batch's row
+count), where llama.cpp's CPU flash attention takes another path for larger batches (0.9985 on
+Gemma 3 270M).
 """
 
 from __future__ import annotations
@@ -63,19 +64,18 @@ def check_embeddings(m: ModelConfig, info: GGUFInfo, source: str, where: str) ->
                               f"{n_embd} values of this model's vectors ({info.architecture}.embedding_length)")
 
 
-def pack(lengths: Sequence[int], n_batch: int, n_seq: int) -> list[int]:
-    """Which of the waiting inputs (their token counts, oldest first) the next batch takes: the
-    oldest always (it fits: longer inputs are refused earlier), then every later one that still
-    fits, in order. The oldest is never passed over, so no input waits behind later ones for
-    more than one batch."""
-    taken, room = [0], n_batch - lengths[0]
-    for i in range(1, len(lengths)):
-        if len(taken) == n_seq:
+def pack(lengths: Sequence[int], n_batch: int, n_seq: int) -> int:
+    """How many of the waiting inputs (their token counts, oldest first) the next batch takes: in
+    order, while they fit (longer inputs were refused before they waited). The order is
+    llama.cpp's own tools' (llama-cpp-python's `Llama.embed`, llama-server's slots): the same
+    inputs make the same batches, and so the same vectors (llama.cpp's kernels differ with a
+    batch's row count: an input's vector alone and in a batch part by up to 1e-4 in cosine)."""
+    taken, room = 0, n_batch
+    for n in lengths[:n_seq]:
+        if n > room:
             break
-        if lengths[i] <= room:
-            taken.append(i)
-            room -= lengths[i]
-    return taken
+        taken, room = taken + 1, room - n
+    return max(taken, 1)
 
 
 def finish(vectors: np.ndarray, normalize: bool, dimensions: int | None) -> np.ndarray:

@@ -4,8 +4,7 @@ Each model with an embeddings context (edge.model.embed) has one `EmbedQueue` pe
 A request's inputs are tokenized off the model's thread (llama.cpp's tokenizer is thread-safe),
 refused with a 400 naming the input when one cannot fit a batch, and queued; one batch at a
 time is decoded on the model's thread between its generation steps (`ModelWorker.control`),
-holding as many of the waiting inputs of every request as fit its `n_batch` tokens, oldest
-first. While a batch decodes, the inputs that arrive wait for the next one, so a busy model
+holding the waiting inputs of every request, oldest first, as many as fit its `n_batch` tokens. While a batch decodes, the inputs that arrive wait for the next one, so a busy model
 decodes full batches and an idle one answers a lone input at once: no timer, no batch window.
 A request takes a place in its model's queue like a completion (`max_queue`, else 503).
 """
@@ -25,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edge.errors import RequestError
+from edge.model.embed import finish, pack
 from edge.serve.embed_request import EmbedAsk, EmbedLimits, parse_embeddings
 from edge.serve.jsoncheck import json_body
 from edge.serve.limits import check_prompt_bytes
@@ -82,11 +82,8 @@ class EmbedQueue:
             if not self._waiting:
                 return
             live = [i for i in self._waiting if not i.future.done()]
-            from edge.model.embed import pack
-
-            batch = [live[j] for j in pack([len(i.tokens) for i in live], self.ctx.n_batch, self.ctx.n_seq)]
-            taken = set(map(id, batch))
-            self._waiting = collections.deque(i for i in live if id(i) not in taken)
+            n = pack([len(i.tokens) for i in live[:self.ctx.n_seq]], self.ctx.n_batch, self.ctx.n_seq)
+            batch, self._waiting = live[:n], collections.deque(live[n:])
             try:
                 rows = await self.worker.control(self.ctx.embed, [i.tokens for i in batch])
             except Exception as exc:  # llama.cpp refused the batch: its requests fail, the queue goes on
@@ -125,8 +122,6 @@ def _encode(row: np.ndarray, fmt: str) -> Any:
 
 async def _answer(queue: EmbedQueue, ask: EmbedAsk, metrics: Any) -> Response:
     import numpy as np
-
-    from edge.model.embed import finish
 
     m = queue.worker.model
     queue.worker.admit()  # a place in the model's queue, like a completion's: else 503, before any work
