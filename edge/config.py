@@ -119,8 +119,8 @@ class EmbeddingsConfig:
     # (the vector cut and normalized again); any other is a 400
     dimensions: list[int] = field(default_factory=list)
     max_inputs: int = field(default=2048, metadata=_range(1, 1 << 20))  # inputs of one request (OpenAI's bound)
-    # false: an input's vector does not depend on what it is batched with (llama.cpp's CPU flash
-    # attention takes another path for larger batches: cosine 0.9985 to the same text alone)
+    # false: an input's vector is the same whatever it is batched with (to ~1e-4 in cosine); true:
+    # llama.cpp's flash attention, whose CPU path for larger batches moves it by ~1.5e-3 (Gemma 3)
     flash_attn: bool = False
 
 
@@ -167,7 +167,7 @@ class ModelConfig:
     # the KV cache's element types (llama-server's -ctk/-ctv): q8_0 holds about 1.9x the context of
     # f16 in the same memory; a quantized V needs flash attention (flash_attn "auto" turns it on)
     type_k: str = field(default="f16", metadata={"choices": KV_TYPES})
-    type_v: str = field(default="f16", metadata={"choices": KV_TYPES})
+    type_v: str = field(default="f16", metadata={"choices": KV_TYPES})  # V's, as type_k is K's
     # /v1/embeddings from this model ([models.embeddings]; true: its defaults; edge.model.embed)
     embeddings: bool | EmbeddingsConfig | None = None
 

@@ -15,6 +15,7 @@ import asyncio
 import base64
 import collections
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -123,13 +124,20 @@ def _encode(row: np.ndarray, fmt: str) -> Any:
 async def _answer(queue: EmbedQueue, ask: EmbedAsk, metrics: Any) -> Response:
     import numpy as np
 
-    m = queue.worker.model
-    queue.worker.admit()  # a place in the model's queue, like a completion's: else 503, before any work
+    m, worker = queue.worker.model, queue.worker
+    worker.admit()  # a place in the model's queue, like a completion's: else 503, before any work
     try:
         tokens = await asyncio.to_thread(_tokenize, queue, ask, m.info.max_token_bytes)
-        rows = await queue.embed(tokens)
+        limit = None if in_warmup() else worker.request_timeout_s
+        t0 = time.monotonic()
+        try:  # as a generation: no request holds its model past request_timeout_s
+            rows = await asyncio.wait_for(queue.embed(tokens), limit)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the request held its model for {time.monotonic() - t0:.1f} s, longer than "
+                               f"server.request_timeout_s = {limit:g} s allows ({len(tokens)} inputs): its inputs "
+                               "not decoded yet were dropped", status=422, code="generation_timeout") from None
     finally:
-        queue.worker.release()
+        worker.release()
     vectors = finish(np.stack(rows), queue.ctx.cfg.normalize, ask.dimensions)
     n_tokens = sum(len(t) for t in tokens)
     metrics.embedded(m.cfg.name, len(tokens), n_tokens)

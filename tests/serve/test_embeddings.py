@@ -172,3 +172,31 @@ def test_a_batch_takes_the_oldest_inputs_in_order_while_they_fit() -> None:
     assert pack([10, 50, 20, 1], 64, 8) == 2
     assert pack([64, 1], 64, 8) == 1
     assert pack([1] * 10, 64, 4) == 4
+
+
+def test_a_request_past_request_timeout_s_is_a_422_and_its_inputs_are_dropped(model) -> None:
+    """The model thread is held by a call that waits for an event (a stand-in for a long batch
+    ahead): the request's wait ends at request_timeout_s, and its inputs never reach a batch."""
+    import threading
+
+    worker = ModelWorker(model, 8, request_timeout_s=0.2)
+    state = ServiceState(workers={"tiny": worker}, ready=True)
+    started, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        gate.wait(30)
+
+    holder = threading.Thread(target=worker.run, args=(hold,))
+    holder.start()
+    started.wait(30)
+    try:
+        before = model.embed.inputs
+        r = post(state, {"input": ["a", "b"]})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "generation_timeout"
+        assert "server.request_timeout_s = 0.2 s" in r.json()["error"]["message"]
+    finally:
+        gate.set()
+        holder.join(30)
+    assert post(state, {"input": "c"}).status_code == 200
+    assert model.embed.inputs == before + 1  # a and b were dropped, not decoded later
