@@ -115,23 +115,23 @@ def decode_speed(models: dict[str, GGUFModel], prompt: list[int], n: int, rounds
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", nargs="*", default=["q8_0", "q4_0"], help="compared with f16")
-    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--prompts", type=int, default=50, help="0: decode speed only")
     ap.add_argument("--continuation", type=int, default=24, help="tokens f16 continues each prompt with")
     ap.add_argument("--contexts", type=int, nargs="*", default=[256, 1536], help="prompt lengths before the decode")
     ap.add_argument("--decode", type=int, default=64, help="tokens decoded per speed round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    if args.prompts < 1 or args.rounds < 1:
-        ap.error("--prompts and --rounds must be at least 1")
+    if args.prompts < 0 or args.rounds < 1:
+        ap.error("--prompts must be at least 0 and --rounds at least 1")
 
     path = gemma_path()
     n_ctx = max(max(args.contexts) + args.decode + 8, 512)
     load_before = os.getloadavg()
     models = {kind: load(path, kind, n_ctx, args.threads) for kind in ["f16", *args.types]}
     try:
-        prompts = novel_prompts(path, 60, list(range(1, args.prompts + 1)))
-        q = quality(models, prompts, args.continuation)
+        q = quality(models, novel_prompts(path, 60, list(range(1, args.prompts + 1))), args.continuation) \
+            if args.prompts else {}
         long_text = " ".join(novel_prompts(path, 120, list(range(200, 200 + max(args.contexts) // 100 + 2))))
         long_tokens = models["f16"].tokenize_prompt(long_text)
         speed = {str(c): decode_speed(models, long_tokens[:c], args.decode, args.rounds) for c in sorted(args.contexts)}
