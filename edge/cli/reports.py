@@ -55,7 +55,13 @@ def _model_lines(report: dict[str, Any]) -> list[str]:
                          f"{c['n_ubatch']}, threads {c['n_threads']} (batch {c['n_threads_batch']}), flash_attn "
                          f"{c['flash_attn']}, swa_full {str(c.get('swa_full')).lower()}, prompt cache up to "
                          f"{c['prompt_cache_limit_bytes'] / 2**20:.1f} MiB"
-                         + ("" if c.get("use_extra_bufts", True) else ", extra buffer types off"))
+                         + ("" if c.get("use_extra_bufts", True) else ", extra buffer types off")
+                         + f", KV cache {c.get('type_k', 'f16')}/{c.get('type_v', 'f16')}")
+            e = c.get("embeddings")
+            if e:  # issue 55: the embeddings context on the same weights
+                lines.append(f"model {m['name']} embeddings: {e['pooling']} pooling ({e['pooling_from']}), "
+                             f"n_batch {e['n_batch']}, {e['dimensions']} dimensions"
+                             + (", normalized" if e["normalize"] else ""))
     rows = [(p["detail"].get("model"), r) for p in report["phases"] if p["name"] == Phases.PREFIX_STATES
             for r in p["detail"].get("prefixes", [])]
     if rows:

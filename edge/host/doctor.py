@@ -11,10 +11,14 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edge.config import BUILTIN_PREFIX, Config, ModelConfig, cache_dir, find_config, load_config, state_dir, write_probe
 from edge.errors import ConfigError, EdgeError
 from edge.model.mlock import mib
+
+if TYPE_CHECKING:
+    from edge.model.gguf import GGUFInfo
 
 __all__ = ["Check", "run_checks"]
 
@@ -65,7 +69,8 @@ def _model_files(cfg: Config) -> list[Check]:
             present = any(target.glob("*.gguf")) if target.is_dir() else False
             checks.append(Check(f"model {m.name}", "ok",
                                 f"{m.path}: " + ("assembled in " + str(target) if present else
-                                                 "assembled and verified on first start") + f"; {_slots(m)}"))
+                                                 "assembled and verified on first start") + f"; {_slots(m)}"
+                                + (f"; KV cache {m.type_k}/{m.type_v}" if (m.type_k, m.type_v) != ("f16", "f16") else "")))
             continue
         try:
             info = read_gguf_info(m.path)
@@ -73,9 +78,24 @@ def _model_files(cfg: Config) -> list[Check]:
             checks.append(Check(f"model {m.name}", "fail", str(exc),
                                 "point models.path at a complete GGUF file (re-copy it if truncated)"))
             continue
-        checks.append(Check(f"model {m.name}", "ok", f"{m.path}: GGUF v{info.version}, "
-                            f"{info.architecture}, {mib(info.size)}, {info.tensor_count} tensors; {_slots(m)}"))
+        checks.append(_model_check(m, info))
     return checks
+
+
+def _model_check(m: ModelConfig, info: GGUFInfo) -> Check:
+    """The file, the slots, and what its KV cache and embeddings context cost (issue 55): a fail
+    where llama.cpp would refuse its KV types."""
+    from edge.model.kvtypes import kv_type_problem, kv_types_label
+    from edge.model.memory import embeddings_need, kv_bytes
+
+    head = f"{m.path}: GGUF v{info.version}, {info.architecture}, {mib(info.size)}, {info.tensor_count} tensors"
+    problem = kv_type_problem(m, info)
+    if problem is not None:
+        return Check(f"model {m.name}", "fail", f"{head}; models.{problem[0]}: {problem[1]}",
+                     f"set {problem[0]} to f16 (or a type whose block divides the head size)")
+    kv = f"KV cache {kv_types_label(m)}: {mib(kv_bytes(m, info))} at n_ctx = {m.n_ctx}"
+    embed = f"; embeddings context: {mib(embeddings_need(m, info))}" if m.embeddings else ""
+    return Check(f"model {m.name}", "ok", f"{head}; {_slots(m)}; {kv}{embed}")
 
 
 def _slots(m: ModelConfig) -> str:

@@ -12,19 +12,21 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from edge.config import ModelConfig
+from edge.config import Config, EmbeddingsConfig, ModelConfig
 from edge.errors import BackendError, ModelError, RequestError, require
+from edge.model.embed import EmbedContext, check_embeddings
 from edge.model.generate import GenParams, Job, Piece, generate
 from edge.model.gguf import GGUFInfo
 from edge.model.grammar import CompiledGrammar, compile_grammar
 from edge.model.guard import TokenTable
 from edge.model.native import ContextSettings, DecodeError, Native
 from edge.model.mlock import MlockStatus, mlock_status, vm_locked_bytes
+from edge.model.kvtypes import check_kv_types, flash_attn_forced
 from edge.model.memory import kv_bytes, parallel_for, prompt_cache_bytes
 from edge.model.promptcache import PromptCache, lcp
 from edge.model.slots import Slots
 
-__all__ = ["GenParams", "GGUFModel", "Job", "Piece", "diagnose_load_failure", "load_gguf_model",
+__all__ = ["GenParams", "GGUFModel", "Job", "Piece", "check_settings", "diagnose_load_failure", "load_gguf_model",
            "settings_for"]
 
 log = logging.getLogger("edge")
@@ -46,6 +48,7 @@ class GGUFModel:
         self.slots = Slots(native, self.cache, native.n_seq)
         self.tokens = TokenTable(native)  # what the guard after a grammar knows of each token (filled on need)
         self._formatter = self._make_formatter()
+        self.embed: EmbedContext | None = None  # /v1/embeddings' context on the same weights (load_gguf_model)
 
     def _make_formatter(self) -> Any:
         template = self.cfg.chat_template or self.info.chat_template
@@ -161,23 +164,37 @@ class GGUFModel:
         s = self.native.settings
         return {"n_batch": self.native.n_batch, "n_ubatch": s.n_ubatch, "n_threads": s.n_threads,
                 "n_threads_batch": s.n_threads_batch, "flash_attn": s.flash_attn, "swa_full": s.swa_full,
-                "parallel": self.native.n_seq,
-                "use_extra_bufts": s.use_extra_bufts, "prompt_cache_limit_bytes": self.cache.limit_bytes}
+                "parallel": self.native.n_seq, "type_k": s.type_k, "type_v": s.type_v,
+                "use_extra_bufts": s.use_extra_bufts, "prompt_cache_limit_bytes": self.cache.limit_bytes,
+                **({"embeddings": self.embed.describe()} if self.embed is not None else {})}
 
     def close(self) -> None:
-        """The context, the KV cache and the mapping now, not whenever GC gets to them."""
+        """The contexts, the KV cache and the mapping now, not whenever GC gets to them."""
         self.cache.clear()
+        if self.embed is not None:  # before the model it was made on
+            self.embed.close()
         self.native.close()
+
+
+def check_settings(m: ModelConfig, info: GGUFInfo, cfg: Config) -> None:
+    """ConfigError (exit 78, naming `models[i].field` of `cfg`'s file) for a setting this model's
+    GGUF header rules out: KV types llama.cpp would refuse, Matryoshka sizes beyond its vectors."""
+    where = f"models[{[c.name for c in cfg.models].index(m.name)}]"
+    check_kv_types(m, info, cfg.source, where)
+    check_embeddings(m, info, cfg.source, where)
 
 
 def settings_for(cfg: ModelConfig) -> ContextSettings:
     threads = cfg.n_threads or os.cpu_count() or 1
+    # a quantized V cache: flash attention on, as llama.cpp makes "auto" (the report says so)
+    flash = "on" if flash_attn_forced(cfg) else cfg.flash_attn_mode
     return ContextSettings(n_ctx=cfg.n_ctx, n_batch=min(cfg.n_batch, cfg.n_ctx),
                            n_ubatch=min(cfg.n_ubatch or 512, cfg.n_batch, cfg.n_ctx), n_threads=threads,
-                           n_threads_batch=cfg.n_threads_batch or threads, flash_attn=cfg.flash_attn_mode,
+                           n_threads_batch=cfg.n_threads_batch or threads, flash_attn=flash,
                            swa_full=cfg.swa_full,
                            n_gpu_layers=cfg.n_gpu_layers, use_mmap=cfg.use_mmap, use_mlock=cfg.use_mlock,
-                           use_extra_bufts=cfg.use_extra_bufts, n_seq=parallel_for(cfg))
+                           use_extra_bufts=cfg.use_extra_bufts, n_seq=parallel_for(cfg),
+                           type_k=cfg.type_k, type_v=cfg.type_v)
 
 
 def load_gguf_model(cfg: ModelConfig, info: GGUFInfo, quiet: bool = False) -> GGUFModel:
@@ -201,7 +218,14 @@ def load_gguf_model(cfg: ModelConfig, info: GGUFInfo, quiet: bool = False) -> GG
                          + (f"; {why}" if why else "")) from None
     status = mlock_status(cfg.use_mlock, vm_locked_bytes() - before, info, use_mmap=cfg.use_mmap,
                           n_gpu_layers=cfg.n_gpu_layers)
-    return GGUFModel(cfg, info, native, status)
+    model = GGUFModel(cfg, info, native, status)
+    if isinstance(cfg.embeddings, EmbeddingsConfig):
+        try:
+            model.embed = EmbedContext(native, cfg.embeddings, info)
+        except ValueError as exc:
+            model.close()
+            raise ModelError(info.path, f"{exc} (models[].embeddings)") from None
+    return model
 
 
 def diagnose_load_failure(info: GGUFInfo, llama_cpp: Any) -> str:

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from edge.model.kvtypes import GGML_TYPES
+
 __all__ = ["ContextSettings", "DecodeError", "Native", "FLASH_ATTN"]
 
 log = logging.getLogger("edge")
@@ -50,6 +52,9 @@ class ContextSettings:
     use_mlock: bool
     use_extra_bufts: bool = True  # llama.cpp's weight repacking / AMX buffers (false: --no-repack)
     n_seq: int = 1  # sequence slots sharing the context's cells (unified KV): requests decoded at once
+    # the KV cache's element types (issue 55): names of edge.model.kvtypes.GGML_TYPES
+    type_k: str = "f16"
+    type_v: str = "f16"
 
 
 @functools.cache
@@ -112,6 +117,7 @@ class Native:
         cp.no_perf = False
         cp.n_seq_max = max(1, s.n_seq)
         cp.kv_unified = True  # one pool of n_ctx cells for every slot
+        cp.type_k, cp.type_v = GGML_TYPES[s.type_k][0], GGML_TYPES[s.type_v][0]  # KV types (issue 55)
         self.ctx = lib.llama_init_from_model(self.model, cp)
         if not self.ctx:
             self.close()

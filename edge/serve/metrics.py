@@ -65,6 +65,13 @@ class Metrics:
                                      ["model"], registry=reg)
         self.completion_tokens = Counter("edge_completion_tokens", "Completion tokens generated, "
                                          "by model.", ["model"], registry=reg)
+        self.embed_inputs = Counter("edge_embedding_inputs", "Inputs embedded (/v1/embeddings), by model.",
+                                    ["model"], registry=reg)
+        self.embed_tokens = Counter("edge_embedding_tokens", "Tokens of the inputs embedded, by model.",
+                                    ["model"], registry=reg)
+        self.embed_batches = Counter("edge_embedding_batches", "llama.cpp decodes of embeddings batches "
+                                     "holding a client's input (inputs / batches: how full they were), by model.",
+                                     ["model"], registry=reg)
         self.aborts = Counter("edge_client_aborts", "Generations stopped early because the client "
                               "went away, by model.", ["model"], registry=reg)
         self.shed = Counter("edge_connections_shed", "Connections closed at server.max_connections "
@@ -92,6 +99,17 @@ class Metrics:
             return
         self.prompt_tokens.labels(model).inc(prompt)
         self.completion_tokens.labels(model).inc(completion)
+
+    def embedded(self, model: str, inputs: int, tokens: int) -> None:
+        """One embeddings request's inputs and their tokens (warm-up's not counted)."""
+        if not in_warmup():
+            self.embed_inputs.labels(model).inc(inputs)
+            self.embed_tokens.labels(model).inc(tokens)
+
+    def embed_batch(self, model: str, client_inputs: int) -> None:
+        """An embeddings batch decoded; counted where a client's input was in it."""
+        if client_inputs:
+            self.embed_batches.labels(model).inc()
 
     async def generation(self, model: str, pieces: AsyncIterator[T]) -> AsyncIterator[T]:
         """`pieces` passed through, timing the first one: from when it was made (`piece.at`,

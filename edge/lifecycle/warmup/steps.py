@@ -31,9 +31,9 @@ if TYPE_CHECKING:
     from edge.model.llm import GGUFModel
 
 __all__ = ["Candidate", "LoopbackHTTP", "WarmupStep", "WarmupError", "check_prompts",
-           "engine_candidates", "model_candidates", "model_floor", "run_step", "run_steps"]
+           "engine_candidates", "model_candidates", "model_floor", "model_floors", "run_step", "run_steps"]
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, EMBEDDINGS = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
 # Prompt texts are cut from this passage, each starting at a different word, so that no prompt
 # begins with a token another one began with: llama.cpp's prefix cache cannot shorten a repeat.
 PASSAGE = ("The field unit reported nominal telemetry for the third consecutive hour. Battery "
@@ -218,6 +218,33 @@ def model_floor(model: GGUFModel, cfg: WarmupConfig) -> WarmupStep:
                                              "max_tokens": 2, "stream": True})
 
 
+def model_floors(model: GGUFModel, cfg: WarmupConfig) -> tuple[WarmupStep, tuple[WarmupStep, ...]]:
+    """The floor, and the floors of the model's other routes: with an embeddings context
+    (edge.model.embed) the short prompt embedded too, so readiness means that route has
+    answered once as well."""
+    embed = WarmupStep("embeddings_floor", EMBEDDINGS, {"model": model.cfg.name, "input": cfg.short_prompt})
+    return model_floor(model, cfg), (embed,) if model.embed is not None else ()
+
+
+def _embeddings_candidates(model: GGUFModel, texts: _Texts) -> list[Candidate]:
+    """The embeddings context's shapes: one short input, a batch of 8 inputs filling it, and one
+    input as long as its batch (the graph llama.cpp builds differs with rows and sequences)."""
+    ctx = model.embed
+    if ctx is None:
+        return []
+
+    def pair(name: str, sizes: list[int]) -> Candidate:
+        def build() -> WarmupStep:
+            def body() -> dict[str, Any]:
+                return {"model": model.cfg.name, "input": [texts.make(n) for n in sizes]}
+            return WarmupStep(name, EMBEDDINGS, body(), body())
+        return Candidate(name, EMBEDDINGS, sum(sizes), build)
+
+    k = min(8, ctx.n_seq)
+    return [pair("embed_short", [3]), pair(f"embed_batch{k}", [max(2, ctx.n_batch // k)] * k),
+            pair("embed_long", [ctx.n_batch])]
+
+
 def model_candidates(model: GGUFModel, cfg: WarmupConfig) -> list[Candidate]:
     """Every candidate for one model, cheapest paths first, then by prompt length. Runs on the
     model's worker thread, as do the `build`s: a candidate's texts are made only when it runs."""
@@ -254,7 +281,7 @@ def model_candidates(model: GGUFModel, cfg: WarmupConfig) -> list[Candidate]:
     for n in sorted(set(_prompt_lengths(model, cfg))):
         if 3 <= n <= fits:
             sized.append((n, pair(f"len{n}", COMPLETIONS, n, 1)))
-    return steps + [s for _, s in sorted(sized, key=lambda x: x[0])]
+    return steps + [s for _, s in sorted(sized, key=lambda x: x[0])] + _embeddings_candidates(model, texts)
 
 
 def check_prompts(model: GGUFModel, cfg: WarmupConfig, source: str = "<config>") -> list[int]:
