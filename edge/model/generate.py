@@ -294,6 +294,7 @@ class Decoding:
         self.hold = max((len(s) for s in job.params.stop), default=0)
         self.lps: list[TokenLogprob] = []
         self.pos = len(job.tokens)  # where the next token goes in the sequence
+        self.tokens: list[int] = []  # the tokens generated, in order
 
     def take(self, tok: int | None, idx: int = -1) -> tuple[Piece | None, bool]:
         """The token sampled from batch row `idx`: (a piece to send or None, whether the sequence
@@ -302,6 +303,7 @@ class Decoding:
         if tok is None or native.is_eog(tok):
             return Piece(self.held + self.decoder.decode(b"", final=True), "stop", self.lps), True
         job.completion_tokens += 1
+        self.tokens.append(tok)
         if p.logprobs is not None:
             self.lps.append(_logprob_entry(native, tok, p.logprobs, idx))
         self.held += self.decoder.decode(native.piece(tok))
@@ -322,14 +324,14 @@ class Decoding:
         return None, False
 
 
-def generate(native: Native, cache: PromptCache, job: Job) -> Iterator[Piece]:
-    """Pieces of text for `job` decoded alone (one sequence, one token per llama_decode: the
+def generate(native: Native, cache: PromptCache, job: Job, seq: int) -> Iterator[Piece]:
+    """Pieces of text for `job` decoded alone in sequence `seq` (one token per llama_decode: the
     reference a batch's sequences are compared with); the last one has the finish reason
     ("stop" or "length"), unless the job is cancelled, which ends the pieces at the next token."""
     job.hold.start()
     chain = SamplerChain(native, job.params)
     try:
-        job.cached_tokens = cache.prefill(job.tokens, use_cache=job.cache_prompt, remember=job.remember,
+        job.cached_tokens = cache.prefill(seq, job.tokens, use_cache=job.cache_prompt, remember=job.remember,
                                           marks=job.marks)
         job.prefilled = True
         out = Decoding(native, job)
@@ -344,11 +346,11 @@ def generate(native: Native, cache: PromptCache, job: Job) -> Iterator[Piece]:
                 yield piece
             if done:
                 return
-            native.decode_one(tok, out.pos)
-            cache.append(tok)
+            native.decode_one(seq, tok, out.pos)
+            cache.append(seq, tok)
             out.pos += 1
     except Exception:
-        cache.reset()  # a failed decode leaves the sequence's content unknown
+        cache.reset(seq)  # a failed decode leaves the sequence's content unknown
         raise
     finally:
         chain.close()

@@ -21,6 +21,7 @@ from edge.model.native import ContextSettings, DecodeError, Native
 from edge.model.mlock import MlockStatus, mlock_status, vm_locked_bytes
 from edge.model.memory import kv_bytes, parallel_for, prompt_cache_bytes
 from edge.model.promptcache import PromptCache, lcp
+from edge.model.scheduler import Scheduler
 from edge.model.slots import Slots
 
 __all__ = ["GenParams", "GGUFModel", "Job", "Piece", "diagnose_load_failure", "load_gguf_model",
@@ -43,6 +44,7 @@ class GGUFModel:
         self.n_ctx = min(int(cfg.n_ctx), native.n_ctx)  # llama.cpp may round the context up
         self.cache = PromptCache(native, prompt_cache_bytes(cfg, kv_bytes(cfg, info)))
         self.slots = Slots(native, self.cache, native.n_seq)
+        self.scheduler = Scheduler(self.slots, cfg.name)  # the one thread that calls into the context
         self._formatter = self._make_formatter()
 
     def _make_formatter(self) -> Any:
@@ -142,11 +144,11 @@ class GGUFModel:
                                code="context_length_exceeded")
 
     def generate(self, job: Job) -> Iterator[Piece]:
-        """`job` decoded alone on the calling thread (one sequence: the reference the slots'
-        batched decoding is compared with)."""
-        self.native.seq = 0
+        """`job` decoded alone on the calling thread, in a free slot (one sequence: the reference
+        the slots' batched decoding is compared with)."""
         try:
-            yield from generate(self.native, self.cache, job)
+            with self.slots.spare(job.tokens, len(job.tokens) + job.params.max_tokens) as seq:
+                yield from generate(self.native, self.cache, job, seq)
         except DecodeError as exc:
             raise BackendError(f"llama.cpp failed while generating: {exc}") from exc
 
@@ -159,7 +161,9 @@ class GGUFModel:
                 "use_extra_bufts": s.use_extra_bufts, "prompt_cache_limit_bytes": self.cache.limit_bytes}
 
     def close(self) -> None:
-        """The context, the KV cache and the mapping now, not whenever GC gets to them."""
+        """The context, the KV cache and the mapping now, not whenever GC gets to them (the
+        scheduler's thread ended first, its work done)."""
+        self.scheduler.close()
         self.cache.clear()
         self.native.close()
 
