@@ -11,10 +11,14 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edge.config import BUILTIN_PREFIX, Config, ModelConfig, cache_dir, find_config, load_config, state_dir, write_probe
 from edge.errors import ConfigError, EdgeError
 from edge.model.mlock import mib
+
+if TYPE_CHECKING:
+    from edge.model.gguf import GGUFInfo
 
 __all__ = ["Check", "run_checks"]
 
@@ -62,10 +66,16 @@ def _model_files(cfg: Config) -> list[Check]:
     for m in cfg.models:
         if m.path.startswith(BUILTIN_PREFIX):
             target = cache_dir(cfg) / "models"
-            present = any(target.glob("*.gguf")) if target.is_dir() else False
+            found = sorted(target.glob("*.gguf")) if target.is_dir() else []
+            info = None
+            if found:
+                try:
+                    info = read_gguf_info(str(found[0]))
+                except EdgeError:
+                    info = None
             checks.append(Check(f"model {m.name}", "ok",
-                                f"{m.path}: " + ("assembled in " + str(target) if present else
-                                                 "assembled and verified on first start") + f"; {_slots(m)}"))
+                                f"{m.path}: " + ("assembled in " + str(target) if found else
+                                                 "assembled and verified on first start") + f"; {_slots(m, info)}"))
             continue
         try:
             info = read_gguf_info(m.path)
@@ -74,18 +84,23 @@ def _model_files(cfg: Config) -> list[Check]:
                                 "point models.path at a complete GGUF file (re-copy it if truncated)"))
             continue
         checks.append(Check(f"model {m.name}", "ok", f"{m.path}: GGUF v{info.version}, "
-                            f"{info.architecture}, {mib(info.size)}, {info.tensor_count} tensors; {_slots(m)}"))
+                            f"{info.architecture}, {mib(info.size)}, {info.tensor_count} tensors; {_slots(m, info)}"))
     return checks
 
 
-def _slots(m: ModelConfig) -> str:
-    """How many requests the model decodes at once and what each can count on: the slots share
-    the context's cells (unified KV), so one alone may use all of them."""
-    from edge.model.memory import parallel_for
+def _slots(m: ModelConfig, info: GGUFInfo | None) -> str:
+    """The context and slots a start will make (edge.model.memory.context_plan: set, or sized
+    for the model and the memory edge.service may hold) and why: the slots share the context's
+    cells (unified KV) and take them as tokens are decoded, so one request alone may use all."""
+    from edge.host.doctor_memory import service_ceiling
+    from edge.model.memory import context_plan
 
-    p = parallel_for(m)
-    return (f"{p} slots (parallel{'' if m.parallel else ', automatic'}) sharing n_ctx = {m.n_ctx} cells: "
-            f"{m.n_ctx // p} tokens of prompt and answer each when all are busy")
+    if info is None and m.n_ctx is None:
+        return (f"n_ctx: the model's trained context, sized to memory at the first start (the model is not "
+                f"assembled yet); parallel: {m.parallel or 'automatic'}")
+    p = context_plan(m, info, service_ceiling())
+    return (f"n_ctx = {p.n_ctx} ({p.n_ctx_why}), {p.parallel} slots ({p.parallel_why}) sharing its cells, "
+            f"taken as tokens are decoded")
 
 
 _CAP_SYS_RESOURCE = 24

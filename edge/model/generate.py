@@ -131,9 +131,12 @@ class SamplerChain:
         self._idx = -1  # the batch row sample() reads
         self.resampled = 0  # tokens the grammar rejected and that were sampled again (tests, profiles)
         self.full_passes = 0  # of those, the ones the grammar went over the whole vocabulary for
+        self._argmax: Any = None  # greedy without grammar or penalties: (logits as numpy, bias) (sample())
         try:
             if not p.grammar:
                 self.chain = self._chain(self._bias(native, p), self._rest(lib, p))
+                if p.temperature <= 0 and not (p.presence_penalty or p.frequency_penalty):
+                    self._argmax = _Argmax(native, _bias_values(p.logit_bias))
                 return
             bias = list(self._bias(native, p))
             self.pre = self._chain(bias) if bias else None
@@ -200,6 +203,8 @@ class SamplerChain:
         over the candidates (it raises to end the step: a deadline, a cancelled job); the chain
         is left as it was, so a sequence set aside can be sampled again."""
         lib = self._lib
+        if self._argmax is not None:  # what the chain's logit bias and greedy pick, without its array
+            return self._argmax.pick(lib.llama_get_logits_ith(self._ctx, idx))
         if self.grammar is None:
             return lib.llama_sampler_sample(self.chain, self._ctx, idx)
         self._idx = idx
@@ -248,6 +253,29 @@ class SamplerChain:
             if sampler:
                 self._lib.llama_sampler_free(sampler)  # a chain frees every sampler in it
                 setattr(self, name, None)
+
+
+class _Argmax:
+    """Greedy's token from a row of logits with the logit bias added: what llama.cpp's logit-bias
+    and greedy samplers give (the first of equal logits, in vocabulary order), without filling
+    the chain's array of every candidate (262,144 on Gemma 3: ~0.4 ms a token, against ~0.03)."""
+
+    def __init__(self, native: Native, bias: list[tuple[int, float]]) -> None:
+        import numpy as np
+
+        self._np, self._n = np, native.n_vocab
+        self._ids = np.array([t for t, _ in bias], dtype=np.int64)
+        self._values = np.array([b for _, b in bias], dtype=np.float32)
+        self._work = np.empty(self._n, dtype=np.float32) if bias else None
+
+    def pick(self, logits_ptr: Any) -> int:
+        np = self._np
+        row = np.ctypeslib.as_array(logits_ptr, shape=(self._n,))
+        if self._work is not None:
+            self._work[...] = row
+            np.add.at(self._work, self._ids, self._values)  # in order, a token named twice gets both
+            row = self._work
+        return int(row.argmax())
 
 
 def _bias_values(bias: tuple[tuple[int, float], ...]) -> list[tuple[int, float]]:

@@ -19,7 +19,7 @@ from edge.model.gguf import GGUFInfo
 from edge.model.grammar import CompiledGrammar, compile_grammar
 from edge.model.native import ContextSettings, DecodeError, Native
 from edge.model.mlock import MlockStatus, mlock_status, vm_locked_bytes
-from edge.model.memory import kv_bytes, parallel_for, prompt_cache_bytes
+from edge.model.memory import ContextPlan, context_plan, kv_bytes, prompt_cache_bytes
 from edge.model.promptcache import PromptCache, lcp
 from edge.model.scheduler import Scheduler
 from edge.model.slots import Slots
@@ -36,13 +36,15 @@ class GGUFModel:
     """A llama.cpp model, its context and its prompt cache. Every method runs on the model's
     worker thread, but `close()`, which runs on any thread once no job is left on it."""
 
-    def __init__(self, cfg: ModelConfig, info: GGUFInfo, native: Native, mlock: MlockStatus) -> None:
+    def __init__(self, cfg: ModelConfig, info: GGUFInfo, native: Native, mlock: MlockStatus,
+                 plan: ContextPlan | None = None) -> None:
         self.cfg = cfg
         self.info = info
         self.native = native
         self.mlock = mlock
-        self.n_ctx = min(int(cfg.n_ctx), native.n_ctx)  # llama.cpp may round the context up
-        self.cache = PromptCache(native, prompt_cache_bytes(cfg, kv_bytes(cfg, info)))
+        self.plan = plan or context_plan(cfg, info)
+        self.n_ctx = min(self.plan.n_ctx, native.n_ctx)  # llama.cpp may round the context up
+        self.cache = PromptCache(native, prompt_cache_bytes(cfg, kv_bytes(info, self.plan.n_ctx)))
         self.slots = Slots(native, self.cache, native.n_seq)
         self.scheduler = Scheduler(self.slots, cfg.name)  # the one thread that calls into the context
         self._formatter = self._make_formatter()
@@ -157,7 +159,8 @@ class GGUFModel:
         s = self.native.settings
         return {"n_batch": self.native.n_batch, "n_ubatch": s.n_ubatch, "n_threads": s.n_threads,
                 "n_threads_batch": s.n_threads_batch, "flash_attn": s.flash_attn, "swa_full": s.swa_full,
-                "parallel": self.native.n_seq,
+                "parallel": self.native.n_seq, "n_ctx_why": self.plan.n_ctx_why,
+                "parallel_why": self.plan.parallel_why,
                 "use_extra_bufts": s.use_extra_bufts, "prompt_cache_limit_bytes": self.cache.limit_bytes}
 
     def close(self) -> None:
@@ -168,14 +171,15 @@ class GGUFModel:
         self.native.close()
 
 
-def settings_for(cfg: ModelConfig) -> ContextSettings:
+def settings_for(cfg: ModelConfig, plan: ContextPlan) -> ContextSettings:
     threads = cfg.n_threads or os.cpu_count() or 1
-    return ContextSettings(n_ctx=cfg.n_ctx, n_batch=min(cfg.n_batch, cfg.n_ctx),
-                           n_ubatch=min(cfg.n_ubatch or 512, cfg.n_batch, cfg.n_ctx), n_threads=threads,
+    n_ctx = plan.n_ctx
+    return ContextSettings(n_ctx=n_ctx, n_batch=min(cfg.n_batch, n_ctx),
+                           n_ubatch=min(cfg.n_ubatch or 512, cfg.n_batch, n_ctx), n_threads=threads,
                            n_threads_batch=cfg.n_threads_batch or threads, flash_attn=cfg.flash_attn_mode,
                            swa_full=cfg.swa_full,
                            n_gpu_layers=cfg.n_gpu_layers, use_mmap=cfg.use_mmap, use_mlock=cfg.use_mlock,
-                           use_extra_bufts=cfg.use_extra_bufts, n_seq=parallel_for(cfg))
+                           use_extra_bufts=cfg.use_extra_bufts, n_seq=plan.parallel)
 
 
 def load_gguf_model(cfg: ModelConfig, info: GGUFInfo, quiet: bool = False) -> GGUFModel:
@@ -185,21 +189,21 @@ def load_gguf_model(cfg: ModelConfig, info: GGUFInfo, quiet: bool = False) -> GG
     from edge.model.gpu import require_gpu_offload
 
     require_gpu_offload(llama_cpp, cfg.name, cfg.n_gpu_layers)  # a CPU-only build would ignore it
-    trained = info.context_length
-    if trained and cfg.n_ctx > trained:
+    trained, plan = info.context_length, context_plan(cfg, info)
+    if trained and plan.n_ctx > trained:
         log.warning("%s: n_ctx = %d is more than the %d tokens %s was trained for (%s.context_length): "
-                    "output past %d tokens is unreliable", cfg.name, cfg.n_ctx, trained, info.path,
+                    "output past %d tokens is unreliable", cfg.name, plan.n_ctx, trained, info.path,
                     info.architecture, trained)
     before = vm_locked_bytes()
     try:
-        native = Native(info.path, settings_for(cfg), quiet=quiet)
+        native = Native(info.path, settings_for(cfg, plan), quiet=quiet)
     except (ValueError, RuntimeError) as exc:
         why = diagnose_load_failure(info, llama_cpp)
         raise ModelError(info.path, f"llama.cpp could not load the model: {exc}"
                          + (f"; {why}" if why else "")) from None
     status = mlock_status(cfg.use_mlock, vm_locked_bytes() - before, info, use_mmap=cfg.use_mmap,
                           n_gpu_layers=cfg.n_gpu_layers)
-    return GGUFModel(cfg, info, native, status)
+    return GGUFModel(cfg, info, native, status, plan)
 
 
 def diagnose_load_failure(info: GGUFInfo, llama_cpp: Any) -> str:

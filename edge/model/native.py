@@ -110,14 +110,7 @@ class Native:
         if not self.model:
             raise ValueError(f"Failed to load model from file: {path}")
         self.vocab = lib.llama_model_get_vocab(self.model)
-        cp = lib.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_ubatch = s.n_ctx, s.n_batch, min(s.n_ubatch, s.n_batch)
-        cp.n_threads, cp.n_threads_batch = s.n_threads, s.n_threads_batch
-        cp.flash_attn_type = FLASH_ATTN[s.flash_attn]
-        cp.swa_full = s.swa_full
-        cp.no_perf = False
-        cp.n_seq_max = max(1, s.n_seq)
-        cp.kv_unified = True  # one pool of n_ctx cells for every slot
+        cp = _context_params(lib, s)
         self.ctx = lib.llama_init_from_model(self.model, cp)
         if not self.ctx:
             self.close()
@@ -131,9 +124,12 @@ class Native:
         # keeps every position in a full-size window cache, but still leaves what the window no
         # longer shows out of a sequence's state and reuses those cells once the cache wraps
         self.n_swa = int(lib.llama_model_n_swa(self.model))
-        self.n_seq = max(1, s.n_seq)
+        self.n_seq = max(1, s.n_seq)  # the slots: sequence ids 0 .. n_seq - 1
+        # a sequence id no slot uses, for work that must not touch a slot's cells (a piece of a
+        # state cut out, edge.model.windowed); empty between such calls
+        self.spare = self.n_seq
         # a state of every position the window cache holds needs the whole context's state
-        # (llama_state_get_data): only where the context has one sequence
+        # (llama_state_get_data): only where the context has one slot (the spare one is empty)
         self.whole_states = self.n_seq == 1
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
         self._rows = [SEQ] * self.n_batch  # each batch row's sequence id, rewritten only where it changes
@@ -261,6 +257,14 @@ class Native:
         lib.llama_memory_seq_rm(self.mem, dst, -1, -1)
         lib.llama_memory_seq_cp(self.mem, src, dst, 0, n)
 
+    def drop(self, seq: int, p0: int, p1: int) -> None:
+        """Positions [p0, p1) of `seq` removed (llama_memory_seq_rm)."""
+        self.lib.llama_memory_seq_rm(self.mem, seq, p0, p1)
+
+    def share(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """`src`'s cells of positions [p0, p1) made `dst`'s too (llama_memory_seq_cp: no copy)."""
+        self.lib.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
     def pos_min(self, seq: int) -> int:
         """The oldest position `seq` still holds (-1: empty)."""
         return int(self.lib.llama_memory_seq_pos_min(self.mem, seq))
@@ -339,6 +343,18 @@ class Native:
         else:  # the context could not be made: only the model is there
             _free(self.lib, self.model, self.ctx, None)
         self._batch = self.ctx = self.model = None
+
+
+def _context_params(lib: Any, s: ContextSettings) -> Any:
+    cp = lib.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = s.n_ctx, s.n_batch, min(s.n_ubatch, s.n_batch)
+    cp.n_threads, cp.n_threads_batch = s.n_threads, s.n_threads_batch
+    cp.flash_attn_type = FLASH_ATTN[s.flash_attn]
+    cp.swa_full = s.swa_full
+    cp.no_perf = False
+    cp.n_seq_max = max(1, s.n_seq) + 1  # the slots and a spare one (Native.spare)
+    cp.kv_unified = True  # one pool of n_ctx cells for every slot
+    return cp
 
 
 def _free(lib: Any, model: Any, ctx: Any, batch: Any) -> None:

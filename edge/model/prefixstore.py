@@ -83,8 +83,10 @@ def compute_state(cache: PromptCache, seq: int, tokens: list[int]) -> bytearray:
 def cut_state(cache: PromptCache, seq: int, e: Entry, n: int) -> tuple[list[int], bytearray] | None:
     """`e`'s tokens and windowed state (for a file) cut to its first n tokens, where its window
     reaches back that far (else whole); None where llama.cpp refuses the state."""
-    if not load_state(cache, seq, e.tokens, e.state, e.whole):
+    key = next(k for k, x in cache.entries.items() if x is e)
+    if not cache.load(seq, key, n):
         return None
+    cache.lives[seq] = list(e.tokens)
     native = cache.native
     if n < len(e.tokens) and native.reaches(e.pos_min, n) and native.keep(seq, n):
         cache.lives[seq] = cache.live(seq)[:n]

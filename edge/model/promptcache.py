@@ -30,6 +30,7 @@ from typing import Union
 
 from edge.model.checkpoints import MIN_NEW, PrefillCheckpoints, positions
 from edge.model.savedstates import MIN_REUSE, CacheStats, Entry, SavedStates, lcp
+from edge.model.windowed import cut_piece, splice_piece
 
 Marks = Union[Sequence[int], Callable[[], Sequence[int]]]  # positions worth a checkpoint, or how to find them
 
@@ -120,7 +121,7 @@ class PromptCache(SavedStates):
             self.copy(slot, seq, n)  # another slot's cells, shared
         else:
             self.shared.pop(seq, None)  # its own cells, or a restored state's
-        if source is not None and not self._restore(seq, source):
+        if source is not None and not self.load(seq, source, n):
             n = 0
         if n < len(self.live(seq)) and not (native.keep(seq, n) and native.can_continue_at(seq, n)):
             n = 0  # memory that cannot drop a suffix (recurrent models): start over
@@ -174,10 +175,18 @@ class PromptCache(SavedStates):
                 best = (key, m)
         return (*best, shared)
 
-    def _restore(self, seq: int, key: int) -> bool:
-        entry = self.entries[key]
-        if not self.native.set_state(seq, entry.state, entry.whole):
-            self._drop(key)  # llama.cpp refused it: never offered again
+    def load(self, seq: int, key: int, n: int) -> bool:
+        """Saved state `key` into sequence `seq`, to be cut back to n tokens: its window piece
+        spliced in where the end's state alone does not reach back there (edge.model.windowed).
+        False (an empty sequence; the state dropped, never offered again) where llama.cpp
+        refuses it."""
+        entry, native = self.entries[key], self.native
+        ok = native.set_state(seq, entry.state, entry.whole)
+        if ok and entry.piece is not None and n < len(entry.tokens) - 1:
+            ok = splice_piece(native, seq, entry.piece, entry.pos_min, entry.piece_end)
+        if not ok:
+            native.clear(seq)
+            self._drop(key)
             self.lives[seq] = []
             return False
         self.stats.restores += 1
@@ -230,7 +239,7 @@ class PromptCache(SavedStates):
         if not wanted:
             return None
         return PrefillCheckpoints(wanted, len(tokens), lambda end, evict: self._keep_live(
-            seq, tokens[:end], checkpoint=True, evict=evict) is not None)
+            seq, tokens[:end], checkpoint=True, evict=evict, cut_back=evict) is not None)
 
     def _save_live_if_losing(self, seq: int, keep: int, protect: int | None = None) -> None:
         """Save the live state before a prompt throws more of it away than it keeps, unless
@@ -245,19 +254,26 @@ class PromptCache(SavedStates):
         least = MIN_REUSE if self.turns.get(seq, False) else min(MIN_NEW, (len(live) + 1) // 2)
         if len(live) - self._served(live) < least:
             return
-        self._keep_live(seq, live, protect)
+        self._keep_live(seq, live, protect, cut_back=True)
 
     def _keep_live(self, seq: int, tokens: list[int], protect: int | None = None, checkpoint: bool = False,
-                   evict: bool = True) -> int | None:
+                   evict: bool = True, cut_back: bool = False) -> int | None:
         """Sequence `seq`'s state (it holds `tokens`) kept as the most recent entry; its key,
         or None where it cannot fit. The states it gives all of go first, then room is made
         (unless `evict` is False: free room only), then it is copied: the bytes held never
-        pass the limit. Sliding-window models' states are saved whole, so they can be cut back."""
+        pass the limit. A sliding-window model's state is saved whole where the context has
+        one slot, else windowed, with (`cut_back`) the window before its end's as a piece
+        (edge.model.windowed): either can be cut back."""
         native = self.native
         whole = native.n_swa > 0 and native.whole_states
         size = native.state_size(seq, whole)
-        pos_min = native.pos_min(seq) if whole else native.window_min(seq)
-        new = Entry(list(tokens), bytearray(), checkpoint=checkpoint, pos_min=pos_min, whole=whole)
+        piece = cut_piece(native, seq, len(tokens)) if cut_back and not whole and size else None
+        if piece is not None and not self._fits(size + len(piece[0]), protect):
+            piece = None  # the end's state alone where both do not fit
+        pos_min = native.pos_min(seq) if whole else piece[1] if piece else native.window_min(seq)
+        new = Entry(list(tokens), bytearray(), checkpoint=checkpoint, pos_min=pos_min, whole=whole,
+                    piece=piece[0] if piece else None, piece_end=len(tokens) - native.n_swa if piece else 0)
+        size += len(piece[0]) if piece else 0
         if not size or not self._fits(size, protect) or (not evict and self.nbytes + size > self.limit_bytes):
             return None
         for key in [k for k, e in self.entries.items() if k != protect and self._gives_all_of(new, e)]:

@@ -49,10 +49,13 @@ class Entry:
     reused: int = 0  # the shortest prefix of it those requests reused (what is worth keeping)
     pos_min: int = 0  # the oldest position it holds (a sliding window keeps only its end)
     whole: bool = False  # Native.state_bytes(whole=True): restored with set_state(whole=True)
+    # the window before its end's (edge.model.windowed): positions [pos_min, piece_end) of every layer
+    piece: bytearray | None = None
+    piece_end: int = 0
 
     @property
     def nbytes(self) -> int:
-        return len(self.state)
+        return len(self.state) + (len(self.piece) if self.piece is not None else 0)
 
     def hit(self, n: int, times: int = 1) -> None:
         self.hits += times

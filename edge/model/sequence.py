@@ -100,3 +100,4 @@ class SlotStats:
     retried: int = 0  # steps llama.cpp found no cells for, decoded again after room was made
     decode_s: float = 0.0  # time in llama_decode
     sample_s: float = 0.0  # time sampling and making text, after the decodes
+    step_s: float = 0.0  # time in the steps: those two, and building the batch, admission, suspensions

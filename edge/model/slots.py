@@ -187,6 +187,13 @@ class Slots:
     def step(self) -> bool:
         """One llama_decode for every sequence that has work, then their sampling; False when
         there was nothing to decode."""
+        t = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.stats.step_s += time.perf_counter() - t
+
+    def _step(self) -> bool:
         self._reap()
         self.admission.resume_suspended()
         budget = self.admission.before_step()
