@@ -68,7 +68,6 @@ class Sequence:
     row: int = -1  # the batch row whose logits it samples after this step's decode
     chunk: int = 0  # prompt tokens of it in this step's batch
     tok: int = -1  # the token it decodes next
-    generated: list[int] = field(default_factory=list)  # tokens it generated and decoded (its slot holds them)
     suspensions: int = 0  # times its cells were given up while it ran
 
     @property
