@@ -21,7 +21,7 @@ def _range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class BatchingConfig:
-    """An engine's KServe requests batched as Triton's dynamic batcher does (edge.serve.batcher,
+    """An engine's KServe requests batched as Triton's dynamic batcher does (edge.engines.dynamic_batching,
     which checks these against the engine's profiles): enabled ("auto": where it has a batch dim),
     the oldest request's longest wait for company (0: a batch is what queued while the engine was
     busy), the most rows (0: what the profiles take), rows that run without waiting (0: the most)."""
@@ -44,7 +44,7 @@ class EngineConfig:
     profile: str = ""  # with onnx_sha256: the key's profile label (recipe profile names joined by "+"; "": one default profile)
     store: str | None = None  # default: <cache_dir>/engines
     warmup: bool = True  # run every profile's min/opt/max shapes before READY
-    batching: BatchingConfig = field(default_factory=BatchingConfig)  # its KServe requests batched (edge.serve.batcher)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)  # its KServe requests batched (edge.engines.dynamic_batching)
 
 
 def check_name(name: str, source: str, key: str) -> None:

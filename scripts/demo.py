@@ -4,7 +4,7 @@ asked while the service is still starting, the answer, the start report, a clean
 
 If the service dies (a bad config, a native fault), the demo says so within a second, with its
 exit status or signal and the tail of its log, and exits 1: the question waits through
-kit.PidOne.while_running, which watches the service while the answer is awaited."""
+harness.PidOne.while_running (scripts/harness/pid1.py), which watches the service while the answer is awaited."""
 
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the test kit (tests/kit) is not part of the package
+from edge.serve.client import request
+from harness import PidOne, ServiceExited  # scripts/harness: beside this file, so on sys.path
 
-from edge.serve.client import request  # noqa: E402
-from kit import PidOne, ServiceExited  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "Question: What is the capital of France?\nAnswer:"
 
 

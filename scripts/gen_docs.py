@@ -15,17 +15,15 @@ import dataclasses
 import inspect
 import io
 import re
-import sys
 import tokenize
 import typing
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from edge import config as config_mod
+from edge import errors
 
-from edge import config as config_mod  # noqa: E402
-from edge import errors  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PARTS = {"config": "docs/config.md", "exit-codes": "docs/faults.md"}
 _TOML_TYPES = {str: "string", int: "integer", float: "float", bool: "boolean", Any: "any"}

@@ -35,15 +35,15 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from edge.device.identity import detect, probe_gpu
+from edge.serve.client import request as http
+from edge.timing import REPORT_NAME
+from harness import EDGE, PidOne, post  # scripts/harness: beside this file, so on sys.path
 
-from edge.device.identity import detect, probe_gpu  # noqa: E402
-from edge.serve.client import request as http  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RECIPE = ROOT / "engines" / "mlp-demo.toml"
 BUDGET_S = 240.0  # the optional TensorRT steps start only within this; the whole check < 5 min
-EDGE = [sys.executable, "-m", "edge.cli"]
 NVIDIA_MAJOR = 195  # nvidia-modprobe-utils.h: NV_MAJOR_DEVICE_NUMBER; nvidiactl is minor 255
 Row = tuple[str, str, str]  # step, ok | fail | skipped, what was seen
 
@@ -102,8 +102,6 @@ def profile_requests(address: tuple[str, int]) -> list[dict[str, Any]]:
 
 
 def serve_and_query(folder: Path, backend: str, store: Path, gguf: Path | None) -> dict[str, Any]:
-    from kit import PidOne  # the test kit (tests/kit), on sys.path above
-
     cfg = write_config(folder, backend, store, gguf)
     result: dict[str, Any] = {}
     with PidOne([*EDGE, "serve", "--config", str(cfg)]) as pid1:
@@ -119,7 +117,7 @@ def serve_and_query(folder: Path, backend: str, store: Path, gguf: Path | None) 
                                {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0})
             result["gguf_offload"] = {"ok": status == 200, "status": status}
         result["exit_code"] = pid1.stop()
-    report = json.loads((folder / "state" / "last-start.json").read_text())
+    report = json.loads((folder / "state" / REPORT_NAME).read_text())
     result["phases"] = {p["name"]: p["seconds"] for p in report["phases"]}
     return result
 
@@ -181,7 +179,7 @@ def tiny_gguf(folder: Path) -> Path | None:
 
     if llama_build() != "cuda":
         return None
-    from ggufgen import write_tiny_llama
+    from harness.ggufgen import write_tiny_llama
 
     return write_tiny_llama(folder / "tiny.gguf")
 
@@ -258,7 +256,6 @@ def sticky_row(folder: Path, serve: Any = None, device: Any = None) -> Row:
     import hashlib
 
     from edge.errors import EX_SOFTWARE
-    from kit import PidOne, post
     from kit.gpudouble import engine_in_store, serve_on_real_gpu
     from kit.ptxtrt import POISON, PtxTensorRT
 

@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from ggufgen import write_tiny_gemma3, write_tiny_llama  # noqa: E402
+from harness.ggufgen import write_tiny_gemma3, write_tiny_llama  # noqa: E402
 from kit import EDGE, PidOne, write_config  # noqa: E402
 
 pytest_plugins = ["kit.ota"]  # OTA fixtures (kit, live) for the OTA and Mender tests
@@ -38,7 +38,7 @@ def grammar_walk(tiny_gguf: Path) -> Iterator[tuple]:
 
     cfg = ModelConfig(name="tiny", path=str(tiny_gguf), n_ctx=256, n_batch=64, n_threads=1, use_mlock=False)
     m = load_gguf_model(cfg, read_gguf_info(tiny_gguf))
-    yield m, Walker(m.native)
+    yield m, Walker(m)
     m.close()
 
 

@@ -19,12 +19,10 @@ import typer
 from edge.cli import app
 from edge.config import parse_config
 from kit.docs import anchor, section
+import gen_docs  # scripts/gen_docs.py (scripts/ is on pytest's pythonpath): the generator the pages are checked against
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import gen_docs  # noqa: E402  (scripts/gen_docs.py: the generator the pages are checked against)
 
 
 def _nav() -> list[str]:
@@ -152,20 +150,20 @@ def test_every_command_help_points_to_its_page() -> None:
 
 def test_the_prompt_cache_bound_the_readme_states_is_the_measured_one() -> None:
     """docs/api.md's "Reproducibility" states how far an answer continued from a cached prefix strays from
-    a fresh prefill: the sentence `scripts/bench-cache-bound` makes from its recorded result
+    a fresh prefill: the sentence `scripts/bench cache_bound` makes from its recorded result
     (tests/fixtures/cache_bound.json: >= 200 prompts of several lengths on the real Gemma 3 270M),
     and that result's summary is the one its rows give."""
     import json
 
-    import bench_cache_bound
+    from benchmarks import cache_bound
 
     result = json.loads((ROOT / "tests" / "fixtures" / "cache_bound.json").read_text())
     rows = result["rows"]
     assert len(rows) >= 200 and len({r["prefix_tokens"] for r in rows}) >= 3
     assert all(r["reused"] >= r["prefix_tokens"] - 1 for r in rows)  # each cached answer did reuse its prefix
-    assert bench_cache_bound.summary(rows) == result["summary"]
+    assert cache_bound.summary(rows) == result["summary"]
     stated = " ".join(section("Reproducibility").split())
-    assert bench_cache_bound.statement(result) in stated
+    assert cache_bound.statement(result) in stated
     shortest = [r for r in rows if r["prefix_tokens"] == min(result["prefix_tokens"])]
     assert f"with the {shortest[0]['prefix_tokens']}-token prefixes no logprob differed at all" in stated
     assert all(r["max"] == 0 and r["parted_at"] is None for r in shortest)

@@ -1,6 +1,6 @@
 """The README (and every page of docs/) names only what exists: every `edge` command and option (asked of the typer app
 itself), every path under edge/, tests/, scripts/, systemd/, engines/ and .ci/, every script's
-options, every dotted module reference (`edge.x.Y`, `kit.Y`), every test it names
+options, every dotted module reference (`edge.x.Y`, `kit.Y`, `harness.Y`, `benchmarks.x`), every test it names
 (`tests/x.py::test_y`, the test that holds a statement), every name it places in a module
 (`` `model_key`, `edge/lifecycle/loadset.py` ``) and every row of the module map."""
 
@@ -122,11 +122,16 @@ def test_every_option_named_alone_exists() -> None:
     assert missing == []
 
 
-def _script_sources(script: Path) -> str:
-    """The script and the Python file it runs (`scripts/bench-load` runs scripts/bench_load.py)."""
+def _script_sources(script: Path, args: list[str]) -> str:
+    """The script and the Python file it runs (`scripts/demo` runs scripts/demo.py; `scripts/bench
+    load` runs the module scripts/benchmarks/load.py, which must exist)."""
     text = script.read_text(errors="replace")
     for ran in re.findall(r"scripts/(\w+\.py)", text):
         text += (ROOT / "scripts" / ran).read_text(errors="replace")
+    if script == ROOT / "scripts" / "bench" and args and not args[0].isupper():  # NAME: the placeholder
+        bench = ROOT / "scripts" / "benchmarks" / f"{args[0]}.py"
+        assert bench.is_file(), f"scripts/bench {args[0]}: no benchmark scripts/benchmarks/{bench.name}"
+        text += bench.read_text(errors="replace")
     return text
 
 
@@ -139,11 +144,12 @@ def test_every_path_and_script_option_exists() -> None:
         path = ROOT / tokens[0].split("::")[0]  # tests/x.py::test_y: the test is checked below
         assert path.exists(), f"README names {tokens[0]}, which does not exist"
         checked += 1
-        source = _script_sources(path) if tokens[0].startswith("scripts/") and path.is_file() else ""
+        source = _script_sources(path, tokens[1:]) if tokens[0].startswith("scripts/") and path.is_file() else ""
         if 'pytest -q "$@"' in source:
             continue  # scripts/test: its options are pytest's
         for opt in (t for t in tokens[1:] if t.startswith("-")):
             known = f'"{opt}"' in source or re.search(rf"^\s*{re.escape(opt)}\)", source, re.M)  # sh `case`
+            known = known or (opt == "--help" and "argparse" in source)  # argparse's own
             assert known, f"README: {text!r}: {tokens[0]} has no option {opt}"
     assert checked > 30
 
@@ -162,9 +168,9 @@ def _resolve(dotted: str) -> object:
 
 
 def test_every_dotted_module_reference_resolves() -> None:
-    refs = {t for t in _code() if re.fullmatch(r"(?:edge|kit)(?:\.[A-Za-z_]\w*)+", t)
+    refs = {t for t in _code() if re.fullmatch(r"(?:edge|kit|harness|benchmarks)(?:\.[A-Za-z_]\w*)+", t)
             and t.split(".")[1] not in FILE_SUFFIXES and t not in MENDER_KEYS}
-    assert "kit.PidOne" in refs
+    assert "harness.PidOne" in refs
     unresolved = []
     for ref in sorted(refs):
         try:

@@ -60,8 +60,8 @@ def main() -> None:
     lower_client(sys.argv[1:])
     plain = plain_serve(sys.argv[1:])
     watch = None
-    if plain is not None:  # first: the watch sees every module compiled from here on
-        from edge.lifecycle.bytecode import CompileWatch
+    if sys.argv[1:2] == ["serve"]:  # first: the watch sees every module compiled from here on
+        from edge.bytecode import CompileWatch
 
         watch = CompileWatch()
     from edge.errors import EX_SOFTWARE, EdgeError
@@ -73,7 +73,7 @@ def main() -> None:
             sys.exit(serve(plain[0], watch))
         from edge.cli.commands import app as typer_app
 
-        typer_app()
+        typer_app(obj=watch)  # the serve command's context carries it (edge.cli.serve)
     except EdgeError as exc:
         _stderr(f"edge: error: {exc}")
         sys.exit(exc.exit_code)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import socket
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -62,6 +63,31 @@ def _config_target(config: Optional[str]) -> str:
     return f"{host}:{server.port}"
 
 
+AGENT_KEY_FILE = "/etc/edge/prometheus-agent.key"
+
+
+def _scrape_access(config: Optional[str], target: str, ca_file: Optional[str], server_name: Optional[str],
+                   key_file: Optional[str]) -> dict[str, Optional[str]]:
+    """How the agent reaches this device's /metrics: over HTTPS trusting its certificate (the
+    installed unit's edge-tls-cert credential, else tls_cert_file) checked by the name in it
+    where the target's address is not; with a key where /metrics is keyed (keys configured and
+    metrics_auth = "key"). Each flag given overrides what the device says."""
+    from edge.fleet.agent import server_name_for
+    from edge.host.doctor_auth import served_access
+    from edge.host.units import installed_service, unit_dir
+
+    cert, keyed = served_access(config_of(config), installed_service([unit_dir("/", False)]))
+    ca = ca_file or (str(cert) if cert else None)
+    if ca and server_name is None:
+        try:
+            server_name = server_name_for(Path(ca).read_bytes(), target.rsplit(":", 1)[0])
+        except (OSError, ValueError) as exc:
+            typer.echo(f"edge fleet agent: cannot read {ca} ({exc}): give --server-name if the certificate "
+                       f"does not name {target.rsplit(':', 1)[0]}", err=True)
+    return {"tls_ca": ca, "server_name": server_name if ca else None,
+            "key_file": key_file or (AGENT_KEY_FILE if keyed else None)}
+
+
 @fleet_app.command("agent")
 def agent(remote_write: str = typer.Option(..., "--remote-write", callback=http_url,
                                            help="the fleet's remote-write URL"),
@@ -75,9 +101,17 @@ def agent(remote_write: str = typer.Option(..., "--remote-write", callback=http_
           unit: bool = typer.Option(False, "--unit", help="print the systemd unit instead of the config"),
           prometheus: str = typer.Option("/usr/bin/prometheus", "--prometheus",
                                          help="the Prometheus binary the unit runs (its version picks the agent flag)"),
+          ca_file: Optional[str] = typer.Option(None, "--ca-file", help="scrape over HTTPS trusting this "
+                                                "certificate (default: the one edge serves, when it serves TLS)"),
+          server_name: Optional[str] = typer.Option(None, "--server-name", help="the name in edge's certificate "
+                                                    "(default: its first DNS name, when the target's address is not in it)"),
+          key_file: Optional[str] = typer.Option(None, "--key-file", help="a file holding one of edge's API keys, "
+                                                 f"alone (default: {AGENT_KEY_FILE}, when edge's /metrics is keyed)"),
           config: Optional[str] = ConfigOpt) -> None:
     """Print a Prometheus agent-mode config (or, with --unit, its systemd unit) that scrapes edge on
     this device and remote-writes to the fleet: devices behind NAT push, nothing connects to them.
+    A device that serves TLS is scraped over HTTPS, one whose /metrics is keyed with a key: both
+    passed to the agent's unit as systemd credentials.
 
     Docs: docs/fleet.md"""
     from edge.fleet.agent import AgentSetup, prometheus_major
@@ -85,7 +119,8 @@ def agent(remote_write: str = typer.Option(..., "--remote-write", callback=http_
     if target is None:
         target = _config_target(config)
     setup = AgentSetup(remote_write=remote_write, instance=instance or socket.gethostname(),
-                       target=target, interval=interval, binary=prometheus)
+                       target=target, interval=interval, binary=prometheus,
+                       **_scrape_access(config, target, ca_file, server_name, key_file))
     typer.echo(setup.unit(prometheus_major(prometheus)) if unit else setup.config(), nl=False)
 
 

@@ -7,14 +7,15 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from edge.lifecycle.bytecode import CompileWatch
+    from edge.bytecode import CompileWatch
 
 __all__ = ["serve"]
 
 
 def serve(config: str | None, watch: CompileWatch | None = None) -> int:
     """Load, lock and warm up the models, then serve on the inherited or configured socket; the
-    exit code. `watch`: the source files compiled since exec, for the start report."""
+    exit code. `watch`: the source files compiled since exec, for the start report (made by
+    edge.cli.main before anything else; None: the report leaves them out)."""
     from edge.timing import StartTimer
 
     timer = StartTimer()  # first: the report measures from exec, config parsing included
@@ -25,23 +26,17 @@ def serve(config: str | None, watch: CompileWatch | None = None) -> int:
     faulthandler.enable(all_threads=True)
     from edge.lifecycle.systemd import HANDOVER_ENV
 
-    successor = yielded = notifier = None
+    takeover = None
     if os.environ.get(HANDOVER_ENV):  # started by a running edge to take over from it
         from edge.lifecycle.handover.priority import yield_cpu
 
         yielded = yield_cpu()  # below the serving process's CPU priority until ready, imports included
-        from edge.lifecycle.handover.successor import Successor, SuccessorNotifier
+        from edge.lifecycle.handover.successor import Takeover
 
-        successor = Successor.from_env()
-        notifier = SuccessorNotifier(successor) if successor else None
+        takeover = Takeover.from_env(yielded)
     from edge.lifecycle.start import ColdStart
 
-    if watch is None:
-        from edge.lifecycle.bytecode import CompileWatch
-
-        watch = CompileWatch()
-    start = ColdStart(config, timer=timer, notifier=notifier, takes_over=successor is not None,
-                      compiled=watch, yielded=yielded)
+    start = ColdStart(config, timer=timer, takeover=takeover, compiled=watch)
     code = start.run()  # however it ends, its journal and reports say so (edge.lifecycle.recovery)
     if start.gpu_lost:  # not even the finalizers at exit may touch the lost CUDA context
         _exit_now(code)

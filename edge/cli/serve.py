@@ -17,13 +17,13 @@ from edge.errors import EdgeError
 __all__ = ["register"]
 
 
-def serve(config: Optional[str] = ConfigOpt) -> None:
+def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Load, lock and warm up the models, then serve on the inherited or configured socket.
 
     Docs: docs/deploy.md"""
     from edge.cli.launch import serve as run
 
-    raise typer.Exit(run(config))
+    raise typer.Exit(run(config, ctx.obj))  # ctx.obj: the compile watch edge.cli.main made first
 
 
 SvgOpt = typer.Option(None, "--svg", callback=output_file,
@@ -38,7 +38,7 @@ def warmup(config: Optional[str] = ConfigOpt, as_json: bool = JsonOpt,
 
     Docs: docs/internals.md#cold-start-phase-by-phase"""
     from edge.lifecycle.start import ColdStart
-    from edge.timing import format_report
+    from edge.cli.reports import format_report
 
     report = ColdStart(config).rehearse(recalibrate=calibrate)
     typer.echo(json.dumps(report, indent=2) if as_json else format_report(report))
@@ -53,7 +53,7 @@ def _write_svg(path: Path, charts: list[Any]) -> None:
     from edge.fleet.timeline import render_svg
 
     try:
-        atomic_write(path, render_svg(charts))
+        atomic_write(path, render_svg(charts), mode=None)  # the file asked for, as the umask makes it
     except OSError as exc:
         raise EdgeError(f"--svg {path}: cannot write it: {exc.strerror or exc}") from None
     typer.echo(f"timeline written to {path}", err=True)
@@ -210,7 +210,8 @@ def _read_report(folder: Path, kind: str, damaged: list[str]) -> Optional[dict[s
 def _print_reports(folder: Path, report: Any, reload_report: Any, failed: Any, damaged: list[str]) -> None:
     """Each report as a table; one whose fields cannot be shown is named in `damaged` instead."""
     from edge.fleet.history import FAILED_START
-    from edge.timing import format_reload_report, format_report, visible
+    from edge.cli.reports import format_reload_report, format_report
+    from edge.timing import visible
 
     shown = False
     for r, kind, render in ((report, "start", format_report), (reload_report, "reload", format_reload_report),
@@ -257,7 +258,7 @@ def _newer(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def _format_failed(r: dict[str, Any]) -> str:
-    from edge.timing import format_report
+    from edge.cli.reports import format_report
 
     table = format_report({**r, "sockets": []}).split("\n", 2)[2]  # its phases, without the head
     how = f"exit {r['exit_code']}" if r.get("exit_code") is not None else f"signal {r.get('signal', 'unknown')}"

@@ -118,7 +118,7 @@ def _compile(edge: str, prefix: str) -> None:
     """Bytecode for this edge and its dependencies, written now: the unit can never write it
     (ProtectSystem=strict), so whatever is missing would be compiled at every start."""
     from edge.host.units import default_edge_command
-    from edge.lifecycle.bytecode import compile_missing, dependency_sources, edge_package, package_sources
+    from edge.bytecode import compile_missing, dependency_sources, edge_package, package_sources
 
     pkg = edge_package()
     if prefix != "/" or edge != default_edge_command():

@@ -31,7 +31,7 @@ class OrtSession:
         so.add_session_config_entry("session.load_model_format", "ORT")
         # ORT's pool threads spin after each run by default, taking the cores the event loop and
         # llama.cpp need: with spinning off the service's CPU per request fell from 10.8 to 6.5 ms
-        # one at a time and 4.4 to 1.9 ms batched (scripts/bench-engines --batching, 2 cores)
+        # one at a time and 4.4 to 1.9 ms batched (scripts/bench engines --batching, 2 cores)
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         state = getattr(getattr(ort, "capi", None), "onnxruntime_pybind11_state", None)
         # how a kernel refuses a validated request's data (an index past its tensor: FAIL) or

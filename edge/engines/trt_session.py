@@ -214,7 +214,7 @@ class TrtSession:
         return self._guarded({n: [a] for n, a in feeds.items()})
 
     def infer_rows(self, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """Requests stacked along dim 0 (the batcher's, edge.serve.batcher: the same dims after
+        """Requests stacked along dim 0 (the batcher's, edge.engines.dynamic_batching: the same dims after
         the first) straight into the pinned input buffers, so the batch costs one host-to-device
         copy per input and one execution, with no concatenated array between; the outputs are the
         batch's (the batcher splits them by rows)."""

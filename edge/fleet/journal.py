@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.device.cgroup import oom_kills
-from edge.fsutil import fsync_dir
+from edge.fsutil import fsync_dir, private_dir
 from edge.timing import process_age_s
 
 __all__ = ["JOURNAL_DIR", "Journal", "JournalRead", "Stop", "journals", "pending", "read_journal"]
@@ -202,8 +202,8 @@ class Journal:
         t0 = time.perf_counter()
         try:
             if self._fd is None:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+                private_dir(self.folder)  # how each process ended: crash details
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "alive" for as long as it is held
                 fsync_dir(self.folder)
                 self._syncer = _Syncer(self._fd)

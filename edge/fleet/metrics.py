@@ -26,6 +26,7 @@ from edge.fleet.crashes import cause_of
 from edge.fleet.giveup import GiveUp
 from edge.fleet.history import AFTER_READY, START_RESULTS, Ledger, OtaView, read_json, read_ota, reload_result, timestamp
 from edge.model.gpu import llama_lib_dir
+from edge.timing import RELOAD_REPORT_NAME, REPORT_NAME
 
 __all__ = ["DEVICE_LABELS", "FleetCollector", "build_labels", "device_labels", "ggml_gpu_devices",
            "offloaded_layers", "quant_name"]
@@ -240,7 +241,7 @@ class FleetCollector:
             crashes.add_metric([phase, sig, cause or cause_of(sig)], float(n))  # counted before causes: by signal
         yield crashes
         yield from self._recent()
-        report = read_json(self.state_dir / "last-start.json") or {}
+        report = read_json(self.state_dir / REPORT_NAME) or {}
         phases: dict[str, float] = {}
         for p in report.get("phases") or []:
             if isinstance(p, dict) and p.get("name") != "ready":
@@ -277,7 +278,7 @@ class FleetCollector:
                      [([str(s["phase"]), str(s["target"]), str(s["fallback"])], 1.0) for s in steps])
 
     def _reloads(self) -> Iterator[Metric]:
-        report = read_json(self.state_dir / "last-reload.json")
+        report = read_json(self.state_dir / RELOAD_REPORT_NAME)
         rows: dict[str, list[tuple[list[str], float]]] = {"duration": [], "drain": [], "at": [], "result": []}
         if report is not None:
             failed = bool(report.get("error"))

@@ -21,7 +21,7 @@ from edge.host.gpu_nodes import GPU_DEVICE_CLASSES, GPU_DEVICES, UVM_UNIT, nvidi
 from edge.serve.limits import nofile_for
 
 __all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "install_starter_config", "reclaim_config_dir",
-           "render_rearm", "REARM_UNIT", "default_edge_command", "STARTER_CONFIG", "START_LIMIT_BURST", "START_LIMIT_INTERVAL_S"]
+           "render_rearm", "REARM_UNIT", "installed_service", "with_drop_ins", "default_edge_command", "STARTER_CONFIG", "START_LIMIT_BURST", "START_LIMIT_INTERVAL_S"]
 
 # The unit's start limit only catches what edge cannot bound itself: edge ends a crash loop on its
 # own (safe mode's steps, then a give-up that answers 503 and is not a crash), so the limit is set
@@ -227,6 +227,22 @@ def unit_dir(prefix: str, user: bool) -> Path:
         base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
         return Path(prefix + base) / "systemd" / "user" if prefix != "/" else Path(base) / "systemd" / "user"
     return Path(prefix) / "etc" / "systemd" / "system"
+
+
+def with_drop_ins(unit: Path) -> str:
+    """A unit file's text with its drop-ins (`<unit>.d/*.conf`, in name order, as `systemctl
+    edit` writes them) after it: what systemd reads, so the last setting of a key wins and list
+    settings (LoadCredential=) add up."""
+    drop_ins = sorted(unit.with_name(unit.name + ".d").glob("*.conf"))
+    return "\n".join(p.read_text() for p in [unit, *drop_ins])
+
+
+def installed_service(unit_dirs: list[Path]) -> str | None:
+    """The installed edge.service with its drop-ins: of the first unit dir that has both units."""
+    for d in unit_dirs:
+        if (d / "edge.socket").is_file() and (d / "edge.service").is_file():
+            return with_drop_ins(d / "edge.service")
+    return None
 
 
 def install_starter_config(path: Path) -> bool:

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edge.fsutil import file_identity
+
 __all__ = ["PER_PROCESS", "Running", "installed_version", "mapped_files", "mapped_libraries", "unit_environment"]
 
 # Set by systemd (or a shell, or edge) for one process: never a difference between two of them.
@@ -125,12 +127,11 @@ class Running:
         return dict(self.environment)
 
 
-def _identity(path: str) -> tuple[int, int, int, int] | None:
+def _identity(path: str) -> tuple[int, ...] | None:
     try:
-        st = os.stat(path)
+        return file_identity(path)
     except OSError:
         return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def mapped_files() -> set[tuple[int, int] | str]:

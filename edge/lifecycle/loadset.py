@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from edge.config import EngineConfig, ModelConfig
+from edge.fsutil import file_identity
 
 if TYPE_CHECKING:
     import concurrent.futures
 
     from edge.serve.app import ServiceState
+    from edge.serve.worker import ModelWorker, Worker
     from edge.model.gguf import GGUFInfo
     from edge.model.file import ModelFile
 
@@ -81,12 +83,13 @@ class LoadPlan:
     validations: list[Validation] = field(default_factory=list)  # one per file, joined by the load
 
 
-def close_worker(worker: Any) -> None:
+def close_worker(worker: Worker) -> None:
     """A model's or engine's worker, and what it holds, closed now (not whenever GC gets to it)."""
+    from edge.serve.worker import ModelWorker  # imported with the set this worker belongs to
+
     worker.close()  # waits for the job on its thread, if any
-    model = getattr(worker, "model", None)
-    if hasattr(model, "close"):
-        model.close()  # the llama.cpp context, the prompt cache and the mapping
+    if isinstance(worker, ModelWorker):
+        worker.model.close()  # the llama.cpp context, the prompt cache and the mapping
 
 
 def model_key(m: ModelConfig) -> tuple[Any, ...]:
@@ -95,8 +98,7 @@ def model_key(m: ModelConfig) -> tuple[Any, ...]:
     when the file is known by its identity: OTA versions hard-link one file from their content
     store under each version's own path, and a config-only update keeps the loaded model."""
     try:
-        st = os.stat(m.path)
-        ident: tuple[int, ...] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        ident = file_identity(m.path)
     except OSError:
         ident = ()
     same = dataclasses.replace(m, path="" if ident else m.path, prefetch=True, prefetch_threads=1)
@@ -118,10 +120,10 @@ def set_threads(model: Any, n: int | None) -> None:
     model.native.set_threads(n or s.n_threads, n or s.n_threads_batch)
 
 
-async def threads_of(workers: list[Any], n: int | None) -> None:
+async def threads_of(workers: list[ModelWorker], n: int | None) -> None:
     """Every model worker's thread count set (None: back to its own), each on its own thread,
     queued behind the requests it is running."""
     import asyncio
 
-    await asyncio.gather(*(w.control(set_threads, w.model, n) for w in workers if hasattr(w, "model")),
+    await asyncio.gather(*(w.control(set_threads, w.model, n) for w in workers),
                          return_exceptions=True)

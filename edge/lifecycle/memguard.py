@@ -28,6 +28,7 @@ from edge.config import Config, EngineConfig, ModelConfig, state_dir
 from edge.device.memory import MIB, MemoryReading, process_status, unified_memory
 from edge.model.gguf import GGUFInfo
 from edge.model.memory import model_need
+from edge.timing import RELOAD_REPORT_NAME
 
 __all__ = ["Decision", "Need", "decide", "engine_sizes", "estimate", "handover_decision", "oom_before"]
 
@@ -182,7 +183,7 @@ def oom_before(folder: Path) -> str | None:
         died = (folder / "reports" / str(last.get("record"))).stat().st_mtime  # written at its ExecStopPost=
     except OSError:
         died = float(last.get("started_unix") or 0)
-    reload = read_json(folder / "last-reload.json") or {}
+    reload = read_json(folder / RELOAD_REPORT_NAME) or {}
     if not reload.get("error") and float(reload.get("started_unix") or 0) > died:
         return None
     return (f"the OOM killer ended pid {last.get('pid')} while it served (phase {last.get('phase')}) and no reload "

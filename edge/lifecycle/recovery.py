@@ -32,7 +32,7 @@ from edge.fleet.crashes import recent_crashes, settle_all
 from edge.fleet.giveup import GiveUp, fingerprint
 from edge.fleet.history import CRASH, read_json, record_failed_start
 from edge.fleet.journal import Journal
-from edge.fsutil import atomic_write
+from edge.fsutil import atomic_write, private_dir
 from edge.lifecycle.safemode import Fallback, SafeMode, safe_mode_keys, top_levels
 from edge.timing import Phases, StartTimer, write_report
 
@@ -70,7 +70,8 @@ def remember_state_dir(cfg: Config) -> None:
     key, value = str(Path(cfg.source).resolve()), str(state_dir(cfg))
     if pointers.get(key) != value:
         try:
-            default.mkdir(parents=True, exist_ok=True)
+            if not default.exists():
+                private_dir(default)
             atomic_write(default / POINTERS, json.dumps({**pointers, key: value}, indent=1) + "\n")
         except OSError:
             pass  # only a broken config's later failure report would land in the default dir

@@ -135,7 +135,7 @@ class Reloader:
             why = self.handover.reasons(env) if self.handover is not None and process is not False else []
             if self.handover is not None and (process or why):
                 return await self.handover.run(path, timeout, env, why or ["edge reload --process"])
-            run = _Run(self, path)
+            run = _ReloadRun(self, path)
             self._making = asyncio.current_task()
             try:
                 new = await asyncio.wait_for(run.make(), None if end is None else max(0.0, end - loop.time()))
@@ -160,14 +160,14 @@ class Reloader:
             if not handed_on:
                 self._lock.release()
 
-    async def _drain_then_release(self, run: _Run, old: Route, new: Loaded) -> None:
+    async def _drain_then_release(self, run: _ReloadRun, old: Route, new: Loaded) -> None:
         try:
             await run.drain(old, new)
         finally:
             self._lock.release()
 
 
-class _Run:
+class _ReloadRun:
     """The state of one reload: its timer, its loader (made from the config it reads), its report."""
 
     def __init__(self, reloader: Reloader, path: str | None) -> None:
@@ -277,8 +277,11 @@ class _Run:
                 worker.max_queue = self.config.server.max_queue
                 worker.stream_interval_s = self.config.server.stream_interval_ms / 1000
                 worker.request_timeout_s = self.config.server.request_timeout_s
+        from edge.serve.auth import served_open
+
         at = self.timer.now()
         old = self.r.dispatcher.switch(new)
+        new.state.metrics.served_without_keys(served_open(self.r.dispatcher.exposed, new.state.auth), "reload")
         self.timer.add(Phases.SWITCH, at, at)
         self.r.current = self.loader.read
         self.extra.update(switch_s=round(at, 4), models=new.infos, warmup=new.warmup, drain_s=None)

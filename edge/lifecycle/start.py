@@ -27,24 +27,30 @@ import json
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, state_dir
 from edge.errors import EX_SAFE_MODE_EXHAUSTED, EX_SOFTWARE, EdgeError, StoppedDuringStart
-from edge.lifecycle.bytecode import CompileWatch
+from edge.bytecode import CompileWatch
 from edge.lifecycle.installed import Running
-from edge.lifecycle.handover.priority import Yielded
 from edge.lifecycle.loader import Loader, read_config, save_learned
 from edge.lifecycle.loadset import Loaded, split_cores, threads_of
 from edge.lifecycle.recovery import GivenUp, Recovery
 from edge.lifecycle.safemode import SafeMode
+from edge.lifecycle.signals import StartSignals
 from edge.lifecycle.systemd import Notifier, listen_sockets
 from edge.timing import Phases, StartTimer, write_report
 
 if TYPE_CHECKING:
     import asyncio
     import socket
+
+    from edge.lifecycle.handover.handover import Handover
+    from edge.lifecycle.handover.successor import Takeover
+    from edge.lifecycle.reload import Reloader
+    from edge.lifecycle.serving import Dispatcher
     from edge.serve.tls import TlsFiles
 
 __all__ = ["ColdStart"]
@@ -52,19 +58,30 @@ __all__ = ["ColdStart"]
 log = logging.getLogger("edge")
 
 
+@dataclass
+class _Service:
+    """What serves once a start is warm: the dispatcher in front of the loaded set, uvicorn's
+    server, and the two ways the set changes while serving."""
+
+    dispatcher: Dispatcher
+    server: Any
+    handover: Handover
+    reloader: Reloader
+
+
 class ColdStart:
     """One start of the service: the config, the timer, the notifier, the sockets, what was loaded."""
 
     def __init__(self, config_path: str | None = None, *, timer: StartTimer | None = None,
-                 notifier: Notifier | None = None, takes_over: bool = False,
-                 compiled: CompileWatch | None = None, yielded: Yielded | None = None) -> None:
+                 takeover: Takeover | None = None, compiled: CompileWatch | None = None) -> None:
         self.timer = timer or StartTimer()  # offsets from exec, whenever it is made
-        self.compiled = compiled  # the source files compiled since exec (edge.lifecycle.bytecode)
-        self.yielded = yielded  # a new process taking over: its CPU priority, lowered until ready
+        self.compiled = compiled  # the source files compiled since exec (edge.bytecode)
         self.config_path = config_path
-        self.notifier = notifier or Notifier()
+        # started by a running edge to take over from it (edge.lifecycle.handover): its pipe and priority
+        self.takeover = takeover
+        self.takes_over = takeover is not None and takeover.takes_over
+        self.notifier = takeover.notifier() if takeover is not None else Notifier()
         self.running = Running.now()  # what this process runs, before anything changes its environment
-        self.takes_over = takes_over  # started by a running edge to take over (edge.lifecycle.handover.handover)
         self.handed_over_to: int | None = None  # the process this one handed the service to
         self._loader: Loader | None = None  # made from the config, once it is read
         self.sockets: list[socket.socket] = []
@@ -74,7 +91,7 @@ class ColdStart:
         # Test hook: called with the loaded set just before the warm-up, so that a test can put a
         # double at the backend boundary (a wrapper around a model's native object); None in service.
         self.before_warm: Callable[[Loaded], None] | None = None
-        self.hup_pending = False  # SIGHUP before READY: reload once serving
+        self.signals = StartSignals()  # SIGTERM and SIGHUP before READY (a SIGHUP: reload once serving)
         self.recovery: Recovery | None = None  # the journal and safe mode of a real start (not a rehearsal)
         self.gpu_lost: str | None = None  # why the service left while serving (a lost CUDA context)
         self.report: tuple[dict[str, Any], Path] | None = None  # the start report and its file, once READY
@@ -112,8 +129,7 @@ class ColdStart:
     def _run(self) -> int:
         self.read_config()
         self.open_sockets()
-        signal.signal(signal.SIGTERM, _stop_during_start)
-        signal.signal(signal.SIGHUP, self._hup_during_start)
+        self.signals.install()
         self.notifier.extend_while()
         self.loaded = self.loader.load()
         import asyncio  # here, not before the config: it costs a start ~25 ms of imports (docs/internals.md, "Cold start")
@@ -132,20 +148,31 @@ class ColdStart:
             self.recovery.failed(report, result)
 
     async def _warm_and_serve(self, loaded: Loaded) -> int:
-        import asyncio
+        """After the load, in the order of uvicorn's Server (startup, main loop, shutdown): the
+        warm-up, the HTTP server set up, READY, serving until the drain ends, and what the end
+        leaves (a handover's, a lost GPU's, or a plain stop's exit code)."""
+        stop = await self.signals.unless_stopped(self._warm(loaded))
+        service = self._set_up_http(loaded)
+        if stop.is_set():
+            raise StoppedDuringStart("SIGTERM before ready")
+        ready_text = self.mark_ready(loaded)
+        await self._serve(service, loaded, stop, ready_text)
+        return self._shut_down(service)
 
+    def _set_up_http(self, loaded: Loaded) -> _Service:
+        """The http_setup phase: the dispatcher in front of the loaded set, uvicorn's server, and
+        the two ways the set changes while serving (a reload, a handover to a new process)."""
         from edge.lifecycle.handover.handover import Handover
         from edge.lifecycle.reload import Reloader
-        from edge.lifecycle.serving import Dispatcher, build_server, serve_http
-        from edge.lifecycle.warmup.after_ready import Watch, stop_after_ready
+        from edge.lifecycle.drain import leave
+        from edge.lifecycle.serving import Dispatcher, build_server
 
-        stop = await self._warm_unless_stopped(loaded)
         with self.timer.phase(Phases.HTTP_SETUP):
             self.running.note_libraries()  # llama.cpp's libraries as they are on disk, now that they are loaded
             dispatcher = Dispatcher(loaded)  # a reload swaps the set behind it
             dispatcher.exposed = self.exposed
             server = build_server(dispatcher, self.config.server, self.notifier, tls=self.tls)
-            dispatcher.on_fatal = lambda reason: _leave(server, reason)
+            dispatcher.on_fatal = lambda reason: leave(server, reason)
             handover = Handover(server, self.sockets, self.notifier, self.running, self.loader.read,
                                 serving=lambda: list(dispatcher.loaded.state.workers.values()))
             reloader = Reloader(dispatcher, self.loader.read, self.notifier, started_from=self.config_path,
@@ -154,33 +181,48 @@ class ColdStart:
                                 observers=self.recovery.observers if self.recovery else [])
             gc.collect()
             gc.freeze()  # warm-up garbage is gone; what lives now is never scanned again
-        if stop.is_set():
-            raise StoppedDuringStart("SIGTERM before ready")
-        ready_text = self.mark_ready(loaded)
+        return _Service(dispatcher, server, handover, reloader)
+
+    async def _serve(self, service: _Service, loaded: Loaded, stop: asyncio.Event, ready_text: str) -> None:
+        """Serve until the drain ends (SIGTERM, a lost GPU, a handover): a SIGHUP that came during
+        the start reloads now; client requests are counted from before the first accept for the
+        calibration after READY; the memory fallback's new start waits for this one's drain."""
+        import asyncio
+
+        from edge.lifecycle.serving import serve_http
+        from edge.lifecycle.warmup.after_ready import Watch, stop_after_ready
+
         if self.recovery is not None:
             asyncio.get_running_loop().call_later(self.config.server.healthy_after_s, self.recovery.healthy)
+        dispatcher, reloader = service.dispatcher, service.reloader
         async with reloader:
-            if self.hup_pending:  # SIGHUP during the start: the config may have changed since
+            if self.signals.hup_pending:  # SIGHUP during the start: the config may have changed since
                 reloader.spawn(None, None)
-            watch = Watch(list(loaded.state.workers.values()),  # clients counted from before the first accept
+            watch = Watch(list(loaded.state.workers.values()),
                           lambda: dispatcher.stopping or reloader.busy or dispatcher.loaded is not loaded)
             try:
-                await serve_http(server, self.sockets, self.notifier, ready_text, stop,
+                await serve_http(service.server, self.sockets, self.notifier, ready_text, stop,
                                  on_ready=lambda: self._serving(loaded, watch))
             finally:
                 await stop_after_ready(self.calibrating)
-            if handover.restart is not None:  # the memory fallback: drained; now the new start
-                await handover.after_drain(dispatcher.loaded)
+            if service.handover.restart is not None:  # the memory fallback: drained; now the new start
+                await service.handover.after_drain(dispatcher.loaded)
+
+    def _shut_down(self, service: _Service) -> int:
+        """What the end of serving leaves: a handover's exit, a lost GPU's 70 (nothing saved or
+        closed: each would be work on the lost context), or the learned prefixes saved, the set
+        closed and 0 (or the reloader's fatal code)."""
+        handover, dispatcher = service.handover, service.dispatcher
         if handover.restart is not None or handover.successor_pid is not None:
             return self._handed_over(handover, dispatcher.loaded)
-        if dispatcher.fatal:  # no prefix saved, nothing closed: each would be work on the lost context
+        if dispatcher.fatal:
             self.gpu_lost = dispatcher.fatal
             if self.recovery is not None:  # a crash of the serving phase, by its own word
                 self.recovery.crashed(Phases.SERVING, dispatcher.fatal, EX_SOFTWARE)
             return EX_SOFTWARE
-        save_learned(dispatcher.loaded, reloader.in_force)
+        save_learned(dispatcher.loaded, service.reloader.in_force)
         dispatcher.loaded.close()
-        return reloader.fatal.exit_code if reloader.fatal else 0
+        return service.reloader.fatal.exit_code if service.reloader.fatal else 0
 
     def _serving(self, loaded: Loaded, watch: Any) -> None:
         """READY=1 is sent: the service counts as serving; the warm-up's calibration after READY starts."""
@@ -209,44 +251,13 @@ class ColdStart:
         """Safe mode is exhausted: no native path; every request answered at once with a 503
         naming why, until the give-up ends (edge.lifecycle.unavailable); then exit 0, and the
         next connection (or one waiting in the backlog) starts the service again."""
-        from edge.lifecycle.serving import bind_sockets
-        from edge.lifecycle.unavailable import answer
+        from edge.lifecycle.unavailable import answer_given_up
 
         assert self.recovery is not None
         if self.takes_over:  # a new process of a handover does not take over to answer 503s
             self._ended_before_ready("failed", EX_SAFE_MODE_EXHAUSTED, str(given_up))
             return EX_SAFE_MODE_EXHAUSTED
-        cfg = given_up.config
-        with self.timer.phase(Phases.SOCKETS):
-            sockets = listen_sockets() or bind_sockets(cfg.server, cfg.source)
-        self.recovery.given_up(given_up.give_up, cfg)
-        why = answer(given_up.give_up, cfg, sockets, self.notifier)
-        self.recovery.journal.end("given_up", 0, why=why)
-        return 0
-
-    def _hup_during_start(self, sig: int, frame: Any) -> None:
-        log.info("SIGHUP during the start: reloading once ready")
-        self.hup_pending = True
-
-    async def _warm_unless_stopped(self, loaded: Loaded) -> asyncio.Event:
-        """The warm-up, given up at SIGTERM/SIGINT. From here on a signal only sets the returned
-        event (the loop delivers it): raised inside whatever the loop runs, it would fail a
-        warm-up request (exit 70) or break a lock (hang). uvicorn takes the signals over later."""
-        import asyncio
-
-        loop, stop = asyncio.get_running_loop(), asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        warming = asyncio.ensure_future(self._warm(loaded))
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({warming, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not stop.is_set():
-            stopped.cancel()
-            warming.result()  # the warm-up's own error, if any
-            return stop
-        warming.cancel()
-        await asyncio.wait({warming})
-        raise StoppedDuringStart("SIGTERM during warm-up")
+        return answer_given_up(given_up, self.timer, self.recovery, self.notifier)
 
     async def _warm(self, loaded: Loaded) -> None:
         """The warm-up; a new process taking over warms up on a quarter of the cores, as a reload's
@@ -312,21 +323,19 @@ class ColdStart:
         """Inherited from systemd (LISTEN_FDS), else bound now from the [server] table; then who
         may use them (edge.serve.auth): a socket others can reach (as getsockname() shows) needs
         API keys or allow_unauthenticated, else the start ends here (78); and TLS, if set."""
-        from edge.serve.auth import check_exposure
+        from edge.serve.auth import check_exposure, served_open
         from edge.serve.tls import tls_files
 
         with self.timer.phase(Phases.SOCKETS) as ph:
             self.sockets = listen_sockets()
             ph.detail["inherited"] = bool(self.sockets)
             if not self.sockets:  # (serving imports asyncio: only a start that binds its own pays it here)
-                from edge.lifecycle.serving import bind_sockets
+                from edge.lifecycle.sockets import bind_sockets
 
                 self.sockets = bind_sockets(self.config.server, self.config.source)
             server, keys = self.config.server, self.loader.auth
             self.exposed = check_exposure(self.sockets, keys, server, self.config.source)
-            if self.exposed and keys is None:
-                log.warning("serving %s with no API key (server.allow_unauthenticated = true): anyone who "
-                            "can reach it may use every model", ", ".join(self.exposed))
+            served_open(self.exposed, keys)  # the WARNING, if so
             self.tls = tls_files(server, self.config.source)
             ph.detail.update(api_keys=keys is not None, tls=self.tls is not None)
         return self.sockets
@@ -334,17 +343,11 @@ class ColdStart:
     def mark_ready(self, loaded: Loaded) -> str:
         """The moment traffic is handed over: the report is written, then READY=1 and the first
         accept() follow at once. Returns the READY status text."""
-        from edge.lifecycle.serving import describe_socket
+        from edge.lifecycle.sockets import describe_socket
         from edge.lifecycle.warmup.after_ready import describe
 
-        if self.yielded is not None:  # every thread back to the service's priority before it serves
-            self.yielded.restore()
-        successor = getattr(self.notifier, "successor", None)  # a handover's new process (edge.lifecycle.handover.successor)
-        if successor is not None:  # its models wait for the old process's last requests
-            from edge.lifecycle.handover.successor import HOLD_AT_MOST_S
-
-            successor.hold_until_drained(list(loaded.state.workers.values()),
-                                         min(HOLD_AT_MOST_S, self.config.server.drain_timeout_s))
+        if self.takeover is not None:  # its priority back, its models waiting for the old process's drain
+            self.takeover.before_serving(list(loaded.state.workers.values()), self.config.server.drain_timeout_s)
         loaded.state.ready = True
         addresses = [describe_socket(s) for s in self.sockets]
         now = self.timer.now()
@@ -355,11 +358,12 @@ class ColdStart:
                                    warmup=loaded.warmup, calibration=loaded.plans,
                                    journal=self.recovery.journal.cost() if self.recovery else None,
                                    **({"compiled": self.compiled.stop()} if self.compiled else {}),
-                                   **({"priority": self.yielded.as_dict()} if self.yielded else {}),
+                                   **(self.takeover.report() if self.takeover is not None else {}),
                                    **({"safe_mode": loaded.state.safe_mode} if loaded.state.safe_mode else {}))
         path: Path = write_report(report, state_dir(self.config))
         self.report = (report, path)  # rewritten when a calibration after READY ends
         loaded.state.metrics.set_phases(report["phases"])
+        loaded.state.metrics.served_without_keys(self.exposed if loaded.state.auth is None else [], "start")
         loaded.state.metrics.track_fleet(state_dir(self.config))
         log.info("start report %s: ready in %.2f s", path, report["ready_s"],
                  extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})
@@ -367,14 +371,3 @@ class ColdStart:
         return (f"ready: serving {', '.join(loaded.names)} on {', '.join(addresses)} "
                 f"(start {report['ready_s']:.2f} s){safe if loaded.state.safe_mode else ''}{describe(loaded)}")
 
-
-def _stop_during_start(sig: int, frame: Any) -> None:
-    raise StoppedDuringStart("SIGTERM before ready")
-
-
-def _leave(server: Any, reason: str) -> None:
-    """A set can serve no more (ServiceState.fatal): one line naming why, then what SIGTERM does
-    (stop accepting, STOPPING=1 with the reason, drain); the exit code is 70, which the unit
-    restarts, and what waits in the socket's backlog is answered by the next process."""
-    log.error("%s: stopping; exiting %d for the unit to restart edge", reason, EX_SOFTWARE)
-    server.drain.begin(server, f"failed: {reason}; exiting {EX_SOFTWARE} for a restart")

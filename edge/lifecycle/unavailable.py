@@ -11,7 +11,9 @@ no llama.cpp: config, recovery, sockets, uvicorn, READY=1 in a fraction of a sec
                   naming the reason (safe mode exhausted, the last crash's phase and signal)
     /readyz       503 (the same body): not ready
     /healthz      200 {"status": "given_up", ...}: alive, and why it serves nothing
-    /metrics      the fleet families (edge_given_up, edge_crashes_total{cause}, ...)
+    /metrics      the fleet families (edge_given_up, edge_crashes_total{cause}, ...); keyed as the
+                  service keys it (API keys configured, metrics_auth = "key"): 401 without one,
+                  and where the key file cannot be read now, 401 to every scrape
 
 It ends itself (exit 0, journal `end: given_up`) as soon as the give-up no longer holds:
 `edge safe-mode clear` removed the record, the config file, a model file, the llama.cpp build or
@@ -31,17 +33,37 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, state_dir
 from edge.fleet.giveup import GIVE_UP_FILE, GiveUp, fingerprint
-from edge.lifecycle.systemd import Notifier, watchdog_interval_s
+from edge.fsutil import file_identity
+from edge.lifecycle.server import serve_on, uvicorn_server
+from edge.lifecycle.systemd import Notifier, listen_sockets
+from edge.timing import Phases, StartTimer
 
-__all__ = ["CHECK_S", "Unavailable", "answer", "current_fingerprint", "status_text"]
+if TYPE_CHECKING:
+    from edge.lifecycle.recovery import GivenUp, Recovery
+
+__all__ = ["CHECK_S", "Unavailable", "answer", "answer_given_up", "current_fingerprint", "status_text"]
 
 log = logging.getLogger("edge")
 
 CHECK_S = 2.0  # the full check (keys, installed version): every this many seconds
+
+
+def _metrics_keys(cfg: Config) -> Any:
+    """The keys /metrics needs here, as the service would read them (edge.serve.auth); None when
+    it is open. A key file that cannot be read now accepts no key: closed, never open."""
+    from edge.errors import ConfigError
+    from edge.serve.auth import ApiKeys, key_file, load_api_keys
+
+    if cfg.server.metrics_auth != "key" or key_file(cfg.server, cfg.source) is None:
+        return None
+    try:
+        return load_api_keys(cfg.server, cfg.source)
+    except ConfigError:
+        return ApiKeys((), "an unreadable key file")
 
 
 def status_text(give_up: GiveUp) -> str:
@@ -50,12 +72,15 @@ def status_text(give_up: GiveUp) -> str:
             f"model, llama.cpp or edge, or the retry at {give_up.as_dict()['retry_at']}")
 
 
-def _stamp(path: Path) -> tuple[int, int, int] | None:
+def _stamp(path: Path) -> tuple[int, ...] | None:
     try:
-        st = path.stat()
+        return file_identity(path)
     except OSError:
         return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _exit(server: Any) -> None:
+    server.should_exit = True
 
 
 class _Gate(socket.socket):
@@ -83,6 +108,7 @@ class Unavailable:
         self.stamps = (_stamp(self.folder / GIVE_UP_FILE), _stamp(Path(cfg.source)))
         self.ended_why: str | None = None
         self.server: Any = None
+        self.keys = _metrics_keys(cfg)
 
     def holds(self) -> bool:
         """The cheap check, at each accept: the record and the config file as they were, the
@@ -106,39 +132,24 @@ class Unavailable:
         self.server.should_exit = True
 
     async def serve(self, sockets: list[socket.socket]) -> str:
-        """Answer until SIGTERM or the give-up ends; why it ended."""
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig: int, frame: Any) -> None:  # no re-raise after the shutdown
-                self.should_exit = True
-
-        config = uvicorn.Config(self.app, loop="asyncio", http="h11", interface="asgi3", lifespan="off", access_log=False,
-                                log_config=None, log_level="warning", timeout_graceful_shutdown=1)
-        config.load()
-        self.server = Server(config)
+        """Answer until SIGTERM or the give-up ends; why it ended. A signal only ends the serving:
+        no re-raise after uvicorn's shutdown (edge.lifecycle.server)."""
+        self.server = uvicorn_server(self.app, _exit, interface="asgi3")
         gated = [_Gate(s, self.holds, self.end) for s in sockets]
-        serving = asyncio.create_task(self.server.serve(sockets=gated))
-        while not self.server.started and not serving.done():
-            await asyncio.sleep(0.001)
-        self.notifier.send(f"READY=1\nSTATUS={status_text(self.give_up)}\nMAINPID={os.getpid()}")  # logged by answer()
-        checks = asyncio.create_task(self._check())
-        try:
-            await serving
-        finally:
-            checks.cancel()
+        await serve_on(gated, self.server, self.notifier, self._ready, beside=[self._check])
         return self.ended_why or "stopped"
 
+    def _ready(self) -> None:
+        self.notifier.send(f"READY=1\nSTATUS={status_text(self.give_up)}\nMAINPID={os.getpid()}")  # logged by answer()
+
     async def _check(self) -> None:
-        """The full check every CHECK_S (and the watchdog's ping, from this loop)."""
+        """The full check every CHECK_S."""
         while True:
             if self.ended_why is None:
                 self.ended_why = self.give_up.ended_by(await asyncio.to_thread(self.current))
             if not self.holds():
                 self.end()
-            if watchdog_interval_s():
-                self.notifier.watchdog()
-            await asyncio.sleep(min(CHECK_S, (watchdog_interval_s() or CHECK_S * 4) / 4))
+            await asyncio.sleep(CHECK_S)
 
     def body(self) -> dict[str, Any]:
         g = self.give_up
@@ -151,7 +162,9 @@ class Unavailable:
             return
         path = scope.get("path", "")
         retry = str(self.give_up.retry_after_s())
-        if path == "/metrics":
+        if path == "/metrics" and self.keys is not None and self.keys.refusal(scope.get("headers", [])):
+            status, body, kind = 401, b'{"error": {"code": "invalid_api_key"}}', b"application/json"
+        elif path == "/metrics":
             status, body, kind = 200, await asyncio.to_thread(self._metrics), b"text/plain; version=0.0.4"
         elif path == "/healthz":
             status, body, kind = 200, json.dumps(self.body()).encode(), b"application/json"
@@ -191,3 +204,18 @@ def answer(give_up: GiveUp, cfg: Config, sockets: list[socket.socket], notifier:
     log.error("%s", status_text(give_up))
     unavailable = Unavailable(give_up, cfg, notifier, lambda: current_fingerprint(cfg))
     return asyncio.run(unavailable.serve(sockets))
+
+
+def answer_given_up(given_up: GivenUp, timer: StartTimer, recovery: Recovery, notifier: Notifier) -> int:
+    """A start that found safe mode exhausted: its sockets (systemd's, else bound now), the give-up
+    recorded, every request answered until the give-up ends or SIGTERM, the journal's end; 0, so
+    that the next connection (or one waiting in the backlog) starts the service again."""
+    from edge.lifecycle.sockets import bind_sockets
+
+    cfg = given_up.config
+    with timer.phase(Phases.SOCKETS):
+        sockets = listen_sockets() or bind_sockets(cfg.server, cfg.source)
+    recovery.given_up(given_up.give_up, cfg)
+    why = answer(given_up.give_up, cfg, sockets, notifier)
+    recovery.journal.end("given_up", 0, why=why)
+    return 0

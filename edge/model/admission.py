@@ -103,14 +103,18 @@ class Admission:
         and the youngest running sequences theirs where the generating ones' next tokens would
         not fit (before llama.cpp has to say so)."""
         slots = self.slots
-        n_gen = sum(1 for s in slots.active if s.generating)
+        n_gen = self._decoding()
         pending = sum(len(s.tokens) - s.done for s in slots.active if s.prefilling)
         self.make_room(n_gen + min(pending, max(0, slots.native.n_batch - n_gen)))
         while True:
-            n_gen = sum(1 for s in slots.active if s.generating)
+            n_gen = self._decoding()
             free = slots.native.n_ctx - sum(self.held(s) for s in slots.slots)
             if free >= n_gen or not self._suspend_youngest():  # the running ones outgrew the context
                 return max(0, free - n_gen)
+
+    def _decoding(self) -> int:
+        """Generating sequences with a token to decode this step (a grammar pass set aside has none)."""
+        return sum(1 for s in self.slots.active if s.generating and not s.chain.pending)
 
     def make_room(self, need: int, tokens: list[int] | None = None) -> None:
         """Idle slots give their cells up, least recently used first, until `need` are free;
@@ -149,7 +153,9 @@ class Admission:
         return self._give_way_one() or self._suspend_youngest()
 
     def _suspend_youngest(self) -> bool:
-        holding = [s for s in self.slots.active if s.slot is not None and self.held(s.slot)]
+        # a grammar pass set aside (edge.model.constrained) holds its state in its chain: it samples
+        # first, at the next step, and may be suspended after
+        holding = [s for s in self.slots.active if s.slot is not None and self.held(s.slot) and not s.chain.pending]
         if len(holding) < 2:
             return False
         self.suspend(max(holding, key=lambda s: s.order))

@@ -21,7 +21,7 @@ from typing import Any
 from edge.builtin_models import BUILTINS
 from edge.config import BUILTIN_PREFIX, ModelConfig
 from edge.errors import ConfigError, ModelError
-from edge.fsutil import atomic_write
+from edge.fsutil import atomic_write, file_identity
 from edge.model.gguf import GGUFInfo, read_gguf_info
 from edge.model.pagein import PageIn, PageInResult
 
@@ -71,8 +71,7 @@ class VerifiedCache:
 
     @staticmethod
     def _identity(file: Path) -> list[int]:
-        st = os.stat(file)
-        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+        return list(file_identity(file))  # a list: what the JSON file gives back to compare with
 
     def is_verified(self, file: Path, sha256: str) -> bool:
         entry = self._data.get(str(file))
@@ -92,8 +91,7 @@ class VerifiedCache:
 
     @staticmethod
     def _header_identity(file: Path) -> list[int]:
-        st = os.stat(file)
-        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        return list(file_identity(file, ctime=True))
 
     def header(self, file: Path) -> GGUFInfo | None:
         """The GGUF header validated earlier for this very file (identity), or None."""

@@ -17,6 +17,7 @@ from edge.errors import BackendError, ModelError, RequestError, require
 from edge.model.generate import GenParams, Job, Piece, generate
 from edge.model.gguf import GGUFInfo
 from edge.model.grammar import CompiledGrammar, compile_grammar
+from edge.model.guard import TokenTable
 from edge.model.native import ContextSettings, DecodeError, Native
 from edge.model.mlock import MlockStatus, mlock_status, vm_locked_bytes
 from edge.model.memory import ContextPlan, context_plan, kv_bytes, prompt_cache_bytes
@@ -47,6 +48,7 @@ class GGUFModel:
         self.cache = PromptCache(native, prompt_cache_bytes(cfg, kv_bytes(info, self.plan.n_ctx)))
         self.slots = Slots(native, self.cache, native.n_seq)
         self.scheduler = Scheduler(self.slots, cfg.name)  # the one thread that calls into the context
+        self.tokens = TokenTable(native)  # what the guard after a grammar knows of each token (filled on need)
         self._formatter = self._make_formatter()
 
     def _make_formatter(self) -> Any:
@@ -133,10 +135,14 @@ class GGUFModel:
     def token_bytes(self, tok: int) -> bytes:
         return self.native.piece(tok)
 
-    def compile_grammar(self, gbnf: str, param: str) -> CompiledGrammar:
+    def compile_grammar(self, gbnf: str, param: str, json: bool = False) -> CompiledGrammar:
         """Compile a grammar on the grammar thread (edge.model.grammar), not the worker: a 400
-        naming `param` for one llama.cpp refuses. Blocks: call it from a thread pool."""
-        return compile_grammar(self.native.lib, self.native.vocab, gbnf, param)
+        naming `param` for one llama.cpp refuses. Blocks: call it from a thread pool. `json`: the
+        grammar writes JSON values (a schema's), which the guard after it keeps free of repeated
+        keys (edge.model.guard)."""
+        compiled = compile_grammar(self.native.lib, self.native.vocab, gbnf, param)
+        compiled.tokens, compiled.json = self.tokens, json
+        return compiled
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
         if n_prompt + max_tokens > self.n_ctx:

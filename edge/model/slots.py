@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from edge.model.admission import Admission
 from edge.model.candidates import Interrupted
+from edge.model.constrained import Deferred, StepBudget
 from edge.model.generate import Decoding, Job, SamplerChain, step_check
 from edge.model.native import DecodeError
 from edge.model.promptcache import MIN_REUSE, lcp
@@ -199,7 +200,7 @@ class Slots:
         budget = self.admission.before_step()
         batch = self._build(budget)
         if not batch[0]:
-            return self.admission.unstick()
+            return self._sample_set_aside() or self.admission.unstick()
         t0 = time.perf_counter()
         try:
             self.native.decode_batch(*batch)
@@ -218,7 +219,7 @@ class Slots:
         st.decode_s += t1 - t0
         st.last_sequences = sum(1 for s in self.active if s.generating or s.chunk)
         st.batch_sequences += st.last_sequences
-        self._after_decode()
+        self._after_decode(t1 - t0)
         st.sample_s += time.perf_counter() - t1
         return True
 
@@ -235,7 +236,7 @@ class Slots:
         out: list[int] = []
         for s in self.active:  # decode before prefill: every generating sequence's next token
             s.chunk = 0
-            if s.generating:
+            if s.generating and not s.chain.pending:  # (a grammar pass set aside has none yet)
                 s.row = len(tokens)
                 tokens.append(s.tok)
                 pos.append(s.out.pos)
@@ -263,10 +264,10 @@ class Slots:
         wanted = [p for p in (s.plan.wanted if s.plan is not None else ()) if s.done < p < end]
         return min(wanted, default=end)
 
-    def _after_decode(self) -> None:
+    def _after_decode(self, decode_s: float) -> None:
         lives = self.cache.lives
         ready: list[Sequence] = []
-        decoded = [s for s in self.active if s.generating]  # before followers join them
+        decoded = [s for s in self.active if s.generating and not s.chain.pending]  # before followers join them
         prefilled = [s for s in self.active if s.prefilling and s.chunk]
         for s in decoded:
             lives.setdefault(s.slot.id, []).append(s.tok)
@@ -274,10 +275,23 @@ class Slots:
             ready.append(s)
         for s in prefilled:
             self._prefilled_chunk(s, ready)
-        # sampling without a grammar first: a slow grammar holds no other sequence's token back
-        ready.sort(key=lambda s: s.chain.grammar is not None)
+        ready += [s for s in self.active if s.chain.pending]  # passes set aside at an earlier step
+        self._sample_ready(ready, decode_s)
+
+    def _sample_ready(self, ready: list[Sequence], decode_s: float) -> None:
+        """Sampling without a grammar first, then the grammar passes set aside before, then the
+        others, within the step's grammar budget (edge.model.constrained.StepBudget): a slow
+        grammar holds no other sequence's token back, and stretches the step by its budget at most."""
+        budget = StepBudget(decode_s, lambda: len(self.active) > 1)
+        ready.sort(key=lambda s: (s.chain.grammar is not None, not s.chain.pending))
         for s in ready:
-            self._sample(s)
+            self._sample(s, budget if s.chain.grammar is not None else None)
+
+    def _sample_set_aside(self) -> bool:
+        """No token to decode: the grammar passes set aside go on (False: none)."""
+        pending = [s for s in self.active if s.chain.pending]
+        self._sample_ready(pending, 0.0)
+        return bool(pending)
 
     def _prefilled_chunk(self, s: Sequence, ready: list[Sequence]) -> None:
         """The step decoded a chunk of `s`'s prompt."""
@@ -300,10 +314,12 @@ class Slots:
             ready.append(f)
         s.followers = []
 
-    def _sample(self, s: Sequence) -> None:
+    def _sample(self, s: Sequence, budget: StepBudget | None = None) -> None:
         try:
-            tok = s.chain.sample(s.row, step_check(s.job))
-            piece, done = s.out.take(tok, s.row)
+            tok = s.chain.sample(s.row, step_check(s.job, budget))
+            piece, done = s.out.take(tok, s.row, s.chain.saved)
+        except Deferred:  # its pass goes on at the next step, first of the passes
+            return
         except Interrupted:  # cancelled inside its grammar pass: it ends, the others' step goes on
             self._end(s, None)
             return

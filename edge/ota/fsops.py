@@ -20,6 +20,8 @@ import shutil
 from pathlib import Path
 from typing import BinaryIO
 
+from edge.fsutil import fsync_dir
+
 __all__ = ["Fs", "rename_exchange", "EXCHANGE_UNSUPPORTED"]
 
 AT_FDCWD = -100
@@ -81,12 +83,8 @@ class Fs:
         os.fsync(f.fileno())
 
     def fsync_dir(self, path: Path) -> None:
-        self.op("fsync_dir", path)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        self.op("fsync_dir", path)  # counted here; the fsync itself is edge's one (edge.fsutil)
+        fsync_dir(path)
 
     def write_file(self, path: Path, data: bytes) -> None:
         """Create, write and fsync (the caller renames it into place or fsyncs the dir)."""

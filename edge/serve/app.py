@@ -28,10 +28,13 @@ from edge.serve.limits import check_prompt_text
 from edge.model.generate import GenParams, Hold, Job, Piece
 from edge.model.llm import GGUFModel
 from edge.model.promptcache import Marks
-from edge.serve.metrics import Metrics, MetricsMiddleware, in_warmup
-from edge.serve.openai import Ask, Limits, grammar, parse
+from edge.serve.metrics import Metrics, MetricsMiddleware
+from edge.serve.openai import Ask, Limits, parse
 from edge.serve.openai_shapes import Choice, Shape, parse_tool_calls
+from edge.serve.schema import schema_grammar
+from edge.serve.toolcall import forced_call
 from edge.serve.state import ServiceState
+from edge.serve.warmscope import in_warmup
 from edge.serve.worker import ModelWorker
 
 __all__ = ["ServiceState", "build_app"]
@@ -60,7 +63,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
 
 
 @dataclass
-class _Run:
+class _Generations:
     """One request's generations: its jobs in choice order and how to answer."""
     worker: ModelWorker
     ask: Ask
@@ -109,16 +112,17 @@ def _check_bytes(m: GGUFModel, ask: Ask) -> None:
         check_prompt_text(m, [p for p in ask.prompts if isinstance(p, str)], "prompt")
 
 
-async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Run:
+async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Generations:
     worker = state.worker(body.get("model"))
     m = worker.model
     ask = parse(body, chat, Limits(m.n_ctx, m.n_vocab, m.cfg.max_choices, m.supports_tools))
     if ask.who:
         log.info("request from %s", ", ".join(f"{k} {v!r}" for k, v in ask.who.items()))
     compiled = None
-    if ask.schema is not None:  # converted and compiled off the loop and off the model's worker
-        gbnf = await asyncio.to_thread(grammar, *ask.schema)
-        compiled = await asyncio.to_thread(m.compile_grammar, gbnf, ask.schema[1])
+    if ask.schema is not None:  # converted once and compiled, off the loop and off the model's worker
+        held = ask.schema
+        gbnf = await asyncio.to_thread(schema_grammar, held.schema, held.param, held.place)
+        compiled = await asyncio.to_thread(m.compile_grammar, gbnf, held.param, True)
     _check_bytes(m, ask)  # before tokenizing: a prompt that cannot fit never holds the worker
     prompts = await worker.call(_tokenize, m, ask)
     if len(prompts) * ask.n > m.cfg.max_choices:
@@ -137,8 +141,10 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
         if max_tokens is None:  # the configured default, but never more than the context has left
             max_tokens = min(m.cfg.max_tokens_default, max(1, m.n_ctx - len(tokens)))
         m.check_fits(len(tokens), max_tokens)
+        # the template's stop strings end free text; under a grammar the JSON ends the output, and a
+        # stop string inside one of its strings would cut it (a client's `stop` is refused there)
         params = GenParams(max_tokens=max_tokens, grammar=compiled,
-                           **{**ask.sampling, "stop": ask.sampling["stop"] + stops})
+                           **{**ask.sampling, "stop": ask.sampling["stop"] + (stops if compiled is None else ())})
         # n choices from one seed: seed, seed+1, ... (the same seed would give n equal choices)
         jobs += [Job(tokens=tokens, params=params if params.seed is None else
                      replace(params, seed=(params.seed + j) % (2**32 - 1)),
@@ -147,19 +153,24 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ru
         echoes += [echo if ask.echo else ""] * ask.n
         starts += [0 if ask.echo else len(echo)] * ask.n  # echo: the prompt is in the choice's text
     shape = Shape(chat, m.cfg.name, ask.sampling["logprobs"] is not None, starts)
-    return _Run(worker, ask, jobs, echoes, sum(len(t) for t, *_ in prompts), shape)
+    return _Generations(worker, ask, jobs, echoes, sum(len(t) for t, *_ in prompts), shape)
 
 
-def _finish_tools(run: _Run, c: Choice) -> None:
+def _finish_tools(run: _Generations, c: Choice) -> None:
+    """A choice's tool calls, once its text is whole. A forced call is always one: its grammar
+    wrote a call, which max_tokens may have cut (finish_reason `length`, the arguments' text as far
+    as it got), never prose."""
     if not run.buffered():
         return
     calls = parse_tool_calls(c.text, run.tool_names())
     if calls:
         c.tool_calls = calls if run.ask.parallel_tool_calls else calls[:1]
         c.text, c.finish = "", "tool_calls"
+    elif run.ask.forced_tool:
+        c.tool_calls, c.text = [forced_call(c.text, run.tool_names(), c.finish)], ""
 
 
-async def _choices(run: _Run, metrics: Metrics) -> list[Choice]:
+async def _choices(run: _Generations, metrics: Metrics) -> list[Choice]:
     """Every choice's whole answer; the choices generate at once (edge.model.slots)."""
     choices = [Choice(i, text=run.echoes[i]) for i in range(len(run.jobs))]
     async for i, piece in _merged_pieces(run, metrics, eager=False):  # one answer: no per-token wake-ups
@@ -173,7 +184,7 @@ async def _choices(run: _Run, metrics: Metrics) -> list[Choice]:
     return choices
 
 
-async def _merged_pieces(run: _Run, metrics: Metrics, eager: bool) -> AsyncIterator[tuple[int, Piece | None]]:
+async def _merged_pieces(run: _Generations, metrics: Metrics, eager: bool) -> AsyncIterator[tuple[int, Piece | None]]:
     """(choice index, piece) as the choices make them, each in its slot, all at once; (i, None)
     when choice i ends. An error of any choice is raised here, the others cancelled."""
     queue: asyncio.Queue[tuple[int, Piece | None, BaseException | None]] = asyncio.Queue()
@@ -247,14 +258,14 @@ async def _complete(request: Request, state: ServiceState, chat: bool) -> Respon
     return JSONResponse(run.shape.whole(choices, run.usage()))
 
 
-def _client_gone(run: _Run, metrics: Metrics, streamed: bool) -> None:
+def _client_gone(run: _Generations, metrics: Metrics, streamed: bool) -> None:
     metrics.client_abort(run.shape.model)
     log.info("status 499 (client closed request): %s for model %r, the client left %s; %d completion "
              "tokens generated", "chat completion" if run.shape.chat else "completion", run.shape.model,
              "mid-stream" if streamed else "before its answer", run.usage()["completion_tokens"])
 
 
-async def _sse(run: _Run, metrics: Metrics) -> AsyncIterator[bytes]:
+async def _sse(run: _Generations, metrics: Metrics) -> AsyncIterator[bytes]:
     shape, finished = run.shape, False
     try:
         choices = [Choice(i, text=run.echoes[i]) for i in range(len(run.jobs))]

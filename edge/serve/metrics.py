@@ -7,9 +7,10 @@ known method or `OTHER`. The exposition is written by `generate_latest`, which e
 values, so no request can make it unparseable.
 
 Warm-up traffic is recognised by a key in the ASGI scope that only the warm-up's private
-loopback transport (`warmup_transport`) sets. A scope key is not something an HTTP client can
-send: no header, path or body reaches it, so an external client cannot pass its traffic off as
-warm-up to hide it. Warm-up requests are counted apart (`edge_warmup_requests_total`) and kept
+transport (edge.serve.warmscope's `warmup_transport`, over a socket pair of the process: no
+listener) sets. A scope key is not something an HTTP client can send: no header, path or body
+reaches it, so an external client cannot pass its traffic off as warm-up to hide it. Warm-up
+requests are counted apart (`edge_warmup_requests_total`) and kept
 out of every production family; the per-model families (tokens, time to first token, aborts) are
 recorded in the handler, so the middleware tells them through a context variable, which each
 request's task (and the tasks it spawns) sees on its own.
@@ -17,33 +18,27 @@ request's task (and the tasks it spawns) sees on its own.
 
 from __future__ import annotations
 
-import contextvars
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-__all__ = ["Metrics", "MetricsMiddleware", "UNMATCHED", "WARMUP_SCOPE_KEY", "in_warmup",
-           "warmup_transport"]
+from edge.serve.warmscope import in_warmup, is_warm, request_scope
+
+if TYPE_CHECKING:
+    from edge.serve.worker import EngineWorker, ModelWorker
+
+__all__ = ["Metrics", "MetricsMiddleware", "UNMATCHED"]
 
 UNMATCHED = "<unmatched>"
-WARMUP_SCOPE_KEY = "edge.lifecycle.warmup"
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-# Not state: a declaration whose value lives in each request's context (set by the middleware).
-_IN_WARMUP: contextvars.ContextVar[bool] = contextvars.ContextVar("edge_metrics_in_warmup", default=False)
-
 T = TypeVar("T")
-
-
-def in_warmup() -> bool:
-    """Whether the request being handled came over the warm-up's private loopback transport."""
-    return _IN_WARMUP.get()
 ASGIApp = Any  # (scope, receive, send) -> awaitable
 
 
@@ -61,7 +56,7 @@ class Metrics:
                                   "(streams included) or the client's disconnect.",
                                   ["route", "method"], buckets=_DURATION_BUCKETS, registry=reg)
         self.warmup_requests = Counter("edge_warmup_requests", "Warm-up requests sent over the "
-                                       "private loopback socket before READY, by route and status.",
+                                       "warm-up's private transport (no listener), by route and status.",
                                        ["route", "status"], registry=reg)
         self.ttft = Histogram("edge_time_to_first_token_seconds", "Time from a generation's "
                               "submission (queue wait and prefill included) to its first token.",
@@ -80,13 +75,20 @@ class Metrics:
                                "accepted (reason=invalid).", ["reason"], registry=reg)
         for reason in ("missing", "invalid"):
             self.refused.labels(reason)  # both series exist from the start, at 0
+        self.open_sockets = Gauge("edge_sockets_without_key", "Listening sockets other machines can "
+                                  "reach that the serving set answers with no API key "
+                                  "(server.allow_unauthenticated = true), as the start or the last "
+                                  "reload left them.", registry=reg)
+        self.opened = Counter("edge_served_without_key", "Starts and reloads that served a socket "
+                              "other machines can reach with no API key, by event (start, reload).",
+                              ["event"], registry=reg)
         self._state = _StateCollector()
         reg.register(self._state)
         self._fleet: Any = None  # edge.fleet.metrics.FleetCollector, once the state dir is known
 
     # -- what the app records ------------------------------------------------------------------
     def tokens(self, prompt: int, completion: int, model: str = "") -> None:
-        if _IN_WARMUP.get():
+        if in_warmup():
             return
         self.prompt_tokens.labels(model).inc(prompt)
         self.completion_tokens.labels(model).inc(completion)
@@ -95,7 +97,7 @@ class Metrics:
         """`pieces` passed through, timing the first one: from when it was made (`piece.at`,
         stamped on the generating thread) where it says, else from its arrival (client aborts
         are counted by the route, which knows whether the client left: `client_abort`)."""
-        t0, first, warm = time.perf_counter(), True, _IN_WARMUP.get()
+        t0, first, warm = time.perf_counter(), True, in_warmup()
         try:
             async for piece in pieces:
                 if first and not warm:
@@ -112,11 +114,17 @@ class Metrics:
 
     def client_abort(self, model: str) -> None:
         """The client went away before its answer was whole (queued, generating or streaming)."""
-        if not _IN_WARMUP.get():
+        if not in_warmup():
             self.aborts.labels(model).inc()
 
     def unauthorized(self, reason: str) -> None:
         self.refused.labels(reason).inc()
+
+    def served_without_keys(self, sockets: list[str], event: str) -> None:
+        """A start or a reload's switch: the sockets others can reach that its set serves with no key."""
+        self.open_sockets.set(len(sockets))
+        if sockets:
+            self.opened.labels(event).inc()
 
     def connections_shed(self, n: int) -> None:
         self.shed.inc(n)
@@ -211,10 +219,10 @@ class _StateCollector:
         yield phases
 
 
-def _prompt_cache_families(workers: dict[str, Any]) -> Iterator[Metric]:
+def _prompt_cache_families(workers: dict[str, ModelWorker]) -> Iterator[Metric]:
     """Each model's prompt cache (edge.model.promptcache), read at the scrape: bytes held and allowed,
     requests that reused a cached prefix or not, prompt tokens reused."""
-    caches = {n: w.model.cache for n, w in workers.items() if hasattr(getattr(w, "model", None), "cache")}
+    caches = {n: w.model.cache for n, w in workers.items()}
     held = GaugeMetricFamily("edge_prompt_cache_bytes", "KV state bytes the prompt cache holds in host "
                              "memory (saved prefixes, pinned ones included).", labels=["model"])
     limit = GaugeMetricFamily("edge_prompt_cache_limit_bytes", "The prompt cache's bound "
@@ -234,8 +242,8 @@ def _prompt_cache_families(workers: dict[str, Any]) -> Iterator[Metric]:
     yield from (held, limit, hits, misses, reused)
 
 
-def _batch_families(engines: dict[str, Any]) -> Iterator[Metric]:
-    """Each batching engine's batches (edge.serve.batcher), read at the scrape: requests per
+def _batch_families(engines: dict[str, EngineWorker]) -> Iterator[Metric]:
+    """Each batching engine's batches (edge.engines.dynamic_batching), read at the scrape: requests per
     execution, and each request's wait for its batch (warm-up excluded)."""
     size = HistogramMetricFamily("edge_engine_batch_size", "Requests per execution of an engine that "
                                  "batches ([engines.batching]).", labels=["engine"])
@@ -243,16 +251,16 @@ def _batch_families(engines: dict[str, Any]) -> Iterator[Metric]:
                                   "an engine's batcher to the start of its batch's execution.",
                                   labels=["engine"])
     for name, worker in engines.items():
-        stats = getattr(getattr(worker, "batcher", None), "stats", None)
-        if stats is None:
+        if worker.batcher is None:  # one request at a time
             continue
+        stats = worker.batcher.stats
         with stats.lock:
             size.add_metric([name], stats.batch_size.cumulative(), stats.batch_size.sum)
             delay.add_metric([name], stats.queue_delay.cumulative(), stats.queue_delay.sum)
     yield from (size, delay)
 
 
-def _slot_families(workers: dict[str, Any]) -> Iterator[Metric]:
+def _slot_families(workers: dict[str, ModelWorker]) -> Iterator[Metric]:
     """Each model's slots (edge.model.slots), read at the scrape: how many, how many busy, the
     steps and what they held (tokens and sequences per step: the rates' ratio), the time
     generations waited for a slot."""
@@ -274,9 +282,7 @@ def _slot_families(workers: dict[str, Any]) -> Iterator[Metric]:
     started = CounterMetricFamily("edge_queue_started", "Generations that left the queue for a slot.",
                                   labels=["model"])
     for name, w in workers.items():
-        slots = getattr(getattr(w, "model", None), "slots", None)
-        if slots is None:
-            continue
+        slots = w.model.slots
         gauges["slots"].add_metric([name], float(slots.n))
         gauges["busy"].add_metric([name], float(slots.busy))
         st = slots.stats
@@ -285,8 +291,8 @@ def _slot_families(workers: dict[str, Any]) -> Iterator[Metric]:
             counters[k].add_metric([name], float(v))
         for k, v in (("step", st.step_s), ("decode", st.decode_s), ("sample", st.sample_s)):
             seconds[k].add_metric([name], float(v))
-        wait.add_metric([name], float(getattr(w, "queue_wait_s", 0.0)))
-        started.add_metric([name], float(getattr(w, "started", 0)))
+        wait.add_metric([name], float(w.queue_wait_s))
+        started.add_metric([name], float(w.started))
     yield from (*gauges.values(), *counters.values(), *seconds.values(), wait, started)
 
 
@@ -315,7 +321,7 @@ class MetricsMiddleware:
         """One request answered outside this middleware (the limits layer), counted as if here."""
         method = scope["method"] if scope["method"] in _METHODS else "OTHER"
         self.metrics._observe(self.route_of(scope), method, status, seconds,
-                              scope.get(WARMUP_SCOPE_KEY) is True)
+                              is_warm(scope))
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -347,25 +353,15 @@ class MetricsMiddleware:
             if last:
                 record()
 
-        token = _IN_WARMUP.set(scope.get(WARMUP_SCOPE_KEY) is True)
         try:
-            await self.app(scope, watched_receive, timed_send)
+            with request_scope(scope):
+                await self.app(scope, watched_receive, timed_send)
         except BaseException:
             failed = True
             raise
         finally:
-            _IN_WARMUP.reset(token)
             # Ended before its last chunk: the client went away (a stream cut short is 499, like
             # an abandoned non-streamed request), or the app failed.
             status = 499 if gone else 500 if failed else status
             record()
 
-
-def warmup_transport(app: ASGIApp) -> ASGIApp:
-    """`app` as served on the warm-up's private loopback socket: every request's scope carries
-    the warm-up key (set here, by the transport, never from anything the client sends)."""
-
-    async def marked(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        await app({**scope, WARMUP_SCOPE_KEY: True}, receive, send)
-
-    return marked

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # types only: importing the worker module stays free of the b
     from edge.engines.store import StoredEngine
     from edge.model.generate import Job, Piece
     from edge.model.llm import GGUFModel
-    from edge.serve.batcher import Batcher
+    from edge.engines.dynamic_batching import Batcher
     from edge.model.slots import Slots
 
 __all__ = ["Worker", "ModelWorker", "EngineWorker"]
@@ -91,7 +91,7 @@ class ModelWorker(Worker):
                                f"({self.slots.n} slots, max_queue = {self.max_queue}); retry later",
                                status=503, code="server_busy")
         self.pending += 1
-        from edge.serve.metrics import in_warmup  # imported with the app already: a dict lookup
+        from edge.serve.warmscope import in_warmup  # imported with the app already: a dict lookup
 
         if not in_warmup():
             self.arrivals += 1
@@ -226,7 +226,7 @@ def _merged(pieces: list[Piece]) -> Piece:
 
 class EngineWorker(Worker):
     """One engine's thread: its session is created, called and closed there (a CUDA context is
-    current per thread). Requests go through `infer`: batched (edge.serve.batcher) where the
+    current per thread). Requests go through `infer`: batched (edge.engines.dynamic_batching) where the
     engine has a batch dimension and `[engines.batching]` allows it, else one at a time."""
 
     session: EngineSession
@@ -250,7 +250,9 @@ class EngineWorker(Worker):
             return await self.call(self.session.infer, feeds)
         self.pending += 1
         try:
-            return await self.batcher.infer(feeds)
+            from edge.serve.warmscope import in_warmup  # imported with the app already
+
+            return await self.batcher.infer(feeds, in_warmup())
         finally:
             self.pending -= 1
 
@@ -264,7 +266,7 @@ class EngineWorker(Worker):
 
         self.session = self._pool.submit(make, self.stored, data).result()
         if self.batching is not None:
-            from edge.serve.batcher import Batcher, batch_policy
+            from edge.engines.dynamic_batching import Batcher, batch_policy
 
             policy = batch_policy(self.session, self.batching, *where)
             if policy is not None:

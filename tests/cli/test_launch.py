@@ -22,9 +22,9 @@ from kit import EDGE
 EDGE_BEFORE_CONFIG = {
     "edge", "edge.builtin_models", "edge.cli", "edge.cli.launch", "edge.config", "edge.errors", "edge.fleet",
     "edge.fleet.crashes", "edge.fleet.history", "edge.fleet.journal", "edge.fsutil", "edge.lifecycle",
-    "edge.lifecycle.bytecode", "edge.lifecycle.installed", "edge.lifecycle.loader", "edge.lifecycle.loadset",
+    "edge.bytecode", "edge.lifecycle.installed", "edge.lifecycle.loader", "edge.lifecycle.loadset",
     "edge.lifecycle.handover", "edge.lifecycle.handover.priority", "edge.lifecycle.recovery", "edge.lifecycle.safemode", "edge.lifecycle.start",
-    "edge.lifecycle.systemd", "edge.prefixconfig", "edge.timing", "edge.toml",
+    "edge.lifecycle.signals", "edge.lifecycle.systemd", "edge.prefixconfig", "edge.timing", "edge.toml",
     "edge.engineconfig",  # the config's engine tables
     # the recovery phase, before the config by design: a give-up is seen before anything else runs,
     # and the cgroup's OOM-kill count is noted for the next process's record

@@ -12,7 +12,7 @@ import pytest
 
 from edge.device.identity import detect
 from edge.engines.build import build_engine
-from onnxgen import make_mlp
+from harness.onnxgen import make_mlp
 from edge.engines.recipe import check_onnx, load_recipe
 from edge.engines.store import EngineStore
 from edge.errors import ConfigError, EngineError

@@ -1,15 +1,13 @@
-"""How the tests run edge and what they give it: the command line of the `edge` CLI in this
-interpreter (`EDGE`), and a config file in a tmp dir for one tiny model, listening on port 0
+"""What the tests give edge: a config file in a tmp dir for one tiny model, listening on port 0
 unless told otherwise (`write_config`)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-__all__ = ["EDGE", "write_config"]
+from harness import EDGE
 
-EDGE = [sys.executable, "-m", "edge.cli"]
+__all__ = ["EDGE", "write_config"]
 
 
 def write_config(path: Path, model: Path, *, port: int = 0, extra_model: str = "",

@@ -48,7 +48,7 @@ def serve_on_fake_gpu(config: Path, fault: tuple[str, float] | None = None) -> l
 
 _RUN_REAL = """\
 import sys
-sys.path[:0] = [{root!r}, {tests!r}]
+sys.path[:0] = [{root!r}, {tests!r}, {scripts!r}]  # edge, the kit, the harness it re-exports
 from kit.ptxtrt import PtxTensorRT
 sys.modules["tensorrt"] = PtxTensorRT()
 sys.argv = ["edge", "serve", "--config", {config!r}]
@@ -59,7 +59,8 @@ main()
 
 def serve_on_real_gpu(config: Path) -> list[str]:
     """argv of `edge serve --config CONFIG` on the real driver, TensorRT being kit.ptxtrt's double."""
-    return [sys.executable, "-c", _RUN_REAL.format(root=str(TESTS.parent), tests=str(TESTS), config=str(config))]
+    return [sys.executable, "-c", _RUN_REAL.format(root=str(TESTS.parent), tests=str(TESTS), scripts=str(TESTS.parent / "scripts"),
+                                               config=str(config))]
 
 
 def engine_in_store(store: Path, name: str, onnx_sha256: str, precision: str = "fp16", device: Any = None) -> Path:

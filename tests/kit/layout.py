@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["Arrow", "Graph", "import_graph", "module_name", "Size", "function_sizes", "module_lines",
-           "strongly_connected", "Floor", "readme_floors"]
+           "strongly_connected", "Floor", "readme_floors", "Wing", "readme_wings", "wing_strays"]
 
 
 @dataclass(frozen=True)
@@ -240,3 +240,42 @@ def readme_floors(text: str, package: str = "edge") -> list[Floor]:
         allowed = tuple(a or b for a, b in re.findall(r"`([^`]+)`|\b(ground)\b", imports))
         floors.append(Floor(units, tuple(re.findall(r"`([^`]+)`", holds)), allowed))
     return floors
+
+
+@dataclass(frozen=True)
+class Wing:
+    """One row of the wings table (docs/internals.md, "Layout"): a folder inside a package
+    (`edge.serve.schema`) and the modules of its package, outside the folder, that it may import."""
+
+    wing: str
+    imports: tuple[str, ...]
+
+    @property
+    def package(self) -> str:
+        return self.wing.rpartition(".")[0]
+
+    def holds(self, module: str) -> bool:
+        return module == self.wing or module.startswith(self.wing + ".")
+
+
+def readme_wings(text: str, package: str = "edge") -> list[Wing]:
+    """The rows of the table under `| wing | holds | imports of its package |` in `text`: `serve/schema/`
+    is the wing `edge.serve.schema`, and a module its imports cell names (`loadset`) is one of
+    its package's (`edge.lifecycle.loadset`)."""
+    section = text.split("| wing | holds | imports of its package |", 1)[1].split("\n\n", 1)[0]
+    wings = []
+    for line in section.splitlines()[2:]:
+        first, _, imports = (c.strip() for c in line.strip().strip("|").split(" | "))
+        wing = f"{package}.{first.strip('`').strip('/').replace('/', '.')}"
+        parent = wing.rpartition(".")[0]
+        wings.append(Wing(wing, tuple(f"{parent}.{n.strip('/').replace('/', '.')}"
+                                      for n in re.findall(r"`([^`]+)`", imports))))
+    return wings
+
+
+def wing_strays(graph: Graph, wing: Wing) -> list[Arrow]:
+    """The imports (lazy and TYPE_CHECKING ones included) from the wing's modules into the rest of
+    its package that its row does not name: a module put in the wrong wing shows as one."""
+    return [a for a in graph.arrows if wing.holds(a.source) and not wing.holds(a.target)
+            and (a.target == wing.package or a.target.startswith(wing.package + "."))
+            and a.target not in wing.imports]

@@ -16,8 +16,8 @@ import pytest
 from kit.configs import EDGE
 from edge.ota.bundle import build_bundle, keygen
 from edge.ota.install import Ota
-from ggufgen import write_tiny_llama
-from kit.pid1 import PidOne
+from harness.ggufgen import write_tiny_llama
+from harness.pid1 import PidOne
 
 __all__ = ["A", "B", "MODEL_CFG", "VERSIONS", "build_version", "cfg_text", "committed", "damage", "device",
            "edge_ota", "fill", "install", "kit", "live", "tmpfs", "tree"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kit.configs import EDGE
-from kit.pid1 import PidOne
+from harness.pid1 import PidOne
 
 __all__ = ["Exit", "Unit", "stop_post_env", "wait_stopped"]
 

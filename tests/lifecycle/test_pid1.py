@@ -79,7 +79,7 @@ def test_a_start_from_a_thread_that_ends_keeps_its_service(tmp_path: Path, tiny_
 HARNESS = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from kit import PidOne
+from harness import PidOne
 pid1 = PidOne(sys.argv[2:])
 child = pid1.start()
 pid1.wait_for("READY", "1", timeout=300)
@@ -90,7 +90,7 @@ sys.stdin.read()  # until this process is killed
 
 def test_a_killed_test_process_leaves_no_service(tmp_path: Path, tiny_gguf: Path) -> None:
     cfg = write_config(tmp_path / "edge.toml", tiny_gguf)
-    harness = subprocess.Popen([sys.executable, "-c", HARNESS, str(TESTS), *EDGE, "serve", "--config", str(cfg)],
+    harness = subprocess.Popen([sys.executable, "-c", HARNESS, str(TESTS.parent / "scripts"), *EDGE, "serve", "--config", str(cfg)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = harness.stdout.readline()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ggufgen import write_tiny_llama
+from harness.ggufgen import write_tiny_llama
 from kit import EDGE, post, write_config
 from kit.cgroups import MIB, cgroup_tree
 

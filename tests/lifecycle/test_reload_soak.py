@@ -1,5 +1,5 @@
 """Reloads that keep the model while 8 clients send requests without a pause (the short form of
-scripts/soak-reload): no request fails and llama.cpp never reports a decode error (issue 51:
+`scripts/bench soak_reload`): no request fails and llama.cpp never reports a decode error (issue 51:
 a reload that keeps a model must not put a second scheduler on it)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kit import write_config
-from kit.soak import answers, reload_soak
+from harness.soak import answers, reload_soak
 
 REQUEST = {"prompt": "Hello world", "max_tokens": 24, "temperature": 0.8}
 

@@ -15,7 +15,7 @@ import pytest
 
 from edge.model.gguf import offload_split, read_gguf_info
 from edge.model.mlock import mlock_status
-from ggufgen import write_tiny_llama
+from harness.ggufgen import write_tiny_llama
 from kit import EDGE, PidOne, write_config
 
 LIMITED = ["prlimit", "--memlock=65536:65536", "setpriv", "--bounding-set=-ipc_lock",

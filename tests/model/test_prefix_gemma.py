@@ -181,7 +181,7 @@ def test_checkpoints_are_evicted_by_bytes_least_recently_used_first(gemma2k: GGU
 
 def test_a_checkpointed_answer_equals_a_fresh_prefill_within_the_documented_bound(gemma2k: GGUFModel) -> None:
     """docs/api.md "Reproducibility": a prefix from the cache was computed in other batches than a
-    fresh prefill uses, so logprobs may differ (scripts/bench-cache-bound: at most 0.64 within 12
+    fresh prefill uses, so logprobs may differ (scripts/bench cache_bound: at most 0.64 within 12
     tokens over 200 prompts, 0.30 at p95); the greedy text is the same here. A checkpoint itself changes nothing: copies leave the batches as they were."""
     m = gemma2k
     fresh_cache(m)

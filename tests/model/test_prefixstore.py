@@ -233,7 +233,7 @@ def test_tools_on_a_declared_prefix_are_checked_like_a_requests(tmp_path: Path, 
 
 
 def test_a_chat_prefix_with_tools_is_what_every_chat_request_starts_with(tmp_path: Path) -> None:
-    from ggufgen import write_tiny_llama
+    from harness.ggufgen import write_tiny_llama
 
     gguf = write_tiny_llama(tmp_path / "tools.gguf", chat_template=TOOLS_TEMPLATE)
     system = [MessageConfig(role="system", content="You answer briefly.")]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from edge.ota.bundle import build_bundle, keygen
-from ggufgen import write_tiny_llama
+from harness.ggufgen import write_tiny_llama
 from kit import EDGE
 from kit.ota import cfg_text
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ggufgen import write_tiny_llama
+from harness.ggufgen import write_tiny_llama
 
 httpx = pytest.importorskip("httpx")
 from kit import EDGE, PidOne, write_config

@@ -25,6 +25,7 @@ from edge.engines.build import build_engine
 from edge.engines.recipe import load_recipe
 from edge.engines.store import EngineStore
 from edge.serve.metrics import UNMATCHED, Metrics
+from edge.serve.worker import EngineWorker
 from kit import EDGE, dies_with_us, write_config
 
 RECIPE = Path(__file__).resolve().parents[2] / "engines" / "mlp-demo.toml"
@@ -298,9 +299,11 @@ def test_model_and_engine_phases_do_not_overwrite_each_other() -> None:
 
 
 def test_templated_route_label_in_process() -> None:
-    # An engine slot whose worker is never reached: the name asked for is another, so the KServe
-    # handler answers 404 before touching it. What is checked is the label of a templated route.
-    state = ServiceState(workers={}, engines={"vision": None})
+    # An engine whose worker is never opened (no engine file behind it): the name asked for is
+    # another, so the KServe handler answers 404 before touching it. What is checked is the label
+    # of a templated route, and the engine's queue depth beside it.
+    vision = EngineWorker("vision", stored=None)  # type: ignore[arg-type]
+    state = ServiceState(workers={}, engines={"vision": vision})
     state.ready = True
     app = build_app(state)
 
@@ -310,7 +313,10 @@ def test_templated_route_label_in_process() -> None:
             assert r.status_code == 404
             return (await c.get("/metrics")).text
 
-    fams = families(asyncio.run(go()))
+    try:
+        fams = families(asyncio.run(go()))
+    finally:
+        vision.close()
     assert value(fams, "edge_requests", "edge_requests_total", route="/v2/models/{name}/infer",
                  method="POST", status="404") == 1
     assert value(fams, "edge_queue_depth", "edge_queue_depth", model="vision", kind="engine") == 0

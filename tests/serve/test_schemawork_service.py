@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ggufgen import write_tiny_llama
+from harness.ggufgen import write_tiny_llama
 from kit import metric, post, write_config
 from kit.schemagen import nested_any_of
 

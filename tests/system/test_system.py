@@ -86,8 +86,7 @@ def machine() -> Iterator[Machine]:
     deps, own = _wheels()
     models = CACHE / "models"
     models.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT / "tests"))
-    from ggufgen import write_tiny_llama
+    from harness.ggufgen import write_tiny_llama
 
     write_tiny_llama(models / "tiny.gguf")
     models.chmod(0o755)
@@ -617,3 +616,110 @@ def test_systemctl_reload_hands_over_after_the_installed_version_changed(tiny: M
         m.run("systemctl restart edge.service", timeout=180)  # the running version is the installed one again
         _serving(m)
 
+
+
+# -- TLS by credential (docs/security.md) -------------------------------------------------------------
+_SERVED_CERT = """\
+import hashlib,http.client,ssl,sys
+ctx = ssl.create_default_context(cafile=sys.argv[1])
+c = http.client.HTTPSConnection('127.0.0.1', %d, context=ctx, timeout=120)
+c.request('GET', '/v1/models')
+r = c.getresponse(); r.read()
+print(r.status, hashlib.sha256(c.sock.getpeercert(binary_form=True)).hexdigest())
+""" % PORT
+
+
+def _put(m: Machine, path: str, data: bytes, mode: str) -> None:
+    """A file written in the container (root's, `mode`), from the host's bytes."""
+    import base64
+
+    m.run(f"install -D -m {mode} /dev/null {path} && base64 -d > {path} <<'B64'\n"
+          f"{base64.b64encode(data).decode()}\nB64")
+
+
+def _https(m: Machine, cert: Path) -> tuple[str, str]:
+    """(HTTP status, sha256 of the certificate served) of GET /v1/models over HTTPS from the host,
+    in the container's network, trusting only `cert`."""
+    p = m.net([sys.executable, "-c", _SERVED_CERT, str(cert)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err
+    status, digest = out.split()
+    return status, digest
+
+
+def _fingerprint(cert: Path) -> str:
+    import ssl
+
+    return hashlib.sha256(ssl.PEM_cert_to_DER_cert(cert.read_text())).hexdigest()
+
+
+def _documented_steps(title: str) -> str:
+    """The first code block of the docs section `title`, as a script (comments cut)."""
+    from kit.docs import section
+
+    block = section(title).split("```", 2)[1].split("\n", 1)[1]
+    return "\n".join(re.sub(r"\s+#.*$", "", line) for line in block.splitlines())
+
+
+def test_the_documented_tls_credential_drop_in_serves_https_and_rotates_by_restart(
+        tiny: Machine, tmp_path: Path) -> None:
+    """docs/security.md, "TLS by a systemd credential", run as written: HTTPS trusting only that
+    certificate, the key file root's (the service's user cannot open it); doctor is content with
+    the drop-in. Then "Rotating keys and certificates": new files, a reload still serves the old
+    certificate (credentials are fixed for the service's lifetime), a restart the new one."""
+    from kit.tls import self_signed
+
+    m = tiny
+    _serving(m)
+    cert, key = self_signed(tmp_path)
+    _put(m, "/root/tls-src/cert.pem", cert.read_bytes(), "0644")
+    _put(m, "/root/tls-src/key.pem", key.read_bytes(), "0600")
+    m.run("cd /root/tls-src\n" + _documented_steps("TLS by a systemd credential"))
+    assert m.show("edge.service", "ActiveState")["ActiveState"] == "active"
+    assert _https(m, cert) == ("200", _fingerprint(cert))
+    pid = m.show("edge.service", "MainPID")["MainPID"]
+    uid = m.run(f"stat -c %u /proc/{pid}").stdout.strip()
+    r = m.run(f"nsenter -t {pid} -m -S {uid} -G {uid} -- cat /etc/edge/tls/key.pem", check=False)
+    assert r.returncode != 0 and "PRIVATE KEY" not in r.stdout  # the service reads its credential only
+    doctor = {c["name"]: c for c in json.loads(m.run(f"{EDGE} doctor --json", check=False).stdout)}
+    assert doctor["unit files"]["level"] == "ok", doctor["unit files"]
+    (tmp_path / "new").mkdir()
+    new_cert, new_key = self_signed(tmp_path / "new")
+    _put(m, "/etc/edge/tls/cert.pem", new_cert.read_bytes(), "0644")
+    _put(m, "/etc/edge/tls/key.pem", new_key.read_bytes(), "0600")
+    m.run("systemctl reload edge.service")
+    assert _https(m, cert) == ("200", _fingerprint(cert))  # the copies systemd made at the start
+    m.run("systemctl restart edge.service")
+    assert _https(m, new_cert) == ("200", _fingerprint(new_cert))
+    m.run("rm -rf /etc/edge/tls /root/tls-src")
+    _serving(m)
+
+
+def test_doctor_flags_a_root_only_tls_key_and_a_model_under_root_before_the_start(
+        tiny: Machine, tmp_path: Path) -> None:
+    """The config names a model under /root (ProtectHome=yes hides it) and a TLS key only root
+    reads: `edge doctor` fails on both, naming the fix, before any start; the start then exits 78
+    as it said."""
+    from kit.tls import self_signed
+
+    m = tiny
+    _serving(m)
+    cert, key = self_signed(tmp_path)
+    _put(m, "/etc/edge/tls/cert.pem", cert.read_bytes(), "0644")
+    _put(m, "/etc/edge/tls/key.pem", key.read_bytes(), "0600")
+    m.run("cp /srv/edge-test/tiny.gguf /root/tiny.gguf && cp /etc/edge/edge.toml /root/edge.toml.good")
+    config = TINY_CONFIG.replace("/srv/edge-test/tiny.gguf", "/root/tiny.gguf")
+    config = '[server]\ntls_cert_file = "/etc/edge/tls/cert.pem"\ntls_key_file = "/etc/edge/tls/key.pem"\n\n' + config
+    m.run(f"cat > /etc/edge/edge.toml <<'EOF'\n{config}EOF")
+    r = m.run(f"{EDGE} doctor --json", check=False)
+    assert r.returncode == 1, r.stdout
+    fails = [c for c in json.loads(r.stdout) if c["name"] == "unit files"]
+    by_file = {c["message"].split(" (")[0]: c for c in fails}
+    assert set(by_file) == {"model tiny /root/tiny.gguf", "TLS key /etc/edge/tls/key.pem"}, fails
+    assert "ProtectHome=yes hides /root" in by_file["model tiny /root/tiny.gguf"]["message"]
+    assert "LoadCredential=edge-tls-key:/etc/edge/tls/key.pem" in by_file["TLS key /etc/edge/tls/key.pem"]["fix"]
+    m.run("systemctl restart edge.service", check=False)
+    wait_for("the start to fail", lambda: m.show("edge.service", "ActiveState")["ActiveState"] == "failed", 120)
+    assert m.show("edge.service", "ExecMainStatus")["ExecMainStatus"] == "78"
+    m.run("mv /root/edge.toml.good /etc/edge/edge.toml && rm -rf /etc/edge/tls /root/tiny.gguf")
+    _serving(m)

@@ -22,15 +22,11 @@ does not allow both, the handover is today's restart (docs/reload.md, "Handover"
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import json
 import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from edge.config import Config, state_dir
@@ -39,8 +35,9 @@ from edge.lifecycle.installed import Running
 from edge.lifecycle.loader import read_config
 from edge.lifecycle.loadset import split_cores, threads_of
 from edge.lifecycle.memguard import handover_decision
-from edge.lifecycle.handover.priority import BASE_NICE_ENV, lower_child, successor_yields
-from edge.lifecycle.systemd import DRAINED_ENV, HANDOVER_ENV, Notifier
+from edge.lifecycle.handover.child import Child, spawn, successor_report
+from edge.lifecycle.handover.priority import successor_yields
+from edge.lifecycle.systemd import HANDOVER_ENV, Notifier
 from edge.timing import ReloadTimer, write_report
 
 __all__ = ["HANDOVER_ENV", "Handover"]
@@ -49,7 +46,6 @@ log = logging.getLogger("edge")
 
 SPAWN, SUCCESSOR, SWITCH, DRAIN, GUARD, DRAIN_OLD = "spawn", "successor_start", "switch", "drain", \
     "memory_guard", "drain_old"
-_PASSED_ON = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "JOURNAL_STREAM", "INVOCATION_ID", "MANAGERPID")
 
 
 # -- the old process's side ---------------------------------------------------------------------
@@ -66,7 +62,7 @@ class Handover:
         self.restart: asyncio.Future[dict[str, Any]] | None = None  # memory fallback: after the drain
         self.starting: int | None = None  # the pid of a new process not ready yet
         self.abandoned = False  # this process stops: a handover under way ends quietly
-        self._run: _Run | None = None
+        self._run: _HandoverRun | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def reasons(self, client_env: dict[str, str] | None) -> list[str]:
@@ -75,7 +71,7 @@ class Handover:
     async def run(self, path: str | None, timeout: float | None, client_env: dict[str, str] | None,
                   why: list[str]) -> dict[str, Any]:
         """A handover (or, memory short, a restart); the answer for `edge reload`."""
-        run = self._run = _Run(self, path, why, client_env)
+        run = self._run = _HandoverRun(self, path, why, client_env)
         run.timeout = timeout
         try:
             cfg = await asyncio.to_thread(read_config, path, run.timer)
@@ -128,7 +124,7 @@ class Handover:
             self._run.drained()
 
 
-class _Run:
+class _HandoverRun:
     """One handover: its timer, its report, the new process."""
 
     def __init__(self, h: Handover, path: str | None, why: list[str], client_env: dict[str, str] | None) -> None:
@@ -137,7 +133,7 @@ class _Run:
         self.extra: dict[str, Any] = {"reload_kind": "process", "why": why, "config": path, "mode": None,
                                       "memory": None, "successor": None, "switch_s": None, "drain_s": None}
         self.switched_at = 0.0
-        self.child: _Child | None = None  # the new process, once it took over
+        self.child: Child | None = None  # the new process, once it took over
         self.timeout: float | None = None  # for the new process to be ready (edge reload --timeout)
         self.held: list[socket.socket] = []  # the memory fallback: the sockets, kept across the drain
         h.notifier.reloading(f"handing over to a new process: {'; '.join(why)}")
@@ -156,7 +152,7 @@ class _Run:
     async def spawn_and_switch(self, timeout: float | None) -> dict[str, Any]:
         with self.timer.phase(SPAWN):
             try:
-                child = _spawn(self.held or self.listening(), self.path, self.h.running, self.client_env)
+                child = spawn(self.held or self.listening(), self.path, self.h.running, self.client_env)
             except OSError as exc:
                 return self.failed(EdgeError(f"cannot start the new process: {exc}"))
         self.extra["successor"] = {"pid": child.pid}
@@ -179,7 +175,7 @@ class _Run:
         child.close()
         return self.switch(child, said)
 
-    def switch(self, child: "_Child", said: dict[str, Any]) -> dict[str, Any]:
+    def switch(self, child: Child, said: dict[str, Any]) -> dict[str, Any]:
         """Stop accepting (the new process accepts already), hand systemd the main pid, drain."""
         at = self.timer.now()
         self.h.successor_pid = child.pid
@@ -191,7 +187,7 @@ class _Run:
         self.h.notifier.send(f"MAINPID={child.pid}\nREADY=1\nSTATUS={status}")
         self.timer.add(SWITCH, at, at, pid=child.pid)
         self.switched_at = at
-        self.extra.update(switch_s=round(at, 4), successor=_successor_report(child.pid, state_dir(self.h.current)))
+        self.extra.update(switch_s=round(at, 4), successor=successor_report(child.pid, state_dir(self.h.current)))
         self._write()
         log.info("handover: pid %d serves; this process (pid %d) drains and exits", child.pid, os.getpid())
         return {"ok": True, "status": status, "exit_code": 0, "report": self.summary()}
@@ -204,7 +200,7 @@ class _Run:
         self.extra["drain_s"] = round(end - self.switched_at, 4)
         self._write()
 
-    def failed(self, exc: EdgeError, child: "_Child | None" = None) -> dict[str, Any]:
+    def failed(self, exc: EdgeError, child: "Child | None" = None) -> dict[str, Any]:
         self.extra["error"] = str(exc)
         if child is not None:
             child.say_drained()
@@ -227,139 +223,3 @@ class _Run:
             write_report(report, state_dir(self.h.current), kind="reload")
         except OSError as exc:
             log.warning("cannot write the handover report: %s", exc)
-
-
-class _Child:
-    """The new process: its pid, the pipe it says "ready" on, a pidfd that says when it ends."""
-
-    def __init__(self, pid: int, pipe: int, drained: int = -1) -> None:
-        self.pid, self.pipe = pid, pipe
-        self.drained = drained  # closed once this process has drained: the new one's models may decode
-        self.pidfd = os.pidfd_open(pid)
-        self.status: int | None = None
-
-    async def ready(self, timeout: float | None) -> dict[str, Any] | None:
-        """Its "ready" line; None when it ended first, or did not say it within `timeout`."""
-        loop = asyncio.get_running_loop()
-        said: asyncio.Future[dict[str, Any] | None] = loop.create_future()
-        buf = bytearray()
-
-        def readable() -> None:
-            chunk = os.read(self.pipe, 4096)
-            buf.extend(chunk)
-            if not chunk:  # it is exiting (its files close before it ends): the pidfd says when it has
-                loop.remove_reader(self.pipe)
-            elif b"\n" in buf and not said.done():
-                try:
-                    said.set_result(json.loads(bytes(buf).split(b"\n", 1)[0]))
-                except ValueError:
-                    said.set_result(None)
-
-        loop.add_reader(self.pipe, readable)
-        loop.add_reader(self.pidfd, lambda: None if said.done() else said.set_result(None))
-        try:
-            return await asyncio.wait_for(said, timeout)
-        except asyncio.TimeoutError:
-            return None
-        finally:
-            loop.remove_reader(self.pipe)
-            loop.remove_reader(self.pidfd)
-
-    def failure(self, timeout: float | None) -> str:
-        """Why it did not take over; it is killed (if it still runs) and reaped."""
-        code = self.reap(kill=True)
-        if code is None:
-            return f"the new process (pid {self.pid}) did not become ready within {timeout} s: killed"
-        how = f"was killed by SIG{signal.Signals(-code).name.removeprefix('SIG')}" if code < 0 \
-            else f"exited with status {code}"
-        return f"the new process (pid {self.pid}) {how} before it was ready"
-
-    def reap(self, kill: bool) -> int | None:
-        """Its exit code (-N: signal N); None when it still ran (then, with `kill`, killed and reaped)."""
-        done, status = os.waitpid(self.pid, os.WNOHANG)
-        if done == 0:
-            if not kill:
-                return None
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-            self.status = -signal.SIGKILL
-            self.close()
-            return None
-        self.status = os.waitstatus_to_exitcode(status)
-        self.close()
-        return self.status
-
-    def settle(self, folder: Path) -> dict[str, Any]:
-        """What its journal says (the phase it was in), into the handover report; the journal
-        removed: a handover that failed is the reload's failure, not a crash of the service."""
-        from edge.fleet.crashes import crash_report
-        from edge.fleet.journal import Stop, read_journal
-
-        found: dict[str, Any] = {"exit": self.status}
-        for path in sorted((folder / "journal").glob(f"{self.pid}-*.jsonl")):
-            j = read_journal(path)
-            if j is None or j.head.get("kind") != "handover":
-                continue
-            if j.end is None:
-                code = self.status or 0
-                j.stop = Stop("signal", "killed", signal.Signals(-code).name.removeprefix("SIG")) if code < 0 \
-                    else Stop("exit-code", "exited", str(code))
-                r = crash_report(j)
-                found.update(phase=r["phase"], signal=r["signal"], phases=r["phases"])
-            else:
-                found.update(phase=j.phase()["enter"], result=j.end.get("end"), error=j.end.get("error"))
-            path.unlink(missing_ok=True)
-        return found
-
-    def close(self) -> None:
-        for fd in (fd for fd in (self.pipe, self.pidfd) if fd >= 0):
-            os.close(fd)
-        self.pipe = self.pidfd = -1
-
-    def say_drained(self) -> None:
-        if self.drained >= 0:
-            os.close(self.drained)
-            self.drained = -1
-
-
-def _spawn(sockets: list[Any], path: str | None, running: Running, client_env: dict[str, str] | None) -> _Child:
-    """`edge serve` as installed now (this interpreter, `-m edge.cli`: the package on disk), with
-    the listening sockets as fds 3.. and the pipe's writing end after them."""
-    env = running.successor_environment(client_env)
-    n = len(sockets)
-    env.update({k: os.environ[k] for k in _PASSED_ON if k in os.environ}, LISTEN_FDS=str(n),
-               **{HANDOVER_ENV: f"{3 + n}", DRAINED_ENV: f"{4 + n}",
-                  BASE_NICE_ENV: str(os.getpriority(os.PRIO_PROCESS, 0))})
-    read_end, write_end = os.pipe()
-    drained_read, drained_write = os.pipe()  # this process keeps the writing end until it has drained
-    # above every target fd, so that no dup2 below overwrites a source
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in [s.fileno() for s in sockets] + [write_end, drained_read]]
-    os.close(write_end)
-    os.close(drained_read)
-    actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
-    actions += [(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(high)]
-    # LISTEN_PID (and WATCHDOG_PID) must name the new process: the shell's $$, which exec keeps
-    script = 'export LISTEN_PID=$$; if [ -n "$WATCHDOG_USEC" ]; then export WATCHDOG_PID=$$; fi; exec "$@"'
-    argv = [sys.executable, "-m", "edge.cli", "serve", *(["--config", path] if path else [])]
-    try:
-        pid = os.posix_spawn("/bin/sh", ["/bin/sh", "-c", script, "sh", *argv], env, file_actions=actions)
-    except OSError:
-        os.close(read_end)
-        os.close(drained_write)
-        raise
-    finally:
-        for fd in high:
-            os.close(fd)
-    lower_child(pid)  # its interpreter's start too runs below the serving threads
-    log.info("handover: started pid %d: %s", pid, " ".join(argv))
-    return _Child(pid, read_end, drained_write)
-
-
-def _successor_report(pid: int, folder: Path) -> dict[str, Any]:
-    """The new process's start report (it wrote it just before it said ready)."""
-    try:
-        report = json.loads((folder / "last-start.json").read_text())
-    except (OSError, ValueError):
-        return {"pid": pid}
-    keys = ("edge_version", "ready_s", "started_unix", "phases") if report.get("pid") == pid else ()
-    return {"pid": pid, **{k: report.get(k) for k in keys}}

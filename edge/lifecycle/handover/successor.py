@@ -1,5 +1,6 @@
-"""A handover's new process (edge.lifecycle.handover.handover has the old one's side): the pipe it says
-"ready" on, its notifier until then, and the hold on its models until the old process has drained.
+"""A handover's new process (edge.lifecycle.handover.handover has the old one's side): what its start
+is given once (`Takeover`), the pipe it says "ready" on, its notifier until then, and the hold on its
+models until the old process has drained.
 """
 
 from __future__ import annotations
@@ -7,11 +8,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from edge.lifecycle.systemd import DRAINED_ENV, HANDOVER_ENV, Notifier
 
-__all__ = ["HOLD_AT_MOST_S", "Successor", "SuccessorNotifier"]
+if TYPE_CHECKING:
+    from edge.lifecycle.handover.priority import Yielded
+    from edge.serve.worker import ModelWorker
+
+__all__ = ["HOLD_AT_MOST_S", "Successor", "SuccessorNotifier", "Takeover"]
 
 # How long a new process's models wait at most for the old process's drain: its last requests of
 # a few tokens end within a second or so; a long stream there (a drain can last drain_timeout_s)
@@ -41,7 +47,7 @@ class Successor:
             log.warning("%s=%r is not an open file descriptor: starting as a plain start", HANDOVER_ENV, raw)
             return None
 
-    def hold_until_drained(self, workers: list[Any], limit_s: float) -> None:
+    def hold_until_drained(self, models: list[ModelWorker], limit_s: float) -> None:
         """The models hold their requests (queued, not decoded) until the old process has drained,
         at most `limit_s` (HOLD_AT_MOST_S, or the drain limit if shorter): two processes decoding on the same cores at once
         slow each other far more than their share (ggml's threads spin at their barriers), so the
@@ -54,7 +60,6 @@ class Successor:
         import threading
         import time
 
-        models = [w for w in workers if hasattr(w, "hold")]
         for w in models:
             w.hold()
         fd, self.drained_fd = self.drained_fd, None
@@ -108,3 +113,40 @@ class SuccessorNotifier(Notifier):
             return super().stopping(text)
         log.info("stopping before the handover: %s", text)
         return False
+
+
+@dataclass
+class Takeover:
+    """A start by a running edge, to take over from it (its environment named the handover pipe),
+    given once to the start (edge.lifecycle.start.ColdStart): the pipe to the old process
+    (`successor`; None where the environment's was no open descriptor: then it starts as a plain
+    start) and this process's CPU priority, lowered until it serves (`yielded`; None where it could
+    not be taken back, so was never lowered)."""
+
+    successor: Successor | None
+    yielded: Yielded | None
+
+    @classmethod
+    def from_env(cls, yielded: Yielded | None) -> Takeover:
+        return cls(Successor.from_env(), yielded)
+
+    @property
+    def takes_over(self) -> bool:
+        return self.successor is not None
+
+    def notifier(self) -> Notifier:
+        """Until ready, its READY goes to the old process (SuccessorNotifier); a plain one else."""
+        return SuccessorNotifier(self.successor) if self.successor is not None else Notifier()
+
+    def before_serving(self, models: list[ModelWorker], drain_timeout_s: float) -> None:
+        """Just before READY: every thread back to the service's priority, and the models holding
+        their requests until the old process has drained (at most HOLD_AT_MOST_S, or the drain
+        limit if shorter)."""
+        if self.yielded is not None:
+            self.yielded.restore()
+        if self.successor is not None:
+            self.successor.hold_until_drained(models, min(HOLD_AT_MOST_S, drain_timeout_s))
+
+    def report(self) -> dict[str, Any]:
+        """What the start report says of it: the priority it started at and took back."""
+        return {"priority": self.yielded.as_dict()} if self.yielded is not None else {}

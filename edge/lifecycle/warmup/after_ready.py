@@ -4,7 +4,7 @@ A start whose model calibrates `after_ready` (edge.lifecycle.warmup.plan.after_r
 and the stored steps before READY; what is left (every candidate without a plan, or a plan's
 pending ones) is measured here, by a task the start makes once READY=1 is sent:
 
-    wait `after_ready_idle_s` with no client request → the loopback HTTP server → each model's
+    wait `after_ready_idle_s` with no client request → the private HTTP transport (edge.lifecycle.warmup.steps.LoopbackHTTP) → each model's
     candidates (first, then repeat) → the plan stored → the start report rewritten, the log line
 
 A client request to any model of the set (ModelWorker.arrivals, warm-up's own not counted) before
@@ -17,7 +17,6 @@ plan file is written only whole.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -25,11 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, cache_dir
-from edge.fsutil import atomic_write
+from edge.timing import rewrite_report
 
 if TYPE_CHECKING:
     from edge.lifecycle.loadset import Loaded
     from edge.lifecycle.systemd import Notifier
+    from edge.serve.worker import ModelWorker
 
 __all__ = ["Watch", "describe", "start_after_ready", "stop_after_ready"]
 
@@ -41,8 +41,8 @@ class Watch:
     whether the set is going away (`leaving`: a reload or the drain began), which ends the
     calibration as a request does, before anything more is sent to models a reload may free."""
 
-    def __init__(self, workers: list[Any], leaving: Callable[[], bool] = lambda: False) -> None:
-        self.workers = [w for w in workers if hasattr(w, "arrivals")]
+    def __init__(self, workers: list[ModelWorker], leaving: Callable[[], bool] = lambda: False) -> None:
+        self.workers = workers
         self.leaving = leaving
         self.at_ready = self._count()
         self._event = asyncio.Event()
@@ -133,16 +133,7 @@ def _name(plan: dict[str, Any]) -> Any:
 
 
 def _rewrite(report: dict[str, Any], path: Path, plans: list[dict[str, Any]], seconds: float) -> None:
-    """The start report with the calibration's rows (atomically); last-start.json too, unless a
-    later start (a handover's new process) has written its own since."""
+    """The start report with the calibration's rows, written again (edge.timing.rewrite_report)."""
     report["calibration"] = plans
     report["calibrated_after_ready_s"] = seconds
-    data = json.dumps(report, indent=2) + "\n"
-    atomic_write(path, data)
-    last = path.parent.parent / "last-start.json"
-    try:
-        ours = json.loads(last.read_text(encoding="utf-8")).get("pid") == report.get("pid")
-    except (OSError, ValueError):
-        ours = False
-    if ours:
-        atomic_write(last, data)
+    rewrite_report(report, path)
