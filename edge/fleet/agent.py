@@ -5,7 +5,9 @@ inbound connection; the agent's WAL holds samples while the uplink is down.
 `edge fleet agent` prints the agent's config and its systemd unit; `edge fleet rules` the rules
 file the receiving side loads (edge/fleet/rules/edge-rules.yml, package data). Every device scrapes
 itself as 127.0.0.1, so the config sets `instance` to the device's name: the fleet tells devices
-apart, and the rules join by (job, instance).
+apart, and the rules join by (job, instance). The name defaults to the machine id
+(/etc/machine-id, made once per installed system), not the hostname: devices flashed from one
+image keep the image's hostname, and two devices under one `instance` are one flapping series.
 
 The agent flag changed with Prometheus 3: `--enable-feature=agent` before, `--agent` since
 (Debian 12 ships 2.42).
@@ -24,13 +26,31 @@ import json
 import re
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["AgentSetup", "CREDENTIALS", "agent_flag", "prometheus_major", "rules_text", "server_name_for"]
+__all__ = ["AgentSetup", "CREDENTIALS", "agent_flag", "machine_id", "prometheus_major", "rules_text", "server_name_for"]
 
 RULES_FILE = "edge-rules.yml"
 UNIT = "edge-prometheus-agent.service"
 CREDENTIALS = f"/run/credentials/{UNIT}"  # where systemd puts the unit's LoadCredential= files
 CA_CREDENTIAL, KEY_CREDENTIAL = "edge-tls-ca", "edge-api-key"
+MACHINE_ID_FILES = (Path("/etc/machine-id"), Path("/var/lib/dbus/machine-id"))
+
+
+def machine_id(files: tuple[Path, ...] = MACHINE_ID_FILES) -> str:
+    """This system's machine id (systemd's, else D-Bus's: 32 hex digits); a usage error naming
+    the files where there is none (an image not booted yet: `--instance` instead)."""
+    for path in files:
+        try:
+            text = path.read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if re.fullmatch(r"[0-9a-f]{32}", text):
+            return text
+    from edge.errors import ConfigError
+
+    raise ConfigError(" or ".join(str(p) for p in files), "", "no machine id (32 hex digits) to name this device "
+                      "with: give --instance (a name unique in the fleet)")
 
 
 def rules_text() -> str:

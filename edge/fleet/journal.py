@@ -237,16 +237,19 @@ class Stop:
     """How systemd saw the main process end ($SERVICE_RESULT, $EXIT_CODE, $EXIT_STATUS of
     ExecStopPost=): result success|exit-code|signal|core-dump|timeout|watchdog|oom-kill|…;
     code exited|killed|dumped; status an exit status or a signal name (SEGV); `oom_kills` the
-    unit's cgroup's OOM kills so far (ExecStopPost= runs in it), to compare with the start's."""
+    unit's cgroup's OOM kills so far (ExecStopPost= runs in it), to compare with the start's; `at`
+    when it ran (systemd runs it as soon as the main process is gone: when the crash happened)."""
 
     result: str = ""
     code: str = ""
     status: str = ""
     oom_kills: int | None = None
+    at: float | None = None  # unix time systemd ran ExecStopPost=: right after the process ended
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> "Stop":
-        return cls(env.get("SERVICE_RESULT", ""), env.get("EXIT_CODE", ""), env.get("EXIT_STATUS", ""), oom_kills())
+        return cls(env.get("SERVICE_RESULT", ""), env.get("EXIT_CODE", ""), env.get("EXIT_STATUS", ""), oom_kills(),
+                   time.time())
 
     def as_dict(self) -> dict[str, str]:
         return {"result": self.result, "code": self.code, "status": self.status}

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -225,7 +226,8 @@ class Recovery:
         """It found itself unfit to go on (e.g. a poisoned CUDA context): a crash record of its
         own, then the exit."""
         report = {**self.timer.report(), "result": "crashed", "phase": phase, "signal": "none", "cause": "fatal-error", "keys": self.keys,
-                  "error": reason, "exit_code": exit_code, "reached_ready": True}
+                  "error": reason, "exit_code": exit_code, "reached_ready": True,
+                  "ended_unix": round(time.time(), 3)}  # dated now, when it happened (not its READY)
         try:
             write_report(report, self.state_dir, kind=CRASH)
         except OSError as exc:

@@ -11,9 +11,10 @@ no llama.cpp: config, recovery, sockets, uvicorn, READY=1 in a fraction of a sec
                   naming the reason (safe mode exhausted, the last crash's phase and signal)
     /readyz       503 (the same body): not ready
     /healthz      200 {"status": "given_up", ...}: alive, and why it serves nothing
-    /metrics      the fleet families (edge_given_up, edge_crashes_total{cause}, ...); keyed as the
-                  service keys it (API keys configured, metrics_auth = "key"): 401 without one,
-                  and where the key file cannot be read now, 401 to every scrape
+    /metrics      the fleet families (edge_build_info, edge_device_info, edge_given_up,
+                  edge_crashes_total{cause}, ...) and edge_ready 0; keyed as the service keys it
+                  (API keys configured, metrics_auth = "key"): 401 without one, and where the key
+                  file cannot be read now, 401 to every scrape
 
 It ends itself (exit 0, journal `end: given_up`) as soon as the give-up no longer holds:
 `edge safe-mode clear` removed the record, the config file, a model file, the llama.cpp build or
@@ -178,12 +179,21 @@ class Unavailable:
         await send({"type": "http.response.body", "body": body})
 
     def _metrics(self) -> bytes:
+        """The fleet families (identity, history, edge_given_up), and edge_ready 0: a given-up device
+        is scraped, ready never, and the fleet's rules tell it from a silent one (EdgeGivenUp)."""
         from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import GaugeMetricFamily
 
         from edge.fleet.metrics import FleetCollector
 
+        class NotReady:
+            def collect(self) -> Any:
+                yield GaugeMetricFamily("edge_ready", "1 once warm-up finished and the service accepts "
+                                        "requests; 0 here: given up, answering 503 (edge_given_up says why).", value=0)
+
         registry = CollectorRegistry()
         registry.register(FleetCollector(self.folder, lambda: None))
+        registry.register(NotReady())
         return generate_latest(registry)
 
 

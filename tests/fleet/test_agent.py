@@ -55,6 +55,23 @@ def test_the_target_comes_from_the_config_as_prometheus_takes_it(tmp_path: Path,
                                                     "--target", "[fe80::1]:8088")
 
 
+def test_the_instance_defaults_to_the_machine_id_not_the_hostname(tmp_path: Path) -> None:
+    """Devices flashed from one image share its hostname: the machine id names each one."""
+    from edge.errors import ConfigError
+    from edge.fleet.agent import machine_id
+
+    text = _edge("fleet", "agent", "--remote-write", "https://f/api/v1/write", "--target", "127.0.0.1:8088")
+    mine = Path("/etc/machine-id").read_text().strip()
+    assert f'replacement: "{mine}"' in text and len(mine) == 32
+    systemd, dbus = tmp_path / "machine-id", tmp_path / "dbus-machine-id"
+    systemd.write_text("\n")  # an image not booted yet: systemd's is empty, D-Bus's is there
+    dbus.write_text("0123456789abcdef0123456789abcdef\n")
+    assert machine_id((systemd, dbus)) == "0123456789abcdef0123456789abcdef"
+    dbus.write_text("uninitialized\n")
+    with pytest.raises(ConfigError, match="give --instance"):
+        machine_id((systemd, dbus))
+
+
 def test_agent_flag_follows_the_prometheus_major() -> None:
     assert agent_flag(2) == "--enable-feature=agent" and agent_flag(None) == "--enable-feature=agent"
     assert agent_flag(3) == "--agent"

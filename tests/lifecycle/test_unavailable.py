@@ -79,6 +79,8 @@ def test_an_unconditional_crash_gives_up_once_and_every_request_is_answered_503(
         health = _ask(unit.pid1.address, "GET", "/healthz")
         assert health[0] == 200 and health[2]["status"] == "given_up"
         assert metric(unit.pid1.address, "edge_given_up", phase="warmup", signal="SEGV", target="tiny") == 1
+        assert metric(unit.pid1.address, "edge_ready") == 0  # scraped and not ready: given up, not silent
+        assert metric(unit.pid1.address, "edge_build_info") == 1 and metric(unit.pid1.address, "edge_device_info") == 1
         assert metric(unit.pid1.address, "edge_starts_total", result="given_up") == 1
         assert metric(unit.pid1.address, "edge_crashes_total", phase="warmup", cause="native-fault") == 3
         assert unit.stop().returncode == 0
