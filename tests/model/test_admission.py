@@ -152,3 +152,43 @@ def test_requests_start_in_the_order_they_came_and_none_waits_more_than_its_shar
     assert all(s.ended is None and s.finish == "length" for s in sinks)
     waits = sorted(s.first_step for s in sinks)
     assert waits[-1] <= 2.5 * max(1.0, statistics.median(waits)), waits
+
+
+def test_the_scheduler_thread_starts_requests_in_order_and_none_waits_more_than_its_share(model: GGUFModel) -> None:
+    """The same through the model's own scheduler thread (edge.model.scheduler, what every
+    worker submits to): 16 requests queued at once while it is held, then let go. They start in
+    the order they were submitted, every answer is whole, and the longest wait for a first piece
+    (in steps) is within 2.5x the median wait."""
+    import threading
+
+    class Sink(Collect):
+        def __init__(self, slots: object) -> None:
+            super().__init__(slots)
+            self.done = threading.Event()
+
+        def close(self, error: BaseException | None) -> None:
+            super().close(error)
+            self.done.set()
+
+    started: list[Job] = []
+    real_start = model.slots.start
+
+    def start(j: Job, sink: object) -> None:  # runs on the scheduler thread
+        started.append(j)
+        real_start(j, sink)
+
+    jobs = [job(model, PROMPTS[i % 4], 40) for i in range(16)]
+    sinks = [Sink(model.slots) for _ in jobs]
+    model.slots.start = start  # type: ignore[method-assign]
+    try:
+        model.scheduler.hold()
+        for j, s in zip(jobs, sinks):
+            model.scheduler.submit(j, s)
+        model.scheduler.resume()
+        assert all(s.done.wait(120) for s in sinks)
+    finally:
+        del model.slots.start
+    assert [jobs.index(j) for j in started] == list(range(16))
+    assert all(s.ended is None and s.finish == "length" for s in sinks)
+    waits = sorted(s.first_step for s in sinks)
+    assert waits[-1] <= 2.5 * max(1.0, statistics.median(waits)), waits
