@@ -130,7 +130,9 @@ class ModelConfig:
     path: str  # builtin:<name>, or a .gguf file (relative to the config file)
     kind: str = "gguf"  # the model file's format (GGUF only)
     sha256: str | None = None  # the file's sha256, verified once per file identity, during page-in
-    n_ctx: int = field(default=2048, metadata=_range(16, 1 << 20))  # the context window, in tokens
+    # the context window, in tokens; None: the model's trained context, at most 32,768 and what 1/4
+    # of the memory beside the weights holds (edge.model.memory.context_plan)
+    n_ctx: int | None = field(default=None, metadata=_range(16, 1 << 20))
     n_batch: int = field(default=512, metadata=_range(1, 1 << 16))  # the logical batch of a prefill, in tokens
     n_threads: int = field(default=0, metadata=_range(0, 1024))  # 0: one per CPU core
     n_gpu_layers: int = field(default=0, metadata=_range(-1, 100000))  # layers offloaded to the GPU (-1: all); needs a CUDA build of llama.cpp
@@ -143,7 +145,7 @@ class ModelConfig:
     max_tokens_default: int = field(default=256, metadata=_range(1, 1 << 20))  # max_tokens of a request that gives none
     max_choices: int = field(default=8, metadata=_range(1, 128))  # bound on n x prompts per request
     # sequences decoded at once in one llama.cpp context (continuous batching, edge.model.slots);
-    # None: from the context and memory (edge.model.memory.auto_parallel), at least 4 on the CPU
+    # None: one per 512 tokens of n_ctx, at most 8 (edge.model.memory.context_plan)
     parallel: int | None = field(default=None, metadata=_range(1, 256))
     # llama.cpp context settings, with llama-server's defaults: flash attention decided by
     # llama.cpp for the device and model ("auto"), the physical batch (None: min(512, n_batch)),
@@ -181,7 +183,7 @@ class ModelConfig:
 class WarmupConfig:
     enabled: bool = True  # false: only the floor request runs
     short_prompt: str = "Hello"  # the floor: this prompt, streamed, two tokens
-    long_prefill_fraction: float = field(default=0.5, metadata=_range(0.0, 0.98))  # a long-prefill candidate of this fraction of n_ctx
+    long_prefill_fraction: float = field(default=0.5, metadata=_range(0.0, 0.98))  # a long-prefill candidate of this fraction of n_ctx (of at most 4,096)
     decode_tokens: int = field(default=16, metadata=_range(1, 4096))  # the streamed-decode candidate's tokens
     chat: bool = True  # chat-template candidates
     prompts: list[str] = field(default_factory=list)  # extra prompts from the real workload

@@ -11,14 +11,10 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from edge.config import BUILTIN_PREFIX, Config, ModelConfig, cache_dir, find_config, load_config, state_dir, write_probe
+from edge.config import Config, cache_dir, find_config, load_config, state_dir, write_probe
 from edge.errors import ConfigError, EdgeError
 from edge.model.mlock import mib
-
-if TYPE_CHECKING:
-    from edge.model.gguf import GGUFInfo
 
 __all__ = ["Check", "run_checks"]
 
@@ -60,52 +56,10 @@ def unit_config(unit_text: str) -> str | None:
 
 
 def _model_files(cfg: Config) -> list[Check]:
-    from edge.model.gguf import read_gguf_info
+    """Each model's file, context and slots, KV cache and embeddings context (doctor_models)."""
+    from edge.host.doctor_models import model_checks
 
-    checks = []
-    for m in cfg.models:
-        if m.path.startswith(BUILTIN_PREFIX):
-            target = cache_dir(cfg) / "models"
-            present = any(target.glob("*.gguf")) if target.is_dir() else False
-            checks.append(Check(f"model {m.name}", "ok",
-                                f"{m.path}: " + ("assembled in " + str(target) if present else
-                                                 "assembled and verified on first start") + f"; {_slots(m)}"
-                                + (f"; KV cache {m.type_k}/{m.type_v}" if (m.type_k, m.type_v) != ("f16", "f16") else "")))
-            continue
-        try:
-            info = read_gguf_info(m.path)
-        except EdgeError as exc:
-            checks.append(Check(f"model {m.name}", "fail", str(exc),
-                                "point models.path at a complete GGUF file (re-copy it if truncated)"))
-            continue
-        checks.append(_model_check(m, info))
-    return checks
-
-
-def _model_check(m: ModelConfig, info: GGUFInfo) -> Check:
-    """The file, the slots, and what its KV cache and embeddings context cost (issue 55): a fail
-    where llama.cpp would refuse its KV types."""
-    from edge.model.kvtypes import kv_type_problem, kv_types_label
-    from edge.model.memory import embeddings_need, kv_bytes
-
-    head = f"{m.path}: GGUF v{info.version}, {info.architecture}, {mib(info.size)}, {info.tensor_count} tensors"
-    problem = kv_type_problem(m, info)
-    if problem is not None:
-        return Check(f"model {m.name}", "fail", f"{head}; models.{problem[0]}: {problem[1]}",
-                     f"set {problem[0]} to f16 (or a type whose block divides the head size)")
-    kv = f"KV cache {kv_types_label(m)}: {mib(kv_bytes(m, info))} at n_ctx = {m.n_ctx}"
-    embed = f"; embeddings context: {mib(embeddings_need(m, info))}" if m.embeddings else ""
-    return Check(f"model {m.name}", "ok", f"{head}; {_slots(m)}; {kv}{embed}")
-
-
-def _slots(m: ModelConfig) -> str:
-    """How many requests the model decodes at once and what each can count on: the slots share
-    the context's cells (unified KV), so one alone may use all of them."""
-    from edge.model.memory import parallel_for
-
-    p = parallel_for(m)
-    return (f"{p} slots (parallel{'' if m.parallel else ', automatic'}) sharing n_ctx = {m.n_ctx} cells: "
-            f"{m.n_ctx // p} tokens of prompt and answer each when all are busy")
+    return [Check(*c) for c in model_checks(cfg)]
 
 
 _CAP_SYS_RESOURCE = 24

@@ -288,7 +288,13 @@ def _slot_families(workers: dict[str, ModelWorker]) -> Iterator[Metric]:
     counters = {k: CounterMetricFamily(f"edge_batch_{k}", help_, labels=["model"]) for k, help_ in (
         ("steps", "llama_decode steps of a model's slots (one batch each)."),
         ("tokens", "Tokens decoded in those steps (over steps: the batch size per step)."),
-        ("sequences", "Sequences in those steps, summed (over steps: sequences per step)."))}
+        ("sequences", "Sequences in those steps, summed (over steps: sequences per step)."),
+        ("suspended", "Sequences that gave their cells up while they ran (the context outgrown), "
+                      "resumed once room came back."))}
+    seconds = {k: CounterMetricFamily(f"edge_batch_{k}_seconds", help_, labels=["model"]) for k, help_ in (
+        ("step", "Time in the steps of a model's slots: llama_decode, sampling, building the batch, admission."),
+        ("decode", "Of that, time in llama_decode."),
+        ("sample", "Of that, time sampling and making text after the decodes."))}
     wait = CounterMetricFamily("edge_queue_wait_seconds", "Time generations waited for a free slot, "
                                "summed (over edge_queue_started: the mean wait).", labels=["model"])
     started = CounterMetricFamily("edge_queue_started", "Generations that left the queue for a slot.",
@@ -298,11 +304,14 @@ def _slot_families(workers: dict[str, ModelWorker]) -> Iterator[Metric]:
         gauges["slots"].add_metric([name], float(slots.n))
         gauges["busy"].add_metric([name], float(slots.busy))
         st = slots.stats
-        for k, v in (("steps", st.steps), ("tokens", st.batch_tokens), ("sequences", st.batch_sequences)):
+        for k, v in (("steps", st.steps), ("tokens", st.batch_tokens), ("sequences", st.batch_sequences),
+                     ("suspended", st.suspended)):
             counters[k].add_metric([name], float(v))
+        for k, v in (("step", st.step_s), ("decode", st.decode_s), ("sample", st.sample_s)):
+            seconds[k].add_metric([name], float(v))
         wait.add_metric([name], float(w.queue_wait_s))
         started.add_metric([name], float(w.started))
-    yield from (*gauges.values(), *counters.values(), wait, started)
+    yield from (*gauges.values(), *counters.values(), *seconds.values(), wait, started)
 
 
 class MetricsMiddleware:

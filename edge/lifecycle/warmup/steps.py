@@ -45,6 +45,7 @@ PASSAGE = ("The field unit reported nominal telemetry for the third consecutive 
 WORDS = tuple(dict.fromkeys(w.strip(".,;") for w in PASSAGE.split()))
 # Kernel paths change with the batch's row count: CUDA's MMQ/mat-vec switch sits at 32 rows.
 SMALL_BATCH_EDGES = (32, 33)
+LONG_PREFILL_CTX = 4096  # the long-prefill candidate: long_prefill_fraction of n_ctx, of at most this
 # A decoded token costs about as much as this many prefilled ones (CPU, 2 cores, Gemma 270M:
 # ~15 ms vs ~1.6 ms): used only to predict whether a candidate fits the budget.
 DECODE_WEIGHT = 10
@@ -301,7 +302,8 @@ def _prompt_lengths(model: GGUFModel, cfg: WarmupConfig) -> list[int]:
     params = model.native.params
     edges = {int(params.n_ubatch), int(params.n_batch)}
     out = [*SMALL_BATCH_EDGES] + [e + d for e in edges for d in (-1, 0, 1)]
-    n_long = int(model.n_ctx * cfg.long_prefill_fraction)
+    # of n_ctx, at most LONG_PREFILL_CTX: a context sized to the model (32,768 tokens) is not a prompt's length
+    n_long = int(min(model.n_ctx, LONG_PREFILL_CTX) * cfg.long_prefill_fraction)
     return out + ([n_long] if n_long > 8 else [])
 
 
