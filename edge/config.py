@@ -28,7 +28,8 @@ _HOST = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9]([A-Za-z0-9-]*[A-Z
 
 __all__ = ["BUILTIN_PREFIX", "DEFAULT_LISTEN", "DEFAULT_MAX_CONNECTIONS", "LOG_LEVELS", "DEFAULT_URL",
            "SYSTEM_CONFIG", "load", "Config", "MessageConfig", "ModelConfig", "PrefixConfig", "PathsConfig",
-           "ServerConfig", "WarmupConfig", "BatchingConfig", "EngineConfig", "default_config", "find_config",
+           "ServerConfig", "SpeculativeConfig",
+           "WarmupConfig", "BatchingConfig", "EngineConfig", "default_config", "find_config",
            "load_config", "read_config_text", "parse_config", "build_dataclass", "state_dir", "cache_dir",
            "check_writable", "write_probe"]
 
@@ -95,6 +96,29 @@ class PathsConfig:
     cache_dir: str | None = None  # engines, assembled default model; default: $CACHE_DIRECTORY
 
 
+SPEC_MODES = ("off", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`[models.speculative]`: speculative decoding (edge.model.speculate)."""
+
+    # off: one token per sequence per step; ngram: tokens that followed the same n tokens earlier
+    # in the prompt or the answer are proposed and verified in the step's one llama_decode
+    mode: str = field(default="ngram", metadata={"choices": SPEC_MODES})
+    ngram_min: int = field(default=2, metadata=_range(1, 16))  # the shortest n-gram a proposal may match
+    ngram_max: int = field(default=4, metadata=_range(1, 16))  # the longest (tried first)
+    max_draft: int = field(default=8, metadata=_range(1, 64))  # tokens proposed per sequence per step
+    # a sequence whose accepted share of its proposals falls below this (after min_drafted
+    # tokens proposed) stops proposing: a failed proposal costs its rows of the step's decode
+    min_acceptance: float = field(default=0.3, metadata=_range(0.0, 1.0))
+    min_drafted: int = field(default=16, metadata=_range(1, 1 << 20))  # proposals judged after this many tokens
+    # a step's decode rows (every sequence's next token and the proposals) above which no more
+    # proposals are added: a full batch is compute-bound and a rejected row costs what it saves
+    # (docs/performance.md "Speculative decoding", measured)
+    max_step_rows: int = field(default=16, metadata=_range(1, 1 << 16))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str  # the model's name in the API (/v2/models/{name}) and on /metrics
@@ -137,6 +161,7 @@ class ModelConfig:
     prompt_cache_mb: int | None = field(default=None, metadata=_range(0, 1 << 20))
     prefixes: list[PrefixConfig] = field(default_factory=list)  # declared prefixes ([[models.prefixes]])
     learn_prefixes: int = field(default=0, metadata=_range(0, 64))  # N: the N prefixes traffic reused most, saved at SIGTERM
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # [models.speculative] (edge.specconfig)
 
     @property
     def flash_attn_mode(self) -> str:
@@ -309,6 +334,9 @@ def _check_cache(m: ModelConfig, source: str, where: str, base_dir: Path | None)
         what = "prefixes" if m.prefixes else "learn_prefixes"
         raise ConfigError(source, f"{where}.prompt_cache_mb", f"0 turns the prompt cache off, but {what} "
                           "needs it: remove prompt_cache_mb (sized automatically) or set it above 0")
+    if m.speculative.ngram_min > m.speculative.ngram_max:
+        raise ConfigError(source, f"{where}.speculative.ngram_min", f"expected at most ngram_max "
+                          f"({m.speculative.ngram_max}), found {m.speculative.ngram_min}")
     return dataclasses.replace(m, prefixes=check_prefixes(m.prefixes, source, where, base_dir))
 
 

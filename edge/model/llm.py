@@ -46,7 +46,7 @@ class GGUFModel:
         self.plan = plan or context_plan(cfg, info)
         self.n_ctx = min(self.plan.n_ctx, native.n_ctx)  # llama.cpp may round the context up
         self.cache = PromptCache(native, prompt_cache_bytes(cfg, kv_bytes(info, self.plan.n_ctx)))
-        self.slots = Slots(native, self.cache, native.n_seq)
+        self.slots = Slots(native, self.cache, native.n_seq, cfg.speculative)
         self.scheduler = Scheduler(self.slots, cfg.name)  # the one thread that calls into the context
         self.tokens = TokenTable(native)  # what the guard after a grammar knows of each token (filled on need)
         self._formatter = self._make_formatter()
