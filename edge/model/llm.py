@@ -6,6 +6,8 @@ calls are edge.model.native's, the generation loop edge.model.generate's, the KV
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import mmap
 import os
@@ -167,7 +169,8 @@ class GGUFModel:
                 "n_threads_batch": s.n_threads_batch, "flash_attn": s.flash_attn, "swa_full": s.swa_full,
                 "parallel": self.native.n_seq, "n_ctx_why": self.plan.n_ctx_why,
                 "parallel_why": self.plan.parallel_why,
-                "use_extra_bufts": s.use_extra_bufts, "prompt_cache_limit_bytes": self.cache.limit_bytes}
+                "use_extra_bufts": s.use_extra_bufts, "prompt_cache_limit_bytes": self.cache.limit_bytes,
+                "speculative": dataclasses.asdict(self.cfg.speculative)}
 
     def close(self) -> None:
         """The context, the KV cache and the mapping now, not whenever GC gets to them (the

@@ -210,6 +210,7 @@ class _StateCollector:
         yield from _prompt_cache_families(getattr(st, "workers", {}))
         yield from _batch_families(getattr(st, "engines", {}))
         yield from _slot_families(getattr(st, "workers", {}))
+        yield from _speculative_families(getattr(st, "workers", {}))
         phases = GaugeMetricFamily("edge_start_phase_seconds", "Duration of each phase of the last "
                                    "start (event=start) or reload, per model or engine (empty for "
                                    "process-wide phases).", labels=["event", "phase", "model", "kind"])
@@ -294,6 +295,25 @@ def _slot_families(workers: dict[str, ModelWorker]) -> Iterator[Metric]:
         wait.add_metric([name], float(w.queue_wait_s))
         started.add_metric([name], float(w.started))
     yield from (*gauges.values(), *counters.values(), *seconds.values(), wait, started)
+
+
+def _speculative_families(workers: dict[str, ModelWorker]) -> Iterator[Metric]:
+    """Each model's speculative decoding (edge.model.speculate): tokens proposed, tokens the
+    target took, and their ratio since the start."""
+    counters = {k: CounterMetricFamily(f"edge_speculative_{k}", help_, labels=["model"]) for k, help_ in (
+        ("drafted_tokens", "Tokens proposed from a sequence's own context and verified in a step."),
+        ("accepted_tokens", "Of those, the tokens the model's sampling picked too (each saved a step)."),
+        ("verify_steps", "Sequence-steps that verified at least one proposal."),
+        ("paused", "Times a sequence stopped proposing, its acceptance under models[].speculative.min_acceptance."))}
+    rate = GaugeMetricFamily("edge_speculative_acceptance_ratio", "Accepted over drafted tokens since the "
+                             "start (0 before any proposal).", labels=["model"])
+    for name, w in workers.items():
+        st = w.model.slots.spec_stats
+        for k, v in (("drafted_tokens", st.drafted), ("accepted_tokens", st.accepted),
+                     ("verify_steps", st.steps), ("paused", st.paused)):
+            counters[k].add_metric([name], float(v))
+        rate.add_metric([name], st.accepted / st.drafted if st.drafted else 0.0)
+    yield from (*counters.values(), rate)
 
 
 class MetricsMiddleware:
