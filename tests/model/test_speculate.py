@@ -21,9 +21,10 @@ from edge.model.llm import GGUFModel, load_gguf_model
 from edge.model.speculate import Drafter, SpecStats
 from edge.config import SpeculativeConfig
 from harness.ggufgen import byte_token
-from kit.slots import Collect
+from kit.slots import Collect, greedy_gap
 
 COPY = "The list: apple, pear, plum, fig. Again: apple, pear,"
+LOGIT_BOUND = 1.5  # tests/model/test_slots.py: a batch's rounding on Gemma 3 270M (measured at most 1.07)
 PROMPTS = ("Hello world", COPY, "abc abc abc abc", "One two three four five six")
 
 
@@ -206,3 +207,45 @@ def test_the_config_names_the_field_it_rejects() -> None:
         with pytest.raises(ConfigError) as err:
             parse_config(base + body + "\n")
         assert field in str(err.value) and said in str(err.value)
+
+
+GEMMA_PROMPTS = (
+    "Fruit: apple, banana, cherry, date, elderberry, fig, grape.\nThe same fruit as a list, one per line:\n- apple\n-",
+    "def area(width, height):\n    return width * height\n\n# the same function, renamed to rect_area:\ndef rect_area(",
+    "Name: Ada Lovelace. Born: 10 December 1815. Field: mathematics.\nJSON: {\"name\": \"Ada Lovelace\", \"born\":",
+    "Write one sentence about the sea.",
+)
+
+
+@pytest.mark.gemma
+def test_on_gemma_greedy_text_is_the_same_and_copies_are_accepted(gemma_path: Path) -> None:
+    """Gemma 3 270M, greedy: a list rewritten, a code edit, an extraction and prose, one at a time
+    (parallel 1: the batch shapes differ only by the proposals). The text with speculation is the
+    text without it, except where llama.cpp's rounding of a several-row batch (the bound batching
+    already has, docs/internals.md "Serving many clients") tips a near-tie: there every token of it
+    is still greedy's choice within LOGIT_BOUND, checked token by token. The copy-heavy prompts
+    accept most proposals and take fewer steps."""
+    tokens, steps, ms = {}, {}, {}
+    for mode in ("off", "ngram"):
+        m = ms[mode] = load_gguf_model(ModelConfig(name="g", path=str(gemma_path), n_ctx=1024, n_threads=2,
+                                                   use_mlock=False, parallel=1,
+                                                   speculative=SpeculativeConfig(mode=mode)), read_gguf_info(gemma_path))
+        tokens[mode] = []
+        for prompt in GEMMA_PROMPTS:
+            m.slots.start(Job(tokens=m.tokenize_prompt(prompt), params=GenParams(max_tokens=48, temperature=0)),
+                          Collect())
+            seq = m.slots.active[-1]
+            while m.slots.step():
+                pass
+            tokens[mode].append(seq.out.tokens)
+        steps[mode], stats = m.slots.stats.steps, m.slots.spec_stats
+    try:
+        same = sum(a == b for a, b in zip(tokens["off"], tokens["ngram"]))
+        assert same >= 3, tokens
+        for prompt, got in zip(GEMMA_PROMPTS, tokens["ngram"]):
+            toks = ms["off"].tokenize_prompt(prompt)
+            assert greedy_gap(ms["off"], toks + got, len(toks)) <= LOGIT_BOUND
+    finally:
+        for m in ms.values():
+            m.close()
+    assert stats.accepted >= 0.5 * stats.drafted > 0 and steps["ngram"] < 0.8 * steps["off"], (stats.__dict__, steps)
