@@ -115,7 +115,7 @@ class SpeculativeConfig:
     min_drafted: int = field(default=16, metadata=_range(1, 1 << 20))  # proposals judged after this many tokens
     # a step's decode rows (every sequence's next token and the proposals) above which no more
     # proposals are added: a full batch is compute-bound and a rejected row costs what it saves
-    # (docs/performance.md "Speculative decoding", measured)
+    # (docs/performance.md "Speculative decoding")
     max_step_rows: int = field(default=16, metadata=_range(1, 1 << 16))
 
 
@@ -161,7 +161,7 @@ class ModelConfig:
     prompt_cache_mb: int | None = field(default=None, metadata=_range(0, 1 << 20))
     prefixes: list[PrefixConfig] = field(default_factory=list)  # declared prefixes ([[models.prefixes]])
     learn_prefixes: int = field(default=0, metadata=_range(0, 64))  # N: the N prefixes traffic reused most, saved at SIGTERM
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # [models.speculative] (edge.specconfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # speculative decoding: [models.speculative]
 
     @property
     def flash_attn_mode(self) -> str:
