@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import random
 import statistics
@@ -37,6 +38,8 @@ from typing import Any
 
 from benchmarks.common import (WORDS, Peer, Started, edge_config, emit, env_for_bench, gemma_path, http,
                                llama_server, novel_prompts, start_edge, start_peer)
+from benchmarks.concurrency import split
+from benchmarks.steady import CHAT_TEMPLATE
 
 SERVERS = ("edge", "edge_off", "llama-server", "llama-server_ngram")
 TARGETS = {"copy_tokens_per_s_over_llama-server": 1.5, "copy_tokens_per_s_over_llama-server_ngram": 1.0,
@@ -73,30 +76,45 @@ def _code_edit(rng: random.Random) -> str:
     return f"```python\n{code}```\nRename the function {a}_total to compute_{a} everywhere. Give the whole code."
 
 
-def chat(prompt: str, max_tokens: int, schema: bool = False) -> dict[str, Any]:
-    body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                            "temperature": 0}
-    if schema:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "customer", "schema": SCHEMA}}
-    return body
+Ask = tuple[str, bool]  # a user message, and whether it is answered under SCHEMA
 
 
-def timed(address: tuple[str, int], body: dict[str, Any]) -> tuple[float, int]:
+def request(server: str, ask: Ask, max_tokens: int, gbnf: str) -> tuple[str, dict[str, Any]]:
+    """(path, body) of one greedy request as `server` takes it: edge a chat request (its config
+    sets the template), llama-server the text that template renders, under the same grammar."""
+    prompt, schema = ask
+    common = {"max_tokens": max_tokens, "temperature": 0}
+    if server.startswith("edge"):
+        body: dict[str, Any] = {**common, "messages": [{"role": "user", "content": prompt}]}
+        if schema:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "customer", "schema": SCHEMA}}
+        return "/v1/chat/completions", body
+    return "/v1/completions", {**common, "prompt": rendered(prompt), **({"grammar": gbnf} if schema else {})}
+
+
+def rendered(prompt: str) -> str:
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    text = Jinja2ChatFormatter(template=CHAT_TEMPLATE, eos_token="<eos>", bos_token="<bos>")(
+        messages=[{"role": "user", "content": prompt}]).prompt
+    return text.removeprefix("<bos>")  # llama-server adds its BOS
+
+
+def timed(address: tuple[str, int], path: str, body: dict[str, Any]) -> tuple[float, int]:
     t0 = time.perf_counter()
-    status, payload = http(address, "POST", "/v1/chat/completions", body, timeout=600)
+    status, payload = http(address, "POST", path, body, timeout=600)
     took = time.perf_counter() - t0
     if status != 200:
         raise RuntimeError(f"HTTP {status} from {address}: {payload[:300]!r}")
-    import json
-
     return took, int(json.loads(payload)["usage"]["completion_tokens"])
 
 
-def burst(s: Started, bodies: list[dict[str, Any]], clients: int) -> tuple[float, int]:
-    """Every body sent, `clients` at a time: (wall seconds, completion tokens)."""
+def burst(s: Started, name: str, asks: list[Ask], clients: int, max_tokens: int, gbnf: str) -> tuple[float, int]:
+    """Every request sent, `clients` at a time: (wall seconds, completion tokens)."""
+    reqs = [request(name, a, max_tokens, gbnf) for a in asks]
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        done = list(pool.map(lambda b: timed(s.address, b), bodies))
+        done = list(pool.map(lambda r: timed(s.address, *r), reqs))
     return time.perf_counter() - t0, sum(n for _, n in done)
 
 
@@ -113,22 +131,25 @@ def peers(binary: Path, model: Path, n_ctx: int, threads: int, slots: int) -> di
                                        "/health")}
 
 
-def workloads(args: argparse.Namespace, model: Path, rounds: int) -> dict[str, list[list[dict[str, Any]]]]:
+def workloads(args: argparse.Namespace, model: Path, rounds: int) -> dict[str, list[list[Ask]]]:
     """Per workload, per round, the bodies (each round's prompts new)."""
     n = args.prompts
     prose = novel_prompts(model, args.prose_tokens, list(range(1, 1 + rounds * n)))
-    return {"copy": [[chat(p, args.max_tokens) for p in copy_prompts(n, 1000 + r)] for r in range(rounds)],
-            "schema": [[chat(f"Make up a customer record number {r * n + i}.", args.max_tokens, schema=True)
-                        for i in range(n)] for r in range(rounds)],
-            "prose": [[chat("Continue this text: " + p, args.max_tokens) for p in prose[r * n:(r + 1) * n]]
-                      for r in range(rounds)]}
+    return {"copy": [[(p, False) for p in copy_prompts(n, 1000 + r)] for r in range(rounds)],
+            "schema": [[(f"Make up a customer record number {r * n + i}.", True) for i in range(n)]
+                       for r in range(rounds)],
+            "prose": [[("Continue this text: " + p, False) for p in prose[r * n:(r + 1) * n]] for r in range(rounds)]}
 
 
 def run(args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, Any]:
+    from edge.serve.schema import schema_grammar
+
     slots = max(args.clients, 1)
-    cfg_on = edge_config(tmp / "edge", model, args.n_ctx, n_threads=args.threads, extra_model=f"parallel = {slots}\n")
+    common = f"parallel = {slots}\nchat_template = {json.dumps(CHAT_TEMPLATE)}\n"
+    cfg_on = edge_config(tmp / "edge", model, args.n_ctx, n_threads=args.threads, extra_model=common)
     cfg_off = edge_config(tmp / "edge_off", model, args.n_ctx, n_threads=args.threads,
-                          extra_model=f'parallel = {slots}\n[models.speculative]\nmode = "off"\n')
+                          extra_model=common + '[models.speculative]\nmode = "off"\n')
+    gbnf = schema_grammar(SCHEMA, "response_format.json_schema")
     ps = peers(args.llama_server, model, args.n_ctx, args.threads, slots)
     rounds = args.rounds
     work = workloads(args, model, 2 * rounds)  # 1 client, then many: new prompts for each
@@ -140,18 +161,32 @@ def run(args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, Any]:
             servers[name] = stack.enter_context(start_peer(peer, tmp / f"{name}.log"))
         for s in servers.values():
             s.ready_at()
+        since = {k: split(servers[k].address) for k in ("edge", "edge_off")}
         for c_i, clients in enumerate((1, args.clients)):
             for wl, per_round in work.items():
                 got: dict[str, list[tuple[float, int]]] = {k: [] for k in servers}
                 for r in range(rounds):
                     order = list(servers) if r % 2 == 0 else list(servers)[::-1]
                     for name in order:
-                        got[name].append(burst(servers[name], per_round[c_i * rounds + r], clients))
+                        got[name].append(burst(servers[name], name, per_round[c_i * rounds + r], clients,
+                                                 args.max_tokens, gbnf))
                 results[f"{wl}_{clients}"] = {k: _rate(v) for k, v in got.items()}
                 results[f"{wl}_{clients}"]["load1"] = round(os.getloadavg()[0], 2)
                 print(f"{wl} x{clients}: {results[f'{wl}_{clients}']}", file=sys.stderr)
+        # where edge's steps spent their time (llama_decode, sampling, the rest), and what its proposals did
+        results["edge_steps"] = {k: split(servers[k].address, since[k]) for k in since}
+        results["edge_speculative"] = speculative(servers["edge"].address)
     results["argv"] = {k: p.argv("PORT") for k, p in ps.items()}
     return results
+
+
+def speculative(address: tuple[str, int]) -> dict[str, float]:
+    from harness import metric
+
+    got = {k: metric(address, f"edge_speculative_{k}_total", model="gemma")
+           for k in ("drafted_tokens", "accepted_tokens", "verify_steps", "paused")}
+    got["acceptance"] = round(got["accepted_tokens"] / got["drafted_tokens"], 3) if got["drafted_tokens"] else 0.0
+    return got
 
 
 def _rate(rounds: list[tuple[float, int]]) -> dict[str, float]:
