@@ -12,7 +12,8 @@ with or without speculation: the chain sees the same rows and is advanced by the
 penalties, grammar and seeded draws included); only rejected proposals' cells are dropped
 (llama_memory_seq_rm for that sequence's positions after its last accepted token).
 
-Proposals cost rows of the step's decode. A sequence whose accepted share falls below the floor
+Proposals cost rows of the step's decode. A sequence proposes few tokens at first (START_DRAFT)
+and more while they are all kept, back to what was kept after a step that was not. A sequence whose accepted share falls below the floor
 stops proposing for a while (doubling each time, so a copy-heavy stretch later in a long answer
 is still found), and a step stops adding proposals once its decode rows reach `max_step_rows`: a
 full batch is compute-bound, and a rejected row then costs about what an accepted one saves.
@@ -29,6 +30,7 @@ __all__ = ["Drafter", "SpecStats"]
 
 PAUSE_STEPS = 16  # steps without proposals after the acceptance fell below the floor (doubled each time)
 MAX_PAUSE_STEPS = 1024
+START_DRAFT = 2  # a sequence's first proposals: this many tokens, growing while they are kept
 
 
 class SpecStats:
@@ -53,6 +55,9 @@ class Drafter:
         self.drafted = self.accepted = 0  # since the last judgement
         self._pause = 0  # steps left without proposals
         self._next_pause = PAUSE_STEPS
+        # how many tokens it proposes now: doubled after a step that kept them all, cut to what was
+        # kept (and one more) after one that did not; a run of failures costs one row a step, not max_draft
+        self.size = min(START_DRAFT, cfg.max_draft)
 
     def push(self, tok: int) -> None:
         """A token of the answer (sampled, or a proposal accepted)."""
@@ -68,6 +73,7 @@ class Drafter:
     def propose(self, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the longest n-gram the sequence ends with, where it
         occurred before (the latest occurrence); [] where none did or proposals are paused."""
+        limit = min(limit, self.size)
         if limit <= 0:
             return []
         if self._pause > 0:
@@ -88,6 +94,7 @@ class Drafter:
         self.drafted += drafted
         self.accepted += accepted
         cfg = self.cfg
+        self.size = min(cfg.max_draft, 2 * self.size) if accepted == drafted else accepted + 1
         if self.drafted < cfg.min_drafted:
             return
         if self.accepted < cfg.min_acceptance * self.drafted:

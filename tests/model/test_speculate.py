@@ -177,22 +177,29 @@ def _min_p(logits: np.ndarray) -> np.ndarray:
     return p / p.sum()
 
 
-def test_proposals_pause_where_they_fail_and_come_back() -> None:
-    """Acceptance under the floor after min_drafted tokens: no proposal for PAUSE_STEPS steps,
-    then again; the pause doubles while they keep failing."""
+def test_proposals_grow_while_kept_and_pause_where_they_fail() -> None:
+    """START_DRAFT tokens first, twice as many after a step that kept them all, what was kept and
+    one more after one that did not; acceptance under the floor after min_drafted tokens: no
+    proposal for PAUSE_STEPS steps, then again; the pause doubles while they keep failing."""
     cfg = SpeculativeConfig(ngram_min=2, ngram_max=3, max_draft=4, min_acceptance=0.5, min_drafted=4)
     d = Drafter(cfg, [1, 2, 3, 4, 5, 1, 2])
-    assert d.propose(4) == [3, 4, 5, 1]  # after the latest "1 2": the longest match first
-    assert d.propose(2) == [3, 4]
     stats = SpecStats()
-    d.judge(4, 1, stats)
+    assert d.propose(8) == [3, 4]  # after the latest "1 2": the longest match first, START_DRAFT tokens
+    d.judge(2, 2, stats)
+    assert d.propose(8) == [3, 4, 5, 1] and d.propose(2) == [3, 4]  # grown to max_draft; a step's room caps it
+    d.judge(4, 1, stats)  # 3 of 6 kept so far: judged, not under the floor
+    assert stats.paused == 0 and d.propose(8) == [3, 4]
+    d.judge(2, 0, stats)
+    assert d.propose(8) == [3]
+    d.judge(1, 0, stats)
+    d.judge(1, 0, stats)  # 0 of 4 since the last verdict: a pause
     assert stats.paused == 1
     assert [d.propose(4) for _ in range(16)] == [[]] * 16
-    assert d.propose(4) == [3, 4, 5, 1]
+    assert d.propose(4) == [3]
     d.judge(4, 0, stats)
     assert sum(1 for _ in range(40) if not d.propose(4)) == 32
     d.push(3)
-    assert d.propose(4) == [4, 5, 1, 2]  # "1 2 3" seen before: its continuation
+    assert d.propose(4) == [4]  # "1 2 3" seen before: its continuation
     d.push(9)
     assert d.propose(4) == []  # "3 9" never seen
 
