@@ -108,7 +108,7 @@ class SpeculativeConfig:
     mode: str = field(default="ngram", metadata={"choices": SPEC_MODES})
     ngram_min: int = field(default=2, metadata=_range(1, 16))  # the shortest n-gram a proposal may match
     ngram_max: int = field(default=4, metadata=_range(1, 16))  # the longest (tried first)
-    max_draft: int = field(default=8, metadata=_range(1, 64))  # tokens proposed per sequence per step
+    max_draft: int = field(default=8, metadata=_range(1, 64))  # at most this many tokens proposed per sequence per step
     # a sequence whose accepted share of its proposals falls below this (after min_drafted
     # tokens proposed) stops proposing: a failed proposal costs its rows of the step's decode
     min_acceptance: float = field(default=0.3, metadata=_range(0.0, 1.0))
