@@ -20,16 +20,16 @@ from edge.builtin_models import BUILTINS  # light: the table, not the model
 from edge.engineconfig import BatchingConfig, EngineConfig, check_engines, check_name
 from edge.errors import ConfigError
 from edge.fsutil import write_probe  # the probe check_writable makes (edge doctor's too)
-from edge.prefixconfig import MessageConfig, PrefixConfig, check_prefixes
-from edge.toml import build_dataclass  # also the engine recipes' builder (edge.engines.recipe)
+from edge.prefixconfig import POOLING, EmbeddingsConfig, MessageConfig, PrefixConfig, SpeculativeConfig, check_prefixes
+from edge.toml import build_dataclass, value_range as _range  # also the engine recipes' builder (edge.engines.recipe)
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes, one of them the terminating NUL
 _HOST = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*")
 
 __all__ = ["BUILTIN_PREFIX", "DEFAULT_LISTEN", "DEFAULT_MAX_CONNECTIONS", "LOG_LEVELS", "DEFAULT_URL",
            "SYSTEM_CONFIG", "load", "Config", "MessageConfig", "ModelConfig", "PrefixConfig", "PathsConfig",
-           "ServerConfig", "WarmupConfig", "BatchingConfig", "EmbeddingsConfig", "EngineConfig", "KV_TYPES",
-           "QUANTIZED_KV_TYPES", "POOLING", "default_config", "find_config",
+           "ServerConfig", "SpeculativeConfig", "WarmupConfig", "BatchingConfig", "EmbeddingsConfig", "EngineConfig",
+           "KV_TYPES", "QUANTIZED_KV_TYPES", "POOLING", "default_config", "find_config",
            "load_config", "read_config_text", "parse_config", "build_dataclass", "state_dir", "cache_dir",
            "check_writable", "write_probe"]
 
@@ -42,10 +42,6 @@ DEFAULT_LISTEN = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 DEFAULT_URL = f"http://{DEFAULT_LISTEN}"
 DEFAULT_MAX_CONNECTIONS = 1024
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-
-
-def _range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
-    return {"range": (lo, hi)}  # checked by build_dataclass, as a field's "choices" are
 
 
 @dataclass(frozen=True)
@@ -100,30 +96,6 @@ class PathsConfig:
 # attention for V, and a head size their block (32 elements) divides (edge.model.kvtypes).
 KV_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 QUANTIZED_KV_TYPES = ("q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-POOLING = ("mean", "cls", "last")  # llama.cpp's pooling of a sequence's token embeddings
-
-
-@dataclass(frozen=True)
-class EmbeddingsConfig:
-    """The model also answers /v1/embeddings, from a second llama.cpp context on the same loaded
-    weights (one mapping; llama-server's --embeddings --pooling). `embeddings = true` takes every
-    default. The context's compute holds the logits of every token of a batch (llama.cpp
-    computes a causal model's output layer there too): about 8 x n_batch x n_vocab bytes."""
-
-    # mean | cls | last; unset: the GGUF's own ({arch}.pooling_type), else "mean"
-    pooling: str | None = field(default=None, metadata={"choices": POOLING})
-    # tokens of one decode: the longest input, and the inputs batched at once (llama-server's -ub)
-    n_batch: int = field(default=512, metadata=_range(8, 1 << 16))
-    normalize: bool = True  # unit vectors (L2), as OpenAI returns and llama-server by default
-    # Matryoshka sizes the model was trained to be cut to: a request's `dimensions` may name one
-    # (the vector cut and normalized again); any other is a 400
-    dimensions: list[int] = field(default_factory=list)
-    max_inputs: int = field(default=2048, metadata=_range(1, 1 << 20))  # inputs of one request (OpenAI's bound)
-    # false: an input's vector is the same whatever it is batched with (to ~1e-4 in cosine); true:
-    # llama.cpp's flash attention, whose CPU path for larger batches moves it by ~1.5e-3 (Gemma 3)
-    flash_attn: bool = False
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     name: str  # the model's name in the API (/v2/models/{name}) and on /metrics
@@ -172,6 +144,7 @@ class ModelConfig:
     type_v: str = field(default="f16", metadata={"choices": KV_TYPES})  # V's, as type_k is K's
     # /v1/embeddings from this model ([models.embeddings]; true: its defaults; edge.model.embed)
     embeddings: bool | EmbeddingsConfig | None = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # speculative decoding: [models.speculative]
 
     @property
     def flash_attn_mode(self) -> str:
@@ -348,6 +321,9 @@ def _check_cache(m: ModelConfig, source: str, where: str, base_dir: Path | None)
         what = "prefixes" if m.prefixes else "learn_prefixes"
         raise ConfigError(source, f"{where}.prompt_cache_mb", f"0 turns the prompt cache off, but {what} "
                           "needs it: remove prompt_cache_mb (sized automatically) or set it above 0")
+    if m.speculative.ngram_min > m.speculative.ngram_max:
+        raise ConfigError(source, f"{where}.speculative.ngram_min", f"expected at most ngram_max "
+                          f"({m.speculative.ngram_max}), found {m.speculative.ngram_min}")
     return dataclasses.replace(m, prefixes=check_prefixes(m.prefixes, source, where, base_dir))
 
 

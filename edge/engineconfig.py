@@ -11,12 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from edge.errors import ConfigError
+from edge.toml import value_range as _range
 
 __all__ = ["BatchingConfig", "EngineConfig", "check_engines", "check_name"]
-
-
-def _range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
-    return {"range": (lo, hi)}  # checked by build_dataclass, as a field's "choices" are
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,19 @@
-"""Declared prefixes of a model's config (`[[models.prefixes]]`) and their checks, with the file and
-field in every error. No native imports (edge doctor and the CLI load configs anywhere)."""
+"""A model's sub-tables: declared prefixes (`[[models.prefixes]]`) and their checks, with the file
+and field in every error; `[models.embeddings]` and `[models.speculative]`. No native imports
+(edge doctor and the CLI load configs anywhere)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edge.errors import ConfigError
+from edge.toml import value_range as _range
 
-__all__ = ["MessageConfig", "PrefixConfig", "PREFIX_ROLES", "check_prefixes"]
+__all__ = ["EmbeddingsConfig", "MessageConfig", "POOLING", "PrefixConfig", "PREFIX_ROLES", "SPEC_MODES",
+           "SpeculativeConfig", "check_prefixes"]
 
 
 @dataclass(frozen=True)
@@ -82,3 +85,50 @@ def _read_prefix_file(p: PrefixConfig, source: str, key: str, base_dir: Path | N
     if not text:
         raise ConfigError(source, f"{key}.file", f"{path} is empty; expected the prefix's text")
     return dataclasses.replace(p, file=str(path), text=text)
+
+
+POOLING = ("mean", "cls", "last")  # llama.cpp's pooling of a sequence's token embeddings
+
+
+@dataclass(frozen=True)
+class EmbeddingsConfig:
+    """The model also answers /v1/embeddings, from a second llama.cpp context on the same loaded
+    weights (one mapping; llama-server's --embeddings --pooling). `embeddings = true` takes every
+    default. The context's compute holds the logits of every token of a batch (llama.cpp
+    computes a causal model's output layer there too): about 8 x n_batch x n_vocab bytes."""
+
+    # mean | cls | last; unset: the GGUF's own ({arch}.pooling_type), else "mean"
+    pooling: str | None = field(default=None, metadata={"choices": POOLING})
+    # tokens of one decode: the longest input, and the inputs batched at once (llama-server's -ub)
+    n_batch: int = field(default=512, metadata=_range(8, 1 << 16))
+    normalize: bool = True  # unit vectors (L2), as OpenAI returns and llama-server by default
+    # Matryoshka sizes the model was trained to be cut to: a request's `dimensions` may name one
+    # (the vector cut and normalized again); any other is a 400
+    dimensions: list[int] = field(default_factory=list)
+    max_inputs: int = field(default=2048, metadata=_range(1, 1 << 20))  # inputs of one request (OpenAI's bound)
+    # false: an input's vector is the same whatever it is batched with (to ~1e-4 in cosine); true:
+    # llama.cpp's flash attention, whose CPU path for larger batches moves it by ~1.5e-3 (Gemma 3)
+    flash_attn: bool = False
+
+
+SPEC_MODES = ("off", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`[models.speculative]`: speculative decoding (edge.model.speculate)."""
+
+    # off: one token per sequence per step; ngram: tokens that followed the same n tokens earlier
+    # in the prompt or the answer are proposed and verified in the step's one llama_decode
+    mode: str = field(default="ngram", metadata={"choices": SPEC_MODES})
+    ngram_min: int = field(default=2, metadata=_range(1, 16))  # the shortest n-gram a proposal may match
+    ngram_max: int = field(default=4, metadata=_range(1, 16))  # the longest (tried first)
+    max_draft: int = field(default=8, metadata=_range(1, 64))  # at most this many tokens proposed per sequence per step
+    # a sequence whose accepted share of its proposals falls below this (after min_drafted
+    # tokens proposed) stops proposing: a failed proposal costs its rows of the step's decode
+    min_acceptance: float = field(default=0.3, metadata=_range(0.0, 1.0))
+    min_drafted: int = field(default=16, metadata=_range(1, 1 << 20))  # proposals judged after this many tokens
+    # a step's decode rows (every sequence's next token and the proposals) above which no more
+    # proposals are added: a full batch is compute-bound and a rejected row costs what it saves
+    # (docs/performance.md "Speculative decoding")
+    max_step_rows: int = field(default=16, metadata=_range(1, 1 << 16))

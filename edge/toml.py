@@ -19,10 +19,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised by the Python 3.10 CI check
     import tomli as _toml
 
-__all__ = ["TOMLDecodeError", "build_dataclass", "loads"]
+__all__ = ["TOMLDecodeError", "build_dataclass", "loads", "value_range"]
 
 TOMLDecodeError = _toml.TOMLDecodeError
 loads = _toml.loads
+
+
+def value_range(lo: float | None = None, hi: float | None = None) -> dict[str, Any]:
+    """A field's metadata bounding its value (None: open), checked by build_dataclass."""
+    return {"range": (lo, hi)}
 
 
 def build_dataclass(cls: type, raw: Any, source: str, where: str) -> Any:

@@ -58,7 +58,8 @@ def _model_lines(report: dict[str, Any]) -> list[str]:
                          f"{c['flash_attn']}, swa_full {str(c.get('swa_full')).lower()}, prompt cache up to "
                          f"{c['prompt_cache_limit_bytes'] / 2**20:.1f} MiB"
                          + ("" if c.get("use_extra_bufts", True) else ", extra buffer types off")
-                         + f", KV cache {c.get('type_k', 'f16')}/{c.get('type_v', 'f16')}")
+                         + f", KV cache {c.get('type_k', 'f16')}/{c.get('type_v', 'f16')}"
+                         + _speculative(c.get("speculative")))
             e = c.get("embeddings")
             if e:  # issue 55: the embeddings context on the same weights
                 lines.append(f"model {m['name']} embeddings: {e['pooling']} pooling ({e['pooling_from']}), "
@@ -72,6 +73,16 @@ def _model_lines(report: dict[str, Any]) -> list[str]:
                   f"{model}: {r['kind']} {r['outcome']}" + (f" ({r['why']})" if r.get("why") else "")
                   for model, r in rows]
     return [""] + lines if lines else []
+
+
+def _speculative(s: dict[str, Any] | None) -> str:
+    """A model's speculative decoding, as its context line ends (reports before issue 54: nothing)."""
+    if not s:
+        return ""
+    if s.get("mode") == "off":
+        return ", speculative off"
+    return (f", speculative {s.get('mode')} ({s.get('ngram_min')}-{s.get('ngram_max')}-grams, up to "
+            f"{s.get('max_draft')} tokens, steps of up to {s.get('max_step_rows')} rows)")
 
 
 def _plan_lines(plan: dict[str, Any]) -> list[str]:

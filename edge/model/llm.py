@@ -6,6 +6,8 @@ calls are edge.model.native's, the generation loop edge.model.generate's, the KV
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import mmap
 import os
@@ -48,7 +50,7 @@ class GGUFModel:
         self.plan = plan or context_plan(cfg, info)
         self.n_ctx = min(self.plan.n_ctx, native.n_ctx)  # llama.cpp may round the context up
         self.cache = PromptCache(native, prompt_cache_bytes(cfg, kv_bytes(cfg, info, self.plan.n_ctx)))
-        self.slots = Slots(native, self.cache, native.n_seq)
+        self.slots = Slots(native, self.cache, native.n_seq, cfg.speculative)
         self.scheduler = Scheduler(self.slots, cfg.name)  # the one thread that calls into the context
         self.tokens = TokenTable(native)  # what the guard after a grammar knows of each token (filled on need)
         self._formatter = self._make_formatter()
@@ -171,6 +173,7 @@ class GGUFModel:
                 "parallel": self.native.n_seq, "n_ctx_why": self.plan.n_ctx_why,
                 "parallel_why": self.plan.parallel_why, "type_k": s.type_k, "type_v": s.type_v,
                 "use_extra_bufts": s.use_extra_bufts, "prompt_cache_limit_bytes": self.cache.limit_bytes,
+                "speculative": dataclasses.asdict(self.cfg.speculative),
                 **({"embeddings": self.embed.describe()} if self.embed is not None else {})}
 
     def close(self) -> None:

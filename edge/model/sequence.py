@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from edge.model.checkpoints import PrefillCheckpoints
     from edge.model.generate import Decoding, Job, Piece, SamplerChain
+    from edge.model.speculate import Drafter
 
 __all__ = ["Sequence", "Sink", "Slot", "SlotState", "SlotStats"]
 
@@ -69,6 +70,9 @@ class Sequence:
     chunk: int = 0  # prompt tokens of it in this step's batch
     tok: int = -1  # the token it decodes next
     suspensions: int = 0  # times its cells were given up while it ran
+    drafter: Drafter | None = None  # its proposals (edge.model.speculate); None: speculation off
+    draft: list[int] = field(default_factory=list)  # this step's proposals after `tok`, decoded with it
+    draft_rows: list[int] = field(default_factory=list)  # their batch rows
 
     @property
     def state(self) -> SlotState | None:

@@ -37,10 +37,13 @@ from edge.model.generate import Decoding, Job, SamplerChain, step_check
 from edge.model.native import DecodeError
 from edge.model.promptcache import MIN_REUSE, lcp
 from edge.model.sequence import Sequence, Sink, Slot, SlotState, SlotStats
+from edge.model.speculate import Drafter, SpecStats
+from edge.model.verify import add_drafts, settle
 
 if TYPE_CHECKING:
     from edge.model.native import Native
     from edge.model.promptcache import PromptCache
+    from edge.config import SpeculativeConfig
 
 __all__ = ["Sink", "Slots", "SlotStats"]
 
@@ -50,8 +53,10 @@ Batch = tuple[list[int], list[int], list[int], list[int]]  # tokens, positions, 
 class Slots:
     """The sequences of one context and the step that decodes them together."""
 
-    def __init__(self, native: Native, cache: PromptCache, n: int) -> None:
+    def __init__(self, native: Native, cache: PromptCache, n: int, spec: SpeculativeConfig | None = None) -> None:
         self.native, self.cache, self.n = native, cache, n
+        self.spec = spec if spec is not None and spec.mode != "off" else None
+        self.spec_stats = SpecStats()
         self.slots = [Slot(i) for i in range(n)]
         self.active: list[Sequence] = []  # holding a slot, in the order they came (prefill order)
         self.stats = SlotStats()
@@ -89,6 +94,8 @@ class Slots:
             return
         self._order += 1
         seq = Sequence(job, sink, chain, Decoding(self.native, job), self._order, list(job.tokens))
+        if self.spec is not None:
+            seq.drafter = Drafter(self.spec, job.tokens)
         self.stats.sequences += 1
         # cache_prompt: false alone in the context: every idle slot gives its cells up (saved to the
         # prompt cache first), so its batches span the same cells whatever ran before it and its
@@ -242,6 +249,7 @@ class Slots:
                 pos.append(s.out.pos)
                 seqs.append(s.slot.id)
                 out.append(1)
+        budget -= add_drafts(self.spec, self.active, (tokens, pos, seqs, out), budget, self.native.n_batch)
         budget = min(budget, self.native.n_batch - len(tokens))
         for s in self.active:  # then prompt chunks, first come first
             if budget <= 0 or not s.prefilling:
@@ -315,9 +323,27 @@ class Slots:
         s.followers = []
 
     def _sample(self, s: Sequence, budget: StepBudget | None = None) -> None:
+        """`s`'s next token from its row; then, while the token picked is the proposal decoded
+        after it, the proposal's row in turn (edge.model.speculate). The cells of the proposals
+        not taken are dropped before the sequence goes on or ends."""
+        draft, rows, slot = s.draft, s.draft_rows, s.slot
+        s.draft, s.draft_rows = [], []
+        accepted, tok, done = 0, None, True
         try:
-            tok = s.chain.sample(s.row, step_check(s.job, budget))
-            piece, done = s.out.take(tok, s.row, s.chain.saved)
+            while True:
+                tok = s.chain.sample(s.row, step_check(s.job, budget))
+                piece, done = s.out.take(tok, s.row, s.chain.saved)
+                if piece is not None:
+                    s.sink.put(piece)
+                if done or tok is None:
+                    break
+                if s.drafter is not None:
+                    s.drafter.push(tok)
+                if accepted >= len(draft) or tok != draft[accepted]:
+                    break
+                self.cache.lives.setdefault(slot.id, []).append(tok)  # its cells hold it: decoded with the step
+                s.out.pos, s.row = s.out.pos + 1, rows[accepted]
+                accepted += 1
         except Deferred:  # its pass goes on at the next step, first of the passes
             return
         except Interrupted:  # cancelled inside its grammar pass: it ends, the others' step goes on
@@ -326,8 +352,8 @@ class Slots:
         except Exception as exc:
             self._end(s, exc)
             return
-        if piece is not None:
-            s.sink.put(piece)
+        finally:
+            settle(self.native, self.spec_stats, s, slot, draft, accepted)
         if done:
             self._end(s, None)
         else:

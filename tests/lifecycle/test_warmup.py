@@ -133,6 +133,7 @@ def test_a_first_use_cost_is_kept_and_a_step_without_one_dropped(config: Path) -
             "len63", "len64", "len65", "len128"} <= set(by_name)
     # batched decode: a candidate per batch shape the 4 slots can run (n = 2, 3, 4 choices)
     assert {"batch2", "batch3", "batch4"} <= set(by_name) and "batch5" not in by_name
+    assert "speculative" in by_name  # proposals verified: several logits rows of one sequence per step
     assert by_name["len64"]["prompt_tokens"] == 64 and by_name["len65"]["prompt_tokens"] == 65
     slow = by_name["len65"]
     assert slow["kept"] is True and slow["first_s"] >= DELAY_S > slow["threshold_s"]

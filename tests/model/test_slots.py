@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.config import ModelConfig
+from edge.config import ModelConfig, SpeculativeConfig
 from edge.errors import RequestError
 from edge.model.generate import GenParams, Hold, Job
 from edge.model.gguf import read_gguf_info
@@ -62,8 +62,9 @@ def test_each_sequence_of_a_batch_gives_what_it_gives_alone(model: GGUFModel) ->
 
 def test_one_step_holds_every_generating_sequence_and_a_prompt_chunk(tiny_gguf: Path) -> None:
     """n_batch 16: a long prompt arriving while two sequences generate is prefilled 14 tokens a
-    step, beside their two tokens; they get a token at every step meanwhile."""
-    m = load(tiny_gguf, n_batch=16)
+    step, beside their two tokens; they get a token at every step meanwhile (no proposals: they
+    would take rows of the chunk, tests/model/test_speculate.py)."""
+    m = load(tiny_gguf, n_batch=16, speculative=SpeculativeConfig(mode="off"))
     try:
         short = [job(m, p, 40) for p in PROMPTS[:2]]
         sinks = [Collect() for _ in short]

@@ -45,6 +45,8 @@ PASSAGE = ("The field unit reported nominal telemetry for the third consecutive 
 WORDS = tuple(dict.fromkeys(w.strip(".,;") for w in PASSAGE.split()))
 # Kernel paths change with the batch's row count: CUDA's MMQ/mat-vec switch sits at 32 rows.
 SMALL_BATCH_EDGES = (32, 33)
+# the speculative candidate's prompt, in tokens: WORDS (about 80 tokens on Gemma 3) twice and more
+SPEC_PROMPT = 192
 LONG_PREFILL_CTX = 4096  # the long-prefill candidate: long_prefill_fraction of n_ctx, of at most this
 # A decoded token costs about as much as this many prefilled ones (CPU, 2 cores, Gemma 270M:
 # ~15 ms vs ~1.6 ms): used only to predict whether a candidate fits the budget.
@@ -276,6 +278,11 @@ def model_candidates(model: GGUFModel, cfg: WarmupConfig) -> list[Candidate]:
     # shapes a single sequence never does; one candidate per k the slots can hold
     steps += [pair(f"batch{k}", COMPLETIONS, max(short, 3), decode, n=k)
               for k in range(2, min(model.native.n_seq, model.cfg.max_choices) + 1)]
+    if model.slots.spec is not None and fits >= SPEC_PROMPT:
+        # speculative decoding (edge.model.speculate): a prompt whose words repeat, so the answer's
+        # n-grams are found in it and proposals are verified (several logits rows of one sequence
+        # per step, rejected cells dropped): shapes the one-token steps never run
+        steps.append(pair("speculative", COMPLETIONS, SPEC_PROMPT, decode))
     sized: list[tuple[int, Candidate]] = []
     for i, n in enumerate(check_prompts(model, cfg)):
         sized.append((n, pair(f"prompt_{i}", COMPLETIONS, n, decode, first=cfg.prompts[i])))
