@@ -4,6 +4,12 @@ Native contexts (llama.cpp, TensorRT, ONNX Runtime) are not thread-safe, so ever
 runs on its own worker thread while the event loop stays free. A model's thread is a scheduler
 that decodes up to `parallel` requests at once (edge.model.slots); a bounded queue turns overload
 into a clear 503 instead of unbounded latency.
+
+At the drain's limit every worker is ended (`end`): a model's running sequences end at its next
+step and its queued requests at once, each with the error the lifecycle gives (a 503), and later
+ones are refused with it. A handover's old process passes its queued requests on (`pass_on`):
+each one that has not started leaves the queue with `PassedOn`, and the lifecycle hands its
+connection to the new process (edge.lifecycle.handover.pass_on).
 """
 
 from __future__ import annotations
@@ -11,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import copy
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from edge.errors import RequestError
+from edge.serve.channel import Channel, merged
 
 if TYPE_CHECKING:  # types only: importing the worker module stays free of the backends
     import numpy as np
@@ -29,7 +38,16 @@ if TYPE_CHECKING:  # types only: importing the worker module stays free of the b
     from edge.engines.dynamic_batching import Batcher
     from edge.model.slots import Slots
 
-__all__ = ["Worker", "ModelWorker", "EngineWorker"]
+__all__ = ["SERVER_ENDED", "Worker", "ModelWorker", "EngineWorker", "PassedOn"]
+
+log = logging.getLogger("edge")
+
+SERVER_ENDED = "server_shutting_down"  # the error code of a request the drain's limit ended (a 503)
+
+
+class PassedOn(Exception):
+    """A request left this process's queue before it started, to be answered by another process
+    (a handover's new one): nothing of it was sent, and it is not answered here."""
 
 
 class Worker:
@@ -44,6 +62,10 @@ class Worker:
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the worker's thread, from a thread that may block (a load, a drain)."""
         return self._pool.submit(fn, *args).result()
+
+    def end(self, error: BaseException) -> None:
+        """The drain's limit: what runs or waits here ends with `error`, and what comes later is
+        refused with it (a 503; the process is leaving)."""
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -64,9 +86,13 @@ class ModelWorker(Worker):
         self.request_timeout_s = request_timeout_s  # how long one request may hold the model (None: no limit)
         self._cv = threading.Condition()
         self._calls: list[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]] = []
-        self._waiting: collections.deque[tuple[Job, _Channel, float]] = collections.deque()
+        self._waiting: collections.deque[tuple[Job, Channel, float]] = collections.deque()
         self._closing = False
         self._held = False  # admitted requests wait: no step runs (a handover's new process, see hold())
+        self._ended: BaseException | None = None  # end(): every sequence ends with it, at the next step
+        self._passing: BaseException | None = None  # pass_on(): queued requests leave with it
+        self.ended_by_server = 0  # sequences and queued requests ended by end()
+        self.passed_on = 0  # queued requests passed on by pass_on()
         self._thread: threading.Thread | None = None
         self.queue_wait_s = 0.0  # summed over started generations: time between submission and a slot
         self.started = 0
@@ -79,6 +105,8 @@ class ModelWorker(Worker):
 
     def admit(self) -> None:
         """Take a place (a slot or the queue), or refuse with 503 -- before any response byte is sent."""
+        if self._ended is not None:
+            raise self._ended
         limit = self.slots.n + self.max_queue
         if self.pending >= limit:
             raise RequestError(f"model {self.model.cfg.name!r} has {self.pending} requests running or queued "
@@ -138,22 +166,40 @@ class ModelWorker(Worker):
             self._held = False
             self._cv.notify()
 
+    def end(self, error: BaseException) -> None:
+        """Every running sequence ends with `error` at the scheduler's next step (the one in
+        progress finishes first: a decode cannot be cut), every queued request at once; later
+        ones are refused with it (admit(), and any job that reaches the queue)."""
+        with self._cv:
+            self._ended = error
+            self._cv.notify()
+
+    def pass_on(self, error: BaseException) -> None:
+        """Queued requests that no choice of has started leave the queue with `error` (PassedOn)
+        at the scheduler's next turn, and so does every such request that comes later: a
+        handover's old process, whose queue the new process takes over."""
+        with self._cv:
+            self._passing = error
+            self._cv.notify()
+
     def _loop(self) -> None:
         """The scheduler: calls between steps, free slots filled from the queue, one step."""
         slots = self.slots
         while True:
             with self._cv:
-                while not (self._calls or (not self._held and (slots.busy or (self._waiting and self._ready(slots))))):
+                while not (self._calls or self._due(slots)):
                     if self._closing:
                         return
                     self._cv.wait()
-                calls, self._calls, held = self._calls, [], self._held
+                calls, self._calls, held, ended = self._calls, [], self._held, self._ended
             for fn, args, fut in calls:
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(*args))
                     except BaseException as exc:
                         fut.set_exception(exc)
+            if ended is not None:  # once per step: what runs or waits ends here, before the batch
+                self._end_all(slots, ended)
             if held:
                 continue
             self._admit_waiting(slots)
@@ -162,11 +208,51 @@ class ModelWorker(Worker):
             except BaseException as exc:  # a bug in a step: its sequences fail, the thread goes on
                 slots.end_all(exc)
 
+    @property
+    def passes_on(self) -> bool:
+        """pass_on() was called: this process hands its queued requests to another."""
+        return self._passing is not None
+
+    def _due(self, slots: Slots) -> bool:
+        """Whether the scheduler has work (held: self._cv)."""
+        if self._ended is not None and (slots.busy or self._waiting):
+            return True
+        return not self._held and bool(slots.busy or (self._waiting and self._ready(slots)))
+
     def _ready(self, slots: Slots) -> bool:
         job = self._waiting[0][0]
-        return job.cancel.is_set() or slots.fits(job)
+        return job.cancel.is_set() or self._passes(job) or slots.fits(job)
+
+    def _passes(self, job: Job) -> bool:
+        # a request whose choice started here stays (its answer has begun); `hold` is the request's
+        return self._passing is not None and job.hold.since is None
+
+    def _end_all(self, slots: Slots, error: BaseException) -> None:
+        with self._cv:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        running = slots.busy
+        for _, channel, _ in waiting:
+            channel.close(copy.copy(error))  # each its own: each is raised in its own request
+        slots.end_all(error)
+        if running or waiting:
+            self.ended_by_server += running + len(waiting)
+            log.warning("model %r: %d running and %d queued generations ended by the server: %s", self.name,
+                        running, len(waiting), error)
+
+    def _pass_queued(self) -> None:
+        with self._cv:
+            passed = [w for w in self._waiting if self._passes(w[0]) and not w[0].cancel.is_set()]
+            for w in passed:
+                self._waiting.remove(w)
+        for _, channel, _ in passed:
+            channel.close(self._passing)
+        self.passed_on += len(passed)
 
     def _admit_waiting(self, slots: Slots) -> None:
+        if self._ended is not None:  # nothing starts after the limit: the next turn ends what waits
+            return
+        if self._passing is not None:
+            self._pass_queued()
         while True:
             with self._cv:
                 if not self._waiting or not self._ready(slots):
@@ -175,13 +261,20 @@ class ModelWorker(Worker):
             if job.cancel.is_set():  # a job whose client left while it was queued is not even prefilled
                 channel.close(None)
                 continue
+            if self._passes(job):  # came after pass_on()
+                channel.close(self._passing)
+                self.passed_on += 1
+                continue
             self.queue_wait_s += time.monotonic() - since
             self.started += 1
+            channel.started()
             slots.start(job, channel)
 
-    async def stream(self, job: Job, admitted: bool = False, eager: bool = True) -> AsyncIterator[Piece]:
+    async def stream(self, job: Job, admitted: bool = False, eager: bool = True,
+                     on_start: Callable[[], None] | None = None) -> AsyncIterator[Piece]:
         """Pieces of one generation; cancelling the consumer ends its sequence at the next step.
         `admitted`: the caller holds a place taken with admit() and releases it itself.
+        `on_start`: called on the event loop when the job leaves the queue for a slot.
         `eager`: wake the event loop for the pieces it waits for (a stream: the first at once,
         then at most once per `stream_interval_s`, and the end); else only at the end (the
         first piece carries the time it was made, for the time-to-first-token metric).
@@ -189,7 +282,7 @@ class ModelWorker(Worker):
         the scheduler nothing; the end of the channel is the end of the job."""
         if not admitted:
             self.admit()
-        channel = _Channel(asyncio.get_running_loop(), eager, self.stream_interval_s)
+        channel = Channel(asyncio.get_running_loop(), eager, self.stream_interval_s, on_start)
         try:
             with self._cv:
                 self._waiting.append((job, channel, time.monotonic()))
@@ -198,7 +291,7 @@ class ModelWorker(Worker):
             while True:
                 pieces, end = await channel.get()
                 if pieces:
-                    yield _merged(pieces)
+                    yield merged(pieces)
                 if end is not None:
                     if isinstance(end, BaseException):
                         raise end
@@ -211,76 +304,17 @@ class ModelWorker(Worker):
                 self.release()
 
     def close(self) -> None:
-        """Waits for the generations and calls on its thread, then ends it."""
+        """Waits for the calls on its thread, then ends it; a generation still running (nobody
+        waits for it any more: the drain is over) ends at its next step."""
         with self._cv:
             self._closing = True
+            if self._ended is None:
+                self._ended = RequestError(f"model {self.name!r} is closing", status=503, code=SERVER_ENDED)
             self._cv.notify()
             thread = self._thread
         if thread is not None:
             thread.join()
         super().close()
-
-
-_DONE = True  # what _Channel.get returns as `end` once the generation finished without error
-
-
-class _Channel:
-    """Pieces from the worker thread to the event loop. The thread never blocks; it schedules a
-    wake-up of the loop only when the loop waits for one (eager: the first piece, then at most one
-    per interval; else the end), so at most one wake-up is in flight whatever the token rate. On
-    2 cores every wake-up of the loop takes a core from llama.cpp's threads mid-decode."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, eager: bool, interval_s: float = 0.0) -> None:
-        self._loop, self._eager, self._interval = loop, eager, interval_s
-        self._next_wake = 0.0  # monotonic: an eager channel wakes the loop at most this often
-        self._lock = threading.Lock()
-        self._items: list[Piece] = []
-        self._end: BaseException | bool | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._first = True
-
-    def put(self, piece: Piece) -> None:  # the worker thread
-        if self._first:
-            piece.at, self._first = time.perf_counter(), False
-        now = time.monotonic() if self._eager else 0.0
-        with self._lock:
-            self._items.append(piece)
-            wake = self._waiter if self._eager and now >= self._next_wake else None
-            if wake is not None:
-                self._waiter, self._next_wake = None, now + self._interval
-        if wake is not None:
-            self._loop.call_soon_threadsafe(_wake, wake)
-
-    def close(self, error: BaseException | None) -> None:  # the worker thread
-        with self._lock:
-            self._end = error if error is not None else _DONE
-            wake, self._waiter = self._waiter, None
-        if wake is not None:
-            self._loop.call_soon_threadsafe(_wake, wake)
-
-    async def get(self) -> tuple[list[Piece], BaseException | bool | None]:
-        """What came since the last call (and the end, once there): waits while there is none."""
-        while True:
-            with self._lock:
-                if self._items or self._end is not None:
-                    items, self._items = self._items, []
-                    return items, self._end
-                waiter = self._waiter = self._loop.create_future()
-            await waiter
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _merged(pieces: list[Piece]) -> Piece:
-    if len(pieces) == 1:
-        return pieces[0]
-    from edge.model.generate import Piece
-
-    return Piece("".join(p.text for p in pieces), pieces[-1].finish_reason,
-                 [lp for p in pieces for lp in p.logprobs], at=pieces[0].at)
 
 
 class EngineWorker(Worker):
@@ -295,16 +329,29 @@ class EngineWorker(Worker):
         self.stored = stored
         self.batching = batching
         self.batcher: Batcher | None = None
+        self._ended: BaseException | None = None
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         self.pending += 1  # queued or running: the queue depth that /metrics shows
         try:
-            return await super().call(fn, *args)
+            return await super().call(self._unless_ended, fn, *args)
         finally:
             self.pending -= 1
 
+    def _unless_ended(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._ended is not None:  # queued behind the limit: not run (one running finishes: ms)
+            raise self._ended
+        return fn(*args)
+
+    def end(self, error: BaseException) -> None:
+        self._ended = error
+        if self.batcher is not None:
+            self.batcher.fail(error)
+
     async def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One request's outputs: in a batch with whatever else is queued, or alone."""
+        if self._ended is not None:
+            raise self._ended
         if self.batcher is None or not self.batcher.enabled:
             return await self.call(self.session.infer, feeds)
         self.pending += 1
