@@ -200,6 +200,8 @@ class ColdStart:
                 reloader.spawn(None, None)
             watch = Watch(list(loaded.state.workers.values()),
                           lambda: dispatcher.stopping or reloader.busy or dispatcher.loaded is not loaded)
+            if self.takeover is not None:  # a handover's new process: what the old one passes on, served here
+                self.takeover.take_connections(service.server)
             try:
                 await serve_http(service.server, self.sockets, self.notifier, ready_text, stop,
                                  on_ready=lambda: self._serving(loaded, watch))
