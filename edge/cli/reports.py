@@ -56,6 +56,11 @@ def _model_lines(report: dict[str, Any]) -> list[str]:
                          f"{c['flash_attn']}, swa_full {str(c.get('swa_full')).lower()}, prompt cache up to "
                          f"{c['prompt_cache_limit_bytes'] / 2**20:.1f} MiB"
                          + ("" if c.get("use_extra_bufts", True) else ", extra buffer types off"))
+        need = m.get("memory_mib")
+        if need:
+            lines.append(f"model {m['name']}: memory ~{need['dram']:.0f} MiB (weights {need['model']:.1f}, KV cache "
+                         f"{need['kv_cache']:.1f}, compute buffers {need['compute']:.1f}, prompt cache up to "
+                         f"{need['prompt_cache']:.1f} MiB)")
     rows = [(p["detail"].get("model"), r) for p in report["phases"] if p["name"] == Phases.PREFIX_STATES
             for r in p["detail"].get("prefixes", [])]
     if rows:

@@ -211,6 +211,7 @@ class Loader:
                     ) -> tuple[dict[str, ModelWorker], dict[str, Any]]:
         """Each model through llama.cpp (mmap, mlock), then the lock measured and the policy
         applied; each worker in `made` as soon as it exists."""
+        from edge.lifecycle.memguard import need_mib
         from edge.model.llm import load_gguf_model
 
         workers, infos = {}, {}
@@ -232,7 +233,8 @@ class Loader:
 
                 enforce(m, model.mlock)
             infos[m.name] = {**model.info.summary(), "name": m.name, "path": m.path, "n_ctx": model.n_ctx,
-                             "context": model.context_info(), "mlock": model.mlock.as_dict()}
+                             "context": model.context_info(), "mlock": model.mlock.as_dict(),
+                             "memory_mib": need_mib(m, model.info)}
         return workers, infos
 
     def load_engines(self, engines: list[EngineConfig]) -> tuple[dict[str, Any], dict[str, Any]]:
