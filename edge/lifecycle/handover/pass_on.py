@@ -17,7 +17,7 @@ requests stay in the old process's queue. A channel that fails (the new process 
 request 503 with `Retry-After: 0` and `Connection: close`: its client's retry reaches the new one.
 What this relies on of uvicorn (`Config.http_protocol_class`, the protocol's constructor,
 `server_state`, `lifespan.state`, the h11 cycle's `scope`) is pinned in pyproject.toml and tested
-(tests/lifecycle/test_drain_limit.py).
+(tests/lifecycle/test_pass_on.py, tests/lifecycle/test_drain_limit.py).
 """
 
 from __future__ import annotations
