@@ -118,6 +118,9 @@ def _format_handover(head: str, report: dict[str, Any]) -> str:
     else:
         outcome = (f"handed over to pid {new.get('pid')} (edge {new.get('edge_version', '?')}) at "
                    f"{report.get('switch_s', 0):.3f} s; old process drained {_drained(report)}")
+        if report.get("passed_on") or report.get("ended_at_limit"):
+            outcome += (f"; {report.get('passed_on') or 0} requests passed on to the new process, "
+                        f"{report.get('ended_at_limit') or 0} still running at the drain's limit")
     lines = [head.replace("last reload", "last reload (new process)"), outcome,
              f"why: {'; '.join(report.get('why') or [])}",
              f"mode {report.get('mode')}: {(report.get('memory') or {}).get('reason', '')}", "",

@@ -103,6 +103,7 @@ def _clean(log: str) -> None:
     """No traceback, no task cancelled by uvicorn, no request taken for a client's 499 (both processes)."""
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
     assert "timeout graceful shutdown exceeded" not in log and "status 499" not in log, log[-3000:]
+    assert "ASGI callable returned without" not in log, log[-3000:]
 
 
 def test_sigterm_ends_every_sequence_at_the_limit(tmp_path: Path, tiny_gguf: Path, service) -> None:
@@ -114,6 +115,9 @@ def test_sigterm_ends_every_sequence_at_the_limit(tmp_path: Path, tiny_gguf: Pat
     assert old.wait(30) == 0
     assert old.exited_at - sent <= DRAIN_S + 2.0, f"exited {old.exited_at - sent:.2f} s after SIGTERM"
     log = _old_log(pid1.log_tail(400_000), old.pid)
+    (journal,) = (tmp_path / "state" / "journal").glob(f"{old.pid}-*.jsonl")  # read before the next start settles it
+    end = json.loads(journal.read_text().splitlines()[-1])
+    assert end["end"] == "ok" and end["exit"] == 0 and end["ended_at_limit"] == 8 and "cut_at_limit" not in end, end
     pid1.start()  # the next start on the same socket, as socket activation makes it: the retries wait for it
     pid1.wait_for("READY", "1")
     answers = longs.wait(300) + shorts.wait(300)
