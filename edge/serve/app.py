@@ -169,8 +169,6 @@ async def _choices(run: _Generations, metrics: Metrics) -> list[Choice]:
     """Every choice's whole answer; the choices generate at once (edge.model.slots)."""
     choices = [Choice(i, text=run.echoes[i]) for i in range(len(run.jobs))]
     async for i, piece in _merged_pieces(run, metrics, eager=False):  # one answer: no per-token wake-ups
-        if i < 0:
-            continue
         c = choices[i]
         if piece is None:
             _finish_tools(run, c)
@@ -181,15 +179,17 @@ async def _choices(run: _Generations, metrics: Metrics) -> list[Choice]:
     return choices
 
 
-async def _merged_pieces(run: _Generations, metrics: Metrics, eager: bool) -> AsyncIterator[tuple[int, Piece | None]]:
+async def _merged_pieces(run: _Generations, metrics: Metrics, eager: bool,
+                         announce: bool = False) -> AsyncIterator[tuple[int, Piece | None]]:
     """(choice index, piece) as the choices make them, each in its slot, all at once; (i, None)
-    when choice i ends; (-1, None) once, when the first choice leaves the queue for a slot
-    (before its pieces). An error of any choice is raised here, the others cancelled."""
+    when choice i ends; with `announce` (a stream), (-1, None) once, when the first choice leaves
+    the queue for a slot (before its pieces: one more wake-up of the loop, so only for a stream).
+    An error of any choice is raised here, the others cancelled."""
     queue: asyncio.Queue[tuple[int, Piece | None, BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, job: Job) -> None:
         try:
-            started = partial(queue.put_nowait, (i, _STARTED, None))
+            started = partial(queue.put_nowait, (i, _STARTED, None)) if announce else None
             async for piece in metrics.generation(run.shape.model, run.worker.stream(job, True, eager, started)):
                 queue.put_nowait((i, piece, None))
             queue.put_nowait((i, None, None))
@@ -289,7 +289,7 @@ async def _sse(run: _Generations, metrics: Metrics) -> AsyncIterator[bytes]:
     shape, finished, began = run.shape, False, False
     try:
         choices = [Choice(i, text=run.echoes[i]) for i in range(len(run.jobs))]
-        async for i, piece in _merged_pieces(run, metrics, eager=not run.buffered()):
+        async for i, piece in _merged_pieces(run, metrics, eager=not run.buffered(), announce=True):
             if i < 0:  # out of the queue: the stream begins
                 began = True
                 for c in choices:
