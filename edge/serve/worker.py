@@ -91,7 +91,6 @@ class ModelWorker(Worker):
         self._held = False  # admitted requests wait: no step runs (a handover's new process, see hold())
         self._ended: BaseException | None = None  # end(): every sequence ends with it, at the next step
         self._passing: BaseException | None = None  # pass_on(): queued requests leave with it
-        self.ended_by_server = 0  # sequences and queued requests ended by end()
         self.passed_on = 0  # queued requests passed on by pass_on()
         self._thread: threading.Thread | None = None
         self.queue_wait_s = 0.0  # summed over started generations: time between submission and a slot
@@ -235,7 +234,6 @@ class ModelWorker(Worker):
             channel.close(copy.copy(error))  # each its own: each is raised in its own request
         slots.end_all(error)
         if running or waiting:
-            self.ended_by_server += running + len(waiting)
             log.warning("model %r: %d running and %d queued generations ended by the server: %s", self.name,
                         running, len(waiting), error)
 
