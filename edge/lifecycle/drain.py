@@ -16,6 +16,7 @@ import fcntl
 import logging
 import struct
 import termios
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -33,10 +34,13 @@ log = logging.getLogger("edge")
 ACCEPT_GRACE_MIN_S = 0.1
 ACCEPT_GRACE_MAX_S = 5.0
 DRAIN_IDLE_S = 1.0
-# After the drain's limit: how long the requests edge ended get for their answers (their models'
-# next step, then a few bytes each) before a connection still in a request is closed. The process
-# exits within drain_timeout_s + 2 s: this, uvicorn's shutdown (~0.2 s) and closing the models.
+# After the drain's limit: the requests edge ended are answered once their models have ended them
+# (after the step in progress: a decode cannot be cut short; waited for at most LIMIT_STEP_MAX_S),
+# and get LIMIT_GRACE_S from then for their answers' few bytes before a connection still in a
+# request is closed (a client that does not read). The process exits within drain_timeout_s + 2 s
+# where a step is well under a second: the step, this, uvicorn's shutdown (~0.2 s), closing the models.
 LIMIT_GRACE_S = 1.0
+LIMIT_STEP_MAX_S = 30.0
 
 
 class Dispatcher(Protocol):
@@ -69,9 +73,12 @@ class Drain:
         # the new process's models may decode from then on, edge.lifecycle.handover.successor)
         self.on_empty: Callable[[], None] | None = None
         # called once at the limit with requests still in progress: ends them all (the
-        # dispatcher's end_work); how many requests were still running
-        self.on_limit: Callable[[], int] | None = None
+        # dispatcher's end_work); how many requests were still running, and an event per worker
+        # set once it has ended them
+        self.on_limit: Callable[[], tuple[int, list[threading.Event]]] | None = None
         self.limit_at: float | None = None  # loop time the limit was reached with requests left
+        self._ending: list[threading.Event] = []
+        self._ended_at: float | None = None  # loop time every worker had ended what it ran
         self.ended_at_limit = 0  # requests still in progress then (what the limit ended)
         self.cut = 0  # connections still in a request LIMIT_GRACE_S later, closed
 
@@ -127,26 +134,30 @@ class Drain:
         self.limit_at = now
         busy = sum(1 for c in conns if _in_request(c))
         if busy and self.on_limit is not None:
-            self.ended_at_limit = self.on_limit()
+            self.ended_at_limit, self._ending = self.on_limit()
             log.warning("drain: %d requests still running after server.drain_timeout_s = %g s: ended by the "
                         "server (a 503 with Retry-After, or a stream's final error event and [DONE])",
                         self.ended_at_limit, self.timeout_s)
 
     def _past_limit(self, conns: Any, now: float) -> bool:
         """Past the limit: uvicorn may shut down once no connection is in a request (idle ones it
-        closes itself), or LIMIT_GRACE_S after the limit, the connections still in one closed
-        (a client that does not read its answer)."""
+        closes itself), or LIMIT_GRACE_S after the models ended what they ran, the connections
+        still in one closed (a client that does not read its answer)."""
         if self.limit_at is None:
             return False
+        if self._ended_at is None and (all(e.is_set() for e in self._ending) or now - self.limit_at >= LIMIT_STEP_MAX_S):
+            self._ended_at = now
+            if now - self.limit_at > LIMIT_GRACE_S:
+                log.warning("drain: the models' step in progress at the limit ended %.1f s after it", now - self.limit_at)
         stuck = [c for c in conns if _in_request(c)]
-        if stuck and now - self.limit_at < LIMIT_GRACE_S:
+        if stuck and (self._ended_at is None or now - self._ended_at < LIMIT_GRACE_S):
             return False
         for conn in stuck:
             conn.transport.abort()
         if stuck:
             self.cut = len(stuck)
-            log.warning("drain: %d connections still in a request %.1f s after the limit (clients not reading "
-                        "their answers): closed", len(stuck), LIMIT_GRACE_S)
+            log.warning("drain: %d connections still in a request %.1f s after their models ended them (clients "
+                        "not reading their answers): closed", len(stuck), LIMIT_GRACE_S)
         return True
 
     def _may_close(self, conn: Any, now: float) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -120,14 +121,13 @@ class Dispatcher:
             self._held = None
         return old
 
-    def end_work(self, error: BaseException) -> int:
+    def end_work(self, error: BaseException) -> tuple[int, list[threading.Event]]:
         """The drain's limit: every worker of the current set and of the sets still draining ends
-        what runs and waits with `error` (edge.serve.worker); the requests in them."""
+        what runs and waits with `error` (edge.serve.worker); the requests in them, and an event
+        per worker, set once it has ended them."""
         routes = [self.route, *(r for r in self.retired if not r.idle.is_set())]
         workers = {id(w): w for r in routes for w in r.loaded.workers().values()}
-        for worker in workers.values():
-            worker.end(error)
-        return sum(r.active for r in routes)
+        return sum(r.active for r in routes), [w.end(error) for w in workers.values()]
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if self._held is not None:

@@ -63,9 +63,12 @@ class Worker:
         """`fn(*args)` on the worker's thread, from a thread that may block (a load, a drain)."""
         return self._pool.submit(fn, *args).result()
 
-    def end(self, error: BaseException) -> None:
+    def end(self, error: BaseException) -> threading.Event:
         """The drain's limit: what runs or waits here ends with `error`, and what comes later is
-        refused with it (a 503; the process is leaving)."""
+        refused with it (a 503; the process is leaving); the event is set once it has ended."""
+        done = threading.Event()
+        done.set()
+        return done
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -90,6 +93,7 @@ class ModelWorker(Worker):
         self._closing = False
         self._held = False  # admitted requests wait: no step runs (a handover's new process, see hold())
         self._ended: BaseException | None = None  # end(): every sequence ends with it, at the next step
+        self._ended_all = threading.Event()  # the scheduler has ended them
         self._passing: BaseException | None = None  # pass_on(): queued requests leave with it
         self.passed_on = 0  # queued requests passed on by pass_on()
         self._thread: threading.Thread | None = None
@@ -165,13 +169,17 @@ class ModelWorker(Worker):
             self._held = False
             self._cv.notify()
 
-    def end(self, error: BaseException) -> None:
+    def end(self, error: BaseException) -> threading.Event:
         """Every running sequence ends with `error` at the scheduler's next step (the one in
         progress finishes first: a decode cannot be cut), every queued request at once; later
-        ones are refused with it (admit(), and any job that reaches the queue)."""
+        ones are refused with it (admit(), and any job that reaches the queue). The event is set
+        once the scheduler has ended them (after the step in progress)."""
         with self._cv:
             self._ended = error
+            if self._thread is None:
+                self._ended_all.set()
             self._cv.notify()
+        return self._ended_all
 
     def pass_on(self, error: BaseException) -> None:
         """Queued requests that no choice of has started leave the queue with `error` (PassedOn)
@@ -199,6 +207,7 @@ class ModelWorker(Worker):
                         fut.set_exception(exc)
             if ended is not None:  # once per step: what runs or waits ends here, before the batch
                 self._end_all(slots, ended)
+                self._ended_all.set()
             if held:
                 continue
             self._admit_waiting(slots)
@@ -214,7 +223,7 @@ class ModelWorker(Worker):
 
     def _due(self, slots: Slots) -> bool:
         """Whether the scheduler has work (held: self._cv)."""
-        if self._ended is not None and (slots.busy or self._waiting):
+        if self._ended is not None and (slots.busy or self._waiting or not self._ended_all.is_set()):
             return True
         return not self._held and bool(slots.busy or (self._waiting and self._ready(slots)))
 
@@ -341,10 +350,12 @@ class EngineWorker(Worker):
             raise self._ended
         return fn(*args)
 
-    def end(self, error: BaseException) -> None:
+    def end(self, error: BaseException) -> threading.Event:
+        """Queued requests get `error` now; one running on the engine's thread finishes (ms)."""
         self._ended = error
         if self.batcher is not None:
             self.batcher.fail(error)
+        return super().end(error)
 
     async def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One request's outputs: in a batch with whatever else is queued, or alone."""

@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = edge_config(folder, model, args.n_ctx)
     cfg.write_text(cfg.read_text() + f"[server]\ndrain_timeout_s = {args.drain_timeout}\n")
     events: list[dict[str, Any]] = []
-    with PidOne([*EDGE, "serve", "--config", str(cfg)], env=env_for_bench()) as pid1:
+    log = folder / "service.log"  # kept: the drains' lines, what each process logged
+    with PidOne([*EDGE, "serve", "--config", str(cfg)], env=env_for_bench(), log_path=log) as pid1:
         pid1.start()
         pid1.wait_for("READY", "1", timeout=300)
         loop = Loop(pid1.address, args.clients, body_for(args.seed, tiny), timeout=600).start()
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "passed_on": sum(e["passed_on"] or 0 for e in handovers),
             "ended_at_limit": sum(e["ended_at_limit"] or 0 for e in handovers),
             "old_gone_after_switch_max_s": max((e["gone_after_switch_s"] for e in handovers), default=None),
-            "events": events}
+            "events": events, "service_log": str(log)}
 
 
 def main() -> None:

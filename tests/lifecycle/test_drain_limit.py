@@ -45,14 +45,14 @@ def config(tmp_path: Path, tiny_gguf: Path) -> Path:
     return write_config(tmp_path / "edge.toml", tiny_gguf, n_ctx=N_CTX, server=SERVER, extra_model=MODEL)
 
 
-def _tokens_for(address: tuple[str, int], seconds: float) -> int:
-    """Tokens a generation beside 3 others takes `seconds` to make here (measured now, with 4 of
-    them), within what 4 of them fit in the context."""
+def _tokens_for(address: tuple[str, int], seconds: float, together: int = 4) -> int:
+    """Tokens a generation beside `together` - 1 others takes `seconds` to make here (measured
+    now, with that many of them), within what that many fit in the context."""
     t0 = time.monotonic()
-    answers = Clients(address, [body(64, False, n) for n in range(4)]).start().wait(120)
+    answers = Clients(address, [body(64, False, n) for n in range(together)]).start().wait(120)
     assert all(a.status == 200 for a in answers), [a.body[:200] for a in answers]
     per_token = (time.monotonic() - t0) / 64
-    return max(200, min(N_CTX // 4 - 64, int(seconds / per_token)))
+    return max(200, min(N_CTX // together - 64, int(seconds / per_token)))
 
 
 def _until(what: str, ok, timeout: float = 60.0) -> None:
@@ -140,7 +140,7 @@ def test_the_503_at_the_limit_is_openais_error_with_retry_after(tmp_path: Path, 
     """The non-streamed answer at the limit, as a client reads it (SIGTERM during a generation
     that request_timeout_s = 120 would let run for minutes)."""
     pid1 = service(config(tmp_path, tiny_gguf))
-    long_tokens = _tokens_for(pid1.address, 15.0)
+    long_tokens = _tokens_for(pid1.address, 15.0, together=1)
     plain = Clients(pid1.address, [body(long_tokens, False)], timeout=120).start()
     _until("a slot busy", lambda: metric(pid1.address, "edge_slots_busy", model="tiny") == 1)
     sent = time.monotonic()
