@@ -239,3 +239,40 @@ def test_reloads_and_handovers_under_10_clients_cut_nothing(tmp_path: Path, tiny
     assert not bad, bad[:5]
     assert len(answers) >= 100
     assert pid1.stop() == 0
+
+
+class _Conn:
+    """An h11 connection as the drain reads it: a request in progress until `answered`."""
+
+    def __init__(self) -> None:
+        self.cycle = type("Cycle", (), {"response_complete": False})()
+        self.aborted = False
+        self.transport = self
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_after_the_limit_a_connection_is_closed_only_once_its_model_ended_it_and_it_still_does_not_read() -> None:
+    """The step in progress at the limit may outlast LIMIT_GRACE_S (a slow machine, a big model):
+    its requests are answered after it, not cut; a connection still in a request LIMIT_GRACE_S
+    after the models ended theirs (a client that does not read) is closed."""
+    import threading
+
+    from edge.lifecycle.drain import LIMIT_GRACE_S, Drain
+
+    ended = threading.Event()
+    stopping = type("D", (), {"stopping": True})()
+    drain = Drain(stopping, None, None, None, timeout_s=DRAIN_S)  # type: ignore[arg-type]
+    drain.on_limit = lambda: (2, [ended])
+    answered, silent = _Conn(), _Conn()
+    conns = {answered, silent}
+    drain._limit(conns, 100.0)
+    assert drain.ended_at_limit == 2
+    assert not drain._past_limit(conns, 100.0 + 3 * LIMIT_GRACE_S)  # the step goes on: nothing is cut
+    ended.set()
+    answered.cycle.response_complete = True  # its answer went out after the step
+    assert not drain._past_limit(conns, 100.0 + 3 * LIMIT_GRACE_S)
+    assert not silent.aborted
+    assert drain._past_limit(conns, 100.0 + 4.01 * LIMIT_GRACE_S)
+    assert silent.aborted and not answered.aborted and drain.cut == 1
