@@ -19,6 +19,7 @@ from edge import toml as tomllib
 from edge.builtin_models import BUILTINS  # light: the table, not the model
 from edge.engineconfig import BatchingConfig, EngineConfig, check_engines, check_name
 from edge.errors import ConfigError
+from edge.fsutil import private_dir
 from edge.prefixconfig import MessageConfig, PrefixConfig, check_prefixes
 from edge.toml import build_dataclass  # also the engine recipes' builder (edge.engines.recipe)
 
@@ -61,7 +62,7 @@ class ServerConfig:
     # the connection's opening (or of the end of its keep-alive idle time), a body within
     # body_timeout_s (else 408); a body over max_body_bytes is a 413.
     max_connections: int = field(default=DEFAULT_MAX_CONNECTIONS, metadata=_range(1, 1 << 20))
-    header_timeout_s: float = field(default=10.0, metadata=_range(0.1, 3600))  # a request head must be complete within this
+    header_timeout_s: float = field(default=10.0, metadata=_range(0.1, 3600))  # a request head (and, with TLS, the handshake before it) must be complete within this
     body_timeout_s: float = field(default=30.0, metadata=_range(0.1, 3600))  # a request body must be complete within this (else 408)
     keepalive_timeout_s: float = field(default=5.0, metadata=_range(0.1, 3600))  # idle keep-alive connections are closed after this
     max_body_bytes: int = field(default=8 << 20, metadata=_range(1024, 1 << 31))  # larger bodies: 413, before they are read
@@ -77,7 +78,7 @@ class ServerConfig:
     # Who may ask (edge.serve.auth; docs/security.md): keys one per line
     # (# comments), not world-readable; the systemd credential edge-api-keys comes first.
     api_key_file: str | None = None
-    metrics_auth: str = field(default="open", metadata={"choices": ("open", "key")})  # /metrics: open (scrapers send no key) or keyed like the API
+    metrics_auth: str = field(default="key", metadata={"choices": ("key", "open")})  # /metrics with API keys configured: keyed like the API (scrapers send a key), or "open" on purpose
     # a non-loopback socket without keys refuses to start (exit 78) unless this says it on purpose
     allow_unauthenticated: bool = False
     # TLS (edge.serve.tls): uvicorn's own, on the same sockets; or the credentials edge-tls-cert/-key
@@ -336,7 +337,8 @@ def write_probe(path: Path) -> str | None:
     if path.exists() and not path.is_dir():
         return "not a folder"
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if not path.is_dir():  # made by edge: its own, 0700 (it will hold reports, prompts' states, crashes)
+            private_dir(path)
         name = path / f".edge-write-probe-{os.getpid()}-{os.urandom(6).hex()}"  # mkstemp's way, without tempfile
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:

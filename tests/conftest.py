@@ -38,7 +38,7 @@ def grammar_walk(tiny_gguf: Path) -> Iterator[tuple]:
 
     cfg = ModelConfig(name="tiny", path=str(tiny_gguf), n_ctx=256, n_batch=64, n_threads=1, use_mlock=False)
     m = load_gguf_model(cfg, read_gguf_info(tiny_gguf))
-    yield m, Walker(m.native)
+    yield m, Walker(m)
     m.close()
 
 

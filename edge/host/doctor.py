@@ -188,7 +188,9 @@ def _units(unit_dirs: list[Path]) -> tuple[list[Check], str | None]:
     for d in unit_dirs:
         sock, svc = d / "edge.socket", d / "edge.service"
         if sock.is_file() and svc.is_file():
-            text = svc.read_text()
+            from edge.host.units import with_drop_ins
+
+            text = with_drop_ins(svc)  # `systemctl edit`'s drop-ins too: what systemd runs
             listen = re.findall(r"^ListenStream=(.+)$", sock.read_text(), re.M)
             return [Check("units", "ok", f"{sock} listens on {', '.join(listen)}; {svc} present")], text
     return [Check("units", "warn", "edge.socket / edge.service not installed in "
@@ -288,6 +290,13 @@ def _access(cfg: Config, unit_dirs: list[Path], unit_text: str | None) -> list[C
     return [Check(*c) for c in access_checks(cfg, unit_dirs, unit_text)]
 
 
+def _unit_files(cfg: Config, unit_text: str | None) -> list[Check]:
+    """Every file the service opens, as the installed unit runs it (edge/host/doctor_sandbox.py)."""
+    from edge.host.doctor_sandbox import sandbox_checks
+
+    return [Check(*c) for c in sandbox_checks(cfg, unit_text)]
+
+
 def _bytecode(cfg: Config) -> list[Check]:
     """Bytecode for every module a start imports: the unit (ProtectSystem=strict) can never write
     it, so a module without it is compiled from source at every start (edge.bytecode)."""
@@ -354,6 +363,7 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
         lambda: _dirs(cfg),
         lambda: _safe_mode(cfg),
         lambda: _access(cfg, unit_dirs, unit_text),
+        lambda: _unit_files(cfg, unit_text),
         lambda: _bytecode(cfg),
     ]
     for step in steps:

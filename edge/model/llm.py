@@ -17,6 +17,7 @@ from edge.errors import BackendError, ModelError, RequestError, require
 from edge.model.generate import GenParams, Job, Piece, generate
 from edge.model.gguf import GGUFInfo
 from edge.model.grammar import CompiledGrammar, compile_grammar
+from edge.model.guard import TokenTable
 from edge.model.native import ContextSettings, DecodeError, Native
 from edge.model.mlock import MlockStatus, mlock_status, vm_locked_bytes
 from edge.model.memory import kv_bytes, parallel_for, prompt_cache_bytes
@@ -43,6 +44,7 @@ class GGUFModel:
         self.n_ctx = min(int(cfg.n_ctx), native.n_ctx)  # llama.cpp may round the context up
         self.cache = PromptCache(native, prompt_cache_bytes(cfg, kv_bytes(cfg, info)))
         self.slots = Slots(native, self.cache, native.n_seq)
+        self.tokens = TokenTable(native)  # what the guard after a grammar knows of each token (filled on need)
         self._formatter = self._make_formatter()
 
     def _make_formatter(self) -> Any:
@@ -129,10 +131,14 @@ class GGUFModel:
     def token_bytes(self, tok: int) -> bytes:
         return self.native.piece(tok)
 
-    def compile_grammar(self, gbnf: str, param: str) -> CompiledGrammar:
+    def compile_grammar(self, gbnf: str, param: str, json: bool = False) -> CompiledGrammar:
         """Compile a grammar on the grammar thread (edge.model.grammar), not the worker: a 400
-        naming `param` for one llama.cpp refuses. Blocks: call it from a thread pool."""
-        return compile_grammar(self.native.lib, self.native.vocab, gbnf, param)
+        naming `param` for one llama.cpp refuses. Blocks: call it from a thread pool. `json`: the
+        grammar writes JSON values (a schema's), which the guard after it keeps free of repeated
+        keys (edge.model.guard)."""
+        compiled = compile_grammar(self.native.lib, self.native.vocab, gbnf, param)
+        compiled.tokens, compiled.json = self.tokens, json
+        return compiled
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
         if n_prompt + max_tokens > self.n_ctx:

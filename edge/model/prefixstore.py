@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from edge.errors import ConfigError, RequestError
-from edge.fsutil import atomic_write
+from edge.fsutil import atomic_write, private_dir
 from edge.model.promptcache import Entry, PromptCache
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def prefix_tokens(model: GGUFModel, p: PrefixConfig, source: str = "", field: st
 def write_state(path: Path, key: dict[str, Any], tokens: list[int], state: bytes | bytearray, **meta: Any) -> None:
     header = json.dumps({"format": FORMAT, "key": key, "tokens": tokens, "state_bytes": len(state),
                          "state_crc32": zlib.crc32(state), **meta}).encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)  # a state's token ids decode back to its prompt
     atomic_write(path, [MAGIC, _HEAD.pack(len(header)), header, state])
 
 

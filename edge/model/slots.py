@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from edge.model.candidates import Interrupted
+from edge.model.constrained import Deferred, StepBudget
 from edge.model.generate import Decoding, Job, Piece, SamplerChain, step_check
 from edge.model.native import DecodeError
 from edge.model.promptcache import MIN_REUSE, lcp
@@ -173,7 +174,7 @@ class Slots:
         self._reap()
         batch = self._build()
         if not batch[0]:
-            return False
+            return self._sample_set_aside()
         t0 = time.perf_counter()
         try:
             self.native.decode_batch(*batch)
@@ -186,7 +187,7 @@ class Slots:
         st.decode_s += t1 - t0
         st.last_sequences = sum(1 for s in self.active if s.generating or s.chunk)
         st.batch_sequences += st.last_sequences
-        self._after_decode()
+        self._after_decode(t1 - t0)
         st.sample_s += time.perf_counter() - t1
         return True
 
@@ -201,7 +202,7 @@ class Slots:
         seqs: list[int] = []
         out: list[int] = []
         for s in self.active:  # decode before prefill: every generating sequence's next token
-            if s.generating:
+            if s.generating and not s.chain.pending:  # (a grammar pass set aside has none yet)
                 s.row = len(tokens)
                 tokens.append(s.tok)
                 pos.append(s.out.pos)
@@ -230,10 +231,10 @@ class Slots:
         wanted = [p for p in (s.plan.wanted if s.plan is not None else ()) if s.done < p < end]
         return min(wanted, default=end)
 
-    def _after_decode(self) -> None:
+    def _after_decode(self, decode_s: float) -> None:
         lives = self.cache.lives
         ready: list[_Seq] = []
-        decoded = [s for s in self.active if s.generating]  # before followers join them
+        decoded = [s for s in self.active if s.generating and not s.chain.pending]  # before followers join them
         prefilled = [s for s in self.active if not s.generating and s.chunk]
         for s in decoded:
             lives.setdefault(s.slot, []).append(s.tok)
@@ -241,10 +242,23 @@ class Slots:
             ready.append(s)
         for s in prefilled:
             self._prefilled_chunk(s, ready)
-        # sampling without a grammar first: a slow grammar holds no other sequence's token back
-        ready.sort(key=lambda s: s.chain.grammar is not None)
+        ready += [s for s in self.active if s.chain.pending]  # passes set aside at an earlier step
+        self._sample_ready(ready, decode_s)
+
+    def _sample_ready(self, ready: list[_Seq], decode_s: float) -> None:
+        """Sampling without a grammar first, then the grammar passes set aside before, then the
+        others, within the step's grammar budget (edge.model.constrained.StepBudget): a slow
+        grammar holds no other sequence's token back, and stretches the step by its budget at most."""
+        budget = StepBudget(decode_s, lambda: len(self.active) > 1)
+        ready.sort(key=lambda s: (s.chain.grammar is not None, not s.chain.pending))
         for s in ready:
-            self._sample(s)
+            self._sample(s, budget if s.chain.grammar is not None else None)
+
+    def _sample_set_aside(self) -> bool:
+        """No token to decode: the grammar passes set aside go on (False: none)."""
+        pending = [s for s in self.active if s.chain.pending]
+        self._sample_ready(pending, 0.0)
+        return bool(pending)
 
     def _prefilled_chunk(self, s: _Seq, ready: list[_Seq]) -> None:
         """The step decoded a chunk of `s`'s prompt."""
@@ -268,10 +282,12 @@ class Slots:
             ready.append(f)
         s.followers = []
 
-    def _sample(self, s: _Seq) -> None:
+    def _sample(self, s: _Seq, budget: StepBudget | None = None) -> None:
         try:
-            tok = s.chain.sample(s.row, step_check(s.job))
-            piece, done = s.out.take(tok, s.row)
+            tok = s.chain.sample(s.row, step_check(s.job, budget))
+            piece, done = s.out.take(tok, s.row, s.chain.saved)
+        except Deferred:  # its pass goes on at the next step, first of the passes
+            return
         except Interrupted:  # cancelled inside its grammar pass: it ends, the others' step goes on
             self._end(s, None)
             return
