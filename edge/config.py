@@ -19,7 +19,7 @@ from edge import toml as tomllib
 from edge.builtin_models import BUILTINS  # light: the table, not the model
 from edge.engineconfig import BatchingConfig, EngineConfig, check_engines, check_name
 from edge.errors import ConfigError
-from edge.fsutil import private_dir
+from edge.fsutil import write_probe  # the probe check_writable makes (edge doctor's too)
 from edge.prefixconfig import MessageConfig, PrefixConfig, check_prefixes
 from edge.toml import build_dataclass  # also the engine recipes' builder (edge.engines.recipe)
 
@@ -28,7 +28,8 @@ _HOST = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9]([A-Za-z0-9-]*[A-Z
 
 __all__ = ["BUILTIN_PREFIX", "DEFAULT_LISTEN", "DEFAULT_MAX_CONNECTIONS", "LOG_LEVELS", "DEFAULT_URL",
            "SYSTEM_CONFIG", "load", "Config", "MessageConfig", "ModelConfig", "PrefixConfig", "PathsConfig",
-           "ServerConfig", "WarmupConfig", "BatchingConfig", "EngineConfig", "default_config", "find_config",
+           "ServerConfig", "WarmupConfig", "BatchingConfig", "EmbeddingsConfig", "EngineConfig", "KV_TYPES",
+           "QUANTIZED_KV_TYPES", "POOLING", "default_config", "find_config",
            "load_config", "read_config_text", "parse_config", "build_dataclass", "state_dir", "cache_dir",
            "check_writable", "write_probe"]
 
@@ -95,13 +96,43 @@ class PathsConfig:
     cache_dir: str | None = None  # engines, assembled default model; default: $CACHE_DIRECTORY
 
 
+# KV cache types llama.cpp accepts (llama-server's -ctk/-ctv); the quantized ones need flash
+# attention for V, and a head size their block (32 elements) divides (edge.model.kvtypes).
+KV_TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+QUANTIZED_KV_TYPES = ("q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+POOLING = ("mean", "cls", "last")  # llama.cpp's pooling of a sequence's token embeddings
+
+
+@dataclass(frozen=True)
+class EmbeddingsConfig:
+    """The model also answers /v1/embeddings, from a second llama.cpp context on the same loaded
+    weights (one mapping; llama-server's --embeddings --pooling). `embeddings = true` takes every
+    default. The context's compute holds the logits of every token of a batch (llama.cpp
+    computes a causal model's output layer there too): about 8 x n_batch x n_vocab bytes."""
+
+    # mean | cls | last; unset: the GGUF's own ({arch}.pooling_type), else "mean"
+    pooling: str | None = field(default=None, metadata={"choices": POOLING})
+    # tokens of one decode: the longest input, and the inputs batched at once (llama-server's -ub)
+    n_batch: int = field(default=512, metadata=_range(8, 1 << 16))
+    normalize: bool = True  # unit vectors (L2), as OpenAI returns and llama-server by default
+    # Matryoshka sizes the model was trained to be cut to: a request's `dimensions` may name one
+    # (the vector cut and normalized again); any other is a 400
+    dimensions: list[int] = field(default_factory=list)
+    max_inputs: int = field(default=2048, metadata=_range(1, 1 << 20))  # inputs of one request (OpenAI's bound)
+    # false: an input's vector is the same whatever it is batched with (to ~1e-4 in cosine); true:
+    # llama.cpp's flash attention, whose CPU path for larger batches moves it by ~1.5e-3 (Gemma 3)
+    flash_attn: bool = False
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str  # the model's name in the API (/v2/models/{name}) and on /metrics
     path: str  # builtin:<name>, or a .gguf file (relative to the config file)
     kind: str = "gguf"  # the model file's format (GGUF only)
     sha256: str | None = None  # the file's sha256, verified once per file identity, during page-in
-    n_ctx: int = field(default=2048, metadata=_range(16, 1 << 20))  # the context window, in tokens
+    # the context window, in tokens; None: the model's trained context, at most 32,768 and what 1/4
+    # of the memory beside the weights holds (edge.model.memory.context_plan)
+    n_ctx: int | None = field(default=None, metadata=_range(16, 1 << 20))
     n_batch: int = field(default=512, metadata=_range(1, 1 << 16))  # the logical batch of a prefill, in tokens
     n_threads: int = field(default=0, metadata=_range(0, 1024))  # 0: one per CPU core
     n_gpu_layers: int = field(default=0, metadata=_range(-1, 100000))  # layers offloaded to the GPU (-1: all); needs a CUDA build of llama.cpp
@@ -114,7 +145,7 @@ class ModelConfig:
     max_tokens_default: int = field(default=256, metadata=_range(1, 1 << 20))  # max_tokens of a request that gives none
     max_choices: int = field(default=8, metadata=_range(1, 128))  # bound on n x prompts per request
     # sequences decoded at once in one llama.cpp context (continuous batching, edge.model.slots);
-    # None: from the context and memory (edge.model.memory.auto_parallel), at least 4 on the CPU
+    # None: one per 512 tokens of n_ctx, at most 8 (edge.model.memory.context_plan)
     parallel: int | None = field(default=None, metadata=_range(1, 256))
     # llama.cpp context settings, with llama-server's defaults: flash attention decided by
     # llama.cpp for the device and model ("auto"), the physical batch (None: min(512, n_batch)),
@@ -135,6 +166,12 @@ class ModelConfig:
     prompt_cache_mb: int | None = field(default=None, metadata=_range(0, 1 << 20))
     prefixes: list[PrefixConfig] = field(default_factory=list)  # declared prefixes ([[models.prefixes]])
     learn_prefixes: int = field(default=0, metadata=_range(0, 64))  # N: the N prefixes traffic reused most, saved at SIGTERM
+    # the KV cache's element types (llama-server's -ctk/-ctv): q8_0 holds about 1.9x the context of
+    # f16 in the same memory; a quantized V needs flash attention (flash_attn "auto" turns it on)
+    type_k: str = field(default="f16", metadata={"choices": KV_TYPES})
+    type_v: str = field(default="f16", metadata={"choices": KV_TYPES})  # V's, as type_k is K's
+    # /v1/embeddings from this model ([models.embeddings]; true: its defaults; edge.model.embed)
+    embeddings: bool | EmbeddingsConfig | None = None
 
     @property
     def flash_attn_mode(self) -> str:
@@ -146,7 +183,7 @@ class ModelConfig:
 class WarmupConfig:
     enabled: bool = True  # false: only the floor request runs
     short_prompt: str = "Hello"  # the floor: this prompt, streamed, two tokens
-    long_prefill_fraction: float = field(default=0.5, metadata=_range(0.0, 0.98))  # a long-prefill candidate of this fraction of n_ctx
+    long_prefill_fraction: float = field(default=0.5, metadata=_range(0.0, 0.98))  # a long-prefill candidate of this fraction of n_ctx (of at most 4,096)
     decode_tokens: int = field(default=16, metadata=_range(1, 4096))  # the streamed-decode candidate's tokens
     chat: bool = True  # chat-template candidates
     prompts: list[str] = field(default_factory=list)  # extra prompts from the real workload
@@ -303,11 +340,24 @@ def _check_cache(m: ModelConfig, source: str, where: str, base_dir: Path | None)
         raise ConfigError(source, f"{where}.flash_attn", f"expected \"auto\", true or false, found {m.flash_attn!r}")
     if m.n_ubatch is not None and m.n_ubatch > m.n_batch:
         raise ConfigError(source, f"{where}.n_ubatch", f"expected at most n_batch ({m.n_batch}), found {m.n_ubatch}")
+    if m.type_v in QUANTIZED_KV_TYPES and m.flash_attn is False:
+        raise ConfigError(source, f"{where}.type_v", f"a quantized V cache ({m.type_v}) needs flash attention, "
+                          "which flash_attn = false turns off: set flash_attn to \"auto\" or true, or type_v to f16")
+    m = _check_embeddings(m, source, where)
     if (m.prefixes or m.learn_prefixes) and m.prompt_cache_mb == 0:
         what = "prefixes" if m.prefixes else "learn_prefixes"
         raise ConfigError(source, f"{where}.prompt_cache_mb", f"0 turns the prompt cache off, but {what} "
                           "needs it: remove prompt_cache_mb (sized automatically) or set it above 0")
     return dataclasses.replace(m, prefixes=check_prefixes(m.prefixes, source, where, base_dir))
+
+
+def _check_embeddings(m: ModelConfig, source: str, where: str) -> ModelConfig:
+    """`embeddings = true` made the table of its defaults (false: none); its sizes checked."""
+    e = EmbeddingsConfig() if m.embeddings is True else m.embeddings or None
+    for i, d in enumerate(e.dimensions if e else ()):
+        if d < 1:
+            raise ConfigError(source, f"{where}.embeddings.dimensions[{i}]", f"expected a size of at least 1, found {d}")
+    return dataclasses.replace(m, embeddings=e)
 
 
 def state_dir(cfg: Config) -> Path:
@@ -330,26 +380,6 @@ def check_writable(cfg: Config) -> None:
             raise ConfigError(cfg.source, key, f"{path} is not writable ({problem}): set {key} to a "
                               "writable folder, or fix its permissions (under systemd: StateDirectory=/"
                               "CacheDirectory=)")
-
-
-def write_probe(path: Path) -> str | None:
-    """None if a file can be created, fsynced and removed in `path` (made if missing), else why not."""
-    if path.exists() and not path.is_dir():
-        return "not a folder"
-    try:
-        if not path.is_dir():  # made by edge: its own, 0700 (it will hold reports, prompts' states, crashes)
-            private_dir(path)
-        name = path / f".edge-write-probe-{os.getpid()}-{os.urandom(6).hex()}"  # mkstemp's way, without tempfile
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, b"edge")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            os.unlink(name)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
 
 
 _XDG = {"state": ("XDG_STATE_HOME", ".local/state"), "cache": ("XDG_CACHE_HOME", ".cache")}

@@ -17,7 +17,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["PRIVATE", "atomic_write", "cannot_create", "file_identity", "fsync_dir", "private_dir", "sha256_file"]
+__all__ = ["PRIVATE", "atomic_write", "cannot_create", "file_identity", "fsync_dir", "private_dir", "sha256_file",
+           "write_probe"]
 
 PRIVATE = 0o600  # atomic_write's mode unless told otherwise: the writer alone may read it
 
@@ -111,4 +112,24 @@ def cannot_create(path: Path) -> str | None:
         os.unlink(probe)
     except OSError as exc:
         return f"{path}: cannot write in {folder}: {exc.strerror or exc}"
+    return None
+
+
+def write_probe(path: Path) -> str | None:
+    """None if a file can be created, fsynced and removed in `path` (made if missing), else why not."""
+    if path.exists() and not path.is_dir():
+        return "not a folder"
+    try:
+        if not path.is_dir():  # made by edge: its own, 0700 (it will hold reports, prompts' states, crashes)
+            private_dir(path)
+        name = path / f".edge-write-probe-{os.getpid()}-{os.urandom(6).hex()}"  # mkstemp's way, without tempfile
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"edge")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(name)
+    except OSError as exc:
+        return exc.strerror or str(exc)
     return None

@@ -28,7 +28,8 @@ DOCS = "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
 # Options of other tools the README names beside them (pip, venv): not edge's to have.
 FOREIGN_OPTIONS = {"--no-cache-dir": "pip install", "--system-site-packages": "python3 -m venv",
                    "--extra-index-url": "pip install", "--no-index": "pip install", "--upgrade": "pip install",
-                   "--force-reinstall": "pip install"}
+                   "--force-reinstall": "pip install", "--embd-normalize": "llama-server", "--embeddings": "llama-server",
+                   "-ctk": "llama-server", "-ctv": "llama-server", "-ub": "llama-server", "-b": "llama-server"}
 # Names `edge.<x>` that are Mender provides/depends keys (scripts/mender/write-artifact), not modules.
 MENDER_KEYS = {"edge.bundle_version", "edge.content_digest"}
 # Names `edge.<x>` that are files, not modules (edge.toml, edge.socket, edge.service, ...).

@@ -51,16 +51,26 @@ def _model_lines(report: dict[str, Any]) -> list[str]:
     for m in report.get("models") or []:
         c = m.get("context")
         if c:
-            lines.append(f"model {m['name']}: n_ctx {m.get('n_ctx')}, n_batch {c['n_batch']}, n_ubatch "
+            why = f" ({c['n_ctx_why']})" if c.get("n_ctx_why") else ""
+            slots = f", {c['parallel']} slots ({c.get('parallel_why', 'parallel')})" if c.get("parallel") else ""
+            lines.append(f"model {m['name']}: n_ctx {m.get('n_ctx')}{why}{slots}, n_batch {c['n_batch']}, n_ubatch "
                          f"{c['n_ubatch']}, threads {c['n_threads']} (batch {c['n_threads_batch']}), flash_attn "
                          f"{c['flash_attn']}, swa_full {str(c.get('swa_full')).lower()}, prompt cache up to "
                          f"{c['prompt_cache_limit_bytes'] / 2**20:.1f} MiB"
-                         + ("" if c.get("use_extra_bufts", True) else ", extra buffer types off"))
+                         + ("" if c.get("use_extra_bufts", True) else ", extra buffer types off")
+                         + f", KV cache {c.get('type_k', 'f16')}/{c.get('type_v', 'f16')}")
+            e = c.get("embeddings")
+            if e:  # issue 55: the embeddings context on the same weights
+                lines.append(f"model {m['name']} embeddings: {e['pooling']} pooling ({e['pooling_from']}), "
+                             f"n_batch {e['n_batch']}, {e['dimensions']} dimensions"
+                             + (", normalized" if e["normalize"] else ""))
         need = m.get("memory_mib")
         if need:
             lines.append(f"model {m['name']}: memory ~{need['dram']:.0f} MiB (weights {need['model']:.1f}, KV cache "
                          f"{need['kv_cache']:.1f}, compute buffers {need['compute']:.1f}, prompt cache up to "
-                         f"{need['prompt_cache']:.1f} MiB)")
+                         f"{need['prompt_cache']:.1f} MiB"
+                         + (f", embeddings context {need['embeddings']:.1f} MiB" if need.get("embeddings") else "")
+                         + ")")
     rows = [(p["detail"].get("model"), r) for p in report["phases"] if p["name"] == Phases.PREFIX_STATES
             for r in p["detail"].get("prefixes", [])]
     if rows:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge.config import BUILTIN_PREFIX, Config, ModelConfig, cache_dir, find_config, load_config, state_dir, write_probe
+from edge.config import Config, cache_dir, find_config, load_config, state_dir, write_probe
 from edge.errors import ConfigError, EdgeError
 from edge.model.mlock import mib
 
@@ -56,36 +56,10 @@ def unit_config(unit_text: str) -> str | None:
 
 
 def _model_files(cfg: Config) -> list[Check]:
-    from edge.model.gguf import read_gguf_info
+    """Each model's file, context and slots, KV cache and embeddings context (doctor_models)."""
+    from edge.host.doctor_models import model_checks
 
-    checks = []
-    for m in cfg.models:
-        if m.path.startswith(BUILTIN_PREFIX):
-            target = cache_dir(cfg) / "models"
-            present = any(target.glob("*.gguf")) if target.is_dir() else False
-            checks.append(Check(f"model {m.name}", "ok",
-                                f"{m.path}: " + ("assembled in " + str(target) if present else
-                                                 "assembled and verified on first start") + f"; {_slots(m)}"))
-            continue
-        try:
-            info = read_gguf_info(m.path)
-        except EdgeError as exc:
-            checks.append(Check(f"model {m.name}", "fail", str(exc),
-                                "point models.path at a complete GGUF file (re-copy it if truncated)"))
-            continue
-        checks.append(Check(f"model {m.name}", "ok", f"{m.path}: GGUF v{info.version}, "
-                            f"{info.architecture}, {mib(info.size)}, {info.tensor_count} tensors; {_slots(m)}"))
-    return checks
-
-
-def _slots(m: ModelConfig) -> str:
-    """How many requests the model decodes at once and what each can count on: the slots share
-    the context's cells (unified KV), so one alone may use all of them."""
-    from edge.model.memory import parallel_for
-
-    p = parallel_for(m)
-    return (f"{p} slots (parallel{'' if m.parallel else ', automatic'}) sharing n_ctx = {m.n_ctx} cells: "
-            f"{m.n_ctx // p} tokens of prompt and answer each when all are busy")
+    return [Check(*c) for c in model_checks(cfg)]
 
 
 _CAP_SYS_RESOURCE = 24

@@ -24,7 +24,7 @@ from edge.config import Config
 from edge.device.memory import MemoryReading, read_memory
 from edge.model.mlock import mib, models_bytes
 
-__all__ = ["Bound", "memory_check", "models_need", "show_limits", "unit_bytes", "unit_limits"]
+__all__ = ["Bound", "memory_check", "models_need", "service_ceiling", "show_limits", "unit_bytes", "unit_limits"]
 
 # (name, level ok|warn|fail, message, fix): edge.host.doctor makes its Check of each
 Check = tuple[str, str, str, str]
@@ -116,14 +116,28 @@ def _reading_bound(reading: MemoryReading) -> Bound:
                  "MemoryMax=/MemoryHigh=)")
 
 
+def service_ceiling(unit_text: str | None = None) -> int | None:
+    """The most edge.service may ever hold: MemTotal, the limit of the cgroup this doctor runs in,
+    and the unit's MemoryMax=/MemoryHigh=, whichever is least (what an unset n_ctx is sized to:
+    edge.model.memory.context_plan); None where nothing can be read."""
+    try:
+        reading = read_memory()
+    except OSError:
+        return None
+    if not reading.total:
+        return None
+    return min([reading.ceiling, *(b.room for b in _unit_bounds(unit_text, reading.total))])
+
+
 _PARTS = (("model", "weights"), ("kv_cache", "KV cache"), ("compute", "compute buffers"),
-          ("prompt_cache", "prompt cache"))
+          ("prompt_cache", "prompt cache"), ("embeddings", "embeddings context"))
 
 
 def models_need(cfg: Config) -> tuple[int, str]:
     """The bytes a process serving `cfg`'s models holds, and what they are: per model, from its
-    GGUF header (weights, KV cache, compute buffers, the prompt cache's bound); a model whose file
-    cannot be read (a builtin not fetched yet) by its file's size alone, said so."""
+    GGUF header (weights, KV cache, compute buffers, the prompt cache's bound, the embeddings
+    context); a model whose file cannot be read (a builtin not fetched yet) by its file's size
+    alone, said so."""
     from edge.device.memory import unified_memory
     from edge.errors import ModelError
     from edge.model.gguf import read_gguf_info

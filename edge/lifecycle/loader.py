@@ -12,7 +12,6 @@ A `Loader` is made from a config, a timer and a notifier and touches no socket: 
 serves the set it makes, `edge.lifecycle.reload` makes each new set with it beside the serving one
 (`prepare(previous)` takes over the workers whose model is unchanged). It makes the types of
 `edge.lifecycle.loadset` and imports none of start, reload or serving.
-
 """
 
 from __future__ import annotations
@@ -212,15 +211,17 @@ class Loader:
         """Each model through llama.cpp (mmap, mlock), then the lock measured and the policy
         applied; each worker in `made` as soon as it exists."""
         from edge.lifecycle.memguard import need_mib
-        from edge.model.llm import load_gguf_model
+        from edge.model.llm import check_settings, load_gguf_model
 
         workers, infos = {}, {}
         for f in files:
             m = f.cfg
+            info = f.validate() if f.info is None else f.info
+            check_settings(m, info, self.config)  # what llama.cpp would refuse for this file: exit 78
             self.notifier.status(f"loading {m.name} ({m.path})")
             with self.timer.phase(Phases.MODEL_LOAD, model=m.name, use_mmap=m.use_mmap, use_mlock=m.use_mlock,
                                   **_bufts(m)) as ph:
-                model = load_gguf_model(m, f.validate() if f.info is None else f.info, quiet=self.at_start)
+                model = load_gguf_model(m, info, quiet=self.at_start)
                 ph.bytes = model.info.size
             from edge.serve.worker import ModelWorker  # after the load: its asyncio is imported by then
 
@@ -312,7 +313,7 @@ class Loader:
         """What to warm: models, then engines that ask for a warm-up. Each plan key needs the
         device identity, found on a thread while the first floor request runs."""
         from edge.lifecycle.warmup.plan import WarmTarget, engine_plan_key, model_plan_key
-        from edge.lifecycle.warmup.steps import check_prompts, engine_candidates, model_candidates, model_floor
+        from edge.lifecycle.warmup.steps import check_prompts, engine_candidates, model_candidates, model_floors
 
         import asyncio
 
@@ -335,8 +336,8 @@ class Loader:
                 await w.call(check_prompts, w.model, cfg.warmup, cfg.source)  # but the prompts must fit
                 continue
             make = functools.partial(w.control, model_candidates, w.model, cfg.warmup)  # no client request
-            targets.append(WarmTarget("model", name, functools.partial(key_of_model, w),
-                                      model_floor(w.model, cfg.warmup), make, w.control))
+            floor, also = model_floors(w.model, cfg.warmup)  # the completion's, and the embeddings' where it has them
+            targets.append(WarmTarget("model", name, functools.partial(key_of_model, w), floor, make, w.control, also))
         for name, eng in state.engines.items():
             if name not in loaded.kept and next(e for e in cfg.engines if e.name == name).warmup:
                 cands = engine_candidates(name, eng.session)

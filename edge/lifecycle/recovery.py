@@ -63,13 +63,16 @@ def early_state_dir(config_path: str | None) -> Path:
 
 def remember_state_dir(cfg: Config) -> None:
     """A good start of a config that names its own state dir: kept where `early_state_dir` looks
-    when that config is not even TOML any more (written only when it changes)."""
+    when that config is not even TOML any more (written only when it changes). Configs that no
+    longer exist are dropped as it is written, so the file holds what is on the device."""
     if not cfg.paths.state_dir or cfg.source in ("", "<default>"):
         return
     default = state_dir(default_config())
     pointers = read_json(default / POINTERS) or {}
     key, value = str(Path(cfg.source).resolve()), str(state_dir(cfg))
-    if pointers.get(key) != value:
+    kept = {k: v for k, v in pointers.items() if k == key or Path(k).exists()}  # configs since removed: forgotten
+    if pointers.get(key) != value or len(kept) != len(pointers):
+        pointers = kept
         try:
             if not default.exists():
                 private_dir(default)

@@ -124,9 +124,12 @@ class SamplerChain:
         self._lib, self._ctx = lib, native.ctx
         self.chain = self.pre = self.grammar = None
         self._g: GrammarSampling | None = None
+        self._argmax: _Argmax | None = None  # greedy without grammar or penalties (sample())
         try:
             if not p.grammar:
                 self.chain = self._chain(self._bias(native, p), self._rest(lib, p))
+                if p.temperature <= 0 and not (p.presence_penalty or p.frequency_penalty):
+                    self._argmax = _Argmax(native, _bias_values(p.logit_bias))
                 return
             bias = list(self._bias(native, p))
             self.pre = self._chain(bias) if bias else None
@@ -214,6 +217,8 @@ class SamplerChain:
         over the candidates (it raises to end the step: a deadline, a cancelled job; the chain
         is left as it was, so a sequence set aside can be sampled again; Deferred: the pass goes
         on at the next call)."""
+        if self._argmax is not None:  # what the chain's logit bias and greedy pick, without its array
+            return self._argmax.pick(self._lib.llama_get_logits_ith(self._ctx, idx))
         if self._g is None:
             return self._lib.llama_sampler_sample(self.chain, self._ctx, idx)
         return self._g.sample(idx, check)
@@ -224,6 +229,29 @@ class SamplerChain:
             if sampler:
                 self._lib.llama_sampler_free(sampler)  # a chain frees every sampler in it
                 setattr(self, name, None)
+
+
+class _Argmax:
+    """Greedy's token from a row of logits with the logit bias added: what llama.cpp's logit-bias
+    and greedy samplers give (the first of equal logits, in vocabulary order), without filling
+    the chain's array of every candidate (262,144 on Gemma 3: ~0.4 ms a token, against ~0.03)."""
+
+    def __init__(self, native: Native, bias: list[tuple[int, float]]) -> None:
+        import numpy as np
+
+        self._np, self._n = np, native.n_vocab
+        self._ids = np.array([t for t, _ in bias], dtype=np.int64)
+        self._values = np.array([b for _, b in bias], dtype=np.float32)
+        self._work = np.empty(self._n, dtype=np.float32) if bias else None
+
+    def pick(self, logits_ptr: Any) -> int:
+        np = self._np
+        row = np.ctypeslib.as_array(logits_ptr, shape=(self._n,))
+        if self._work is not None:
+            self._work[...] = row
+            np.add.at(self._work, self._ids, self._values)  # in order, a token named twice gets both
+            row = self._work
+        return int(row.argmax())
 
 
 def _bias_values(bias: tuple[tuple[int, float], ...]) -> list[tuple[int, float]]:
@@ -281,6 +309,7 @@ class Decoding:
         self.hold = max((len(s) for s in job.params.stop), default=0)
         self.lps: list[TokenLogprob] = []
         self.pos = len(job.tokens)  # where the next token goes in the sequence
+        self.tokens: list[int] = []  # the tokens generated, in order
 
     def take(self, tok: int | None, idx: int = -1, row: Any = None) -> tuple[Piece | None, bool]:
         """The token sampled from batch row `idx` (or from `row`, a copy of its logits:
@@ -290,6 +319,7 @@ class Decoding:
         if tok is None or native.is_eog(tok):
             return Piece(self.held + self.decoder.decode(b"", final=True), "stop", self.lps), True
         job.completion_tokens += 1
+        self.tokens.append(tok)
         if p.logprobs is not None:
             self.lps.append(_logprob_entry(native, tok, p.logprobs, idx, row))
         self.held += self.decoder.decode(native.piece(tok))
@@ -310,14 +340,14 @@ class Decoding:
         return None, False
 
 
-def generate(native: Native, cache: PromptCache, job: Job) -> Iterator[Piece]:
-    """Pieces of text for `job` decoded alone (one sequence, one token per llama_decode: the
+def generate(native: Native, cache: PromptCache, job: Job, seq: int) -> Iterator[Piece]:
+    """Pieces of text for `job` decoded alone in sequence `seq` (one token per llama_decode: the
     reference a batch's sequences are compared with); the last one has the finish reason
     ("stop" or "length"), unless the job is cancelled, which ends the pieces at the next token."""
     job.hold.start()
     chain = SamplerChain(native, job.params)
     try:
-        job.cached_tokens = cache.prefill(job.tokens, use_cache=job.cache_prompt, remember=job.remember,
+        job.cached_tokens = cache.prefill(seq, job.tokens, use_cache=job.cache_prompt, remember=job.remember,
                                           marks=job.marks)
         job.prefilled = True
         out = Decoding(native, job)
@@ -332,11 +362,11 @@ def generate(native: Native, cache: PromptCache, job: Job) -> Iterator[Piece]:
                 yield piece
             if done:
                 return
-            native.decode_one(tok, out.pos)
-            cache.append(tok)
+            native.decode_one(seq, tok, out.pos)
+            cache.append(seq, tok)
             out.pos += 1
     except Exception:
-        cache.reset()  # a failed decode leaves the sequence's content unknown
+        cache.reset(seq)  # a failed decode leaves the sequence's content unknown
         raise
     finally:
         chain.close()

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from edge.device.identity import DeviceInfo
     from edge.model.llm import GGUFModel
 
-__all__ = ["context_identity", "device_identity", "key_differences", "model_identity"]
+__all__ = ["context_identity", "device_identity", "key_differences", "kv_cache_types", "model_identity"]
 
 # Device fields that identify hardware and software; the *_source fields say how they were found.
 _DEVICE_FIELDS = ("cpu_arch", "jetson_model", "soc", "l4t_release", "sm", "cuda", "tensorrt",
@@ -53,7 +53,18 @@ def context_identity(model: GGUFModel, build: str | None) -> dict[str, Any]:
             # only when off: keys made before the field existed (extra buffer types on) still match
             **({} if model.native.settings.use_extra_bufts else {"use_extra_bufts": False}),
             # only with several slots: a state of a one-sequence context may be of all of it
-            **({"n_seq_max": model.native.n_seq} if model.native.n_seq > 1 else {})}
+            **({"n_seq_max": model.native.n_seq} if model.native.n_seq > 1 else {}),
+            **kv_cache_types(p)}
+
+
+def kv_cache_types(p: Any) -> dict[str, str]:
+    """The KV cache's types (llama-server's -ctk/-ctv names) where either is not f16: keys made
+    before they could be set (f16) still match, and a state of one type is never restored into
+    a cache of another (a warm-up plan measured on one is not taken for the other either)."""
+    from edge.model.kvtypes import type_name
+
+    k, v = type_name(int(p.type_k)), type_name(int(p.type_v))
+    return {} if (k, v) == ("f16", "f16") else {"cache_type_k": k, "cache_type_v": v}
 
 
 def key_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from edge.errors import BackendError, EdgeError, RequestError
-from edge.serve.jsoncheck import check_json_depth
+from edge.serve.jsoncheck import json_body
 from edge.serve.limits import check_prompt_text
 from edge.model.generate import GenParams, Hold, Job, Piece
 from edge.model.llm import GGUFModel
@@ -53,18 +53,6 @@ def _error(exc: EdgeError) -> JSONResponse:
             "param": getattr(exc, "param", None), "code": getattr(exc, "code", None)}
     headers = {"Retry-After": "1"} if status == 503 else None
     return JSONResponse({"error": body}, status_code=status, headers=headers)
-
-
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    check_json_depth(raw)  # before the parser, which recurses once per level
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise RequestError(f"request body must be a JSON object, found {type(body).__name__}")
-    return body
 
 
 @dataclass
@@ -257,7 +245,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 async def _complete(request: Request, state: ServiceState, chat: bool) -> Response:
     try:
-        run = await _prepare(await _json_body(request), state, chat)
+        run = await _prepare(await json_body(request), state, chat)
         run.worker.admit()  # a full queue is a 503 here, before any byte, streamed or not
     except RequestError as exc:
         if pass_instead(state.workers.values(), exc):
@@ -265,7 +253,7 @@ async def _complete(request: Request, state: ServiceState, chat: bool) -> Respon
         raise
     if run.ask.stream:
         return DeferredStream(_sse(run, state.metrics), media_type="text/event-stream",
-                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         choices = await _unless_disconnected(request, _choices(run, state.metrics))
     except _ClientGone:
@@ -369,7 +357,8 @@ def build_app(state: ServiceState) -> MetricsMiddleware:
     async def models(request: Request) -> Response:
         data = [{"id": n, "object": "model", "created": state.created, "owned_by": "edge",
                  "context_length": w.model.n_ctx, "meta": {"n_ctx": w.model.n_ctx, "tools": w.model.supports_tools,
-                          **w.model.info.summary()}}
+                          **w.model.info.summary(),
+                          **({"embeddings": w.model.embed.describe()} if w.model.embed else {})}}
                 for n, w in state.workers.items()]
         return JSONResponse({"object": "list", "data": data})
 
@@ -393,6 +382,9 @@ def build_app(state: ServiceState) -> MetricsMiddleware:
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+    from edge.serve.embeddings import embeddings_routes
+
+    routes += embeddings_routes(state, guarded)
     if state.engines:
         from edge.serve.kserve import kserve_routes
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from edge.errors import RequestError
 
-__all__ = ["MAX_JSON_DEPTH", "check_json_depth", "json_depth_exceeds", "lone_surrogate_path",
+__all__ = ["MAX_JSON_DEPTH", "check_json_depth", "json_body", "json_depth_exceeds", "lone_surrogate_path",
            "refuse_lone_surrogates"]
 
 MAX_JSON_DEPTH = 64  # arrays and objects, the outermost counted: {"a": [1]} is 2 levels deep
@@ -101,3 +101,16 @@ def refuse_lone_surrogates(body: bytes) -> None:
     if path is not None:
         raise RequestError(f"{path}: the string holds a lone UTF-16 surrogate (such as \\ud800), "
                            "which is not valid Unicode text", param=path.split(".")[0].split("[")[0])
+
+
+async def json_body(request: Any) -> dict[str, Any]:
+    """A route's request body (a starlette Request's) as a JSON object, or a 400 saying why not."""
+    raw = await request.body()
+    check_json_depth(raw)  # before the parser, which recurses once per level
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"request body must be a JSON object, found {type(body).__name__}")
+    return body

@@ -65,6 +65,13 @@ class Metrics:
                                      ["model"], registry=reg)
         self.completion_tokens = Counter("edge_completion_tokens", "Completion tokens generated, "
                                          "by model.", ["model"], registry=reg)
+        self.embed_inputs = Counter("edge_embedding_inputs", "Inputs embedded (/v1/embeddings), by model.",
+                                    ["model"], registry=reg)
+        self.embed_tokens = Counter("edge_embedding_tokens", "Tokens of the inputs embedded, by model.",
+                                    ["model"], registry=reg)
+        self.embed_batches = Counter("edge_embedding_batches", "llama.cpp decodes of embeddings batches "
+                                     "holding a client's input (inputs / batches: how full they were), by model.",
+                                     ["model"], registry=reg)
         self.aborts = Counter("edge_client_aborts", "Generations stopped early because the client "
                               "went away, by model.", ["model"], registry=reg)
         self.shed = Counter("edge_connections_shed", "Connections closed at server.max_connections "
@@ -92,6 +99,17 @@ class Metrics:
             return
         self.prompt_tokens.labels(model).inc(prompt)
         self.completion_tokens.labels(model).inc(completion)
+
+    def embedded(self, model: str, inputs: int, tokens: int) -> None:
+        """One embeddings request's inputs and their tokens (warm-up's not counted)."""
+        if not in_warmup():
+            self.embed_inputs.labels(model).inc(inputs)
+            self.embed_tokens.labels(model).inc(tokens)
+
+    def embed_batch(self, model: str, client_inputs: int) -> None:
+        """An embeddings batch decoded; counted where a client's input was in it."""
+        if client_inputs:
+            self.embed_batches.labels(model).inc()
 
     async def generation(self, model: str, pieces: AsyncIterator[T]) -> AsyncIterator[T]:
         """`pieces` passed through, timing the first one: from when it was made (`piece.at`,
@@ -270,7 +288,13 @@ def _slot_families(workers: dict[str, ModelWorker]) -> Iterator[Metric]:
     counters = {k: CounterMetricFamily(f"edge_batch_{k}", help_, labels=["model"]) for k, help_ in (
         ("steps", "llama_decode steps of a model's slots (one batch each)."),
         ("tokens", "Tokens decoded in those steps (over steps: the batch size per step)."),
-        ("sequences", "Sequences in those steps, summed (over steps: sequences per step)."))}
+        ("sequences", "Sequences in those steps, summed (over steps: sequences per step)."),
+        ("suspended", "Sequences that gave their cells up while they ran (the context outgrown), "
+                      "resumed once room came back."))}
+    seconds = {k: CounterMetricFamily(f"edge_batch_{k}_seconds", help_, labels=["model"]) for k, help_ in (
+        ("step", "Time in the steps of a model's slots: llama_decode, sampling, building the batch, admission."),
+        ("decode", "Of that, time in llama_decode."),
+        ("sample", "Of that, time sampling and making text after the decodes."))}
     wait = CounterMetricFamily("edge_queue_wait_seconds", "Time generations waited for a free slot, "
                                "summed (over edge_queue_started: the mean wait).", labels=["model"])
     started = CounterMetricFamily("edge_queue_started", "Generations that left the queue for a slot.",
@@ -280,11 +304,14 @@ def _slot_families(workers: dict[str, ModelWorker]) -> Iterator[Metric]:
         gauges["slots"].add_metric([name], float(slots.n))
         gauges["busy"].add_metric([name], float(slots.busy))
         st = slots.stats
-        for k, v in (("steps", st.steps), ("tokens", st.batch_tokens), ("sequences", st.batch_sequences)):
+        for k, v in (("steps", st.steps), ("tokens", st.batch_tokens), ("sequences", st.batch_sequences),
+                     ("suspended", st.suspended)):
             counters[k].add_metric([name], float(v))
+        for k, v in (("step", st.step_s), ("decode", st.decode_s), ("sample", st.sample_s)):
+            seconds[k].add_metric([name], float(v))
         wait.add_metric([name], float(w.queue_wait_s))
         started.add_metric([name], float(w.started))
-    yield from (*gauges.values(), *counters.values(), wait, started)
+    yield from (*gauges.values(), *counters.values(), *seconds.values(), wait, started)
 
 
 class MetricsMiddleware:

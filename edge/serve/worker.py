@@ -1,26 +1,22 @@
 """The workers: one thread per loaded model or engine.
 
 Native contexts (llama.cpp, TensorRT, ONNX Runtime) are not thread-safe, so every call into one
-runs on its own worker thread while the event loop stays free. A model's thread is a scheduler
-that decodes up to `parallel` requests at once (edge.model.slots); a bounded queue turns overload
-into a clear 503 instead of unbounded latency.
+runs on its own thread while the event loop stays free. A model's thread is its scheduler
+(edge.model.scheduler), which decodes up to `parallel` requests at once (edge.model.slots); a
+bounded queue turns overload into a clear 503 instead of unbounded latency.
 
 At the drain's limit every worker is ended (`end`): a model's running sequences end at its next
-step and its queued requests at once, each with the error the lifecycle gives (a 503), and later
-ones are refused with it. A handover's old process passes its queued requests on (`pass_on`):
-each one that has not started leaves the queue with `PassedOn`, and the lifecycle hands its
-connection to the new process (edge.lifecycle.handover.pass_on).
+step and its queued requests at once (its scheduler does it), each with the error the lifecycle
+gives (a 503), and later ones are refused with it. A handover's old process passes its queued
+requests on (`pass_on`): each one that has not started leaves the queue with `PassedOn`, and the
+lifecycle hands its connection to the new process (edge.lifecycle.handover.pass_on).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import copy
-import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +35,6 @@ if TYPE_CHECKING:  # types only: importing the worker module stays free of the b
     from edge.model.slots import Slots
 
 __all__ = ["SERVER_ENDED", "Worker", "ModelWorker", "EngineWorker", "PassedOn"]
-
-log = logging.getLogger("edge")
 
 SERVER_ENDED = "server_shutting_down"  # the error code of a request the drain's limit ended (a 503)
 
@@ -75,10 +69,11 @@ class Worker:
 
 
 class ModelWorker(Worker):
-    """One model's scheduler thread: every call into its llama.cpp context runs there. Requests'
-    generations share the model's slots (edge.model.slots): one llama_decode per step for all of
-    them; calls (tokenizing, thread counts, prefix states) run between steps. Admission: a free
-    slot, else a place in the queue (`max_queue` beyond the slots), else 503."""
+    """Requests onto one model: admission (a place among its slots and `max_queue`, else 503)
+    and each generation's stream. Every call into the model's llama.cpp context runs on the
+    model's one scheduler thread (edge.model.scheduler), which every worker on that model shares:
+    a reload that keeps the model keeps its worker, and a second worker on a model an earlier
+    one still drains decodes in the same steps, never beside them."""
 
     def __init__(self, model: GGUFModel, max_queue: int, stream_interval_s: float = 0.0,
                  request_timeout_s: float | None = None) -> None:
@@ -87,18 +82,8 @@ class ModelWorker(Worker):
         self.max_queue = max_queue
         self.stream_interval_s = stream_interval_s  # a stream's events: at most one per interval
         self.request_timeout_s = request_timeout_s  # how long one request may hold the model (None: no limit)
-        self._cv = threading.Condition()
-        self._calls: list[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]] = []
-        self._waiting: collections.deque[tuple[Job, Channel, float]] = collections.deque()
-        self._closing = False
-        self._held = False  # admitted requests wait: no step runs (a handover's new process, see hold())
-        self._ended: BaseException | None = None  # end(): every sequence ends with it, at the next step
-        self._ended_all = threading.Event()  # the scheduler has ended them
-        self._passing: BaseException | None = None  # pass_on(): queued requests leave with it
-        self.passed_on = 0  # queued requests passed on by pass_on()
-        self._thread: threading.Thread | None = None
-        self.queue_wait_s = 0.0  # summed over started generations: time between submission and a slot
-        self.started = 0
+        self.scheduler = model.scheduler
+        self.scheduler.attach()
         self.arrivals = 0  # client requests admitted (warm-up's own not counted)
         self.on_arrival: Callable[[], None] | None = None  # called at each (calibration after READY)
 
@@ -106,10 +91,32 @@ class ModelWorker(Worker):
     def slots(self) -> Slots:
         return self.model.slots
 
+    @property
+    def queue_wait_s(self) -> float:  # /metrics: the model's, whichever worker queued them
+        return self.scheduler.queue_wait_s
+
+    @property
+    def started(self) -> int:
+        return self.scheduler.started
+
+    @property
+    def _held(self) -> bool:
+        return self.scheduler.held
+
+    @property
+    def passed_on(self) -> int:  # queued requests passed on by pass_on(), whichever worker queued them
+        return self.scheduler.passed_on
+
+    @property
+    def passes_on(self) -> bool:
+        """pass_on() was called: this process hands its queued requests to another."""
+        return self.scheduler.passes_on
+
     def admit(self) -> None:
         """Take a place (a slot or the queue), or refuse with 503 -- before any response byte is sent."""
-        if self._ended is not None:
-            raise self._ended
+        ended = self.scheduler.ended
+        if ended is not None:
+            raise ended
         limit = self.slots.n + self.max_queue
         if self.pending >= limit:
             raise RequestError(f"model {self.model.cfg.name!r} has {self.pending} requests running or queued "
@@ -139,143 +146,33 @@ class ModelWorker(Worker):
         """A call on the model's thread that is no request (thread counts during a reload): it
         neither waits for nor counts in the request queue's bound, so a full queue cannot
         refuse it."""
-        return await asyncio.wrap_future(self._submit(fn, args))
+        return await asyncio.wrap_future(self.scheduler.call(fn, args))
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the model's thread, from a thread that may block (a load, a drain)."""
-        return self._submit(fn, args).result()
-
-    def _submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> concurrent.futures.Future[Any]:
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._cv:
-            self._calls.append((fn, args, fut))
-            self._start()
-            self._cv.notify()
-        return fut
-
-    def _start(self) -> None:
-        if self._thread is None:  # the first call or job starts it (held: self._cv)
-            self._thread = threading.Thread(target=self._loop, name=f"edge-{self.name}", daemon=True)
-            self._thread.start()
+        return self.scheduler.call(fn, args).result()
 
     def hold(self) -> None:
         """Requests are admitted and queued but no step runs until `resume()`: a handover's new
         process, while the old one still decodes its last requests on the same cores."""
-        with self._cv:
-            self._held = True
+        self.scheduler.hold()
 
     def resume(self) -> None:
-        with self._cv:
-            self._held = False
-            self._cv.notify()
+        self.scheduler.resume()
 
     def end(self, error: BaseException) -> threading.Event:
-        """Every running sequence ends with `error` at the scheduler's next step (the one in
-        progress finishes first: a decode cannot be cut), every queued request at once; later
-        ones are refused with it (admit(), and any job that reaches the queue). The event is set
-        once the scheduler has ended them (after the step in progress)."""
-        with self._cv:
-            self._ended = error
-            if self._thread is None:
-                self._ended_all.set()
-            self._cv.notify()
-        return self._ended_all
+        """Every running sequence of the model ends with `error` at its scheduler's next step (the
+        one in progress finishes first: a decode cannot be cut), every queued request at once;
+        later ones are refused with it (admit(), and any job that reaches the queue). The event
+        is set once the scheduler has ended them (after the step in progress). The scheduler is
+        the model's, shared by every worker on it: the drain's limit ends the whole process's."""
+        return self.scheduler.end(error)
 
     def pass_on(self, error: BaseException) -> None:
         """Queued requests that no choice of has started leave the queue with `error` (PassedOn)
         at the scheduler's next turn, and so does every such request that comes later: a
         handover's old process, whose queue the new process takes over."""
-        with self._cv:
-            self._passing = error
-            self._cv.notify()
-
-    def _loop(self) -> None:
-        """The scheduler: calls between steps, free slots filled from the queue, one step."""
-        slots = self.slots
-        while True:
-            with self._cv:
-                while not (self._calls or self._due(slots)):
-                    if self._closing:
-                        return
-                    self._cv.wait()
-                calls, self._calls, held, ended = self._calls, [], self._held, self._ended
-            for fn, args, fut in calls:
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn(*args))
-                    except BaseException as exc:
-                        fut.set_exception(exc)
-            if ended is not None:  # once per step: what runs or waits ends here, before the batch
-                self._end_all(slots, ended)
-                self._ended_all.set()
-            if held:
-                continue
-            self._admit_waiting(slots)
-            try:
-                slots.step()
-            except BaseException as exc:  # a bug in a step: its sequences fail, the thread goes on
-                slots.end_all(exc)
-
-    @property
-    def passes_on(self) -> bool:
-        """pass_on() was called: this process hands its queued requests to another."""
-        return self._passing is not None
-
-    def _due(self, slots: Slots) -> bool:
-        """Whether the scheduler has work (held: self._cv)."""
-        if self._ended is not None and (slots.busy or self._waiting or not self._ended_all.is_set()):
-            return True
-        return not self._held and bool(slots.busy or (self._waiting and self._ready(slots)))
-
-    def _ready(self, slots: Slots) -> bool:
-        job = self._waiting[0][0]
-        return job.cancel.is_set() or self._passes(job) or slots.fits(job)
-
-    def _passes(self, job: Job) -> bool:
-        # a request whose choice started here stays (its answer has begun); `hold` is the request's
-        return self._passing is not None and job.hold.since is None
-
-    def _end_all(self, slots: Slots, error: BaseException) -> None:
-        with self._cv:
-            waiting, self._waiting = list(self._waiting), collections.deque()
-        running = slots.busy
-        for _, channel, _ in waiting:
-            channel.close(copy.copy(error))  # each its own: each is raised in its own request
-        slots.end_all(error)
-        if running or waiting:
-            log.warning("model %r: %d running and %d queued generations ended by the server: %s", self.name,
-                        running, len(waiting), error)
-
-    def _pass_queued(self) -> None:
-        with self._cv:
-            passed = [w for w in self._waiting if self._passes(w[0]) and not w[0].cancel.is_set()]
-            for w in passed:
-                self._waiting.remove(w)
-        for _, channel, _ in passed:
-            channel.close(self._passing)
-        self.passed_on += len(passed)
-
-    def _admit_waiting(self, slots: Slots) -> None:
-        if self._ended is not None:  # nothing starts after the limit: the next turn ends what waits
-            return
-        if self._passing is not None:
-            self._pass_queued()
-        while True:
-            with self._cv:
-                if not self._waiting or not self._ready(slots):
-                    return
-                job, channel, since = self._waiting.popleft()
-            if job.cancel.is_set():  # a job whose client left while it was queued is not even prefilled
-                channel.close(None)
-                continue
-            if self._passes(job):  # came after pass_on()
-                channel.close(self._passing)
-                self.passed_on += 1
-                continue
-            self.queue_wait_s += time.monotonic() - since
-            self.started += 1
-            channel.started()
-            slots.start(job, channel)
+        self.scheduler.pass_on(error)
 
     async def stream(self, job: Job, admitted: bool = False, eager: bool = True,
                      on_start: Callable[[], None] | None = None) -> AsyncIterator[Piece]:
@@ -291,10 +188,7 @@ class ModelWorker(Worker):
             self.admit()
         channel = Channel(asyncio.get_running_loop(), eager, self.stream_interval_s, on_start)
         try:
-            with self._cv:
-                self._waiting.append((job, channel, time.monotonic()))
-                self._start()
-                self._cv.notify()
+            self.scheduler.submit(job, channel)
             while True:
                 pieces, end = await channel.get()
                 if pieces:
@@ -305,22 +199,15 @@ class ModelWorker(Worker):
                     break
         finally:
             job.cancel.set()
-            with self._cv:
-                self._cv.notify()  # the scheduler may be idle: the sequence ends now
+            self.scheduler.wake()  # the scheduler may be idle: the sequence ends now
             if not admitted:
                 self.release()
 
     def close(self) -> None:
-        """Waits for the calls on its thread, then ends it; a generation still running (nobody
-        waits for it any more: the drain is over) ends at its next step."""
-        with self._cv:
-            self._closing = True
-            if self._ended is None:
-                self._ended = RequestError(f"model {self.name!r} is closing", status=503, code=SERVER_ENDED)
-            self._cv.notify()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
+        """This worker leaves its model's scheduler: the last to leave waits for the calls on its
+        thread, then ends it; a generation still running then (nobody waits for it any more: the
+        drain is over) ends at its next step."""
+        self.scheduler.detach(RequestError(f"model {self.name!r} is closing", status=503, code=SERVER_ENDED))
         super().close()
 
 

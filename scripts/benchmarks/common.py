@@ -170,9 +170,10 @@ def llama_cpp_server(model: Path, n_ctx: int, threads: int, n_batch: int = 512) 
 
 
 def llama_server(binary: Path, model: Path, n_ctx: int, threads: int, n_batch: int = 512,
-                 parallel: int = 1) -> Peer:
+                 parallel: int = 1, extra: Sequence[str] = ()) -> Peer:
     """llama.cpp's server with one slot (the whole n_ctx for one request, as the others have), or
-    `parallel` slots sharing n_ctx in one unified KV cache, as edge's slots do."""
+    `parallel` slots sharing n_ctx in one unified KV cache, as edge's slots do; `extra` flags
+    after the others (`--embeddings --pooling mean`)."""
     helptext = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60).stdout
     load = ["--load-mode", "mmap+mlock"] if "--load-mode" in helptext else ["--mlock"]
     unified = ["--kv-unified"] if parallel > 1 and "--kv-unified" in helptext else []
@@ -181,7 +182,7 @@ def llama_server(binary: Path, model: Path, n_ctx: int, threads: int, n_batch: i
         return [str(binary), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
                 "--ctx-size", str(n_ctx), "--parallel", str(parallel), "--threads", str(threads),
                 "--threads-batch", str(threads), "--batch-size", str(n_batch),
-                "--ubatch-size", str(n_batch), *unified, *load]
+                "--ubatch-size", str(n_batch), *unified, *load, *extra]
     return Peer("llama-server", argv, "/health")
 
 

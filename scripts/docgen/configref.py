@@ -55,7 +55,7 @@ def _type(tp: Any, meta: Any) -> str:
         if dataclasses.is_dataclass(inner) or typing.get_origin(inner) is dict:
             return "array of tables"
         return f"array of {_type(inner, None)}s"
-    if origin is dict:
+    if origin is dict or dataclasses.is_dataclass(tp):
         return "table"
     return _TOML_TYPES.get(tp, getattr(tp, "__name__", str(tp)))
 

@@ -58,7 +58,7 @@ def test_rules_file_is_in_the_wheel(tmp_path: Path) -> None:
     if r.returncode != 0 and "No matching distribution" in r.stderr:
         pytest.skip(f"cannot build a wheel here (no index for the build backend): {r.stderr[-300:]}")
     assert r.returncode == 0, r.stderr
-    wheel = next((tmp_path / "dist").glob("edge-*.whl"))
+    wheel = next((tmp_path / "dist").glob("edge_coldstart-*.whl"))
     with zipfile.ZipFile(wheel) as z:
         assert z.read("edge/fleet/rules/edge-rules.yml").decode() == RULES.read_text()
 

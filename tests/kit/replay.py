@@ -23,18 +23,20 @@ from edge.model.promptcache import Entry
 __all__ = ["left_by"]
 
 
-def left_by(m: GGUFModel, prompt: list[int]) -> None:
+def left_by(m: GGUFModel, prompt: list[int], seq: int = 0) -> None:
     """The model's prompt cache emptied, then holding only what a request for `prompt` leaves
-    in it: that prompt's state computed from position 0 in llama.cpp's batches of n_batch (as its
-    prefill ran them), saved as the cache saves a state (a sliding-window model's whole where
-    there is one slot, so that it can be cut back: Native.whole_states). The next request that
-    shares a prefix with it restores and cuts it as the cache does with a checkpoint."""
+    in it: that prompt's state computed from position 0 in sequence `seq` in llama.cpp's batches
+    of n_batch (as its prefill ran them), saved as the cache saves a state (a sliding-window
+    model's whole where there is one slot, so that it can be cut back: Native.whole_states). The
+    next request that shares a prefix with it restores and cuts it as the cache does with a
+    checkpoint."""
     m.cache.clear()
-    m.cache.reset()
+    for s in range(m.native.n_seq):
+        m.cache.reset(s)
     n = m.native
-    n.decode(prompt, 0)
+    n.decode(seq, prompt, 0)
     whole = bool(n.n_swa) and n.whole_states
-    entry = Entry(list(prompt), n.state_bytes(whole), whole=whole,
-                  pos_min=n.pos_min() if whole else n.window_min())
-    m.cache.reset()
+    entry = Entry(list(prompt), n.state_bytes(seq, whole), whole=whole,
+                  pos_min=n.pos_min(seq) if whole else n.window_min(seq))
+    m.cache.reset(seq)
     assert m.cache.add(entry)

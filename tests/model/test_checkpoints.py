@@ -56,16 +56,16 @@ def test_the_window_edge_reaches_is_the_one_llama_cpp_masks_by(model: GGUFModel)
     n, prompt = model.native, tokens(1, 260)
 
     def logits_after(saved_to: int, cut: int) -> tuple[bool, np.ndarray]:
-        n.clear()
-        n.decode(prompt[:saved_to], 0)
-        assert n.set_state(n.state_bytes())  # windowed: what the last position sees
-        reaches = n.reaches(n.pos_min(), cut)
-        assert n.keep(cut)
-        n.decode(prompt[cut:cut + 1], cut)
+        n.clear(0)
+        n.decode(0, prompt[:saved_to], 0)
+        assert n.set_state(0, n.state_bytes(0))  # windowed: what the last position sees
+        reaches = n.reaches(n.pos_min(0), cut)
+        assert n.keep(0, cut)
+        n.decode(0, prompt[cut:cut + 1], cut)
         return reaches, n.logits().copy()
 
-    n.clear()
-    n.decode(prompt[:200], 0)
+    n.clear(0)
+    n.decode(0, prompt[:200], 0)
     fresh = n.logits().copy()
     whole, saved = logits_after(199, 199)  # saved right before token 199: nothing to cut
     reaches, exact = logits_after(200, 199)
@@ -142,8 +142,8 @@ def test_memory_stays_within_the_bound_and_room_is_made_before_each_copy(tiny_sw
 
     m = load(tiny_swa_gguf)
     try:
-        m.cache.prefill(tokens(50, 80))
-        pinned = Entry(tokens(50, 80), m.native.state_bytes(), name="sys", pinned=True, pos_min=m.native.window_min())
+        m.cache.prefill(0, tokens(50, 80))
+        pinned = Entry(tokens(50, 80), m.native.state_bytes(0), name="sys", pinned=True, pos_min=m.native.window_min(0))
         run(m, tokens(51, 300))
         one = max(e.nbytes for e in m.cache.entries.values())
         m.cache.clear()
@@ -152,8 +152,8 @@ def test_memory_stays_within_the_bound_and_room_is_made_before_each_copy(tiny_sw
         copies: list[int] = []
         native_copy = type(m.native).state_bytes
 
-        def watched(self: object, whole: bool = False) -> bytearray:
-            state = native_copy(m.native, whole)
+        def watched(self: object, seq: int, whole: bool = False) -> bytearray:
+            state = native_copy(m.native, seq, whole)
             copies.append(m.cache.nbytes + len(state))  # the cache's bytes and the copy being made
             return state
 

@@ -128,7 +128,7 @@ def gemma2k(gemma_path: Path) -> GGUFModel:
 
 def fresh_cache(m: GGUFModel, limit: int | None = None) -> None:
     m.cache.clear()
-    m.cache.reset()
+    m.slots.forget()
     m.cache.limit_bytes = limit or m.cache.limit_bytes
 
 

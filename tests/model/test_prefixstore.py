@@ -127,9 +127,9 @@ def test_a_header_claiming_a_wrong_state_size_is_rejected_before_any_buffer_is_m
             restore(m, tmp_path)
             (path,) = tmp_path.glob("sys.*.kvstate")
         else:
-            compute_state(m.cache, m.tokenize_prompt(SYSTEM))
+            compute_state(m.cache, 0, m.tokenize_prompt(SYSTEM))
             path = _learned_path(tmp_path, prefix_key(m), 0)
-            state = m.native.state_bytes()
+            state = m.native.state_bytes(0)
             write_state(path, prefix_key(m), m.tokenize_prompt(SYSTEM), state, kind="learned", hits=3, reused=10)
         data = path.read_bytes()
         head_end = len(MAGIC) + 4 + int.from_bytes(data[len(MAGIC):len(MAGIC) + 4], "little")

@@ -17,8 +17,10 @@ PREFIX = "Hello world. " * 8  # 140 tokens in the tiny vocabulary (bytes and a f
 
 
 def load(path: Path, **fields: object) -> GGUFModel:
-    cfg = ModelConfig(name="tiny", path=str(path), n_ctx=512, n_batch=64, n_threads=1,
-                      use_mlock=False, **fields)  # type: ignore[arg-type]
+    """One slot: one live sequence and the saved states beside it (with more, a request lands on
+    the slot whose sequence shares most of it: tests/model/test_prefix_turns.py)."""
+    cfg = ModelConfig(name="tiny", path=str(path), n_ctx=512, n_batch=64, n_threads=1,  # type: ignore[arg-type]
+                      use_mlock=False, **{"parallel": 1, **fields})
     return load_gguf_model(cfg, read_gguf_info(path))
 
 
@@ -111,8 +113,8 @@ def test_a_pinned_state_is_never_evicted(tiny_gguf: Path) -> None:
 
     m = load(tiny_gguf)
     try:
-        m.cache.prefill(m.tokenize_prompt(PREFIX))
-        pinned = Entry(m.tokenize_prompt(PREFIX), m.native.state_bytes(), name="sys", pinned=True)
+        m.cache.prefill(0, m.tokenize_prompt(PREFIX))
+        pinned = Entry(m.tokenize_prompt(PREFIX), m.native.state_bytes(0), name="sys", pinned=True)
         m.cache.limit_bytes = 2 * pinned.nbytes
         assert m.cache.add(pinned)
         for w in ("the", "a", "world", "Hello"):
@@ -143,8 +145,8 @@ def test_a_failed_decode_empties_the_sequence(model: GGUFModel) -> None:
 
     run(model, PREFIX)
     with pytest.raises(DecodeError):
-        model.cache.prefill(model.tokenize_prompt("the " * 300) * 2)  # more than the context holds
-    assert model.cache.live == []
+        model.cache.prefill(0, model.tokenize_prompt("the " * 300) * 2)  # more than the context holds
+    assert model.cache.live(0) == []
     after, _, _ = run(model, PREFIX)  # and the model still answers
     assert after.completion_tokens == 6
 

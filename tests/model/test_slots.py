@@ -11,27 +11,12 @@ import pytest
 
 from edge.config import ModelConfig
 from edge.errors import RequestError
-from edge.model.generate import GenParams, Hold, Job, Piece
+from edge.model.generate import GenParams, Hold, Job
 from edge.model.gguf import read_gguf_info
 from edge.model.llm import GGUFModel, load_gguf_model
+from kit.slots import Collect
 
 PROMPTS = ("Hello world", "The quick brown fox", "One two three four five six", "tea and a world")
-
-
-class Collect:
-    """A sequence's consumer (slots.Sink): its text and how it ended."""
-
-    def __init__(self) -> None:
-        self.text, self.finish, self.pieces = "", None, 0
-        self.ended: BaseException | None | str = "open"
-
-    def put(self, piece: Piece) -> None:
-        self.text += piece.text
-        self.finish = piece.finish_reason or self.finish
-        self.pieces += 1
-
-    def close(self, error: BaseException | None) -> None:
-        self.ended = error
 
 
 def load(path: Path, **fields: object) -> GGUFModel:
@@ -135,23 +120,6 @@ def test_a_request_past_its_time_ends_with_a_422_and_the_others_go_on(model: GGU
     assert got[1].finish == "length" and got[1].text == alone(model, PROMPTS[1], 30)
 
 
-def test_a_sequence_waits_for_cells_when_the_running_ones_may_take_them(tiny_gguf: Path) -> None:
-    """Unified KV: slots share n_ctx cells. A request is admitted only when its prompt and
-    max_tokens fit beside what the running ones may still take; alone, one may take them all."""
-    m = load(tiny_gguf, n_ctx=128)
-    try:
-        big = job(m, PROMPTS[0], m.native.n_ctx - len(m.tokenize_prompt(PROMPTS[0])))  # llama.cpp may pad n_ctx
-        assert m.slots.fits(big)
-        m.slots.start(big, Collect())
-        small = job(m, PROMPTS[1], 4)
-        assert not m.slots.fits(small)  # a free slot, but no cells for it
-        while m.slots.step():
-            pass
-        assert m.slots.fits(small)
-    finally:
-        m.close()
-
-
 def test_on_the_real_model_a_sequence_of_a_batch_sees_only_its_own_cells(gemma_path: Path) -> None:
     """docs/internals.md "Serving many clients": a sequence's logits decoded in one batch with
     others (one output row, or one per sequence) are bit for bit those it gets in the same batch
@@ -173,8 +141,7 @@ def test_on_the_real_model_a_sequence_of_a_batch_sees_only_its_own_cells(gemma_p
 
         def batch(seqs: list[list[int]], last: bool) -> list[np.ndarray]:
             for i in range(4):
-                n.seq = i
-                n.clear()
+                n.clear(i)
             rows = [(i, p, tok) for i, t in enumerate(seqs) for p, tok in enumerate(t)]
             ends = sorted(sum(len(t) for t in seqs[:i + 1]) - 1 for i in range(4))
             out = [int(r in ends and (last or r == len(rows) - 1)) for r in range(len(rows))]

@@ -92,7 +92,7 @@ def _mib_per_1024(layers: int, kv_heads: int, head: int) -> float:
             "llama.attention.key_length": head, "llama.attention.value_length": head,
             "general.architecture": "llama"}
     info = GGUFInfo(path="shape-only", size=0, version=3, tensor_count=0, data_offset=0, data_bytes=0, metadata=meta)
-    return kv_bytes(ModelConfig(name="m", path="m.gguf", n_ctx=1024), info) / 2**20
+    return kv_bytes(ModelConfig(name="m", path=info.path), info, 1024) / 2**20
 
 
 def test_the_kv_sizes_of_the_table_are_edges_own_estimate(gemma_path: Path) -> None:
@@ -101,5 +101,5 @@ def test_the_kv_sizes_of_the_table_are_edges_own_estimate(gemma_path: Path) -> N
     table = PAGE.read_text().split("| model (Q4_K_M file) |")[1].split("\n\n")[0]
     assert "| 112 MiB (Llama: 28 layers, 8 KV heads of 128) |" in table and _mib_per_1024(28, 8, 128) == 112
     assert "| 128 MiB (Llama: 32 layers, 8 KV heads of 128) |" in table and _mib_per_1024(32, 8, 128) == 128
-    gemma = kv_bytes(ModelConfig(name="g", path="g.gguf", n_ctx=1024), read_gguf_info(gemma_path)) / 2**20
+    gemma = kv_bytes(ModelConfig(name="g", path=str(gemma_path)), read_gguf_info(gemma_path), 1024) / 2**20
     assert f"| {gemma:.0f} MiB (edge's estimate" in table

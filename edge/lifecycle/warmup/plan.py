@@ -38,7 +38,10 @@ log = logging.getLogger("edge")
 
 PLAN_FORMAT = 1
 def model_plan_key(model: GGUFModel, device: DeviceInfo, build: str | None) -> dict[str, Any]:
-    return {"kind": "model", **context_identity(model, build), "device": device_identity(device)}
+    # an embeddings context's settings only where the model has one: other models' keys unchanged
+    embed = model.embed.describe() if model.embed is not None else None
+    return {"kind": "model", **context_identity(model, build), "device": device_identity(device),
+            **({"embeddings": {k: embed[k] for k in ("pooling", "n_batch", "flash_attn")}} if embed else {})}
 
 
 def engine_plan_key(engine_key: dict[str, Any], device: DeviceInfo) -> dict[str, Any]:
@@ -153,6 +156,7 @@ class WarmTarget:
     floor: WarmupStep
     candidates: Callable[[], Awaitable[list[Candidate]]]
     build: Callable[[Callable[[], WarmupStep]], Awaitable[WarmupStep]]  # where a candidate is made
+    also: tuple[WarmupStep, ...] = ()  # floors of the target's other routes (embeddings), after its floor
 
 
 @dataclass(frozen=True)
@@ -176,11 +180,14 @@ async def warm_one(http: LoopbackHTTP, target: WarmTarget, cfg: WarmupConfig, st
                    status: Callable[[str], None] = lambda s: None) -> WarmResult:
     """The floor, then the stored plan for this key, or a calibration that makes and stores one.
     `defer` (a start): a calibration `after_ready` puts after READY is left in `later`."""
-    floor = await run_step(http, "floor", target.floor.path, target.floor.body)
-    floor["floor"] = True
+    floors = [await run_step(http, "floor" if s is target.floor else s.name, s.path, s.body)
+              for s in (target.floor, *target.also)]
+    for f in floors:
+        f["floor"] = True
+    floor, floors = floors[0], floors[1:]  # readiness: every route of the target answered once
     key = await target.key()
     if not cfg.enabled:
-        return WarmResult(target.kind, target.name, "floor only", "[warmup] enabled = false", [floor])
+        return WarmResult(target.kind, target.name, "floor only", "[warmup] enabled = false", [floor, *floors])
     if recalibrate:
         plan, why, warn = None, "recalibration asked for (edge warmup --calibrate)", False
     else:
@@ -188,7 +195,7 @@ async def warm_one(http: LoopbackHTTP, target: WarmTarget, cfg: WarmupConfig, st
     if warn:
         log.warning("warm-up plan of %s: %s", target.name, why)
     path = str(store.path(target.kind, target.name))
-    later, steps, left_out = defer and after_ready(cfg, key), [floor], []
+    later, steps, left_out = defer and after_ready(cfg, key), [floor, *floors], []
     if plan is not None:
         ran, left_out = await run_steps(http, plan.steps, cfg.budget_s)
         steps += ran
@@ -208,7 +215,7 @@ async def warm_one(http: LoopbackHTTP, target: WarmTarget, cfg: WarmupConfig, st
         plan, names = Plan(key, []), None
         if later:
             status(f"warm-up of {target.name}: {why}; calibrating after ready, plan to {path}")
-            return WarmResult(target.kind, target.name, "calibrating after ready", why, [floor], [], [], path,
+            return WarmResult(target.kind, target.name, "calibrating after ready", why, steps, [], [], path,
                               why if warn else None, later=Later(target, plan, None))
         status(f"calibrating the warm-up of {target.name}: {why}")
     rule = KeepRule(cfg.min_gain_s, cfg.min_gain_ratio)

@@ -31,9 +31,9 @@ if TYPE_CHECKING:
     from edge.model.llm import GGUFModel
 
 __all__ = ["Candidate", "LoopbackHTTP", "WarmupStep", "WarmupError", "check_prompts",
-           "engine_candidates", "model_candidates", "model_floor", "run_step", "run_steps"]
+           "engine_candidates", "model_candidates", "model_floor", "model_floors", "run_step", "run_steps"]
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, EMBEDDINGS = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
 # Prompt texts are cut from this passage, each starting at a different word, so that no prompt
 # begins with a token another one began with: llama.cpp's prefix cache cannot shorten a repeat.
 PASSAGE = ("The field unit reported nominal telemetry for the third consecutive hour. Battery "
@@ -45,6 +45,7 @@ PASSAGE = ("The field unit reported nominal telemetry for the third consecutive 
 WORDS = tuple(dict.fromkeys(w.strip(".,;") for w in PASSAGE.split()))
 # Kernel paths change with the batch's row count: CUDA's MMQ/mat-vec switch sits at 32 rows.
 SMALL_BATCH_EDGES = (32, 33)
+LONG_PREFILL_CTX = 4096  # the long-prefill candidate: long_prefill_fraction of n_ctx, of at most this
 # A decoded token costs about as much as this many prefilled ones (CPU, 2 cores, Gemma 270M:
 # ~15 ms vs ~1.6 ms): used only to predict whether a candidate fits the budget.
 DECODE_WEIGHT = 10
@@ -218,6 +219,33 @@ def model_floor(model: GGUFModel, cfg: WarmupConfig) -> WarmupStep:
                                              "max_tokens": 2, "stream": True})
 
 
+def model_floors(model: GGUFModel, cfg: WarmupConfig) -> tuple[WarmupStep, tuple[WarmupStep, ...]]:
+    """The floor, and the floors of the model's other routes: with an embeddings context
+    (edge.model.embed) the short prompt embedded too, so readiness means that route has
+    answered once as well."""
+    embed = WarmupStep("embeddings_floor", EMBEDDINGS, {"model": model.cfg.name, "input": cfg.short_prompt})
+    return model_floor(model, cfg), (embed,) if model.embed is not None else ()
+
+
+def _embeddings_candidates(model: GGUFModel, texts: _Texts) -> list[Candidate]:
+    """The embeddings context's shapes: one short input, a batch of 8 inputs filling it, and one
+    input as long as its batch (the graph llama.cpp builds differs with rows and sequences)."""
+    ctx = model.embed
+    if ctx is None:
+        return []
+
+    def pair(name: str, sizes: list[int]) -> Candidate:
+        def build() -> WarmupStep:
+            def body() -> dict[str, Any]:
+                return {"model": model.cfg.name, "input": [texts.make(n) for n in sizes]}
+            return WarmupStep(name, EMBEDDINGS, body(), body())
+        return Candidate(name, EMBEDDINGS, sum(sizes), build)
+
+    k = min(8, ctx.n_seq)
+    return [pair("embed_short", [3]), pair(f"embed_batch{k}", [max(2, ctx.n_batch // k)] * k),
+            pair("embed_long", [ctx.n_batch])]
+
+
 def model_candidates(model: GGUFModel, cfg: WarmupConfig) -> list[Candidate]:
     """Every candidate for one model, cheapest paths first, then by prompt length. Runs on the
     model's worker thread, as do the `build`s: a candidate's texts are made only when it runs."""
@@ -254,7 +282,7 @@ def model_candidates(model: GGUFModel, cfg: WarmupConfig) -> list[Candidate]:
     for n in sorted(set(_prompt_lengths(model, cfg))):
         if 3 <= n <= fits:
             sized.append((n, pair(f"len{n}", COMPLETIONS, n, 1)))
-    return steps + [s for _, s in sorted(sized, key=lambda x: x[0])]
+    return steps + [s for _, s in sorted(sized, key=lambda x: x[0])] + _embeddings_candidates(model, texts)
 
 
 def check_prompts(model: GGUFModel, cfg: WarmupConfig, source: str = "<config>") -> list[int]:
@@ -274,7 +302,8 @@ def _prompt_lengths(model: GGUFModel, cfg: WarmupConfig) -> list[int]:
     params = model.native.params
     edges = {int(params.n_ubatch), int(params.n_batch)}
     out = [*SMALL_BATCH_EDGES] + [e + d for e in edges for d in (-1, 0, 1)]
-    n_long = int(model.n_ctx * cfg.long_prefill_fraction)
+    # of n_ctx, at most LONG_PREFILL_CTX: a context sized to the model (32,768 tokens) is not a prompt's length
+    n_long = int(min(model.n_ctx, LONG_PREFILL_CTX) * cfg.long_prefill_fraction)
     return out + ([n_long] if n_long > 8 else [])
 
 
