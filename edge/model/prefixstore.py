@@ -357,8 +357,11 @@ def save_learned(model: GGUFModel, folder: Path) -> list[dict[str, Any]]:
     for the next start; older learned files beyond them removed. Runs after the drain."""
     cache, key = model.cache, prefix_key(model)
     rows: list[dict[str, Any]] = []
-    with model.slots.spare() as seq:
-        for e in cache.most_reused(model.cfg.learn_prefixes):
+    # room for the longest: the idle slots' live cells give way first (a restore needs free
+    # cells; after calibration and traffic they may hold most of the context)
+    need = max((len(e.tokens) for e in cache.most_reused(model.cfg.learn_prefixes)), default=0)
+    with model.slots.spare(need=need) as seq:
+        for e in cache.most_reused(model.cfg.learn_prefixes):  # again: giving way may have merged some
             got = cut_state(cache, seq, e, max(1, min(e.reused, len(e.tokens))))  # whole where a window cannot be cut
             if got is None:
                 continue

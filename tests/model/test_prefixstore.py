@@ -281,6 +281,26 @@ def test_learned_prefixes_survive_a_restart(tiny_gguf: Path, tmp_path: Path) -> 
         m.close()
 
 
+def test_learned_prefixes_are_saved_when_the_slots_hold_most_of_the_context(tiny_gguf: Path,
+                                                                           tmp_path: Path) -> None:
+    """At a stop, the idle slots' live cells fill most of the context (a calibration after READY
+    and traffic leave them there): they give way so the learned state can be restored and cut,
+    never "saved: 0" for want of free cells."""
+    common = "the world the " * 10
+    m = load(tiny_gguf, learn_prefixes=2, parallel=3)
+    try:
+        for tail in ("a", "e"):
+            greedy(m, m.tokenize_prompt(common + tail))
+        for text in ("o n e t " * 40, "x y z w " * 40):  # unrelated prompts, live in their slots
+            greedy(m, m.tokenize_prompt(text)[:230])
+        held = sum(len(m.cache.live(s)) for s in range(m.native.n_seq + 1))
+        assert held > m.n_ctx - len(m.tokenize_prompt(common))  # too few free cells for the restore
+        rows = save_learned(m, tmp_path)
+        assert len(rows) == 1 and rows[0]["hits"] == 1 and rows[0]["tokens"] > 190
+    finally:
+        m.close()
+
+
 def test_a_declared_prefix_is_not_learned_again(tiny_gguf: Path, tmp_path: Path) -> None:
     common = "the world the " * 10
     m = load(tiny_gguf, learn_prefixes=2, prefixes=[PrefixConfig(name="sys", text=SYSTEM)])
