@@ -51,7 +51,7 @@ class ServerConfig:
     unix_socket: str | None = None  # listen on this AF_UNIX path instead of host:port
     unix_socket_mode: str = "0660"  # the unix socket's file mode, in octal
     backlog: int = field(default=1024, metadata=_range(1, 65535))  # the listen backlog, when edge binds itself
-    drain_timeout_s: float = field(default=30.0, metadata=_range(0, 3600))  # SIGTERM: in-flight requests get this long to finish
+    drain_timeout_s: float = field(default=30.0, metadata=_range(0, 3600))  # SIGTERM or a handover: in-flight requests get this long; then edge ends the rest (503, or a stream's error event and [DONE]) and exits within 2 s
     max_queue: int = field(default=64, metadata=_range(1, 100000))  # requests per model (tokenizing or generating) before 503 + Retry-After
     log_level: str = field(default="info", metadata={"choices": LOG_LEVELS})  # the log's threshold
     # What one client may hold or send (edge.serve.limits): beyond max_connections new connections

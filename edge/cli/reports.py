@@ -65,6 +65,13 @@ def _model_lines(report: dict[str, Any]) -> list[str]:
                 lines.append(f"model {m['name']} embeddings: {e['pooling']} pooling ({e['pooling_from']}), "
                              f"n_batch {e['n_batch']}, {e['dimensions']} dimensions"
                              + (", normalized" if e["normalize"] else ""))
+        need = m.get("memory_mib")
+        if need:
+            lines.append(f"model {m['name']}: memory ~{need['dram']:.0f} MiB (weights {need['model']:.1f}, KV cache "
+                         f"{need['kv_cache']:.1f}, compute buffers {need['compute']:.1f}, prompt cache up to "
+                         f"{need['prompt_cache']:.1f} MiB"
+                         + (f", embeddings context {need['embeddings']:.1f} MiB" if need.get("embeddings") else "")
+                         + ")")
     rows = [(p["detail"].get("model"), r) for p in report["phases"] if p["name"] == Phases.PREFIX_STATES
             for r in p["detail"].get("prefixes", [])]
     if rows:
@@ -132,6 +139,9 @@ def _format_handover(head: str, report: dict[str, Any]) -> str:
     else:
         outcome = (f"handed over to pid {new.get('pid')} (edge {new.get('edge_version', '?')}) at "
                    f"{report.get('switch_s', 0):.3f} s; old process drained {_drained(report)}")
+        if report.get("passed_on") or report.get("ended_at_limit"):
+            outcome += (f"; {report.get('passed_on') or 0} requests passed on to the new process, "
+                        f"{report.get('ended_at_limit') or 0} still running at the drain's limit")
     lines = [head.replace("last reload", "last reload (new process)"), outcome,
              f"why: {'; '.join(report.get('why') or [])}",
              f"mode {report.get('mode')}: {(report.get('memory') or {}).get('reason', '')}", "",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import threading
 import time
@@ -186,6 +187,15 @@ class Batcher:
         if start:
             self._submit(self._drain)
         return await req.future
+
+    def fail(self, error: BaseException) -> None:
+        """No more requests, and every queued one gets `error` (the drain's limit); a batch on
+        the engine's thread finishes."""
+        with self._cond:
+            self._closed = True
+            queued, self._queue = list(self._queue), deque()
+            self._cond.notify()
+        _settle(queued, [copy.copy(error) for _ in queued])  # each its own: tracebacks differ
 
     def close(self) -> None:
         """No more requests; a drain waiting for company stops waiting."""

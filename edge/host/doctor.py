@@ -153,10 +153,9 @@ def _memlock(cfg: Config, unit_text: str | None) -> Check:
 def _memory(cfg: Config, unit_text: str | None) -> Check:
     """The models' need against what a start may use (edge/host/doctor_memory.py): MemAvailable,
     the cgroup's room, edge.service's MemoryMax=/MemoryHigh= — the reading the reload's guard uses."""
-    from edge.host.doctor_memory import memory_check
-    from edge.model.mlock import models_bytes
+    from edge.host.doctor_memory import memory_check, models_need
 
-    return Check(*memory_check(models_bytes(cfg), unit_text))
+    return Check(*memory_check(models_need(cfg), unit_text))
 
 
 def _units(unit_dirs: list[Path]) -> tuple[list[Check], str | None]:

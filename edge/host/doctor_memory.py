@@ -5,20 +5,26 @@ That is the smallest of: MemAvailable; the room under the limit of the cgroup th
 `MemoryMax=`/`MemoryHigh=`, which systemd writes into the service's cgroup as memory.max/memory.high
 — asked of systemd (`systemctl show`) when it runs, else read from the installed unit's text. When
 a cgroup limit is what does not fit, the check names the setting and how to raise it.
+
+The need is what a serving process holds (`models_need`, from each model's GGUF header as the
+reload's memory guard reads it, edge.model.memory): the weights, the KV cache, the compute buffers
+and the prompt cache's bound, which traffic fills whether or not prefixes are declared.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge.config import Config
 from edge.device.memory import MemoryReading, read_memory
-from edge.model.mlock import mib
+from edge.model.mlock import mib, models_bytes
 
-__all__ = ["Bound", "memory_check", "service_ceiling", "show_limits", "unit_bytes", "unit_limits"]
+__all__ = ["Bound", "memory_check", "models_need", "service_ceiling", "show_limits", "unit_bytes", "unit_limits"]
 
 # (name, level ok|warn|fail, message, fix): edge.host.doctor makes its Check of each
 Check = tuple[str, str, str, str]
@@ -123,8 +129,41 @@ def service_ceiling(unit_text: str | None = None) -> int | None:
     return min([reading.ceiling, *(b.room for b in _unit_bounds(unit_text, reading.total))])
 
 
-def memory_check(need: int, unit_text: str | None) -> Check:
-    """`need`: the models' bytes (plus KV cache, which is not counted here)."""
+_PARTS = (("model", "weights"), ("kv_cache", "KV cache"), ("compute", "compute buffers"),
+          ("prompt_cache", "prompt cache"), ("embeddings", "embeddings context"))
+
+
+def models_need(cfg: Config) -> tuple[int, str]:
+    """The bytes a process serving `cfg`'s models holds, and what they are: per model, from its
+    GGUF header (weights, KV cache, compute buffers, the prompt cache's bound, the embeddings
+    context); a model whose file cannot be read (a builtin not fetched yet) by its file's size
+    alone, said so."""
+    from edge.device.memory import unified_memory
+    from edge.errors import ModelError
+    from edge.model.gguf import read_gguf_info
+    from edge.model.memory import model_need
+
+    sums = dict.fromkeys([k for k, _ in _PARTS], 0)
+    unread = []
+    unified = any(m.n_gpu_layers != 0 for m in cfg.models) and unified_memory()
+    for m in cfg.models:
+        try:
+            need = model_need(m, read_gguf_info(m.path), shared_file=False, unified=unified)
+        except (ModelError, OSError):
+            unread.append(m)
+            continue
+        for k in sums:
+            sums[k] += need[k]
+    if unread:  # their weights by the file's size (the builtin's known size), nothing else known
+        sums["model"] += models_bytes(dataclasses.replace(cfg, models=unread))
+    parts = ", ".join(f"{what} {mib(sums[k])}" for k, what in _PARTS if sums[k])
+    note = f"; {', '.join(m.name for m in unread)}: file size only (header not readable)" if unread else ""
+    return sum(sums.values()), parts + note
+
+
+def memory_check(need: int | tuple[int, str], unit_text: str | None) -> Check:
+    """`need`: the bytes the models need, or (bytes, what they are: models_need)."""
+    need, parts = need if isinstance(need, tuple) else (need, "")
     try:
         reading: MemoryReading | None = read_memory()
     except OSError:
@@ -132,7 +171,8 @@ def memory_check(need: int, unit_text: str | None) -> Check:
     if reading is None or not reading.total:
         return ("memory", "warn", "cannot read MemAvailable from /proc/meminfo", "")
     bound = min([_reading_bound(reading), *_unit_bounds(unit_text, reading.total)], key=lambda b: b.room)
-    msg = f"{mib(bound.room)} available to a start (bounded by {bound.what}), models need {mib(need)} plus KV cache"
+    msg = f"{mib(bound.room)} available to a start (bounded by {bound.what}), models need {mib(need)}" + \
+        (f" ({parts})" if parts else "")
     if bound.room < need:
         return ("memory", "fail", msg, bound.fix)
     if bound.room < need * 1.25:

@@ -12,7 +12,6 @@ A `Loader` is made from a config, a timer and a notifier and touches no socket: 
 serves the set it makes, `edge.lifecycle.reload` makes each new set with it beside the serving one
 (`prepare(previous)` takes over the workers whose model is unchanged). It makes the types of
 `edge.lifecycle.loadset` and imports none of start, reload or serving.
-
 """
 
 from __future__ import annotations
@@ -211,6 +210,7 @@ class Loader:
                     ) -> tuple[dict[str, ModelWorker], dict[str, Any]]:
         """Each model through llama.cpp (mmap, mlock), then the lock measured and the policy
         applied; each worker in `made` as soon as it exists."""
+        from edge.lifecycle.memguard import need_mib
         from edge.model.llm import check_settings, load_gguf_model
 
         workers, infos = {}, {}
@@ -234,7 +234,8 @@ class Loader:
 
                 enforce(m, model.mlock)
             infos[m.name] = {**model.info.summary(), "name": m.name, "path": m.path, "n_ctx": model.n_ctx,
-                             "context": model.context_info(), "mlock": model.mlock.as_dict()}
+                             "context": model.context_info(), "mlock": model.mlock.as_dict(),
+                             "memory_mib": need_mib(m, model.info)}
         return workers, infos
 
     def load_engines(self, engines: list[EngineConfig]) -> tuple[dict[str, Any], dict[str, Any]]:

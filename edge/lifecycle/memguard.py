@@ -30,7 +30,7 @@ from edge.model.gguf import GGUFInfo
 from edge.model.memory import model_need
 from edge.timing import RELOAD_REPORT_NAME
 
-__all__ = ["Decision", "Need", "decide", "engine_sizes", "estimate", "handover_decision", "oom_before"]
+__all__ = ["Decision", "Need", "decide", "engine_sizes", "estimate", "handover_decision", "need_mib", "oom_before"]
 
 
 @dataclass
@@ -69,6 +69,14 @@ def estimate(models: list[tuple[ModelConfig, GGUFInfo, bool]], engines: Sequence
     need = Need({m.name: model_need(m, info, shared, unified) for m, info, shared in models}, unified)
     need.models.update({name: engine_need(nbytes, unified) for name, nbytes in engines})
     return need
+
+
+def need_mib(m: ModelConfig, info: GGUFInfo) -> dict[str, float]:
+    """What a loaded model holds, as this guard and `edge doctor` count it (edge.model.memory):
+    weights, KV cache, compute buffers, the prompt cache's bound and their sum; in MiB (the start
+    report's `memory_mib`)."""
+    unified = m.n_gpu_layers != 0 and unified_memory()  # the driver is asked only where layers are offloaded
+    return {k: round(v / MIB, 2) for k, v in model_need(m, info, shared_file=False, unified=unified).items()}
 
 
 def engine_sizes(cfg: Config, engines: Sequence[EngineConfig]) -> list[tuple[str, int]]:

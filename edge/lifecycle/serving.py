@@ -12,17 +12,21 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from edge.config import ServerConfig
+from edge.errors import RequestError
 from edge.lifecycle.drain import Drain, close_when_draining
+from edge.lifecycle.handover.pass_on import PassOn
 from edge.lifecycle.server import serve_on, uvicorn_server
 from edge.lifecycle.sockets import listen_backlog
 from edge.lifecycle.systemd import Notifier
 from edge.serve.auth import AuthMiddleware
 from edge.serve.connections import ConnectionGuard
 from edge.serve.limits import LimitsMiddleware, RequestLimits, connection_limit
+from edge.serve.worker import SERVER_ENDED
 
 if TYPE_CHECKING:
     from edge.lifecycle.loadset import Loaded
@@ -81,6 +85,7 @@ class Dispatcher:
         self.fatal: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
         self.exposed: list[str] = []  # sockets others can reach (edge.serve.auth): every reload keeps them keyed
+        self.retired: list[Route] = []  # routes a reload switched away from, while they drain
         loaded.state.on_fatal = self._fatal
 
     def _fatal(self, reason: str) -> None:
@@ -110,10 +115,19 @@ class Dispatcher:
         loaded.state.ready, loaded.state.stopping = True, self._stopping
         loaded.state.on_fatal = self._fatal
         old, self.route = self.route, Route(loaded)
+        self.retired = [r for r in self.retired if not r.idle.is_set()] + [old]
         if self._held is not None:
             self._held.set()
             self._held = None
         return old
+
+    def end_work(self, error: BaseException) -> tuple[int, list[threading.Event]]:
+        """The drain's limit: every worker of the current set and of the sets still draining ends
+        what runs and waits with `error` (edge.serve.worker); the requests in them, and an event
+        per worker, set once it has ended them."""
+        routes = [self.route, *(r for r in self.retired if not r.idle.is_set())]
+        workers = {id(w): w for r in routes for w in r.loaded.workers().values()}
+        return sum(r.active for r in routes), [w.end(error) for w in workers.values()]
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if self._held is not None:
@@ -149,19 +163,29 @@ def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier, 
     guard = ConnectionGuard(cfg, on_shed=metrics.connections_shed, tls=tls is not None)
     drain = Drain(dispatcher, notifier, asyncio.get_running_loop(), guard, cfg.drain_timeout_s)
     # the limits layer's own answers are counted by the current set's metrics middleware
-    limited = LimitsMiddleware(dispatcher, RequestLimits.of(cfg), lambda *a: dispatcher.loaded.app.observe(*a))
+    # a handover's old process passes its queued requests on from between the two (edge.lifecycle.handover.pass_on)
+    passing = PassOn(dispatcher, lambda: server.server_state.connections)
+    limited = LimitsMiddleware(passing, RequestLimits.of(cfg), lambda *a: dispatcher.loaded.app.observe(*a))
     # API keys before the limits: a refused request's body is never read (edge.serve.auth)
     keyed = AuthMiddleware(limited, lambda: dispatcher.loaded.state, lambda *a: dispatcher.loaded.app.observe(*a))
     # h11: ConnectionGuard and Drain read its protocol objects. The drain has waited for the
     # in-flight requests already when uvicorn's graceful shutdown begins: 1 s is its last word.
     # A signal goes to the drain, which exits 0 once drained (uvicorn would re-raise it).
+    drain.on_limit = lambda: dispatcher.end_work(_ended(cfg.drain_timeout_s))
     server = uvicorn_server(close_when_draining(keyed, dispatcher), drain.on_signal,
                             timeout_keep_alive=cfg.keepalive_timeout_s,
                             **({"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)} if tls else {}))
     server.guard = guard
     server.drain = drain
+    server.pass_on = passing
     server.max_connections = cfg.max_connections
     return server
+
+
+def _ended(limit_s: float) -> RequestError:
+    return RequestError(f"the service is stopping (or handing over to a new process) and this request was still "
+                        f"running when the drain's limit passed (server.drain_timeout_s = {limit_s:g} s): ended "
+                        "by the server; retry it", status=503, code=SERVER_ENDED)
 
 
 async def serve_http(server: Any, sockets: list[socket.socket], notifier: Notifier, ready_text: str,

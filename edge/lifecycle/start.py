@@ -83,6 +83,7 @@ class ColdStart:
         self.notifier = takeover.notifier() if takeover is not None else Notifier()
         self.running = Running.now()  # what this process runs, before anything changes its environment
         self.handed_over_to: int | None = None  # the process this one handed the service to
+        self.drain_end: dict[str, int] = {}  # requests the drain's limit ended (the journal's end says so)
         self._loader: Loader | None = None  # made from the config, once it is read
         self.sockets: list[socket.socket] = []
         self.tls: TlsFiles | None = None  # the certificate and key the sockets serve TLS with
@@ -123,7 +124,8 @@ class ColdStart:
             raise
         if given_up is not None:  # outside the except block: no exception is "being handled" meanwhile
             return self._answer_given_up(given_up)
-        self.recovery.ended(code, **({"handed_over_to": self.handed_over_to} if self.handed_over_to else {}))
+        self.recovery.ended(code, **({"handed_over_to": self.handed_over_to} if self.handed_over_to else {}),
+                            **self.drain_end)
         return code
 
     def _run(self) -> int:
@@ -200,6 +202,8 @@ class ColdStart:
                 reloader.spawn(None, None)
             watch = Watch(list(loaded.state.workers.values()),
                           lambda: dispatcher.stopping or reloader.busy or dispatcher.loaded is not loaded)
+            if self.takeover is not None:  # a handover's new process: what the old one passes on, served here
+                self.takeover.take_connections(service.server)
             try:
                 await serve_http(service.server, self.sockets, self.notifier, ready_text, stop,
                                  on_ready=lambda: self._serving(loaded, watch))
@@ -213,6 +217,8 @@ class ColdStart:
         closed: each would be work on the lost context), or the learned prefixes saved, the set
         closed and 0 (or the reloader's fatal code)."""
         handover, dispatcher = service.handover, service.dispatcher
+        drain = service.server.drain
+        self.drain_end = {k: v for k, v in (("ended_at_limit", drain.ended_at_limit), ("cut_at_limit", drain.cut)) if v}
         if handover.restart is not None or handover.successor_pid is not None:
             return self._handed_over(handover, dispatcher.loaded)
         if dispatcher.fatal:

@@ -128,8 +128,9 @@ def model_need(m: ModelConfig, info: GGUFInfo, shared_file: bool, unified: bool 
     weights = (0 if shared_file and m.use_mmap else cpu_weights) + (gpu_weights if unified else 0)
     offloaded = 1.0 if m.n_gpu_layers < 0 else min(1.0, m.n_gpu_layers / n_layer)
     gpu = gpu_weights + int(offloaded * kv) + (compute if offloaded else 0)
-    # declared and learned prefix states are restored into the prompt cache before the switch
-    cache = prompt_cache_bytes(m, kv) if m.prefixes or m.learn_prefixes else 0
+    # the prompt cache fills to its bound with traffic whether or not prefixes are declared (they
+    # are restored into it before the switch): the process holds it (0 only where it is off)
+    cache = prompt_cache_bytes(m, kv)
     # the embeddings context beside it on the same weights (issue 55: edge.model.embed)
     embed = embeddings_need(m, info)
     gpu += int(offloaded * embed)

@@ -38,6 +38,8 @@ class SlotState(enum.Enum):
 class Sink(Protocol):
     """Where a sequence's pieces go (edge.serve.worker's channel): never blocks."""
 
+    def started(self) -> None: ...  # the scheduler took its job from the queue for a slot
+
     def put(self, piece: Piece) -> None: ...
 
     def close(self, error: BaseException | None) -> None: ...

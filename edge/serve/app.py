@@ -2,7 +2,9 @@
 
 Built from a finished ServiceState, so tests and warm-up build their own app; no module state.
 Every client error is a JSON body {"error": {...}} with a 4xx status, and the service keeps
-serving after any of them.
+serving after any of them. A stream's head goes out when its request leaves the model's queue,
+not before: a request that waits there has been sent nothing, so a handover can still pass it on
+whole (`PASSED_ON`: edge.lifecycle.handover.pass_on answers it from the new process).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from edge.errors import BackendError, EdgeError, RequestError
@@ -34,12 +36,15 @@ from edge.serve.openai_shapes import Choice, Shape, parse_tool_calls
 from edge.serve.schema import schema_grammar
 from edge.serve.toolcall import forced_call
 from edge.serve.state import ServiceState
+from edge.serve.endings import PASSED_ON, DeferredStream, pass_instead, passed_on, server_ended
 from edge.serve.warmscope import in_warmup
-from edge.serve.worker import ModelWorker
+from edge.serve.worker import SERVER_ENDED, ModelWorker, PassedOn
 
-__all__ = ["ServiceState", "build_app"]
+__all__ = ["PASSED_ON", "ServiceState", "build_app"]
 
 log = logging.getLogger(__name__)
+
+_STARTED = Piece("")  # _merged_pieces: a choice left the queue for a slot (no text of its own)
 
 
 def _error(exc: EdgeError) -> JSONResponse:
@@ -172,26 +177,36 @@ async def _choices(run: _Generations, metrics: Metrics) -> list[Choice]:
     return choices
 
 
-async def _merged_pieces(run: _Generations, metrics: Metrics, eager: bool) -> AsyncIterator[tuple[int, Piece | None]]:
+async def _merged_pieces(run: _Generations, metrics: Metrics, eager: bool,
+                         announce: bool = False) -> AsyncIterator[tuple[int, Piece | None]]:
     """(choice index, piece) as the choices make them, each in its slot, all at once; (i, None)
-    when choice i ends. An error of any choice is raised here, the others cancelled."""
+    when choice i ends; with `announce` (a stream), (-1, None) once, when the first choice leaves
+    the queue for a slot (before its pieces: one more wake-up of the loop, so only for a stream).
+    An error of any choice is raised here, the others cancelled."""
     queue: asyncio.Queue[tuple[int, Piece | None, BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, job: Job) -> None:
         try:
-            async for piece in metrics.generation(run.shape.model, run.worker.stream(job, True, eager)):
+            started = partial(queue.put_nowait, (i, _STARTED, None)) if announce else None
+            async for piece in metrics.generation(run.shape.model, run.worker.stream(job, True, eager, started)):
                 queue.put_nowait((i, piece, None))
             queue.put_nowait((i, None, None))
         except Exception as exc:
             queue.put_nowait((i, None, exc))
 
     tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(run.jobs)]
+    began = False
     try:
         for _ in tasks:
             while True:
                 i, piece, exc = await queue.get()
                 if exc is not None:
                     raise exc
+                if piece is _STARTED:
+                    if not began:
+                        began = True
+                        yield -1, None
+                    continue
                 yield i, piece
                 if piece is None:
                     break
@@ -229,16 +244,29 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 
 async def _complete(request: Request, state: ServiceState, chat: bool) -> Response:
-    run = await _prepare(await json_body(request), state, chat)
-    run.worker.admit()  # a full queue is a 503 here, before any byte, streamed or not
+    try:
+        run = await _prepare(await json_body(request), state, chat)
+        run.worker.admit()  # a full queue is a 503 here, before any byte, streamed or not
+    except RequestError as exc:
+        if pass_instead(state.workers.values(), exc):
+            return passed_on()
+        raise
     if run.ask.stream:
-        return StreamingResponse(_sse(run, state.metrics), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return DeferredStream(_sse(run, state.metrics), media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         choices = await _unless_disconnected(request, _choices(run, state.metrics))
     except _ClientGone:
         _client_gone(run, state.metrics, streamed=False)
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    except PassedOn:
+        return passed_on()
+    except RequestError as exc:
+        if pass_instead([run.worker], exc):  # nothing of it was sent: it starts again in the new process
+            return passed_on()
+        if exc.code == SERVER_ENDED:
+            server_ended(run.shape, run.usage()["completion_tokens"], streamed=False)
+        raise
     finally:
         run.worker.release()
         state.metrics.tokens(run.prefilled_prompt_tokens(), run.usage()["completion_tokens"],
@@ -254,15 +282,20 @@ def _client_gone(run: _Generations, metrics: Metrics, streamed: bool) -> None:
 
 
 async def _sse(run: _Generations, metrics: Metrics) -> AsyncIterator[bytes]:
-    shape, finished = run.shape, False
+    """The stream's events; nothing while its request waits in the queue (passed on from there,
+    PassedOn is raised before any byte: `_Stream`)."""
+    shape, finished, began = run.shape, False, False
     try:
         choices = [Choice(i, text=run.echoes[i]) for i in range(len(run.jobs))]
-        for c in choices:
-            if shape.chat:
-                yield shape.role_chunk(c.index)
-            if c.text and not run.buffered():
-                yield shape.chunk(c)
-        async for i, piece in _merged_pieces(run, metrics, eager=not run.buffered()):
+        async for i, piece in _merged_pieces(run, metrics, eager=not run.buffered(), announce=True):
+            if i < 0:  # out of the queue: the stream begins
+                began = True
+                for c in choices:
+                    if shape.chat:
+                        yield shape.role_chunk(c.index)
+                    if c.text and not run.buffered():
+                        yield shape.chunk(c)
+                continue
             c = choices[i]
             if piece is None:
                 if run.buffered():
@@ -275,9 +308,17 @@ async def _sse(run: _Generations, metrics: Metrics) -> AsyncIterator[bytes]:
         if run.ask.include_usage:
             yield shape.usage_chunk(run.usage())
         finished = True
+    except PassedOn:  # before its first byte (only a request none of whose choices started is passed on)
+        finished = True
+        raise
     except EdgeError as exc:  # headers are gone: report in-band, as OpenAI does
         finished = True
-        yield b"data: " + json.dumps({"error": {"message": str(exc), "code": getattr(exc, "code", None)}}).encode() + b"\n\n"
+        if not began and pass_instead([run.worker], exc):
+            raise PassedOn from None
+        if getattr(exc, "code", None) == SERVER_ENDED:
+            server_ended(run.shape, run.usage()["completion_tokens"], streamed=True)
+        yield b"data: " + json.dumps({"error": {"message": str(exc), "type": "server_error" if getattr(
+            exc, "status", 500) >= 500 else "invalid_request_error", "code": getattr(exc, "code", None)}}).encode() + b"\n\n"
     except Exception as exc:  # never a cut chunked body: the error in-band too, logged once
         log.exception("internal error in a stream of model %r", shape.model)
         finished = True

@@ -4,6 +4,12 @@ Native contexts (llama.cpp, TensorRT, ONNX Runtime) are not thread-safe, so ever
 runs on its own thread while the event loop stays free. A model's thread is its scheduler
 (edge.model.scheduler), which decodes up to `parallel` requests at once (edge.model.slots); a
 bounded queue turns overload into a clear 503 instead of unbounded latency.
+
+At the drain's limit every worker is ended (`end`): a model's running sequences end at its next
+step and its queued requests at once (its scheduler does it), each with the error the lifecycle
+gives (a 503), and later ones are refused with it. A handover's old process passes its queued
+requests on (`pass_on`): each one that has not started leaves the queue with `PassedOn`, and the
+lifecycle hands its connection to the new process (edge.lifecycle.handover.pass_on).
 """
 
 from __future__ import annotations
@@ -11,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from edge.errors import RequestError
+from edge.serve.channel import Channel, merged
 
 if TYPE_CHECKING:  # types only: importing the worker module stays free of the backends
     import numpy as np
@@ -28,7 +34,14 @@ if TYPE_CHECKING:  # types only: importing the worker module stays free of the b
     from edge.engines.dynamic_batching import Batcher
     from edge.model.slots import Slots
 
-__all__ = ["Worker", "ModelWorker", "EngineWorker"]
+__all__ = ["SERVER_ENDED", "Worker", "ModelWorker", "EngineWorker", "PassedOn"]
+
+SERVER_ENDED = "server_shutting_down"  # the error code of a request the drain's limit ended (a 503)
+
+
+class PassedOn(Exception):
+    """A request left this process's queue before it started, to be answered by another process
+    (a handover's new one): nothing of it was sent, and it is not answered here."""
 
 
 class Worker:
@@ -43,6 +56,13 @@ class Worker:
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the worker's thread, from a thread that may block (a load, a drain)."""
         return self._pool.submit(fn, *args).result()
+
+    def end(self, error: BaseException) -> threading.Event:
+        """The drain's limit: what runs or waits here ends with `error`, and what comes later is
+        refused with it (a 503; the process is leaving); the event is set once it has ended."""
+        done = threading.Event()
+        done.set()
+        return done
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -83,8 +103,20 @@ class ModelWorker(Worker):
     def _held(self) -> bool:
         return self.scheduler.held
 
+    @property
+    def passed_on(self) -> int:  # queued requests passed on by pass_on(), whichever worker queued them
+        return self.scheduler.passed_on
+
+    @property
+    def passes_on(self) -> bool:
+        """pass_on() was called: this process hands its queued requests to another."""
+        return self.scheduler.passes_on
+
     def admit(self) -> None:
         """Take a place (a slot or the queue), or refuse with 503 -- before any response byte is sent."""
+        ended = self.scheduler.ended
+        if ended is not None:
+            raise ended
         limit = self.slots.n + self.max_queue
         if self.pending >= limit:
             raise RequestError(f"model {self.model.cfg.name!r} has {self.pending} requests running or queued "
@@ -128,9 +160,25 @@ class ModelWorker(Worker):
     def resume(self) -> None:
         self.scheduler.resume()
 
-    async def stream(self, job: Job, admitted: bool = False, eager: bool = True) -> AsyncIterator[Piece]:
+    def end(self, error: BaseException) -> threading.Event:
+        """Every running sequence of the model ends with `error` at its scheduler's next step (the
+        one in progress finishes first: a decode cannot be cut), every queued request at once;
+        later ones are refused with it (admit(), and any job that reaches the queue). The event
+        is set once the scheduler has ended them (after the step in progress). The scheduler is
+        the model's, shared by every worker on it: the drain's limit ends the whole process's."""
+        return self.scheduler.end(error)
+
+    def pass_on(self, error: BaseException) -> None:
+        """Queued requests that no choice of has started leave the queue with `error` (PassedOn)
+        at the scheduler's next turn, and so does every such request that comes later: a
+        handover's old process, whose queue the new process takes over."""
+        self.scheduler.pass_on(error)
+
+    async def stream(self, job: Job, admitted: bool = False, eager: bool = True,
+                     on_start: Callable[[], None] | None = None) -> AsyncIterator[Piece]:
         """Pieces of one generation; cancelling the consumer ends its sequence at the next step.
         `admitted`: the caller holds a place taken with admit() and releases it itself.
+        `on_start`: called on the event loop when the job leaves the queue for a slot.
         `eager`: wake the event loop for the pieces it waits for (a stream: the first at once,
         then at most once per `stream_interval_s`, and the end); else only at the end (the
         first piece carries the time it was made, for the time-to-first-token metric).
@@ -138,13 +186,13 @@ class ModelWorker(Worker):
         the scheduler nothing; the end of the channel is the end of the job."""
         if not admitted:
             self.admit()
-        channel = _Channel(asyncio.get_running_loop(), eager, self.stream_interval_s)
+        channel = Channel(asyncio.get_running_loop(), eager, self.stream_interval_s, on_start)
         try:
             self.scheduler.submit(job, channel)
             while True:
                 pieces, end = await channel.get()
                 if pieces:
-                    yield _merged(pieces)
+                    yield merged(pieces)
                 if end is not None:
                     if isinstance(end, BaseException):
                         raise end
@@ -156,72 +204,11 @@ class ModelWorker(Worker):
                 self.release()
 
     def close(self) -> None:
-        """This worker leaves its model's scheduler: the last to leave waits for the generations
-        and calls on its thread, then ends it."""
-        self.scheduler.detach()
+        """This worker leaves its model's scheduler: the last to leave waits for the calls on its
+        thread, then ends it; a generation still running then (nobody waits for it any more: the
+        drain is over) ends at its next step."""
+        self.scheduler.detach(RequestError(f"model {self.name!r} is closing", status=503, code=SERVER_ENDED))
         super().close()
-
-
-_DONE = True  # what _Channel.get returns as `end` once the generation finished without error
-
-
-class _Channel:
-    """Pieces from the worker thread to the event loop. The thread never blocks; it schedules a
-    wake-up of the loop only when the loop waits for one (eager: the first piece, then at most one
-    per interval; else the end), so at most one wake-up is in flight whatever the token rate. On
-    2 cores every wake-up of the loop takes a core from llama.cpp's threads mid-decode."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, eager: bool, interval_s: float = 0.0) -> None:
-        self._loop, self._eager, self._interval = loop, eager, interval_s
-        self._next_wake = 0.0  # monotonic: an eager channel wakes the loop at most this often
-        self._lock = threading.Lock()
-        self._items: list[Piece] = []
-        self._end: BaseException | bool | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._first = True
-
-    def put(self, piece: Piece) -> None:  # the worker thread
-        if self._first:
-            piece.at, self._first = time.perf_counter(), False
-        now = time.monotonic() if self._eager else 0.0
-        with self._lock:
-            self._items.append(piece)
-            wake = self._waiter if self._eager and now >= self._next_wake else None
-            if wake is not None:
-                self._waiter, self._next_wake = None, now + self._interval
-        if wake is not None:
-            self._loop.call_soon_threadsafe(_wake, wake)
-
-    def close(self, error: BaseException | None) -> None:  # the worker thread
-        with self._lock:
-            self._end = error if error is not None else _DONE
-            wake, self._waiter = self._waiter, None
-        if wake is not None:
-            self._loop.call_soon_threadsafe(_wake, wake)
-
-    async def get(self) -> tuple[list[Piece], BaseException | bool | None]:
-        """What came since the last call (and the end, once there): waits while there is none."""
-        while True:
-            with self._lock:
-                if self._items or self._end is not None:
-                    items, self._items = self._items, []
-                    return items, self._end
-                waiter = self._waiter = self._loop.create_future()
-            await waiter
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _merged(pieces: list[Piece]) -> Piece:
-    if len(pieces) == 1:
-        return pieces[0]
-    from edge.model.generate import Piece
-
-    return Piece("".join(p.text for p in pieces), pieces[-1].finish_reason,
-                 [lp for p in pieces for lp in p.logprobs], at=pieces[0].at)
 
 
 class EngineWorker(Worker):
@@ -236,16 +223,31 @@ class EngineWorker(Worker):
         self.stored = stored
         self.batching = batching
         self.batcher: Batcher | None = None
+        self._ended: BaseException | None = None
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         self.pending += 1  # queued or running: the queue depth that /metrics shows
         try:
-            return await super().call(fn, *args)
+            return await super().call(self._unless_ended, fn, *args)
         finally:
             self.pending -= 1
 
+    def _unless_ended(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._ended is not None:  # queued behind the limit: not run (one running finishes: ms)
+            raise self._ended
+        return fn(*args)
+
+    def end(self, error: BaseException) -> threading.Event:
+        """Queued requests get `error` now; one running on the engine's thread finishes (ms)."""
+        self._ended = error
+        if self.batcher is not None:
+            self.batcher.fail(error)
+        return super().end(error)
+
     async def infer(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One request's outputs: in a batch with whatever else is queued, or alone."""
+        if self._ended is not None:
+            raise self._ended
         if self.batcher is None or not self.batcher.enabled:
             return await self.call(self.session.infer, feeds)
         self.pending += 1

@@ -124,6 +124,33 @@ def test_an_engine_whose_outputs_do_not_follow_the_rows_stops_batching(engines, 
         w.close()
 
 
+def test_at_the_drain_limit_queued_engine_requests_get_503_and_later_ones_too(engines) -> None:
+    """EngineWorker.end (the drain's limit): what waits in the batcher's queue gets the error at
+    once (a 503, never a cancelled task), and a later request is refused with it, batched or not."""
+    from edge.serve.worker import SERVER_ENDED
+
+    ended = RequestError("the drain's limit passed", status=503, code=SERVER_ENDED)
+    w = open_worker(engines, "mlp", max_queue_delay_us=SLOW, preferred_batch_size=32)  # a batch waits for company
+    alone = open_worker(engines, "mlp", enabled=False)
+    try:
+        async def go() -> tuple[list[Any], list[Any]]:
+            queued = [asyncio.ensure_future(w.infer({"x": rows(1, seed=i)})) for i in range(3)]
+            await asyncio.sleep(0)  # queued: the batch waits for 32 rows, SLOW at the most
+            w.end(ended)
+            alone.end(ended)
+            got = await asyncio.gather(*queued, return_exceptions=True)
+            later = await asyncio.gather(w.infer({"x": rows(1, 9)}), alone.infer({"x": rows(1, 9)}),
+                                         alone.call(alone.session.infer, {"x": rows(1, 9)}), return_exceptions=True)
+            return got, later
+
+        got, later = asyncio.run(go())
+        assert all(isinstance(e, RequestError) and e.code == SERVER_ENDED for e in got + later), got + later
+        assert w.batcher.executions == 0
+    finally:
+        w.close()
+        alone.close()
+
+
 def test_without_batching_each_request_is_its_own_execution(engines) -> None:
     w = open_worker(engines, "mlp", enabled=False)
     try:

@@ -78,3 +78,22 @@ def test_a_cgroup_limit_where_the_doctor_runs_is_named(tmp_path: Path, tiny_gguf
     memory = next(c for c in json.loads(r.stdout) if c["name"] == "memory")
     assert memory["level"] == "fail" and f"memory.max of cgroup {SERVICE} (v2)" in memory["message"], memory
     assert f"raise the memory limit of cgroup {SERVICE}" in memory["fix"]
+
+
+def test_the_need_counts_kv_compute_and_the_prompt_caches_bound(tmp_path: Path, tiny_gguf: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a serving process holds: weights, KV cache, compute buffers and the prompt cache's
+    bound, which traffic fills whether or not prefixes are declared (none are here)."""
+    from edge.model.gguf import read_gguf_info
+    from edge.model.memory import model_need
+    from edge.model.mlock import mib
+
+    (tmp_path / "meminfo").write_text("MemTotal: 8388608 kB\nMemAvailable: 4194304 kB\n")
+    monkeypatch.setenv(TEST_MEMINFO_ENV, str(tmp_path / "meminfo"))
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, extra_model="prompt_cache_mb = 72")
+    need = model_need(load_config(cfg).models[0], read_gguf_info(tiny_gguf), shared_file=False)
+    assert need["prompt_cache"] == 72 * MIB and not load_config(cfg).models[0].prefixes
+    check = _memory(str(cfg), _units(tmp_path, cfg))
+    total = need["model"] + need["kv_cache"] + need["compute"] + need["prompt_cache"]
+    assert f"models need {mib(total)} (weights " in check.message and "prompt cache 72 MiB)" in check.message, check
+    assert "plus KV cache" not in check.message

@@ -17,6 +17,9 @@ class Collect:
         self.ended: BaseException | None | str = "open"
         self.slots, self.first_step = slots, -1
 
+    def started(self) -> None:  # the scheduler took it from the queue: nothing to keep
+        pass
+
     def put(self, piece: Piece) -> None:
         if self.first_step < 0 and self.slots is not None:
             self.first_step = self.slots.stats.steps

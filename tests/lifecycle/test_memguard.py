@@ -38,7 +38,8 @@ ORIN_8GB = MemoryReading(available=int(2.6 * GIB), total=int(7.4 * GIB), source=
 
 def test_a_fully_offloaded_7b_reload_on_an_8gb_orin_is_sequential_and_says_why() -> None:
     info = llama_7b_q4()
-    m = ModelConfig(name="llama", path=info.path, n_ctx=2048, n_batch=512, n_gpu_layers=-1)
+    # the prompt cache off: its bound (sized from this host's RAM when unset) is counted on its own, below
+    m = ModelConfig(name="llama", path=info.path, n_ctx=2048, n_batch=512, n_gpu_layers=-1, prompt_cache_mb=0)
     jetson = estimate([(m, info, True)], unified=True)  # same file, mapped by the old set
     row = jetson.models["llama"]
     split = offload_split(info, -1)
@@ -88,22 +89,25 @@ def test_unified_memory_is_what_the_driver_says_and_the_tegra_release_file_only_
         assert unified_memory(FIX / "orin-agx") and not unified_memory(FIX / "dgpu-x86")
 
 
-def test_restored_prefix_states_count_in_a_reloads_need(tiny_gguf: Path) -> None:
-    """Declared and learned prefixes are restored into the new set's prompt cache before the
-    switch: its bound counts as DRAM beside the old set (an empty cache counts nothing)."""
+def test_the_prompt_caches_bound_counts_in_a_reloads_need(tiny_gguf: Path) -> None:
+    """The prompt cache fills to its bound with traffic, declared prefixes or not (and declared
+    and learned ones are restored into it before the switch): its bound counts as DRAM beside the
+    old set; only a cache that is off (prompt_cache_mb = 0) counts nothing."""
     import dataclasses
 
     from edge.config import ModelConfig, PrefixConfig
     from edge.model.memory import model_need, prompt_cache_bytes
 
     info = read_gguf_info(tiny_gguf)
-    plain = ModelConfig(name="t", path=str(tiny_gguf), n_ctx=256)
-    declared = dataclasses.replace(plain, prefixes=[PrefixConfig(name="s", text="x")], prompt_cache_mb=64)
-    base, more = model_need(plain, info, False), model_need(declared, info, False)
-    assert base["prompt_cache"] == 0 and more["prompt_cache"] == 64 << 20
+    off = ModelConfig(name="t", path=str(tiny_gguf), n_ctx=256, prompt_cache_mb=0)
+    plain = dataclasses.replace(off, prompt_cache_mb=64)
+    declared = dataclasses.replace(plain, prefixes=[PrefixConfig(name="s", text="x")])
+    base, more, declared_need = model_need(off, info, False), model_need(plain, info, False), model_need(declared, info, False)
+    assert base["prompt_cache"] == 0 and more["prompt_cache"] == declared_need["prompt_cache"] == 64 << 20
     assert more["dram"] - base["dram"] == 64 << 20
+    auto = dataclasses.replace(off, prompt_cache_mb=None)  # unset, no prefixes declared: counted too
+    assert model_need(auto, info, False)["prompt_cache"] == prompt_cache_bytes(auto, base["kv_cache"]) > 0
     # unset: two contexts' KV, at most 1/16 of RAM
-    auto = dataclasses.replace(plain, learn_prefixes=2)
     assert prompt_cache_bytes(auto, base["kv_cache"], total_ram=1 << 40) == 2 * base["kv_cache"]
     assert prompt_cache_bytes(auto, base["kv_cache"], total_ram=16 << 10) == 1 << 10
 
@@ -135,3 +139,25 @@ def test_an_oom_kill_while_serving_makes_reloads_sequential_until_one_succeeds(t
     assert decide("overlap", Need(), roomy, why).mode == "overlap"  # configured: what it says
     (tmp_path / "last-reload.json").write_text(json.dumps({"started_unix": time.time() + 1}))
     assert oom_before(tmp_path) is None
+
+
+def test_the_start_report_says_what_each_model_holds(tmp_path: Path, tiny_gguf: Path, service) -> None:
+    """The start report's `memory_mib` (and `edge status`) count what the guard and `edge doctor`
+    count: weights, KV cache, compute buffers and the prompt cache's bound, no prefix declared."""
+    import json
+    import subprocess
+
+    from edge.model.memory import model_need
+    from kit import EDGE, write_config
+
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, extra_model="prompt_cache_mb = 3")
+    pid1 = service(cfg)
+    assert pid1.stop() == 0
+    (row,) = json.loads((tmp_path / "state" / "last-start.json").read_text())["models"]
+    need = model_need(ModelConfig(name="tiny", path=str(tiny_gguf), n_ctx=256, prompt_cache_mb=3),
+                      read_gguf_info(tiny_gguf), shared_file=False)
+    assert row["memory_mib"] == {k: round(v / MIB, 2) for k, v in need.items()}
+    assert row["memory_mib"]["prompt_cache"] == 3.0 and row["context"]["prompt_cache_limit_bytes"] == 3 * MIB
+    shown = subprocess.run([*EDGE, "status", "--config", str(cfg)], capture_output=True, text=True, timeout=60).stdout
+    assert f"model tiny: memory ~{row['memory_mib']['dram']:.0f} MiB (weights " in shown, shown
+    assert "prompt cache up to 3.0 MiB)" in shown, shown

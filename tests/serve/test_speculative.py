@@ -51,6 +51,7 @@ def test_answers_are_the_same_with_and_without_speculation(tmp_path: Path, tiny_
     assert metric(a, "edge_speculative_drafted_tokens_total", model="plain") == 0
     shown = subprocess.run([*EDGE, "status", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
-    lines = {line.split(":")[0]: line for line in shown.stdout.splitlines() if line.startswith("model ")}
-    assert "speculative ngram (2-4-grams, up to 8 tokens" in lines["model tiny"]
-    assert "speculative off" in lines["model plain"]
+    lines = {name: [line for line in shown.stdout.splitlines() if line.startswith(f"model {name}:")]
+             for name in ("tiny", "plain")}  # each model's lines: its context, its memory
+    assert any("speculative ngram (2-4-grams, up to 8 tokens" in line for line in lines["tiny"]), lines
+    assert any("speculative off" in line for line in lines["plain"]), lines

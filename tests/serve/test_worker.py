@@ -24,6 +24,16 @@ def model(tiny_gguf: Path) -> GGUFModel:
     m.close()
 
 
+@pytest.fixture()
+def own_model(tiny_gguf: Path) -> GGUFModel:
+    """A model of its own: what ends or passes on its scheduler (the drain's limit, a handover)
+    is the model's for good, as it is the whole process's."""
+    m = load_gguf_model(ModelConfig(name="tiny", path=str(tiny_gguf), n_ctx=256, n_threads=1),
+                        read_gguf_info(tiny_gguf))
+    yield m
+    m.close()
+
+
 def job(m: GGUFModel, n: int = 40) -> Job:
     return Job(tokens=m.tokenize_prompt("Hello world"), params=GenParams(max_tokens=n, temperature=0))
 
@@ -79,6 +89,7 @@ def test_a_consumer_that_goes_away_stops_the_generation(model: GGUFModel) -> Non
         await stream.aclose()  # what a client's disconnect does (edge.serve.metrics closes the stream)
         assert j.cancel.is_set()
         await w.call(lambda: None)  # queued behind the generation: runs once it has stopped
+        w.close()  # its thread ends (after the step that frees the slot): the next worker is the model's only one
         return j
 
     j = asyncio.run(leave_after_one())
@@ -207,3 +218,83 @@ def test_a_token_decoded_twice_at_one_position_is_the_invalid_batch(model: GGUFM
             native.decode_batch([prompt[-1]], [len(prompt)], [seq], [1])
         model.cache.reset(seq)
     assert err.value.rc == -1 and "invalid batch" in str(err.value)
+
+
+async def _drained(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+def test_end_stops_what_runs_at_the_next_step_and_what_waits_at_once(own_model: GGUFModel) -> None:
+    """The drain's limit (ModelWorker.end): the running sequence ends at the next step with the
+    error, the queued request without a step, and a later request is refused with it."""
+    model = own_model
+    from edge.errors import RequestError
+    from edge.serve.worker import SERVER_ENDED
+
+    ended = RequestError("the drain's limit passed", status=503, code=SERVER_ENDED)
+
+    async def go() -> tuple[list[BaseException | None], Job, Job, int]:
+        w = ModelWorker(model, 4)
+        running, waiting = job(model, 200), job(model, 200)
+        waiting.tokens = waiting.tokens * 12  # with `running`, more cells than the context has: it waits
+        assert len(running.tokens) + len(waiting.tokens) + 400 > model.n_ctx
+        first = w.stream(running, eager=True)
+        await first.__anext__()  # generating
+        rest = asyncio.ensure_future(pieces(w, waiting, eager=True))
+        await w.control(lambda: None)  # a turn of the loop: the second one queued, not started
+        assert w.started == 1
+        w.end(ended)
+        outcomes: list[BaseException | None] = []
+        for run in (_drained(first), rest):  # the pieces made before the step that ended it, then the error
+            try:
+                await run
+                outcomes.append(None)
+            except RequestError as exc:
+                outcomes.append(exc)
+        with pytest.raises(RequestError) as later:
+            w.admit()
+        started = w.started
+        w.close()
+        return outcomes + [later.value], running, waiting, started
+
+    outcomes, running, waiting, started = asyncio.run(go())
+    assert all(isinstance(e, RequestError) and e.status == 503 and e.code == SERVER_ENDED for e in outcomes), outcomes
+    assert 0 < running.completion_tokens < 200 and not waiting.prefilled and started == 1
+
+
+def test_pass_on_takes_what_waits_and_leaves_what_runs(model: GGUFModel, own_model: GGUFModel) -> None:
+    """A handover's old process (ModelWorker.pass_on): a queued request leaves with PassedOn, before
+    any step of it; the running one goes on to its end; one that comes later leaves too."""
+    from edge.serve.worker import PassedOn
+
+    whole = "".join(asyncio.run(pieces(ModelWorker(model, 4), job(model, 60), eager=False)))
+    model = own_model  # its scheduler passes on from now on: the model's, as the whole old process's
+
+    async def go() -> tuple[str, list[bool], int]:
+        w = ModelWorker(model, 4)
+        running, waiting, later = job(model, 60), job(model, 8), job(model, 8)
+        waiting.tokens = later.tokens = waiting.tokens * 12  # they wait for the cells `running` holds
+        assert len(running.tokens) + 60 + len(waiting.tokens) + 8 > model.n_ctx
+        first = asyncio.ensure_future(pieces(w, running, eager=False))
+        while w.started < 1:  # turns of the scheduler's loop until `running` has left the queue
+            await w.control(lambda: None)
+        queued = asyncio.ensure_future(pieces(w, waiting, eager=False))
+        await w.control(lambda: None)
+        w.pass_on(PassedOn("to the new process"))
+        came_later = asyncio.ensure_future(pieces(w, later, eager=False))
+        passed = []
+        for t in (queued, came_later):
+            try:
+                await t
+                passed.append(False)
+            except PassedOn:
+                passed.append(True)
+        text = "".join(await first)
+        n = w.passed_on
+        w.close()
+        return text, passed, n
+
+    text, passed, n = asyncio.run(go())
+    assert passed == [True, True] and n == 2
+    assert text == whole

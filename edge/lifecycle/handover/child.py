@@ -1,7 +1,8 @@
 """A handover's new process as the old one sees it: spawned as `edge serve` on the inherited
-listening sockets (fds 3.., LISTEN_FDS, LISTEN_PID its own) with the pipe it says "ready" on and
-the one that tells it the old process has drained; waited for, reaped, and what its journal and
-start report say of it."""
+listening sockets (fds 3.., LISTEN_FDS, LISTEN_PID its own) with the pipe it says "ready" on, the
+one that tells it the old process has drained and the channel queued requests are passed on by
+(edge.lifecycle.handover.pass_on); waited for, reaped, and what its journal and start report say
+of it."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
+from edge.lifecycle.handover.pass_on import PASS_ON_ENV
 from edge.lifecycle.handover.priority import BASE_NICE_ENV, lower_child
 from edge.lifecycle.installed import Running
 from edge.lifecycle.systemd import DRAINED_ENV, HANDOVER_ENV
@@ -28,11 +31,13 @@ _PASSED_ON = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "JOURNAL_STREAM", "INVOCATION_ID
 
 
 class Child:
-    """The new process: its pid, the pipe it says "ready" on, a pidfd that says when it ends."""
+    """The new process: its pid, the pipe it says "ready" on, a pidfd that says when it ends, the
+    channel this process passes queued requests on by."""
 
-    def __init__(self, pid: int, pipe: int, drained: int = -1) -> None:
+    def __init__(self, pid: int, pipe: int, drained: int = -1, channel: socket.socket | None = None) -> None:
         self.pid, self.pipe = pid, pipe
         self.drained = drained  # closed once this process has drained: the new one's models may decode
+        self.channel = channel  # closed once this process has drained: nothing more to pass on
         self.pidfd = os.pidfd_open(pid)
         self.status: int | None = None
 
@@ -119,21 +124,30 @@ class Child:
             os.close(self.drained)
             self.drained = -1
 
+    def close_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
 
 def spawn(sockets: list[Any], path: str | None, running: Running, client_env: dict[str, str] | None) -> Child:
     """`edge serve` as installed now (this interpreter, `-m edge.cli`: the package on disk), with
-    the listening sockets as fds 3.. and the pipe's writing end after them."""
+    the listening sockets as fds 3.., then the pipe's writing end, the drained pipe's reading end
+    and its end of the connection channel."""
     env = running.successor_environment(client_env)
     n = len(sockets)
     env.update({k: os.environ[k] for k in _PASSED_ON if k in os.environ}, LISTEN_FDS=str(n),
-               **{HANDOVER_ENV: f"{3 + n}", DRAINED_ENV: f"{4 + n}",
+               **{HANDOVER_ENV: f"{3 + n}", DRAINED_ENV: f"{4 + n}", PASS_ON_ENV: f"{5 + n}",
                   BASE_NICE_ENV: str(os.getpriority(os.PRIO_PROCESS, 0))})
     read_end, write_end = os.pipe()
     drained_read, drained_write = os.pipe()  # this process keeps the writing end until it has drained
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     # above every target fd, so that no dup2 below overwrites a source
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in [s.fileno() for s in sockets] + [write_end, drained_read]]
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100)
+            for fd in [s.fileno() for s in sockets] + [write_end, drained_read, theirs.fileno()]]
     os.close(write_end)
     os.close(drained_read)
+    theirs.close()
     actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
     actions += [(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(high)]
     # LISTEN_PID (and WATCHDOG_PID) must name the new process: the shell's $$, which exec keeps
@@ -144,13 +158,14 @@ def spawn(sockets: list[Any], path: str | None, running: Running, client_env: di
     except OSError:
         os.close(read_end)
         os.close(drained_write)
+        ours.close()
         raise
     finally:
         for fd in high:
             os.close(fd)
     lower_child(pid)  # its interpreter's start too runs below the serving threads
     log.info("handover: started pid %d: %s", pid, " ".join(argv))
-    return Child(pid, read_end, drained_write)
+    return Child(pid, read_end, drained_write, ours)
 
 
 def successor_report(pid: int, folder: Path) -> dict[str, Any]:

@@ -4,8 +4,10 @@ edge.lifecycle.installed; or `edge reload --process`).
 
     old: RELOADING=1 → config read → memory guard → spawn the new process (the listening sockets
          as fds 3.., LISTEN_FDS, a pipe as EDGE_HANDOVER_FD) → [it starts as any start does:
-         load, warm, accept] → "ready" on the pipe → the old stops accepting, MAINPID=<new> and
-         READY=1 to systemd, answers `edge reload` → drains (the keep-alive-aware drain) → exits 0
+         load, warm, accept] → "ready" on the pipe → the old stops accepting, passes its queued
+         requests on with their connections (edge.lifecycle.handover.pass_on), MAINPID=<new> and
+         READY=1 to systemd, answers `edge reload` → drains (the keep-alive-aware drain; at its
+         limit what still runs is ended by edge, edge.lifecycle.drain) → exits 0
     new: a start whose READY=1 goes down the pipe (systemd hears it from the old, with MAINPID=);
          from then on it is the service's main process
 
@@ -183,6 +185,7 @@ class _HandoverRun:
         server = self.h.server
         server.drain.on_empty = child.say_drained  # no connection left: the new process decodes
         server.drain.begin(server, f"handed over to pid {child.pid}: draining", stopping=False)
+        self.pass_on(child)
         status = f"{said.get('status', 'ready')} (took over from pid {os.getpid()} in {at:.2f} s)"
         self.h.notifier.send(f"MAINPID={child.pid}\nREADY=1\nSTATUS={status}")
         self.timer.add(SWITCH, at, at, pid=child.pid)
@@ -192,18 +195,35 @@ class _HandoverRun:
         log.info("handover: pid %d serves; this process (pid %d) drains and exits", child.pid, os.getpid())
         return {"ok": True, "status": status, "exit_code": 0, "report": self.summary()}
 
+    def pass_on(self, child: Child) -> None:
+        """Queued requests (and those that queue from now on) go to the new process with their
+        connections; with TLS they cannot (a session's keys stay here), and wait here."""
+        server = self.h.server
+        if server.config.is_ssl or child.channel is None:
+            log.info("handover: queued requests are served here (TLS connections cannot be passed on)")
+            return
+        from edge.serve.worker import PassedOn
+
+        server.pass_on.to(child.channel)
+        for worker in self.h.serving():
+            worker.pass_on(PassedOn(f"passed on to pid {child.pid}"))
+
     def drained(self) -> None:
         if self.child is not None:
             self.child.say_drained()
+            self.child.close_channel()
         end = self.timer.now()
         self.timer.add(DRAIN, self.switched_at, end)
-        self.extra["drain_s"] = round(end - self.switched_at, 4)
+        drain = self.h.server.drain
+        self.extra.update(drain_s=round(end - self.switched_at, 4), passed_on=self.h.server.pass_on.passed,
+                          ended_at_limit=drain.ended_at_limit)
         self._write()
 
     def failed(self, exc: EdgeError, child: "Child | None" = None) -> dict[str, Any]:
         self.extra["error"] = str(exc)
         if child is not None:
             child.say_drained()
+            child.close_channel()
             self.extra["successor"] = {"pid": child.pid, **child.settle(state_dir(self.h.current))}
         log.error("handover failed: %s", exc)
         self._write()

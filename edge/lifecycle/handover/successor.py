@@ -1,6 +1,6 @@
 """A handover's new process (edge.lifecycle.handover.handover has the old one's side): what its start
-is given once (`Takeover`), the pipe it says "ready" on, its notifier until then, and the hold on its
-models until the old process has drained.
+is given once (`Takeover`), the pipe it says "ready" on, its notifier until then, the hold on its
+models until the old process has drained, and the connections the old process passes on to it.
 """
 
 from __future__ import annotations
@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from edge.lifecycle.handover.pass_on import PASS_ON_ENV
 from edge.lifecycle.systemd import DRAINED_ENV, HANDOVER_ENV, Notifier
 
 if TYPE_CHECKING:
@@ -31,21 +33,39 @@ class Successor:
     """The pipe to the process this one takes over from (EDGE_HANDOVER_FD, taken out of the
     environment so that nothing this process starts inherits it)."""
 
-    def __init__(self, fd: int, drained_fd: int | None = None) -> None:
+    def __init__(self, fd: int, drained_fd: int | None = None, channel_fd: int | None = None) -> None:
         self.fd = fd
         os.set_inheritable(fd, False)
         self.drained_fd = drained_fd  # EOF once the old process has drained (or is gone)
         if drained_fd is not None:
             os.set_inheritable(drained_fd, False)
+        # the connections the old process passes on (edge.lifecycle.handover.pass_on)
+        self.channel = socket.socket(fileno=channel_fd) if channel_fd is not None else None
+        if self.channel is not None:
+            self.channel.set_inheritable(False)
 
     @classmethod
     def from_env(cls) -> "Successor | None":
         raw, drained = os.environ.pop(HANDOVER_ENV, None), os.environ.pop(DRAINED_ENV, None)
+        channel = os.environ.pop(PASS_ON_ENV, None)
         try:
-            return cls(int(raw), int(drained) if drained else None) if raw else None
+            return cls(int(raw), int(drained) if drained else None, int(channel) if channel else None) if raw else None
         except (ValueError, OSError):
             log.warning("%s=%r is not an open file descriptor: starting as a plain start", HANDOVER_ENV, raw)
             return None
+
+    def take_connections(self, server: Any) -> None:
+        """The requests the old process passes on at the switch, with their connections, served by
+        `server` (uvicorn's, serving) as if it had accepted them (edge.lifecycle.handover.pass_on)."""
+        if self.channel is None:
+            return
+        import asyncio
+        from functools import partial
+
+        from edge.lifecycle.handover.pass_on import adopt, receive_connections
+
+        channel, self.channel = self.channel, None
+        receive_connections(channel, asyncio.get_running_loop(), partial(adopt, server))
 
     def hold_until_drained(self, models: list[ModelWorker], limit_s: float) -> None:
         """The models hold their requests (queued, not decoded) until the old process has drained,
@@ -146,6 +166,11 @@ class Takeover:
             self.yielded.restore()
         if self.successor is not None:
             self.successor.hold_until_drained(models, min(HOLD_AT_MOST_S, drain_timeout_s))
+
+    def take_connections(self, server: Any) -> None:
+        """Serving (`server`, uvicorn's): the connections the old process passes on are served here."""
+        if self.successor is not None:
+            self.successor.take_connections(server)
 
     def report(self) -> dict[str, Any]:
         """What the start report says of it: the priority it started at and took back."""
