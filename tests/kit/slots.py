@@ -1,11 +1,33 @@
-"""Driving a loaded model's slots (edge.model.slots) without a server: a sequence's consumer that
-keeps its text and how it ended, and the time (in steps) of its first piece."""
+"""Driving a loaded model's slots (edge.model.slots) without a server: a tiny model loaded with its
+slots, a sequence's consumer that keeps its text and how it ended, and the time (in steps) of its
+first piece; prompts of random words (prefixes that take turns)."""
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
 from typing import Any
 
+from edge.config import ModelConfig
 from edge.model.generate import Piece
+from edge.model.gguf import read_gguf_info
+from edge.model.llm import GGUFModel, load_gguf_model
+
+WORDS = ("apple river stone cloud forest garden window bridge candle market silver orange basket "
+         "mirror pencil rabbit engine harbor island ladder").split()
+
+
+def words(seed: int, n: int) -> str:
+    """n words of WORDS drawn from `seed`: a prompt no warm-up has seen, the same every run."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def load_slots(path: Path, n_ctx: int, **fields: object) -> GGUFModel:
+    """A model of one thread without mlock, 4 slots unless `fields` say otherwise."""
+    cfg = ModelConfig(**{"name": "tiny", "path": str(path), "n_ctx": n_ctx, "n_threads": 1,  # type: ignore[arg-type]
+                         "use_mlock": False, "parallel": 4, **fields})
+    return load_gguf_model(cfg, read_gguf_info(path))
 
 
 class Collect:

@@ -14,6 +14,7 @@ from edge.model.llm import GGUFModel, load_gguf_model
 from edge.model.prefixstore import prefix_tokens, restore_prefixes
 from kit.chats import chats_in_turns
 from kit.replay import left_by
+from kit.slots import words
 
 pytestmark = pytest.mark.gemma
 
@@ -105,15 +106,6 @@ def test_a_prefix_whose_sliding_window_was_evicted_is_computed_again(gemma_path:
 
 
 # -- sliding-window checkpoints (swa_full = false, the default): prefixes that take turns ------------
-WORDS = ("apple river stone cloud forest garden window bridge candle market silver orange basket "
-         "mirror pencil rabbit engine harbor island ladder").split()
-
-
-def words(seed: int, n: int) -> str:
-    import random
-
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 @pytest.fixture(scope="module")

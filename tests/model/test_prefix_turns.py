@@ -16,7 +16,7 @@ from edge.config import ModelConfig
 from edge.model.generate import GenParams, Job
 from edge.model.gguf import read_gguf_info
 from edge.model.llm import GGUFModel, load_gguf_model
-from kit.slots import Collect
+from kit.slots import Collect, words
 
 ROUNDS = 4
 
@@ -68,13 +68,6 @@ def test_tiny_prefixes_in_turns_are_reused_at_any_slot_count(tiny_swa_gguf: Path
 
 
 # -- the real Gemma 3 270M (a 512-token window) -------------------------------------------------------
-WORDS = ("apple river stone cloud forest garden window bridge candle market silver orange basket "
-         "mirror pencil rabbit engine harbor island ladder").split()
-
-
-def words(seed: int, n: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 SETTINGS = {"default": {}, "parallel 1": {"parallel": 1}, "parallel 4": {"parallel": 4}, "parallel 8": {"parallel": 8},

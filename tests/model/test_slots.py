@@ -14,15 +14,13 @@ from edge.errors import RequestError
 from edge.model.generate import GenParams, Hold, Job
 from edge.model.gguf import read_gguf_info
 from edge.model.llm import GGUFModel, load_gguf_model
-from kit.slots import Collect
+from kit.slots import Collect, load_slots
 
 PROMPTS = ("Hello world", "The quick brown fox", "One two three four five six", "tea and a world")
 
 
 def load(path: Path, **fields: object) -> GGUFModel:
-    cfg = ModelConfig(**{"name": "tiny", "path": str(path), "n_ctx": 512, "n_threads": 1,  # type: ignore[arg-type]
-                         "use_mlock": False, "parallel": 4, **fields})
-    return load_gguf_model(cfg, read_gguf_info(path))
+    return load_slots(path, 512, **fields)
 
 
 @pytest.fixture(params=["tiny_gguf", "tiny_swa_gguf"])
