@@ -221,7 +221,7 @@ class Loader:
             self.notifier.status(f"loading {m.name} ({m.path})")
             with self.timer.phase(Phases.MODEL_LOAD, model=m.name, use_mmap=m.use_mmap, use_mlock=m.use_mlock,
                                   **_bufts(m)) as ph:
-                model = load_gguf_model(m, info, quiet=self.at_start)
+                model = load_gguf_model(m, info, self.at_start, f"models[{self.config.models.index(m)}]")
                 ph.bytes = model.info.size
             from edge.serve.worker import ModelWorker  # after the load: its asyncio is imported by then
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from edge.config import Config, EmbeddingsConfig, ModelConfig
 from edge.errors import BackendError, ModelError, RequestError, require
+from edge.model.adapters import Adapter, AdapterPool, describe
 from edge.model.embed import EmbedContext, check_embeddings
 from edge.model.generate import GenParams, Job, Piece, generate
 from edge.model.gguf import GGUFInfo
@@ -47,6 +48,8 @@ class GGUFModel:
         self.slots = Slots(native, self.cache, native.n_seq)
         self._formatter = self._make_formatter()
         self.embed: EmbedContext | None = None  # /v1/embeddings' context on the same weights (load_gguf_model)
+        self.lora = AdapterPool(native)  # every adapter file loaded on the weights (edge.model.adapters)
+        self.adapters: dict[str, Adapter] = {}  # the served set's adapters by name (a reload switches it)
 
     def _make_formatter(self) -> Any:
         template = self.cfg.chat_template or self.info.chat_template
@@ -149,6 +152,7 @@ class GGUFModel:
         batched decoding is compared with)."""
         self.native.seq = 0
         try:
+            self.native.use_adapters(job.adapters)
             yield from generate(self.native, self.cache, job)
         except DecodeError as exc:
             raise BackendError(f"llama.cpp failed while generating: {exc}") from exc
@@ -160,6 +164,7 @@ class GGUFModel:
                 "n_threads_batch": s.n_threads_batch, "flash_attn": s.flash_attn, "swa_full": s.swa_full,
                 "parallel": self.native.n_seq, "type_k": s.type_k, "type_v": s.type_v,
                 "use_extra_bufts": s.use_extra_bufts, "prompt_cache_limit_bytes": self.cache.limit_bytes,
+                **({"adapters": describe(self.adapters)} if self.adapters else {}),
                 **({"embeddings": self.embed.describe()} if self.embed is not None else {})}
 
     def close(self) -> None:
@@ -191,9 +196,10 @@ def settings_for(cfg: ModelConfig) -> ContextSettings:
                            type_k=cfg.type_k, type_v=cfg.type_v)
 
 
-def load_gguf_model(cfg: ModelConfig, info: GGUFInfo, quiet: bool = False) -> GGUFModel:
+def load_gguf_model(cfg: ModelConfig, info: GGUFInfo, quiet: bool = False, where: str = "models[0]") -> GGUFModel:
     """Load through llama.cpp with mmap/mlock and measure whether the lock really took (`quiet`:
-    at a process's own start, its log into memory meanwhile: edge.model.native.Native)."""
+    at a process's own start, its log into memory meanwhile: edge.model.native.Native); its LoRA
+    adapters loaded on it (`where`: the model's field in the config, for their errors)."""
     llama_cpp = require("llama_cpp", None, "loading GGUF models", package="llama-cpp-python")
     from edge.model.gpu import require_gpu_offload
 
@@ -219,6 +225,11 @@ def load_gguf_model(cfg: ModelConfig, info: GGUFInfo, quiet: bool = False) -> GG
         except ValueError as exc:
             model.close()
             raise ModelError(info.path, f"{exc} (models[].embeddings)") from None
+    try:
+        model.adapters = model.lora.load(cfg.adapters, info, where)
+    except ModelError:
+        model.close()
+        raise
     return model
 
 

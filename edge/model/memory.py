@@ -10,6 +10,8 @@ tensors share the mapped pages).
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 from edge.config import EmbeddingsConfig, ModelConfig
@@ -17,7 +19,7 @@ from edge.device.memory import MIB, read_memory
 from edge.model.gguf import GGUFInfo, offload_split
 from edge.model.kvtypes import bytes_per_element, flash_attn_forced
 
-__all__ = ["CONTEXT_OVERHEAD", "embeddings_need", "kv_bytes", "model_need", "parallel_for", "prompt_cache_bytes"]
+__all__ = ["CONTEXT_OVERHEAD", "adapters_need", "embeddings_need", "kv_bytes", "model_need", "parallel_for", "prompt_cache_bytes"]
 
 CONTEXT_OVERHEAD = 16 * MIB  # per llama.cpp context: graph metadata, scratch, tokenizer tables
 
@@ -84,8 +86,20 @@ def model_need(m: ModelConfig, info: GGUFInfo, shared_file: bool, unified: bool 
     # the embeddings context beside it on the same weights (issue 55: edge.model.embed)
     embed = embeddings_need(m, info)
     gpu += int(offloaded * embed)
+    lora = adapters_need(m)  # llama.cpp reads each adapter's tensors into a buffer of their size
     return {"model": weights, "kv_cache": kv, "compute": compute, "prompt_cache": cache, "embeddings": embed,
-            "gpu": gpu, "dram": weights + kv + compute + cache + embed}
+            "adapters": lora, "gpu": gpu, "dram": weights + kv + compute + cache + embed + lora}
+
+
+def adapters_need(m: ModelConfig) -> int:
+    """The LoRA adapters' files (edge.model.adapters), whole: their tensors are most of them."""
+    total = 0
+    for a in m.adapters:
+        try:
+            total += os.path.getsize(a.path)
+        except OSError:
+            pass  # a missing file is the load's refusal to make, naming it
+    return total
 
 
 def embeddings_need(m: ModelConfig, info: GGUFInfo) -> int:

@@ -20,6 +20,12 @@ Choices of one prompt (`n` > 1) or equal prompts that arrive together are comput
 sequence whose prompt another slot is prefilling follows it, and takes its cells (seq_cp) and
 samples from its logits row when that prefill ends.
 
+LoRA adapters (issue 55): llama.cpp sets them per context, so one step decodes the sequences of
+one adapter selection (edge.model.adapters); the selections with work take the steps in turns
+(each at least every k-th step, k of them: none starves). An adapted sequence's cells hold what
+its adapters computed: they are never shared (no prompt-cache reuse, no following across
+selections) and are emptied when it ends.
+
 Runs on the model's scheduler thread (edge.serve.worker), like every call into llama.cpp.
 """
 
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from edge.model.candidates import Interrupted
 from edge.model.generate import Decoding, Job, Piece, SamplerChain, step_check
@@ -81,6 +87,11 @@ class _Seq:
     row: int = -1  # the batch row whose logits it samples after this step's decode
     chunk: int = 0  # prompt tokens of it in this step's batch
     tok: int = -1  # the token it decodes next
+    stepped: bool = False  # in this step's batch (its adapter selection's turn)
+
+    @property
+    def key(self) -> tuple[tuple[str, int, float], ...]:
+        return tuple((a.name, id(a), sc) for a, sc in self.job.adapters)
 
 
 class Slots:
@@ -91,6 +102,7 @@ class Slots:
         self.idle = list(range(n))  # free slots, least recently used first
         self.active: list[_Seq] = []  # in the order they came (prefill order)
         self.stats = SlotStats()
+        self.turn: tuple[tuple[str, int, float], ...] | None = None  # the adapter selection of the last step
 
     # -- admission --------------------------------------------------------------------------------
     def fits(self, job: Job) -> bool:
@@ -123,7 +135,8 @@ class Slots:
         self.active.append(seq)
         self.stats.sequences += 1
         leader = next((s for s in self.active if s.leader is None and not s.generating and s is not seq
-                       and job.cache_prompt and s.job.cache_prompt and s.job.tokens == job.tokens), None)
+                       and job.cache_prompt and s.job.cache_prompt and s.job.tokens == job.tokens
+                       and s.job.adapters == job.adapters), None)
         if leader is not None:
             seq.leader = leader
             leader.followers.append(seq)
@@ -135,7 +148,9 @@ class Slots:
         job = seq.job
         self.native.seq = seq.slot
         try:
-            seq.done, seq.plan = self.cache.begin(job.tokens, job.cache_prompt, job.remember, job.marks)
+            plain = not job.adapters  # an adapted prompt neither reuses nor leaves cells for others
+            seq.done, seq.plan = self.cache.begin(job.tokens, job.cache_prompt and plain, job.remember and plain,
+                                                  job.marks if plain else ())
         except Exception as exc:
             self._end(seq, exc)
             return
@@ -176,6 +191,7 @@ class Slots:
             return False
         t0 = time.perf_counter()
         try:
+            self.native.use_adapters(self._turn_adapters())
             self.native.decode_batch(*batch)
         except Exception as exc:  # DecodeError, or a native call that broke
             self._failed(exc)
@@ -184,7 +200,7 @@ class Slots:
         st = self.stats
         st.steps, st.batch_tokens, st.last_batch = st.steps + 1, st.batch_tokens + len(batch[0]), len(batch[0])
         st.decode_s += t1 - t0
-        st.last_sequences = sum(1 for s in self.active if s.generating or s.chunk)
+        st.last_sequences = sum(1 for s in self.active if s.stepped)
         st.batch_sequences += st.last_sequences
         self._after_decode()
         st.sample_s += time.perf_counter() - t1
@@ -200,8 +216,11 @@ class Slots:
         pos: list[int] = []
         seqs: list[int] = []
         out: list[int] = []
+        turn = self._next_turn()
+        for s in self.active:
+            s.stepped = s.key == turn
         for s in self.active:  # decode before prefill: every generating sequence's next token
-            if s.generating:
+            if s.generating and s.stepped:
                 s.row = len(tokens)
                 tokens.append(s.tok)
                 pos.append(s.out.pos)
@@ -210,7 +229,7 @@ class Slots:
         budget = self.native.n_batch - len(tokens)
         for s in self.active:  # then prompt chunks, first come first
             s.chunk = 0
-            if budget <= 0 or s.generating or s.leader is not None:
+            if budget <= 0 or s.generating or s.leader is not None or not s.stepped:
                 continue
             end = self._chunk_end(s, budget)
             n = end - s.done
@@ -221,6 +240,19 @@ class Slots:
             s.row = len(tokens) - 1 if end == len(s.job.tokens) else -1
             s.chunk, budget = n, budget - n
         return tokens, pos, seqs, out
+
+    def _next_turn(self) -> tuple[tuple[str, int, float], ...] | None:
+        """The adapter selection this step decodes: after the last one, in a fixed order, among
+        those with work (one alone keeps every step)."""
+        keys = sorted({s.key for s in self.active if s.generating or s.leader is None})
+        if not keys:
+            return None
+        after = [k for k in keys if self.turn is not None and k > self.turn]
+        self.turn = after[0] if after else keys[0]
+        return self.turn
+
+    def _turn_adapters(self) -> tuple[Any, ...]:
+        return next((s.job.adapters for s in self.active if s.stepped), ())
 
     @staticmethod
     def _chunk_end(s: _Seq, budget: int) -> int:
@@ -233,10 +265,11 @@ class Slots:
     def _after_decode(self) -> None:
         lives = self.cache.lives
         ready: list[_Seq] = []
-        decoded = [s for s in self.active if s.generating]  # before followers join them
+        decoded = [s for s in self.active if s.generating and s.stepped]  # before followers join them
         prefilled = [s for s in self.active if not s.generating and s.chunk]
         for s in decoded:
-            lives.setdefault(s.slot, []).append(s.tok)
+            if not s.job.adapters:  # an adapted sequence's cells are no prefix for anyone
+                lives.setdefault(s.slot, []).append(s.tok)
             s.out.pos += 1
             ready.append(s)
         for s in prefilled:
@@ -255,18 +288,24 @@ class Slots:
             s.plan.after(end)
         if end < len(tokens):
             return
-        self.cache.prefilled(tokens, s.job.marks)
+        self._prefilled(s)
         s.generating = True
         ready.append(s)
         for f in s.followers:  # the same prompt's cells, and its logits row
             self.native.seq = f.slot
             self.native.copy_from(s.slot, len(tokens))
-            self.cache.prefilled(tokens, f.job.marks)
+            self._prefilled(f)
             f.leader, f.generating, f.row = None, True, s.row
             f.job.cached_tokens = len(tokens)
             self.stats.shared_prompts += 1
             ready.append(f)
         s.followers = []
+
+    def _prefilled(self, s: _Seq) -> None:
+        """The prompt cache told the slot holds the prompt; an adapted one's tokens kept from it."""
+        self.cache.prefilled(s.job.tokens, s.job.marks)
+        if s.job.adapters:
+            self.cache.lives.pop(s.slot, None)
 
     def _sample(self, s: _Seq) -> None:
         try:
@@ -291,7 +330,7 @@ class Slots:
         from edge.errors import BackendError
 
         err = BackendError(f"llama.cpp failed while generating: {exc}") if isinstance(exc, DecodeError) else exc
-        for s in [s for s in self.active if s.generating or s.chunk]:
+        for s in [s for s in self.active if s.stepped and (s.generating or s.chunk)]:
             self.native.seq = s.slot
             self.cache.reset()
             s.generating = False
@@ -306,7 +345,10 @@ class Slots:
         if seq.leader is not None:
             seq.leader.followers.remove(seq)
         self.idle.append(seq.slot)
-        if not seq.generating and seq.leader is None and seq.done < len(seq.job.tokens):
+        if seq.job.adapters:  # its cells are its adapters' work: emptied, no one else's prefix
+            self.native.seq = seq.slot
+            self.cache.reset()
+        elif not seq.generating and seq.leader is None and seq.done < len(seq.job.tokens):
             self.native.seq = seq.slot  # a prefill cut short: the slot holds only what was decoded
             self.cache.lives[seq.slot] = list(seq.job.tokens[:seq.done])
         seq.sink.close(error)

@@ -59,6 +59,15 @@ class ServiceState:
         answers), naming why."""
         return RequestError(f"the service is restarting: {self.fatal_reason}", status=503, code="service_unavailable")
 
+    def pick(self, name: Any) -> tuple[ModelWorker, str | None]:
+        """The model a request names, and the adapter after its colon (`base:adapter`; a model
+        whose own name has a colon is found first)."""
+        if isinstance(name, str) and name not in self.workers and ":" in name:
+            base, adapter = name.rsplit(":", 1)
+            if base in self.workers:
+                return self.workers[base], adapter
+        return self.worker(name), None
+
     def worker(self, name: Any) -> ModelWorker:
         if not self.workers:
             raise RequestError("no language model is served here (only engines: use /v2/models)",
