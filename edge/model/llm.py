@@ -151,11 +151,17 @@ class GGUFModel:
         """`job` decoded alone on the calling thread (one sequence: the reference the slots'
         batched decoding is compared with)."""
         self.native.seq = 0
+        if job.adapters:  # no cells of another selection to start from, none left for the next
+            self.cache.reset()
+            job.cache_prompt = job.remember = False
         try:
             self.native.use_adapters(job.adapters)
             yield from generate(self.native, self.cache, job)
         except DecodeError as exc:
             raise BackendError(f"llama.cpp failed while generating: {exc}") from exc
+        finally:
+            if job.adapters:
+                self.cache.reset()
 
     def context_info(self) -> dict[str, Any]:
         """The llama.cpp context settings in the start report and `edge status`."""
