@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, EngineConfig, ModelConfig, cache_dir, check_writable, find_config, load_config
+from edge.lifecycle.adapters import load_kept, warm as warm_adapters
 from edge.lifecycle.loadset import Loaded, LoadPlan, close_worker, model_key
 from edge.lifecycle.systemd import Notifier, setup_logging
 from edge.timing import Phases, StartTimer
@@ -144,6 +145,7 @@ class Loader:
             engines, engine_infos = self.load_engines(plan.engines)
             made.update(engines)
             self.restore_prefixes(workers)
+            plan.adapters = load_kept(self.config, plan)  # a kept model's new adapters (edge.lifecycle.adapters)
             return self.assemble(plan, made, {**infos, **engine_infos}, metrics)
         except BaseException:
             for worker in made.values():
@@ -273,7 +275,8 @@ class Loader:
         by_name = {**infos, **{n: {**i, "kept": True} for n, i in plan.kept_infos.items()}}
         state = ServiceState(workers={m.name: pick[m.name] for m in self.config.models},
                              engines={e.name: pick[e.name] for e in self.config.engines}, left_out=self.left_out,
-                             safe_mode=self.safe_mode.describe() if self.safe_mode else [], auth=self.auth)
+                             safe_mode=self.safe_mode.describe() if self.safe_mode else [], auth=self.auth,
+                             adapters=plan.adapters)
         if metrics is not None:
             state.metrics = metrics
         return Loaded(build_app(state), state, [by_name[n] for n in [*state.workers, *state.engines]],
@@ -302,6 +305,7 @@ class Loader:
                 loaded.warmup += result.steps
                 loaded.plans.append(result.as_dict())
                 loaded.later += [result.later] if result.later else []
+            loaded.warmup += await warm_adapters(loaded.state)  # each adapter: a short generation with it
         return loaded.warmup
 
     def _bufts_of(self, target: WarmTarget) -> dict[str, Any]:
@@ -349,9 +353,7 @@ def save_learned(loaded: Loaded, cfg: Config) -> None:
     """At SIGTERM, after the drain: each model's prefixes that traffic reused most, for the next
     start (models with `learn_prefixes`)."""
     import logging
-
     from edge.model.prefixstore import folder_for, save_learned as save
-
     log = logging.getLogger("edge")
     for name, w in loaded.state.workers.items():
         if w.model.cfg.learn_prefixes and name not in loaded.closed:
@@ -379,7 +381,6 @@ def _bufts(m: ModelConfig) -> dict[str, Any]:
 def _digest(prompts: list[str]) -> str:
     """The workload prompts in a plan key: new prompts are new candidates."""
     import hashlib
-
     return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
 
 
@@ -393,7 +394,6 @@ async def _call(fn: Callable[[], Any]) -> Any:
 
 def _done(value: Any) -> concurrent.futures.Future[Any]:
     import concurrent.futures
-
     fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
     fut.set_result(value)
     return fut

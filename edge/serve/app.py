@@ -102,7 +102,7 @@ def _check_bytes(m: GGUFModel, ask: Ask) -> None:
 async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Generations:
     worker, adapter = state.pick(body.get("model"))
     m = worker.model
-    adapters = select(m.cfg.name, m.adapters, adapter, body.get("lora"))  # a 400 naming an unknown one
+    adapters = select(m.cfg.name, state.adapters_of(worker), adapter, body.get("lora"))  # a 400 naming an unknown one
     ask = parse(body, chat, Limits(m.n_ctx, m.n_vocab, m.cfg.max_choices, m.supports_tools))
     if ask.who:
         log.info("request from %s", ", ".join(f"{k} {v!r}" for k, v in ask.who.items()))
@@ -142,12 +142,28 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ge
     return _Generations(worker, ask, jobs, echoes, sum(len(t) for t, *_ in prompts), shape)
 
 
-def _adapters_meta(m: GGUFModel) -> dict[str, Any]:
+def _model_list(state: ServiceState) -> list[dict[str, Any]]:
+    """/v1/models: each model, then each of its adapters as `model:adapter` (what a request names)."""
+    data = []
+    for n, w in state.workers.items():
+        m = w.model
+        data.append({"id": n, "object": "model", "created": state.created, "owned_by": "edge",
+                     "context_length": m.n_ctx, "meta": {"n_ctx": m.n_ctx, "tools": m.supports_tools,
+                                                         **m.info.summary(),
+                                                         **({"embeddings": m.embed.describe()} if m.embed else {}),
+                                                         **_adapters_meta(state.adapters_of(w))}})
+        data += [{"id": f"{n}:{a.name}", "object": "model", "created": state.created, "owned_by": "edge",
+                  "parent": n, "context_length": m.n_ctx, "meta": {"adapter": a.name, "id": i, "scale": a.scale}}
+                 for i, a in enumerate(state.adapters_of(w).values())]
+    return data
+
+
+def _adapters_meta(adapters: dict[str, Any]) -> dict[str, Any]:
     """A model's LoRA adapters as /v1/models lists them: the `id` a request's `lora` may give."""
-    if not m.adapters:
+    if not adapters:
         return {}
     return {"adapters": [{"id": i, "name": a.name, "scale": a.scale, "alpha": a.alpha, "bytes": a.nbytes}
-                         for i, a in enumerate(m.adapters.values())]}
+                         for i, a in enumerate(adapters.values())]}
 
 
 def _finish_tools(run: _Generations, c: Choice) -> None:
@@ -315,18 +331,7 @@ def build_app(state: ServiceState) -> MetricsMiddleware:
         return await guarded(request, lambda r: _complete(r, state, chat=True))
 
     async def models(request: Request) -> Response:
-        data = []
-        for n, w in state.workers.items():
-            m = w.model
-            data.append({"id": n, "object": "model", "created": state.created, "owned_by": "edge",
-                         "context_length": m.n_ctx, "meta": {"n_ctx": m.n_ctx, "tools": m.supports_tools,
-                                                             **m.info.summary(),
-                                                             **({"embeddings": m.embed.describe()} if m.embed else {}),
-                                                             **_adapters_meta(m)}})
-            data += [{"id": f"{n}:{a}", "object": "model", "created": state.created, "owned_by": "edge",
-                      "parent": n, "context_length": m.n_ctx, "meta": {"adapter": a, "id": i, "scale": m.adapters[a].scale}}
-                     for i, a in enumerate(m.adapters)]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": _model_list(state)})
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "alive"})
