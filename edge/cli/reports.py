@@ -62,6 +62,9 @@ def _model_lines(report: dict[str, Any]) -> list[str]:
                 lines.append(f"model {m['name']} embeddings: {e['pooling']} pooling ({e['pooling_from']}), "
                              f"n_batch {e['n_batch']}, {e['dimensions']} dimensions"
                              + (", normalized" if e["normalize"] else ""))
+            for a in c.get("adapters") or []:  # issue 55: LoRA adapters on the same weights
+                lines.append(f"model {m['name']} adapter {a['name']}: {a['path']}, {a['bytes'] / 2**20:.1f} MiB, "
+                             f"alpha {a['alpha']}, default scale {a['scale']}")
     rows = [(p["detail"].get("model"), r) for p in report["phases"] if p["name"] == Phases.PREFIX_STATES
             for r in p["detail"].get("prefixes", [])]
     if rows:

@@ -55,5 +55,7 @@ async def warm(state: ServiceState) -> list[dict[str, Any]]:
                       cache_prompt=False, remember=False, adapters=((adapter, adapter.scale or 1.0),))
             async for _ in worker.stream(job, admitted=True, eager=False):
                 pass
-            steps.append({"model": name, "adapter": adapter.name, "seconds": round(time.perf_counter() - t0, 4)})
+            steps.append({"name": f"adapter {adapter.name}", "path": "(the model's worker)", "model": name,
+                          "status": 200, "seconds": round(time.perf_counter() - t0, 4),
+                          "prompt_tokens": len(tokens), "completion_tokens": job.completion_tokens})
     return steps

@@ -140,3 +140,22 @@ def test_a_reload_that_changes_an_adapter_keeps_the_model_and_fails_no_request(
     assert r.returncode == 0, r.stdout + r.stderr
     assert {i: text(live.address, p) for i, p in enumerate(PICKS)} == old
     assert mapping(live.proc.pid, tiny_gguf) == before
+
+
+def test_the_start_report_lists_the_adapters_and_a_bad_one_fails_a_reload_leaving_the_old_set(
+        tmp_path: Path, tiny_gguf: Path, loras: dict[str, Path], service) -> None:
+    """`edge status` shows each adapter with its file and scale; a reload to a config whose
+    adapter is damaged fails naming it, and the old set (its adapters too) serves on."""
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, n_ctx=512,
+                       extra_model="parallel = 4\n\n" + adapters_toml(loras["a"], loras["b"]))
+    live = service(cfg)
+    status = subprocess.run([*EDGE, "status", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert f"model tiny adapter b: {loras['b']}" in status.stdout and "default scale 0.75" in status.stdout, status.stdout
+    before = {i: text(live.address, p) for i, p in enumerate(PICKS)}
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(loras["c"].read_bytes()[:3000])
+    bad = tmp_path / "bad.toml"
+    bad.write_text(cfg.read_text().replace(str(loras["b"]), str(cut)))
+    r = reload(bad)
+    assert r.returncode == 65 and str(cut) in r.stdout + r.stderr, r.stdout + r.stderr
+    assert {i: text(live.address, p) for i, p in enumerate(PICKS)} == before
