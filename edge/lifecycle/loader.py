@@ -223,7 +223,8 @@ class Loader:
             self.notifier.status(f"loading {m.name} ({m.path})")
             with self.timer.phase(Phases.MODEL_LOAD, model=m.name, use_mmap=m.use_mmap, use_mlock=m.use_mlock,
                                   **_bufts(m)) as ph:
-                model = load_gguf_model(m, info, self.at_start, f"models[{self.config.models.index(m)}]")
+                where = f"models[{[c.name for c in self.config.models].index(m.name)}]"  # m: resolved
+                model = load_gguf_model(m, info, self.at_start, where)
                 ph.bytes = model.info.size
             from edge.serve.worker import ModelWorker  # after the load: its asyncio is imported by then
 

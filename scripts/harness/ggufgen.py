@@ -150,3 +150,25 @@ def write_tiny_lora(path: Path, *, seed: int = 1, n_embd: int = 64, n_layer: int
             w.add_tensor(f"blk.{i}.{name}.weight.lora_a", (rng.standard_normal((rank, n_in)) * std).astype(np.float32))
             w.add_tensor(f"blk.{i}.{name}.weight.lora_b", (rng.standard_normal((n_out, rank)) * std).astype(np.float32))
     return _close(w, path)
+
+
+def write_lora_for(base: Path, path: Path, *, seed: int = 1, rank: int = 8, alpha: float = 16.0,
+                   std: float = 0.02, targets: tuple[str, ...] = ("attn_q", "attn_v")) -> Path:
+    """A random LoRA adapter for any GGUF model `base` (Gemma 3 270M included): its architecture
+    and every `blk.N.<target>.weight`'s shape read from the base's own header (gguf.GGUFReader)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    reader = gguf.GGUFReader(str(base))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", alpha)
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in targets and parts[3] == "weight":
+            n_in, n_out = int(t.shape[0]), int(t.shape[1])  # ggml order: ne[0] is the input
+            w.add_tensor(f"{t.name}.lora_a", (rng.standard_normal((rank, n_in)) * std).astype(np.float32))
+            w.add_tensor(f"{t.name}.lora_b", (rng.standard_normal((n_out, rank)) * std).astype(np.float32))
+    return _close(w, path)
