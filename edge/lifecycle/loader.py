@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from edge.config import Config, EngineConfig, ModelConfig, cache_dir, check_writable, find_config, load_config
-from edge.lifecycle.adapters import load_kept, warm as warm_adapters
 from edge.lifecycle.loadset import Loaded, LoadPlan, close_worker, model_key
 from edge.lifecycle.systemd import Notifier, setup_logging
 from edge.timing import Phases, StartTimer
@@ -145,7 +144,8 @@ class Loader:
             engines, engine_infos = self.load_engines(plan.engines)
             made.update(engines)
             self.restore_prefixes(workers)
-            plan.adapters = load_kept(self.config, plan)  # a kept model's new adapters (edge.lifecycle.adapters)
+            from edge.lifecycle.adapters import load_kept  # after the config: not on a start's early path
+            plan.adapters = load_kept(self.config, plan)  # a kept model's new adapters
             return self.assemble(plan, made, {**infos, **engine_infos}, metrics)
         except BaseException:
             for worker in made.values():
@@ -223,8 +223,7 @@ class Loader:
             self.notifier.status(f"loading {m.name} ({m.path})")
             with self.timer.phase(Phases.MODEL_LOAD, model=m.name, use_mmap=m.use_mmap, use_mlock=m.use_mlock,
                                   **_bufts(m)) as ph:
-                where = f"models[{[c.name for c in self.config.models].index(m.name)}]"  # m: resolved
-                model = load_gguf_model(m, info, self.at_start, where)
+                model = load_gguf_model(m, info, self.at_start, f"models[{[c.name for c in self.config.models].index(m.name)}]")
                 ph.bytes = model.info.size
             from edge.serve.worker import ModelWorker  # after the load: its asyncio is imported by then
 
@@ -288,6 +287,7 @@ class Loader:
         """The warm half of load-and-warm: for each model and engine the floor request, then its
         stored plan (known key) or a calibration that makes one (new key), over loopback HTTP.
         `defer` (a start): calibrations `[warmup] calibrate` puts after READY go to `loaded.later`."""
+        from edge.lifecycle.adapters import warm as warm_adapters
         from edge.lifecycle.warmup.plan import PlanStore, warm_one
         from edge.lifecycle.warmup.steps import LoopbackHTTP
 
