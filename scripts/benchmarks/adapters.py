@@ -56,11 +56,13 @@ def mix(m: GGUFModel, name: str, n: int) -> list[tuple]:
     return [sels[i % len(sels)] for i in range(n)]
 
 
-def run(m: GGUFModel, name: str, n: int, tokens: int) -> dict[str, float]:
-    slots, prompt = m.slots, m.tokenize_prompt(PROMPT)
+def run(m: GGUFModel, name: str, n: int, tokens: int, tag: str) -> dict[str, float]:
+    """Each sequence its own prompt (no prefix reused across sequences or runs); `remember`
+    off, so no run pays for saving an earlier run's states (adapted sequences never save any)."""
+    slots = m.slots
     sinks = [Timed(slots) for _ in range(n)]
-    jobs = [Job(tokens=list(prompt), params=GenParams(max_tokens=tokens, temperature=0, stop=()), adapters=sel,
-                cache_prompt=False) for sel in mix(m, name, n)]
+    jobs = [Job(tokens=m.tokenize_prompt(f"Run {tag}, note {i}. {PROMPT}"), adapters=sel, remember=False,
+                params=GenParams(max_tokens=tokens, temperature=0, stop=())) for i, sel in enumerate(mix(m, name, n))]
     t0 = time.perf_counter()
     for j, s in zip(jobs, sinks):
         slots.start(j, s)
@@ -94,10 +96,10 @@ def main() -> None:
         try:
             names = ["base", "adapter", "mixed"]
             got: dict[str, list[dict[str, float]]] = {k: [] for k in names}
-            run(m, "mixed", args.sequences, 4)  # first-use costs out of the rounds
+            run(m, "mixed", args.sequences, 4, "first")  # first-use costs out of the rounds
             for r in range(args.rounds):
                 for k in names if r % 2 == 0 else names[::-1]:
-                    got[k].append(run(m, k, args.sequences, args.tokens))
+                    got[k].append(run(m, k, args.sequences, args.tokens, f"{r}-{k}"))
         finally:
             m.close()
     result = {"model": str(model.name), "sequences": args.sequences, "tokens": args.tokens, "rank": args.rank,
