@@ -29,9 +29,8 @@ _HOST = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9]([A-Za-z0-9-]*[A-Z
 __all__ = ["AdapterConfig", "BUILTIN_PREFIX", "DEFAULT_LISTEN", "DEFAULT_MAX_CONNECTIONS", "LOG_LEVELS", "DEFAULT_URL",
            "SYSTEM_CONFIG", "load", "Config", "MessageConfig", "ModelConfig", "PrefixConfig", "PathsConfig",
            "ServerConfig", "WarmupConfig", "BatchingConfig", "EmbeddingsConfig", "EngineConfig", "KV_TYPES",
-           "QUANTIZED_KV_TYPES", "POOLING", "default_config", "find_config",
-           "load_config", "read_config_text", "parse_config", "build_dataclass", "state_dir", "cache_dir",
-           "check_writable", "write_probe"]
+           "QUANTIZED_KV_TYPES", "POOLING", "default_config", "find_config", "load_config", "read_config_text",
+           "parse_config", "build_dataclass", "state_dir", "cache_dir", "check_writable", "write_probe"]
 
 BUILTIN_PREFIX = "builtin:"
 # Defaults written once: the CLI, the unit renderer and the [server] table take them from here.
@@ -63,7 +62,7 @@ class ServerConfig:
     # the connection's opening (or of the end of its keep-alive idle time), a body within
     # body_timeout_s (else 408); a body over max_body_bytes is a 413.
     max_connections: int = field(default=DEFAULT_MAX_CONNECTIONS, metadata=_range(1, 1 << 20))
-    header_timeout_s: float = field(default=10.0, metadata=_range(0.1, 3600))  # a request head must be complete within this
+    header_timeout_s: float = field(default=10.0, metadata=_range(0.1, 3600))  # a request head (and, with TLS, the handshake before it) must be complete within this
     body_timeout_s: float = field(default=30.0, metadata=_range(0.1, 3600))  # a request body must be complete within this (else 408)
     keepalive_timeout_s: float = field(default=5.0, metadata=_range(0.1, 3600))  # idle keep-alive connections are closed after this
     max_body_bytes: int = field(default=8 << 20, metadata=_range(1024, 1 << 31))  # larger bodies: 413, before they are read
@@ -79,7 +78,7 @@ class ServerConfig:
     # Who may ask (edge.serve.auth; docs/security.md): keys one per line
     # (# comments), not world-readable; the systemd credential edge-api-keys comes first.
     api_key_file: str | None = None
-    metrics_auth: str = field(default="open", metadata={"choices": ("open", "key")})  # /metrics: open (scrapers send no key) or keyed like the API
+    metrics_auth: str = field(default="key", metadata={"choices": ("key", "open")})  # /metrics with API keys configured: keyed like the API (scrapers send a key), or "open" on purpose
     # a non-loopback socket without keys refuses to start (exit 78) unless this says it on purpose
     allow_unauthenticated: bool = False
     # TLS (edge.serve.tls): uvicorn's own, on the same sockets; or the credentials edge-tls-cert/-key
@@ -130,7 +129,9 @@ class ModelConfig:
     path: str  # builtin:<name>, or a .gguf file (relative to the config file)
     kind: str = "gguf"  # the model file's format (GGUF only)
     sha256: str | None = None  # the file's sha256, verified once per file identity, during page-in
-    n_ctx: int = field(default=2048, metadata=_range(16, 1 << 20))  # the context window, in tokens
+    # the context window, in tokens; None: the model's trained context, at most 32,768 and what 1/4
+    # of the memory beside the weights holds (edge.model.memory.context_plan)
+    n_ctx: int | None = field(default=None, metadata=_range(16, 1 << 20))
     n_batch: int = field(default=512, metadata=_range(1, 1 << 16))  # the logical batch of a prefill, in tokens
     n_threads: int = field(default=0, metadata=_range(0, 1024))  # 0: one per CPU core
     n_gpu_layers: int = field(default=0, metadata=_range(-1, 100000))  # layers offloaded to the GPU (-1: all); needs a CUDA build of llama.cpp
@@ -143,7 +144,7 @@ class ModelConfig:
     max_tokens_default: int = field(default=256, metadata=_range(1, 1 << 20))  # max_tokens of a request that gives none
     max_choices: int = field(default=8, metadata=_range(1, 128))  # bound on n x prompts per request
     # sequences decoded at once in one llama.cpp context (continuous batching, edge.model.slots);
-    # None: from the context and memory (edge.model.memory.auto_parallel), at least 4 on the CPU
+    # None: one per 512 tokens of n_ctx, at most 8 (edge.model.memory.context_plan)
     parallel: int | None = field(default=None, metadata=_range(1, 256))
     # llama.cpp context settings, with llama-server's defaults: flash attention decided by
     # llama.cpp for the device and model ("auto"), the physical batch (None: min(512, n_batch)),
@@ -182,7 +183,7 @@ class ModelConfig:
 class WarmupConfig:
     enabled: bool = True  # false: only the floor request runs
     short_prompt: str = "Hello"  # the floor: this prompt, streamed, two tokens
-    long_prefill_fraction: float = field(default=0.5, metadata=_range(0.0, 0.98))  # a long-prefill candidate of this fraction of n_ctx
+    long_prefill_fraction: float = field(default=0.5, metadata=_range(0.0, 0.98))  # a long-prefill candidate of this fraction of n_ctx (of at most 4,096)
     decode_tokens: int = field(default=16, metadata=_range(1, 4096))  # the streamed-decode candidate's tokens
     chat: bool = True  # chat-template candidates
     prompts: list[str] = field(default_factory=list)  # extra prompts from the real workload

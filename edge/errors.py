@@ -158,7 +158,10 @@ class MissingDependency(EdgeError):
     def __init__(self, package: str, extra: str | None, purpose: str) -> None:
         self.package = package
         self.extra = extra
-        fix = f"pip install 'edge[{extra}]'" if extra else "reinstall edge (pip install edge)"
+        # Never `pip install edge[...]`: PyPI's `edge` is another project. The extra comes from
+        # edge's own checkout or wheel (docs/install.md, "Extras").
+        fix = (f"install edge's {extra!r} extra from its checkout or wheel, e.g. pip install '/opt/edge[{extra}]'"
+               if extra else "reinstall edge from its checkout or wheel (scripts/setup)")
         super().__init__(f"{purpose} needs the Python package {package!r}, which is not installed: {fix}")
 
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge.fsutil import atomic_write
+from edge.fsutil import atomic_write, private_dir
 
 __all__ = ["BIDI_CONTROLS", "visible", "Phase", "PhaseObserver", "Phases", "StartTimer", "ReloadTimer", "write_report", "read_last_report",
            "rewrite_report", "last_report_name", "process_age_s", "REPORT_NAME", "RELOAD_REPORT_NAME", "UnreadableReport"]
@@ -179,8 +179,7 @@ def _version() -> str:
 def write_report(report: dict[str, Any], state_dir: Path, kind: str = "start") -> Path:
     """Write the report as reports/<kind>-<time>-<pid>.json and, atomically, as last-<kind>.json
     (kind: start or reload)."""
-    reports = state_dir / "reports"
-    reports.mkdir(parents=True, exist_ok=True)
+    reports = private_dir(state_dir / "reports")  # reports hold warm-up rows, workload prompts among them
     data = json.dumps(report, indent=2, sort_keys=False) + "\n"
     micros = int(time.time() * 1_000_000)  # failed reloads of one process come a few µs apart
     while True:  # a name of its own: an earlier report of this process is never replaced

@@ -22,6 +22,22 @@ from kit import EDGE, PidOne, write_config  # noqa: E402
 pytest_plugins = ["kit.ota"]  # OTA fixtures (kit, live) for the OTA and Mender tests
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_edge_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every edge this run starts (in process or spawned) whose config names no state or cache dir
+    writes under one temp folder, never into the host's /var/lib/edge or ~/.local/state/edge."""
+    saved = {k: os.environ.get(k) for k in ("EDGE_HOME", "STATE_DIRECTORY", "CACHE_DIRECTORY")}
+    os.environ["EDGE_HOME"] = str(tmp_path_factory.mktemp("edge-home"))
+    for key in ("STATE_DIRECTORY", "CACHE_DIRECTORY"):
+        os.environ.pop(key, None)
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny.gguf")
@@ -38,7 +54,7 @@ def grammar_walk(tiny_gguf: Path) -> Iterator[tuple]:
 
     cfg = ModelConfig(name="tiny", path=str(tiny_gguf), n_ctx=256, n_batch=64, n_threads=1, use_mlock=False)
     m = load_gguf_model(cfg, read_gguf_info(tiny_gguf))
-    yield m, Walker(m.native)
+    yield m, Walker(m)
     m.close()
 
 

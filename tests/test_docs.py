@@ -60,10 +60,44 @@ def test_the_site_builds_strict_with_the_network_refused(tmp_path: Path) -> None
         run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
                               "-d", str(site)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    built = {p.parent.name for p in site.glob("*/index.html")}
-    assert built == {Path(p).stem for p in _nav()} - {"index"} and (site / "index.html").is_file()
+    # opened from disk every page is a file and every link names one (use_directory_urls: false)
+    built = {p.stem for p in site.glob("*.html")} - {"404"}
+    assert built == {Path(p).stem for p in _nav()} and not list(site.glob("*/index.html"))
+    hrefs = re.findall(r'href="([^"#:]+)"', (site / "index.html").read_text())
+    assert hrefs and all(h.endswith((".html", ".css", ".png", ".svg", ".xml")) for h in hrefs), hrefs
+    assert not re.search(r"<script[^>]+src=\"https?://", "".join(p.read_text() for p in site.glob("*.html")))
     assert "fonts.googleapis.com" not in (site / "index.html").read_text()
+    _served_as_the_home_page_says(site)
+    # a backslash before a pipe inside a code span is shown as written (`ls\\|verify`): the
+    # generated tables write none, and no page may
+    shown = {p.relative_to(site).as_posix() for p in site.rglob("*.html") if "\\|" in p.read_text()}
+    assert shown == set()
     assert (ROOT / "build" / "site").exists() == in_repo  # built into the temp dir, not the checkout
+
+
+def _served_as_the_home_page_says(site: Path) -> None:
+    """docs/index.md's one line that serves the built site (for its search), run as written but
+    on a free port and this build: the search index and the pages are there to fetch."""
+    import json
+    import urllib.request
+
+    from kit import dies_with_us
+
+    (line,) = re.findall(r"^python3 -m http\.server .*$", section("Building this site"), re.M)
+    argv = [sys.executable if w == "python3" else str(site) if w == "build/site" else "0" if w == "8000" else w
+            for w in line.split()]
+    server = subprocess.Popen(dies_with_us(argv), stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert server.stdout is not None
+        port = int(re.search(r"port (\d+)", server.stdout.readline()).group(1))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/search/search_index.json", timeout=30) as r:
+            assert len(json.loads(r.read())["docs"]) > 100
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/commands.html", timeout=30) as r:
+            assert b"edge ota verify" in r.read()
+    finally:
+        server.kill()
+        server.wait(timeout=30)
 
 
 def test_the_generated_parts_are_what_the_code_gives() -> None:
@@ -72,6 +106,20 @@ def test_the_generated_parts_are_what_the_code_gives() -> None:
 
 def test_every_config_key_has_its_meaning_beside_it_in_the_code() -> None:
     assert gen_docs.undocumented_keys() == []
+
+
+def test_every_command_and_option_has_its_help_in_the_code() -> None:
+    """docs/commands.md is the CLI's own help: a command or option without one would be a row
+    that says nothing (the generated reference shows every one of them)."""
+    from docgen import commands
+
+    assert commands.undocumented() == []
+    reference = (DOCS / "commands.md").read_text()
+    for words, cmd, ctx in commands.tree():
+        assert f"### {' '.join(('edge', *words))}\n" in reference or not words
+        for p in cmd.get_params(ctx):
+            if p.param_type_name == "option" and "--help" not in p.opts:
+                assert f"`{p.get_help_record(ctx)[0]}`" in reference, (words, p.opts)
 
 
 def _reference_rows() -> dict[str, list[tuple[str, str]]]:

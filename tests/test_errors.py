@@ -83,7 +83,7 @@ def test_missing_onnxruntime_exits_69_naming_a_real_extra(tmp_path: Path) -> Non
                    f'[[engines]]\nname = "mlp"\nbackend = "onnxruntime"\nrecipe = "{recipe}"\n')
     r = _serve(cfg, pre="import sys\nsys.modules['onnxruntime'] = None  # not installed")
     assert r.returncode == EX_UNAVAILABLE, r.stderr
-    assert "pip install 'edge[ort]'" in r.stderr and "Traceback" not in r.stderr
+    assert "pip install '/opt/edge[ort]'" in r.stderr and "Traceback" not in r.stderr
     assert "ort" in _extras()
 
 

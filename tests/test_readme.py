@@ -7,8 +7,10 @@ options, every dotted module reference (`edge.x.Y`, `kit.Y`, `harness.Y`, `bench
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,9 @@ DOCS = "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
 
 # Options of other tools the README names beside them (pip, venv): not edge's to have.
 FOREIGN_OPTIONS = {"--no-cache-dir": "pip install", "--system-site-packages": "python3 -m venv",
-                   "--extra-index-url": "pip install"}
+                   "--extra-index-url": "pip install", "--no-index": "pip install", "--upgrade": "pip install",
+                   "--force-reinstall": "pip install", "--embd-normalize": "llama-server", "--embeddings": "llama-server",
+                   "-ctk": "llama-server", "-ctv": "llama-server", "-ub": "llama-server", "-b": "llama-server"}
 # Names `edge.<x>` that are Mender provides/depends keys (scripts/mender/write-artifact), not modules.
 MENDER_KEYS = {"edge.bundle_version", "edge.content_digest"}
 # Names `edge.<x>` that are files, not modules (edge.toml, edge.socket, edge.service, ...).
@@ -253,3 +257,34 @@ def test_the_quick_start_is_the_two_commands_everywhere() -> None:
     assert "exec scripts/test" in (ROOT / ".ci" / "run").read_text()
     for page in ("docs/index.md", "docs/install.md"):
         assert f"```\n{block}```" in (ROOT / page).read_text(), page
+
+
+def test_the_demo_sets_up_the_service_alone_and_the_tests_everything() -> None:
+    """scripts/demo installs what the demo needs (`scripts/setup --device`: no scripts/setup.d
+    part, whose Chromium, Prometheus and Mender start services of their own) and says what the
+    first run costs; scripts/test keeps the full set-up. demo.py uses edge and the harness
+    (scripts/harness), whose imports are the standard library's and edge's dependencies alone."""
+    import ast
+
+    demo, test, setup = ((ROOT / "scripts" / n).read_text() for n in ("demo", "test", "setup"))
+    assert re.search(r"^scripts/setup --device$", demo, re.M) and "first run" in demo
+    assert re.search(r"^scripts/setup$", test, re.M)
+    loop = re.search(r'^if \[ "\$device" = 0 \]; then\n  for part in scripts/setup\.d/\*\.sh', setup, re.M)
+    assert loop, "setup.d's parts are sourced only without --device"
+    harness = ROOT / "scripts" / "harness"
+    loaded = [ROOT / "scripts" / "demo.py", harness / "__init__.py",
+              *(harness / f"{m}.py" for m in re.findall(r"^from harness\.(\w+) import", (harness / "__init__.py").read_text(),
+                                                        re.M))]
+    roots: set[str] = set()
+    for path in loaded:
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Import):
+                roots |= {a.name.split(".")[0] for a in n.names}
+            elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+                roots.add(n.module.split(".")[0])
+    core = {re.split(r"[ <>=!;\[]", r)[0].lower().replace("_", "-")
+            for r in importlib.metadata.requires("edge-coldstart") or [] if "extra ==" not in r}
+    dists = importlib.metadata.packages_distributions()
+    outside = {r for r in roots - {"edge", "harness"} - set(sys.stdlib_module_names)
+               if not {d.lower().replace("_", "-") for d in dists.get(r, [])} & core}
+    assert len(loaded) > 3 and outside == set(), outside  # all in a --device install

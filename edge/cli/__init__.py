@@ -64,24 +64,48 @@ def main() -> None:
         from edge.bytecode import CompileWatch
 
         watch = CompileWatch()
+    if plain is not None:
+        from edge.cli.launch import serve
+
+        sys.exit(_run(lambda: serve(plain[0], watch)))
+    from edge.cli.output import guard, settle
+
+    stdout = guard()  # every command's answer: one that cannot be written is 74, never a silent 0
+    code, lost = settle(stdout, _run(lambda: _typer_app(watch)))
+    if lost:
+        _stderr(f"edge: error: {lost}")
+    sys.exit(code)
+
+
+def _typer_app(watch: Any) -> int:
+    from edge.cli.commands import app as typer_app
+
+    typer_app(obj=watch)  # standalone: it ends in SystemExit; the serve command's context carries the watch (edge.cli.serve)
+    return 0
+
+
+def _run(command: Any) -> int:
+    """The exit code of `command()`: its return, its SystemExit, or an error's own code."""
     from edge.errors import EX_SOFTWARE, EdgeError
 
     try:
-        if plain is not None:
-            from edge.cli.launch import serve
-
-            sys.exit(serve(plain[0], watch))
-        from edge.cli.commands import app as typer_app
-
-        typer_app(obj=watch)  # the serve command's context carries it (edge.cli.serve)
+        return int(command() or 0)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else _said(str(exc.code))
     except EdgeError as exc:
         _stderr(f"edge: error: {exc}")
-        sys.exit(exc.exit_code)
+        return exc.exit_code
     except KeyboardInterrupt:
-        sys.exit(130)
+        return 130
     except Exception:  # a bug, not a bad input: its traceback once, and the code that says so
         _internal_error(EX_SOFTWARE)
-        sys.exit(EX_SOFTWARE)
+        return EX_SOFTWARE
+
+
+def _said(message: str) -> int:
+    """sys.exit("text"): the text on stderr, exit 1 (as Python does)."""
+    _stderr(message)
+    return 1
 
 
 def _hold_std_fds() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,6 +19,14 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="the device's edge config 
 PUBKEY = "an Ed25519 public key file (PEM, as `edge ota keygen` writes OUT.pub)"
 PubOpt = typer.Option(None, "--pubkey", callback=lambda v: a_file(PUBKEY)(v),
                       help="Ed25519 public key that signs bundles (default: [ota] pubkey)")
+# How a switch is activated and checked (install, rollback, recover): each defaults to [ota].
+RestartCmdOpt = typer.Option(None, "--restart-cmd", help="instead of systemctl restart (default: [ota] restart_cmd)")
+UnitOpt = typer.Option(None, "--unit", help="the service unit to restart or reload (default: [ota] unit, edge.service)")
+HealthUrlOpt = typer.Option(None, "--health-url", help="polled until it answers 200 after the activation "
+                            "(default: [ota] health_url, else the service's /readyz)")
+TimeoutOpt = typer.Option(None, "--timeout", help="seconds the activated version may take to answer "
+                          "--health-url (default: [ota] timeout_s)")
+NoActivateOpt = typer.Option(False, "--no-activate", help="switch the links only: no restart or reload")
 
 
 def _ota(config: Optional[Path], keep: Optional[int] = None, pubkey: Optional[Path] = None):
@@ -28,6 +35,11 @@ def _ota(config: Optional[Path], keep: Optional[int] = None, pubkey: Optional[Pa
     from edge.config import find_config, load_config, state_dir
     from edge.ota.install import Ota
 
+    # The OTA tree is read by the service's own user (the unit's DynamicUser=) whoever writes it:
+    # root's `edge ota install`, or the drop-in's `ExecStartPre=+… recover` under the unit's
+    # UMask=0077, which would leave a current/edge.toml the service cannot read (exit 78). It holds
+    # no key, prompt or crash detail, and the state dir above it is the service's alone.
+    os.umask(0o022)
     path = find_config(str(config) if config else None)
     cfg = load_config(path)
     key = pubkey or Path(cfg.ota.pubkey)
@@ -89,23 +101,9 @@ def _echo(result: Any) -> None:
 
 
 def _say(text: str) -> None:
-    """The command's answer on stdout. Written after the command did its work: where stdout cannot
-    take it (closed: `>&-`; a full file system; a reader gone), one line says so with exit 74, and
-    the work stands. edge.cli.main put /dev/null on a closed descriptor, so no file the command
-    opened took its number."""
-    from edge.ota.errors import OtaIOError
-
-    done = "the command completed, but its answer could not be written (`edge ota status` shows the state)"
-    if sys.stdout is None:
-        raise OtaIOError(f"stdout is closed: {done}")
-    try:
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-    except OSError as exc:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, sys.stdout.fileno())  # what is left in the buffer goes nowhere, not into a traceback at exit
-        os.close(null)
-        raise OtaIOError(f"stdout: {exc.strerror or exc}: {done}") from None
+    """The command's answer on stdout, after its work: an answer stdout cannot take is exit 74
+    with the work standing (edge.cli.output, for every command)."""
+    typer.echo(text)
 
 
 def _new_key(value: Path) -> Path:
@@ -131,7 +129,8 @@ STATUS_FIELDS = ["current", "previous", "pending", "highest"]
 
 
 @ota_app.command()
-def keygen(out: Path = typer.Option(Path("signing.key"), "-o", "--out", callback=_new_key)) -> None:
+def keygen(out: Path = typer.Option(Path("signing.key"), "-o", "--out", callback=_new_key,
+                                    help="the private key to write (never overwritten); the public key: OUT.pub")) -> None:
     """Make an Ed25519 signing key (OUT, mode 0600) and its public key (OUT.pub).
 
     Docs: docs/ota.md"""
@@ -189,7 +188,8 @@ def _carries_what_config_names(config: Path):
 @ota_app.command()
 def build(version: str = typer.Option(..., "--version", callback=_version,
                                       help="the bundle's version: MAJOR.MINOR.PATCH[-PRERELEASE]"),
-          key: Path = typer.Option(..., "--key", callback=a_file("an Ed25519 signing key (edge ota keygen)")),
+          key: Path = typer.Option(..., "--key", callback=a_file("an Ed25519 signing key (edge ota keygen)"),
+                                   help="the fleet's private signing key (edge ota keygen)"),
           config: Path = typer.Option(..., "--config", help="the config the devices run for this version"),
           model: list[Path] = typer.Option([], "--model", callback=a_file("a GGUF model file"),
                                            help="GGUF file -> models/<name> (repeatable)"),
@@ -202,7 +202,7 @@ def build(version: str = typer.Option(..., "--version", callback=_version,
                                               callback=a_file("an earlier bundle or its manifest.json"),
                                               help="an earlier bundle (or its manifest.json): "
                                               "a thin bundle that carries only the files it lacks"),
-          out: Path = typer.Option(..., "-o", "--out", callback=output_file)) -> None:
+          out: Path = typer.Option(..., "-o", "--out", callback=output_file, help="the bundle to write (.edgeb)")) -> None:
     """Build a signed bundle (on the host); thin with --base.
 
     Docs: docs/ota.md"""
@@ -229,7 +229,9 @@ FIELDS = {"version": lambda b: b.version, "content_digest": lambda b: b.content_
 
 
 @ota_app.command()
-def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey", callback=lambda v: a_file(PUBKEY)(v)),
+def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey", callback=lambda v: a_file(PUBKEY)(v),
+                                                                 help="verify the signature with this public key "
+                                                                 "(without it: checksums only)"),
             field: Optional[str] = typer.Option(None, "--field", callback=lambda v: one_of(v, list(FIELDS)),
                                                 help="print one manifest field and stop: " + ", ".join(FIELDS))) -> None:
     """Print a bundle's manifest and verify its signature and every file's checksum, streaming:
@@ -238,7 +240,7 @@ def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey"
     Docs: docs/ota.md"""
     from edge.ota.bundle import open_bundle
     from edge.ota.checks import check_bundle
-    from edge.ota.errors import BundleError, OtaIOError
+    from edge.ota.errors import BundleError
     from edge.ota.extract import scan
 
     b = open_bundle(bundle, pubkey, insecure=pubkey is None)
@@ -257,22 +259,16 @@ def inspect(bundle: Path, pubkey: Optional[Path] = typer.Option(None, "--pubkey"
         state = "dev" if not f.carried else state  # a thin bundle's file the device must have
         lines.append(f"  {state} {f.kind:<7} {f.size:>12}  {f.path}{key}" + (f"  ({problem})" if problem else ""))
     lines.append("config:\n" + "\n".join("  " + line for line in b.manifest["config"].splitlines()))
-    try:
-        _say("\n".join(lines))
-    except OtaIOError:
-        if not bad:
-            raise  # the verdict is the exit code: a bad bundle's 65 goes before stdout's 74
-    if bad:
+    _say("\n".join(lines))
+    if bad:  # the verdict is the exit code, also where stdout could not take the lines (not 74)
         raise BundleError(f"{bad} file(s) in {bundle} do not match the manifest")
 
 
 @ota_app.command()
 def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[Path] = PubOpt,
             insecure: bool = typer.Option(False, "--insecure", help="accept an unverified bundle"),
-            restart_cmd: Optional[str] = typer.Option(None, "--restart-cmd", help="instead of systemctl restart"),
-            unit: Optional[str] = typer.Option(None, "--unit"),
-            health_url: Optional[str] = typer.Option(None, "--health-url"),
-            timeout: Optional[float] = typer.Option(None, "--timeout"),
+            restart_cmd: Optional[str] = RestartCmdOpt, unit: Optional[str] = UnitOpt,
+            health_url: Optional[str] = HealthUrlOpt, timeout: Optional[float] = TimeoutOpt,
             no_activate: bool = typer.Option(False, "--no-activate", help="stage and switch only"),
             no_commit: bool = typer.Option(False, "--no-commit", help="activate and health-check, but "
                                            "leave it pending for `edge ota commit` (Mender's ArtifactCommit)"),
@@ -303,12 +299,12 @@ def install(bundle: Path, config: Optional[Path] = ConfigOpt, pubkey: Optional[P
 
 
 @ota_app.command()
-def rollback(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typer.Option(None, "--restart-cmd"),
-             unit: Optional[str] = typer.Option(None, "--unit"), health_url: Optional[str] = typer.Option(None, "--health-url"),
-             timeout: Optional[float] = typer.Option(None, "--timeout"),
+def rollback(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = RestartCmdOpt,
+             unit: Optional[str] = UnitOpt, health_url: Optional[str] = HealthUrlOpt,
+             timeout: Optional[float] = TimeoutOpt,
              pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt,
              reload: bool = ReloadOpt, control: Optional[Path] = ControlOpt,
-             no_activate: bool = typer.Option(False, "--no-activate"), pubkey: Optional[Path] = PubOpt) -> None:
+             no_activate: bool = NoActivateOpt, pubkey: Optional[Path] = PubOpt) -> None:
     """Undo a pending install, or switch back to the previous version (its files checked against
     its signed manifest first); restart (or reload).
 
@@ -327,25 +323,28 @@ def commit(config: Optional[Path] = ConfigOpt) -> None:
 
 
 @ota_app.command()
-def recover(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = typer.Option(None, "--restart-cmd"),
-            unit: Optional[str] = typer.Option(None, "--unit"), health_url: Optional[str] = typer.Option(None, "--health-url"),
-            timeout: Optional[float] = typer.Option(None, "--timeout"),
+def recover(config: Optional[Path] = ConfigOpt, restart_cmd: Optional[str] = RestartCmdOpt,
+            unit: Optional[str] = UnitOpt, health_url: Optional[str] = HealthUrlOpt,
+            timeout: Optional[float] = TimeoutOpt,
             pid_file: Optional[Path] = PidFileOpt, log_file: Optional[Path] = LogFileOpt,
             reload: bool = ReloadOpt, control: Optional[Path] = ControlOpt,
             boot: bool = typer.Option(False, "--boot", "--no-activate",
                                       help="at boot, before the service starts: no restart"),
             pubkey: Optional[Path] = PubOpt) -> None:
     """Converge what a killed command or a power cut left: an uncommitted version is rolled back
-    (the version it goes back to checked against its signed manifest first), links are made to
-    agree with state.json (rebuilt if it is damaged), leftovers are deleted, old versions pruned.
-    Needs no free space.
+    (the version it goes back to checked against its signed manifest first), an interrupted repair
+    is finished (and activated), links are made to agree with state.json (rebuilt if it is
+    damaged), leftovers are deleted, old versions pruned. With --boot, the current version is
+    checked as a boot can afford (sizes, sampled hashes, type, mode, links; in full after an
+    interrupted repair) and repaired from the device's store, or the version before it is
+    served. Needs no free space unless a file must be repaired.
 
     Docs: docs/ota.md"""
     ota, cfg = _ota(config, pubkey=pubkey)
     act = None if boot else _activator(cfg, restart_cmd, unit, health_url, timeout, pid_file, log_file,
                                        reload, control)
     rebuilt = ota.state().get("rebuilt")  # read-only: said here, written by recover
-    result = ota.recover(act) or {"result": "nothing pending", "version": ota.state()["current"]}
+    result = ota.recover(act, boot=boot) or {"result": "nothing pending", "version": ota.state()["current"]}
     _echo({**result, **({"rebuilt": rebuilt} if rebuilt else {})})
 
 

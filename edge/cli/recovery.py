@@ -120,11 +120,19 @@ def clear(config: Optional[str] = ConfigOpt) -> None:
     from edge.lifecycle.recovery import early_state_dir
     from edge.lifecycle.safemode import SafeMode
 
+    from edge.errors import EdgeError
+
     folder = early_state_dir(config)
+    if not folder.is_dir():  # no start ever used it: nothing is in force
+        typer.echo(f"safe mode cleared in {folder} (it was off: no state dir there yet)")
+        return
     mode = SafeMode.load(folder)
     steps = mode.describe()
-    mode.clear()
-    gave_up = GiveUp.remove(folder)
+    try:
+        mode.clear()
+        gave_up = GiveUp.remove(folder)
+    except OSError as exc:
+        raise EdgeError(f"{exc.filename or folder}: cannot end safe mode: {exc.strerror or exc}") from None
     typer.echo(f"safe mode cleared in {folder}" + (": " + "; ".join(f"{s['target']}: {s['fallback']}"
                                                                    for s in steps) if steps else " (it was off)")
                + ("; the give-up ended" if gave_up else ""))

@@ -51,7 +51,9 @@ def _model_lines(report: dict[str, Any]) -> list[str]:
     for m in report.get("models") or []:
         c = m.get("context")
         if c:
-            lines.append(f"model {m['name']}: n_ctx {m.get('n_ctx')}, n_batch {c['n_batch']}, n_ubatch "
+            why = f" ({c['n_ctx_why']})" if c.get("n_ctx_why") else ""
+            slots = f", {c['parallel']} slots ({c.get('parallel_why', 'parallel')})" if c.get("parallel") else ""
+            lines.append(f"model {m['name']}: n_ctx {m.get('n_ctx')}{why}{slots}, n_batch {c['n_batch']}, n_ubatch "
                          f"{c['n_ubatch']}, threads {c['n_threads']} (batch {c['n_threads_batch']}), flash_attn "
                          f"{c['flash_attn']}, swa_full {str(c.get('swa_full')).lower()}, prompt cache up to "
                          f"{c['prompt_cache_limit_bytes'] / 2**20:.1f} MiB"

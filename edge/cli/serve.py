@@ -53,7 +53,7 @@ def _write_svg(path: Path, charts: list[Any]) -> None:
     from edge.fleet.timeline import render_svg
 
     try:
-        atomic_write(path, render_svg(charts))
+        atomic_write(path, render_svg(charts), mode=None)  # the file asked for, as the umask makes it
     except OSError as exc:
         raise EdgeError(f"--svg {path}: cannot write it: {exc.strerror or exc}") from None
     typer.echo(f"timeline written to {path}", err=True)
@@ -268,11 +268,12 @@ def _format_failed(r: dict[str, Any]) -> str:
 
 def bench(url: str = typer.Option(DEFAULT_URL, "--url", callback=lambda v: url_of(v, ("http",)),
                                  help="the running service"),
-          requests: int = typer.Option(50, "--requests", min=1),
-          concurrency: int = typer.Option(4, "--concurrency", min=1),
-          prompt: str = typer.Option("Question: What is the capital of France?\nAnswer:", "--prompt"),
-          max_tokens: int = typer.Option(16, "--max-tokens", min=1),
-          model: Optional[str] = typer.Option(None, "--model")) -> None:
+          requests: int = typer.Option(50, "--requests", min=1, help="requests in all"),
+          concurrency: int = typer.Option(4, "--concurrency", min=1, help="clients sending at once"),
+          prompt: str = typer.Option("Question: What is the capital of France?\nAnswer:", "--prompt",
+                                     help="the completion prompt every request sends"),
+          max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="max_tokens of each request"),
+          model: Optional[str] = typer.Option(None, "--model", help="the model asked (default: the first)")) -> None:
     """Latency and throughput of a running service (JSON): p50/p95/p99, requests/s, tokens/s.
 
     Docs: docs/performance.md"""

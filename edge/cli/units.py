@@ -90,7 +90,7 @@ def units_install(prefix: str = typer.Option("/", "--prefix", callback=_prefix, 
     the GPU device policy is that of the device at --prefix.
 
     Docs: docs/deploy.md#3-the-units-and-a-starter-config"""
-    from edge.host.units import install_starter_config, install_units, reclaim_config_dir
+    from edge.host.units import install_starter_config, install_units, reclaim_config_dir, starter_path
 
     o = _options(edge, config, listen, unix_socket, socket_group, user, prefix)
     try:
@@ -99,7 +99,11 @@ def units_install(prefix: str = typer.Option("/", "--prefix", callback=_prefix, 
         raise EdgeError(f"cannot write units under {prefix}: {exc.strerror} ({exc.filename})") from None
     for p in paths:
         typer.echo(f"wrote {p}")
-    cfg = Path(prefix) / o.config.lstrip("/")
+    cfg = Path(prefix) / starter_path(o.config).lstrip("/")
+    if starter_path(o.config) != o.config:
+        typer.echo(f"the units serve the OTA-managed {o.config}: `edge ota recover` (the drop-in's, at the "
+                   f"next start) points it at the factory config {starter_path(o.config)} until a version "
+                   "is installed (docs/ota.md)")
     try:
         if reclaim_config_dir(cfg.parent):
             typer.echo(f"gave {cfg.parent} back to root (an older unit had handed it to the service)")

@@ -74,7 +74,7 @@ def save_timing_cache(path: Path, data: bytes, log: Callable[[str], None]) -> bo
     build its tactic timings, never this build its engine."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, data)
+        atomic_write(path, data, mode=None)  # an engine: read by the service's own user (the umask's mode)
     except OSError as exc:
         log(f"  warning: timing cache not saved to {path}: {exc} (the engine is stored)")
         return False

@@ -57,7 +57,7 @@ class EngineStore:
         return data
 
     def _save_manifest(self, folder: Path, data: dict[str, Any]) -> None:
-        atomic_write(folder / MANIFEST, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        atomic_write(folder / MANIFEST, json.dumps(data, indent=2, sort_keys=True) + "\n", mode=None)
 
     @contextmanager
     def _locked(self, folder: Path) -> Iterator[None]:

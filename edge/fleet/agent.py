@@ -5,10 +5,18 @@ inbound connection; the agent's WAL holds samples while the uplink is down.
 `edge fleet agent` prints the agent's config and its systemd unit; `edge fleet rules` the rules
 file the receiving side loads (edge/fleet/rules/edge-rules.yml, package data). Every device scrapes
 itself as 127.0.0.1, so the config sets `instance` to the device's name: the fleet tells devices
-apart, and the rules join by (job, instance).
+apart, and the rules join by (job, instance). The name defaults to the machine id
+(/etc/machine-id, made once per installed system), not the hostname: devices flashed from one
+image keep the image's hostname, and two devices under one `instance` are one flapping series.
 
 The agent flag changed with Prometheus 3: `--enable-feature=agent` before, `--agent` since
 (Debian 12 ships 2.42).
+
+A device that serves TLS is scraped over HTTPS trusting its own certificate (`tls_ca`, checked
+against `server_name` when 127.0.0.1 is not a name in it); one whose /metrics is keyed (API keys
+configured, `metrics_auth = "key"`, the default) with one of its keys (`key_file`, a file holding
+that key alone). Both reach the agent as systemd credentials of its unit (`LoadCredential=`:
+the files stay root's; the agent's DynamicUser reads its own copies under `CREDENTIALS`).
 """
 
 from __future__ import annotations
@@ -18,10 +26,31 @@ import json
 import re
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["AgentSetup", "agent_flag", "prometheus_major", "rules_text"]
+__all__ = ["AgentSetup", "CREDENTIALS", "agent_flag", "machine_id", "prometheus_major", "rules_text", "server_name_for"]
 
 RULES_FILE = "edge-rules.yml"
+UNIT = "edge-prometheus-agent.service"
+CREDENTIALS = f"/run/credentials/{UNIT}"  # where systemd puts the unit's LoadCredential= files
+CA_CREDENTIAL, KEY_CREDENTIAL = "edge-tls-ca", "edge-api-key"
+MACHINE_ID_FILES = (Path("/etc/machine-id"), Path("/var/lib/dbus/machine-id"))
+
+
+def machine_id(files: tuple[Path, ...] = MACHINE_ID_FILES) -> str:
+    """This system's machine id (systemd's, else D-Bus's: 32 hex digits); a usage error naming
+    the files where there is none (an image not booted yet: `--instance` instead)."""
+    for path in files:
+        try:
+            text = path.read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if re.fullmatch(r"[0-9a-f]{32}", text):
+            return text
+    from edge.errors import ConfigError
+
+    raise ConfigError(" or ".join(str(p) for p in files), "", "no machine id (32 hex digits) to name this device "
+                      "with: give --instance (a name unique in the fleet)")
 
 
 def rules_text() -> str:
@@ -47,6 +76,26 @@ def _q(value: str) -> str:
     return json.dumps(value)  # a JSON string is a YAML double-quoted scalar: every value escaped
 
 
+def server_name_for(cert_pem: bytes, host: str) -> str | None:
+    """The name to verify the certificate by when it does not name `host` (the scrape target's
+    address): its first DNS name; None when `host` is one of its names or it has no DNS name."""
+    import ipaddress
+
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    dns = sans.get_values_for_type(x509.DNSName)
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None if host in dns else (dns[0] if dns else None)
+    return None if ip in sans.get_values_for_type(x509.IPAddress) else (dns[0] if dns else None)
+
+
 @dataclass(frozen=True)
 class AgentSetup:
     remote_write: str  # the fleet's receiver, e.g. https://prom.example.com/api/v1/write
@@ -57,6 +106,9 @@ class AgentSetup:
     binary: str = "/usr/bin/prometheus"
     config_path: str = "/etc/edge/prometheus-agent.yml"
     listen: str = "127.0.0.1:9095"  # the agent's own web/API port: loopback only
+    tls_ca: str | None = None  # the certificate edge serves (or its CA): scraped over HTTPS trusting it
+    server_name: str | None = None  # the name to check it by, where the target's address is not in it
+    key_file: str | None = None  # a file holding one API key: the device's /metrics is keyed
 
     def config(self) -> str:
         return "\n".join([
@@ -66,6 +118,7 @@ class AgentSetup:
             f"  scrape_interval: {_q(self.interval)}",
             "scrape_configs:",
             f"  - job_name: {_q(self.job)}",
+            *self._scrape_access(),
             "    static_configs:",
             f"      - targets: [{_q(self.target)}]",
             "    relabel_configs:",
@@ -75,6 +128,21 @@ class AgentSetup:
             "remote_write:",
             f"  - url: {_q(self.remote_write)}",
             ""])
+
+    def _scrape_access(self) -> list[str]:
+        """HTTPS trusting the device's certificate, and the key, read from the unit's credentials."""
+        lines = []
+        if self.tls_ca:
+            lines += ["    scheme: https", "    tls_config:", f"      ca_file: {_q(f'{CREDENTIALS}/{CA_CREDENTIAL}')}"]
+            lines += [f"      server_name: {_q(self.server_name)}"] if self.server_name else []
+        if self.key_file:
+            lines += ["    authorization:", "      type: Bearer",
+                      f"      credentials_file: {_q(f'{CREDENTIALS}/{KEY_CREDENTIAL}')}"]
+        return lines
+
+    def _credentials(self) -> list[str]:
+        return ([f"LoadCredential={CA_CREDENTIAL}:{self.tls_ca}"] if self.tls_ca else []) + \
+               ([f"LoadCredential={KEY_CREDENTIAL}:{self.key_file}"] if self.key_file else [])
 
     def unit(self, major: int | None) -> str:
         return "\n".join([
@@ -94,6 +162,7 @@ class AgentSetup:
             "ExecReload=/bin/kill -HUP $MAINPID",
             "DynamicUser=yes",
             "StateDirectory=edge-prometheus-agent",
+            *self._credentials(),
             "Restart=on-failure",
             "RestartSec=5",
             "ProtectSystem=strict",

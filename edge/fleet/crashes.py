@@ -28,6 +28,7 @@ evidence against llama.cpp's native paths (edge.lifecycle.safemode counts `NATIV
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,8 @@ from edge.fleet.journal import JournalRead, Stop, journals
 from edge.fsutil import atomic_write
 from edge.timing import write_report
 
-__all__ = ["CAUSES", "NATIVE_CAUSES", "NATIVE_SIGNALS", "cause_of", "crash_report", "recent_crashes", "settle",
-           "settle_all"]
+__all__ = ["CAUSES", "NATIVE_CAUSES", "NATIVE_SIGNALS", "cause_of", "crash_report", "ended_unix", "recent_crashes",
+           "settle", "settle_all"]
 
 log = logging.getLogger("edge")
 
@@ -111,10 +112,23 @@ def crash_report(j: JournalRead) -> dict[str, Any]:
         how += " (the cgroup's OOM killer)"
     return {"edge_version": str(j.head.get("edge_version", "")), "pid": j.pid, "host": _host(),
             "started_at": str(j.head.get("started_at", "")), "started_unix": j.head.get("started_unix"),
-            "ready_s": j.last_t, "phases": _phases(j), "result": result, "phase": phase, **target,
+            "ended_unix": ended_unix(j), "ready_s": j.last_t, "phases": _phases(j), "result": result, "phase": phase, **target,
             "signal": signal or "unknown", "exit_status": stop.status if stop else "",
             "service_result": stop.result if stop else "", "cause": cause, "keys": j.keys, "reached_ready": j.ready is not None,
             "error": f"{how} in phase {phase}" + (f" ({on})" if on else "")}
+
+
+def ended_unix(j: JournalRead) -> float:
+    """When the process ended: systemd's word (ExecStopPost= runs as the main process is gone),
+    else its own last word (a journal `end`), else now, when this record is made (a power loss:
+    the next start settles it). Never the READY before it: a service that crashes every 20
+    minutes has 3 crashes in an hour, dated 20 minutes apart, whatever each start took."""
+    if j.stop is not None and j.stop.at is not None:
+        return round(j.stop.at, 3)
+    start, end_t = j.head.get("started_unix"), (j.end or {}).get("t")
+    if isinstance(start, (int, float)) and isinstance(end_t, (int, float)):
+        return round(float(start) + float(end_t), 3)
+    return round(time.time(), 3)
 
 
 def _phases(j: JournalRead) -> list[dict[str, Any]]:
@@ -130,14 +144,21 @@ def _phases(j: JournalRead) -> list[dict[str, Any]]:
 
 
 def _amend(state_dir: Path, name: Any, **fields: Any) -> None:
+    """systemd's word added to a report, and to its copy as last-failed-start.json where that copy
+    is still this report (what `edge status` and its SVG draw)."""
     if not isinstance(name, str) or "/" in name:
         return
     path = state_dir / "reports" / name
     report = read_json(path)
-    if report is not None:
-        import json
+    if report is None:
+        return
+    import json
 
-        atomic_write(path, json.dumps({**report, **fields}, indent=2) + "\n")
+    data = json.dumps({**report, **fields}, indent=2) + "\n"
+    atomic_write(path, data)
+    last = state_dir / f"last-{FAILED_START}.json"
+    if read_json(last) == report:
+        atomic_write(last, data)
 
 
 def _host() -> str:
@@ -161,12 +182,15 @@ def recent_crashes(state_dir: Path, limit: int = 10) -> list[dict[str, Any]]:
             rows.append(_row(r, path.name))
     rows += [_row(crash_report(j), j.path.name, settled=False) for j in journals(state_dir)
              if not j.alive() and j.end is None]
-    rows.sort(key=lambda r: r["started_unix"] or 0)
+    rows.sort(key=lambda r: r["ended_unix"] or r["started_unix"] or 0)
     return rows[-limit:]
 
 
 def _row(r: dict[str, Any], name: str, settled: bool = True) -> dict[str, Any]:
-    return {"at": r.get("started_at"), "started_unix": r.get("started_unix"), "pid": r.get("pid"),
+    ended = r.get("ended_unix") if isinstance(r.get("ended_unix"), (int, float)) else None
+    at = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(ended)) if ended is not None else r.get("started_at")
+    return {"at": at, "ended_unix": ended, "started_at": r.get("started_at"), "started_unix": r.get("started_unix"),
+            "pid": r.get("pid"),
             "result": r.get("result", CRASHED), "phase": r.get("phase"), "model": r.get("model"),
             "engine": r.get("engine"), "signal": r.get("signal"), "exit_status": r.get("exit_status"),
             "service_result": r.get("service_result"), "cause": r.get("cause") or cause_of(

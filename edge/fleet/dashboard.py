@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Panel", "alert_expressions", "dashboard_json", "metric_names", "panels", "provisioning"]
+__all__ = ["Panel", "alert_expressions", "dashboard_json", "grid", "metric_names", "panels", "provisioning"]
 
 UID = "edge-fleet"
 ZERO = " or on() vector(0)"  # nothing wrong: the panel says 0, not "No data"
@@ -60,8 +60,14 @@ def _fixed_panels() -> list[Panel]:
               (("count by (result, version) (edge_ota_last_result == 1)" + ZERO, "{{result}} · {{version}}"),)),
         Panel("Models not locked in memory (mlock failures)", "stat", "short",
               (("sum(1 - edge_mlock_ok)" + ZERO, "not locked"),)),
-        Panel("Devices not scraped or silent", "stat", "short",
-              (('count(up{job="edge"} == 0)' + ZERO, "not scraped"), (f"count({SILENT})" + ZERO, "silent"))),
+        Panel("Devices not scraped, silent or given up", "stat", "short",
+              (('count(up{job="edge"} == 0)' + ZERO, "not scraped"), (f"count({SILENT})" + ZERO, "silent"),
+               ("count(edge:given_up)" + ZERO, "given up"))),
+        Panel("Devices given up (answering 503)", "table", "short",
+              (("max by (instance, phase, signal, target) (edge:given_up)" + ZERO,
+                "{{instance}} · {{phase}} SIG{{signal}} · {{target}}"),),
+              "Safe mode exhausted: every request is answered 503 until `edge safe-mode clear`, another config, "
+              "model, llama.cpp or edge, or the retry (the shipped rule edge:given_up, EdgeGivenUp)."),
     ]
 
 
@@ -105,12 +111,30 @@ def metric_names(expr: str) -> set[str]:
     return set(re.findall(r"(?<![\w:])(?:edge_\w+|edge:[\w:]+|module_model:[\w:]+|up)(?![\w:(])", bare))
 
 
-def _builder(panel: Panel) -> Any:
+COLUMNS, HEIGHT = 24, 8  # Grafana's grid: 24 columns; every panel 8 rows high
+
+
+def grid(panels: list[Panel]) -> list[tuple[int, int, int, int]]:
+    """(x, y, w, h) of each panel: tables the full width, the others half, filled left to right
+    and wrapped to the next row before a panel would cross the 24th column (the SDK's builder
+    wraps only after one did)."""
+    out, x, y = [], 0, 0
+    for p in panels:
+        w = COLUMNS if p.kind == "table" else COLUMNS // 2
+        if x + w > COLUMNS:
+            x, y = 0, y + HEIGHT
+        out.append((x, y, w, HEIGHT))
+        x += w
+    return out
+
+
+def _builder(panel: Panel, at: tuple[int, int, int, int]) -> Any:
     from grafana_foundation_sdk.builders import prometheus, stat, table, timeseries
-    from grafana_foundation_sdk.models.dashboard import DataSourceRef
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos
 
     kind = {"timeseries": timeseries, "stat": stat, "table": table}[panel.kind]
-    b = (kind.Panel().title(panel.title).unit(panel.unit).height(8).span(24 if panel.kind == "table" else 12)
+    x, y, w, h = at
+    b = (kind.Panel().title(panel.title).unit(panel.unit).grid_pos(GridPos(h=h, w=w, x=x, y=y))
          .datasource(DataSourceRef(type_val="prometheus", uid="${datasource}")))
     if panel.description:
         b = b.description(panel.description)
@@ -130,8 +154,9 @@ def dashboard_json() -> str:
 
     board = (Dashboard("edge fleet").uid(UID).tags(["edge"]).refresh("1m").time("now-6h", "now")
              .with_variable(DatasourceVariable("datasource").label("Prometheus").type("prometheus")))
-    for panel in panels():
-        board = board.with_panel(_builder(panel))
+    shown = panels()
+    for panel, at in zip(shown, grid(shown)):
+        board = board.with_panel(_builder(panel, at))
     return json.dumps(board.build(), cls=JSONEncoder, indent=2, sort_keys=True) + "\n"
 
 

@@ -159,10 +159,11 @@ class Ledger:
         """What was counted in the last `window_s` seconds (as of the last update()), by when it
         happened on this device: family -> key -> n. A scrape gap, a new Prometheus, a recount
         of the reports or a device back from offline changes none of it."""
-        since = (time.time() if now is None else now) - window_s
+        until = time.time() if now is None else now
+        since = until - window_s
         out: dict[str, dict[str, int]] = {}
         for at, family, key in self.events:
-            if at >= since:
+            if since <= at <= until:
                 out.setdefault(family, {})[key] = out.setdefault(family, {}).get(key, 0) + 1
         return out
 
@@ -205,9 +206,12 @@ class Ledger:
 
 
 def _happened(report: dict[str, Any], path: Path) -> float:
-    """When a report's event happened on this device: its start plus how long it ran (the
-    failure, the crash), else its file's time; never the time it was counted (a recount of old
-    reports must not look like new failures)."""
+    """When a report's event happened on this device: when it ended where the record says
+    (`ended_unix`: a crash, by systemd's word or its own, edge.fleet.crashes), else its start
+    plus how long it ran (a start that failed before READY), else its file's time; never the
+    time it was counted (a recount of old reports must not look like new failures)."""
+    if isinstance(report.get("ended_unix"), (int, float)):
+        return float(report["ended_unix"])
     start = report.get("started_unix")
     if not isinstance(start, (int, float)):
         start = timestamp(report.get("started_at"))

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.device.cgroup import oom_kills
-from edge.fsutil import fsync_dir
+from edge.fsutil import fsync_dir, private_dir
 from edge.timing import process_age_s
 
 __all__ = ["JOURNAL_DIR", "Journal", "JournalRead", "Stop", "journals", "pending", "read_journal"]
@@ -202,8 +202,8 @@ class Journal:
         t0 = time.perf_counter()
         try:
             if self._fd is None:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+                private_dir(self.folder)  # how each process ended: crash details
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "alive" for as long as it is held
                 fsync_dir(self.folder)
                 self._syncer = _Syncer(self._fd)
@@ -237,16 +237,19 @@ class Stop:
     """How systemd saw the main process end ($SERVICE_RESULT, $EXIT_CODE, $EXIT_STATUS of
     ExecStopPost=): result success|exit-code|signal|core-dump|timeout|watchdog|oom-kill|…;
     code exited|killed|dumped; status an exit status or a signal name (SEGV); `oom_kills` the
-    unit's cgroup's OOM kills so far (ExecStopPost= runs in it), to compare with the start's."""
+    unit's cgroup's OOM kills so far (ExecStopPost= runs in it), to compare with the start's; `at`
+    when it ran (systemd runs it as soon as the main process is gone: when the crash happened)."""
 
     result: str = ""
     code: str = ""
     status: str = ""
     oom_kills: int | None = None
+    at: float | None = None  # unix time systemd ran ExecStopPost=: right after the process ended
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> "Stop":
-        return cls(env.get("SERVICE_RESULT", ""), env.get("EXIT_CODE", ""), env.get("EXIT_STATUS", ""), oom_kills())
+        return cls(env.get("SERVICE_RESULT", ""), env.get("EXIT_CODE", ""), env.get("EXIT_STATUS", ""), oom_kills(),
+                   time.time())
 
     def as_dict(self) -> dict[str, str]:
         return {"result": self.result, "code": self.code, "status": self.status}

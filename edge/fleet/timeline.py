@@ -198,7 +198,8 @@ def recovery_chart(crashes: list[dict[str, Any]], safe: list[dict[str, Any]], no
 
     if not crashes and not safe:
         return None
-    when = {id(c): float(c["started_unix"]) if isinstance(c.get("started_unix"), (int, float)) else now for c in crashes}
+    when = {id(c): float(t) if isinstance(t := c.get("ended_unix") or c.get("started_unix"), (int, float)) else now
+            for c in crashes}  # when each crash happened (records before ended_unix: their start)
     since = [(s, timestamp(s.get("since")) or now) for s in safe]
     t0 = min([*when.values(), *(t for _, t in since)])
     first = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))

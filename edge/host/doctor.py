@@ -11,14 +11,10 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from edge.config import BUILTIN_PREFIX, Config, ModelConfig, cache_dir, find_config, load_config, state_dir, write_probe
+from edge.config import Config, cache_dir, find_config, load_config, state_dir, write_probe
 from edge.errors import ConfigError, EdgeError
 from edge.model.mlock import mib
-
-if TYPE_CHECKING:
-    from edge.model.gguf import GGUFInfo
 
 __all__ = ["Check", "run_checks"]
 
@@ -60,52 +56,10 @@ def unit_config(unit_text: str) -> str | None:
 
 
 def _model_files(cfg: Config) -> list[Check]:
-    from edge.model.gguf import read_gguf_info
+    """Each model's file, context and slots, KV cache and embeddings context (doctor_models)."""
+    from edge.host.doctor_models import model_checks
 
-    checks = []
-    for m in cfg.models:
-        if m.path.startswith(BUILTIN_PREFIX):
-            target = cache_dir(cfg) / "models"
-            present = any(target.glob("*.gguf")) if target.is_dir() else False
-            checks.append(Check(f"model {m.name}", "ok",
-                                f"{m.path}: " + ("assembled in " + str(target) if present else
-                                                 "assembled and verified on first start") + f"; {_slots(m)}"
-                                + (f"; KV cache {m.type_k}/{m.type_v}" if (m.type_k, m.type_v) != ("f16", "f16") else "")))
-            continue
-        try:
-            info = read_gguf_info(m.path)
-        except EdgeError as exc:
-            checks.append(Check(f"model {m.name}", "fail", str(exc),
-                                "point models.path at a complete GGUF file (re-copy it if truncated)"))
-            continue
-        checks.append(_model_check(m, info))
-    return checks
-
-
-def _model_check(m: ModelConfig, info: GGUFInfo) -> Check:
-    """The file, the slots, and what its KV cache and embeddings context cost (issue 55): a fail
-    where llama.cpp would refuse its KV types."""
-    from edge.model.kvtypes import kv_type_problem, kv_types_label
-    from edge.model.memory import embeddings_need, kv_bytes
-
-    head = f"{m.path}: GGUF v{info.version}, {info.architecture}, {mib(info.size)}, {info.tensor_count} tensors"
-    problem = kv_type_problem(m, info)
-    if problem is not None:
-        return Check(f"model {m.name}", "fail", f"{head}; models.{problem[0]}: {problem[1]}",
-                     f"set {problem[0]} to f16 (or a type whose block divides the head size)")
-    kv = f"KV cache {kv_types_label(m)}: {mib(kv_bytes(m, info))} at n_ctx = {m.n_ctx}"
-    embed = f"; embeddings context: {mib(embeddings_need(m, info))}" if m.embeddings else ""
-    return Check(f"model {m.name}", "ok", f"{head}; {_slots(m)}; {kv}{embed}")
-
-
-def _slots(m: ModelConfig) -> str:
-    """How many requests the model decodes at once and what each can count on: the slots share
-    the context's cells (unified KV), so one alone may use all of them."""
-    from edge.model.memory import parallel_for
-
-    p = parallel_for(m)
-    return (f"{p} slots (parallel{'' if m.parallel else ', automatic'}) sharing n_ctx = {m.n_ctx} cells: "
-            f"{m.n_ctx // p} tokens of prompt and answer each when all are busy")
+    return [Check(*c) for c in model_checks(cfg)]
 
 
 _CAP_SYS_RESOURCE = 24
@@ -209,7 +163,9 @@ def _units(unit_dirs: list[Path]) -> tuple[list[Check], str | None]:
     for d in unit_dirs:
         sock, svc = d / "edge.socket", d / "edge.service"
         if sock.is_file() and svc.is_file():
-            text = svc.read_text()
+            from edge.host.units import with_drop_ins
+
+            text = with_drop_ins(svc)  # `systemctl edit`'s drop-ins too: what systemd runs
             listen = re.findall(r"^ListenStream=(.+)$", sock.read_text(), re.M)
             return [Check("units", "ok", f"{sock} listens on {', '.join(listen)}; {svc} present")], text
     return [Check("units", "warn", "edge.socket / edge.service not installed in "
@@ -315,6 +271,13 @@ def _access(cfg: Config, unit_dirs: list[Path], unit_text: str | None) -> list[C
     return [Check(*c) for c in access_checks(cfg, unit_dirs, unit_text)]
 
 
+def _unit_files(cfg: Config, unit_text: str | None) -> list[Check]:
+    """Every file the service opens, as the installed unit runs it (edge/host/doctor_sandbox.py)."""
+    from edge.host.doctor_sandbox import sandbox_checks
+
+    return [Check(*c) for c in sandbox_checks(cfg, unit_text)]
+
+
 def _bytecode(cfg: Config) -> list[Check]:
     """Bytecode for every module a start imports: the unit (ProtectSystem=strict) can never write
     it, so a module without it is compiled from source at every start (edge.bytecode)."""
@@ -382,6 +345,7 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
         lambda: _dirs(cfg),
         lambda: _safe_mode(cfg),
         lambda: _access(cfg, unit_dirs, unit_text),
+        lambda: _unit_files(cfg, unit_text),
         lambda: _bytecode(cfg),
     ]
     for step in steps:

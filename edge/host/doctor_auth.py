@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from edge.config import Config
     from edge.serve.auth import ApiKeys
 
-__all__ = ["access_checks", "listen_is_loopback", "socket_listen"]
+__all__ = ["access_checks", "listen_is_loopback", "served_access", "socket_listen"]
 
 # (name, level ok|warn|fail, message, fix): edge.host.doctor makes its Check of each
 Check = tuple[str, str, str, str]
@@ -57,7 +57,7 @@ def _keys(cfg: Config, unit_text: str | None) -> tuple[ApiKeys | None, str, Chec
             from edge.serve.auth import ApiKeys
 
             return ApiKeys(parse_keys(read_private(path, cfg.source, "server.api_key_file"), path, cfg.source),
-                           str(path)), where, None
+                           str(path), metrics_keyed=cfg.server.metrics_auth == "key"), where, None
         return load_api_keys(cfg.server, cfg.source), where, None
     except ConfigError as exc:
         level = "warn" if "Permission denied" in str(exc) else "fail"
@@ -78,6 +78,20 @@ def _tls(cfg: Config, unit_text: str | None) -> list[Check]:
     except ConfigError as exc:
         return [("tls", "fail", str(exc), "point tls_cert_file/tls_key_file at PEM files that match")]
     return [("tls", "ok", f"serves TLS with {found.cert}", "")] if found else []
+
+
+def served_access(cfg: Config, unit_text: str | None) -> tuple[Path | None, bool]:
+    """What a client of the device needs: the certificate it serves TLS with (the unit's
+    credential's source, else tls_cert_file; None: plain HTTP), and whether /metrics needs a key
+    (keys configured by the credential or api_key_file, and metrics_auth = "key")."""
+    from edge.serve.auth import resolve
+    from edge.serve.tls import CERT_CREDENTIAL
+
+    cred = re.findall(rf"^LoadCredential={CERT_CREDENTIAL}:(\S+)", unit_text or "", re.M)
+    s = cfg.server
+    cert = Path(cred[-1]) if cred else resolve(s.tls_cert_file, cfg.source) if s.tls_cert_file else None
+    keys = bool(re.search(rf"^LoadCredential={CREDENTIAL}:\S", unit_text or "", re.M) or s.api_key_file)
+    return cert, keys and s.metrics_auth == "key"
 
 
 def access_checks(cfg: Config, unit_dirs: list[Path], unit_text: str | None) -> list[Check]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from edge.device.memory import MemoryReading, read_memory
 from edge.model.mlock import mib
 
-__all__ = ["Bound", "memory_check", "show_limits", "unit_bytes", "unit_limits"]
+__all__ = ["Bound", "memory_check", "service_ceiling", "show_limits", "unit_bytes", "unit_limits"]
 
 # (name, level ok|warn|fail, message, fix): edge.host.doctor makes its Check of each
 Check = tuple[str, str, str, str]
@@ -108,6 +108,19 @@ def _reading_bound(reading: MemoryReading) -> Bound:
                  "container's or slice's limit holds the service too)",
                  f"raise the memory limit of cgroup {cg.cgroup} (the container's, or the slice's "
                  "MemoryMax=/MemoryHigh=)")
+
+
+def service_ceiling(unit_text: str | None = None) -> int | None:
+    """The most edge.service may ever hold: MemTotal, the limit of the cgroup this doctor runs in,
+    and the unit's MemoryMax=/MemoryHigh=, whichever is least (what an unset n_ctx is sized to:
+    edge.model.memory.context_plan); None where nothing can be read."""
+    try:
+        reading = read_memory()
+    except OSError:
+        return None
+    if not reading.total:
+        return None
+    return min([reading.ceiling, *(b.room for b in _unit_bounds(unit_text, reading.total))])
 
 
 def memory_check(need: int, unit_text: str | None) -> Check:

@@ -14,14 +14,15 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from edge.config import DEFAULT_MAX_CONNECTIONS
+from edge.config import DEFAULT_MAX_CONNECTIONS, SYSTEM_CONFIG
 from edge.errors import EX_CONFIG, EX_DATAERR, EX_NOPERM, EX_SAFE_MODE_EXHAUSTED
 from edge.fsutil import atomic_write, fsync_dir
 from edge.host.gpu_nodes import GPU_DEVICE_CLASSES, GPU_DEVICES, UVM_UNIT, nvidia_minors, render_uvm
 from edge.serve.limits import nofile_for
 
 __all__ = ["UnitOptions", "render_service", "render_socket", "install_units", "install_starter_config", "reclaim_config_dir",
-           "render_rearm", "REARM_UNIT", "default_edge_command", "STARTER_CONFIG", "START_LIMIT_BURST", "START_LIMIT_INTERVAL_S"]
+           "render_rearm", "REARM_UNIT", "installed_service", "starter_path", "with_drop_ins", "default_edge_command",
+           "STARTER_CONFIG", "START_LIMIT_BURST", "START_LIMIT_INTERVAL_S"]
 
 # The unit's start limit only catches what edge cannot bound itself: edge ends a crash loop on its
 # own (safe mode's steps, then a give-up that answers 503 and is not a crash), so the limit is set
@@ -227,6 +228,31 @@ def unit_dir(prefix: str, user: bool) -> Path:
         base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
         return Path(prefix + base) / "systemd" / "user" if prefix != "/" else Path(base) / "systemd" / "user"
     return Path(prefix) / "etc" / "systemd" / "system"
+
+
+def starter_path(config: str) -> str:
+    """Where `edge units install` puts the starter config for units that read `config`: there,
+    unless it is an OTA-managed `<state_dir>/ota/current/edge.toml`, a link every install moves
+    and never a file to write (one written there would stand where the link must go); then the
+    device's own config, which the first `edge ota recover` records as the factory config that
+    `current` points at until a version is installed (edge.ota.factory)."""
+    return str(SYSTEM_CONFIG) if Path(config).parts[-3:] == ("ota", "current", "edge.toml") else config
+
+
+def with_drop_ins(unit: Path) -> str:
+    """A unit file's text with its drop-ins (`<unit>.d/*.conf`, in name order, as `systemctl
+    edit` writes them) after it: what systemd reads, so the last setting of a key wins and list
+    settings (LoadCredential=) add up."""
+    drop_ins = sorted(unit.with_name(unit.name + ".d").glob("*.conf"))
+    return "\n".join(p.read_text() for p in [unit, *drop_ins])
+
+
+def installed_service(unit_dirs: list[Path]) -> str | None:
+    """The installed edge.service with its drop-ins: of the first unit dir that has both units."""
+    for d in unit_dirs:
+        if (d / "edge.socket").is_file() and (d / "edge.service").is_file():
+            return with_drop_ins(d / "edge.service")
+    return None
 
 
 def install_starter_config(path: Path) -> bool:

@@ -285,7 +285,7 @@ class Loader:
     # -- warm ---------------------------------------------------------------------------------------
     async def warm(self, loaded: Loaded, defer: bool = False) -> list[dict[str, Any]]:
         """The warm half of load-and-warm: for each model and engine the floor request, then its
-        stored plan (known key) or a calibration that makes one (new key), over loopback HTTP.
+        stored plan (known key) or a calibration that makes one (new key), over HTTP to this process alone.
         `defer` (a start): calibrations `[warmup] calibrate` puts after READY go to `loaded.later`."""
         from edge.lifecycle.adapters import warm as warm_adapters
         from edge.lifecycle.warmup.plan import PlanStore, warm_one
@@ -293,9 +293,9 @@ class Loader:
 
         cfg = self.config
         store = PlanStore(cache_dir(cfg) / "warmup")
-        with self.timer.phase(Phases.WARMUP_SETUP):  # what to warm; the loopback server started
+        with self.timer.phase(Phases.WARMUP_SETUP):  # what to warm; uvicorn's protocol made ready
             targets = await self._warm_targets(loaded)
-            http = await LoopbackHTTP(loaded.app).__aenter__()
+            http = LoopbackHTTP(loaded.app)  # no listener: a socket pair per request, closed with it
         async with http:
             for target in targets:
                 self.notifier.status(f"warming up {target.name}")

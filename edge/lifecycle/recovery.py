@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from edge.fleet.crashes import recent_crashes, settle_all
 from edge.fleet.giveup import GiveUp, fingerprint
 from edge.fleet.history import CRASH, read_json, record_failed_start
 from edge.fleet.journal import Journal
-from edge.fsutil import atomic_write
+from edge.fsutil import atomic_write, private_dir
 from edge.lifecycle.safemode import Fallback, SafeMode, safe_mode_keys, top_levels
 from edge.timing import Phases, StartTimer, write_report
 
@@ -62,15 +63,19 @@ def early_state_dir(config_path: str | None) -> Path:
 
 def remember_state_dir(cfg: Config) -> None:
     """A good start of a config that names its own state dir: kept where `early_state_dir` looks
-    when that config is not even TOML any more (written only when it changes)."""
+    when that config is not even TOML any more (written only when it changes). Configs that no
+    longer exist are dropped as it is written, so the file holds what is on the device."""
     if not cfg.paths.state_dir or cfg.source in ("", "<default>"):
         return
     default = state_dir(default_config())
     pointers = read_json(default / POINTERS) or {}
     key, value = str(Path(cfg.source).resolve()), str(state_dir(cfg))
-    if pointers.get(key) != value:
+    kept = {k: v for k, v in pointers.items() if k == key or Path(k).exists()}  # configs since removed: forgotten
+    if pointers.get(key) != value or len(kept) != len(pointers):
+        pointers = kept
         try:
-            default.mkdir(parents=True, exist_ok=True)
+            if not default.exists():
+                private_dir(default)
             atomic_write(default / POINTERS, json.dumps({**pointers, key: value}, indent=1) + "\n")
         except OSError:
             pass  # only a broken config's later failure report would land in the default dir
@@ -224,7 +229,8 @@ class Recovery:
         """It found itself unfit to go on (e.g. a poisoned CUDA context): a crash record of its
         own, then the exit."""
         report = {**self.timer.report(), "result": "crashed", "phase": phase, "signal": "none", "cause": "fatal-error", "keys": self.keys,
-                  "error": reason, "exit_code": exit_code, "reached_ready": True}
+                  "error": reason, "exit_code": exit_code, "reached_ready": True,
+                  "ended_unix": round(time.time(), 3)}  # dated now, when it happened (not its READY)
         try:
             write_report(report, self.state_dir, kind=CRASH)
         except OSError as exc:

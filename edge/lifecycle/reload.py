@@ -278,8 +278,11 @@ class _ReloadRun:
                 worker.stream_interval_s = self.config.server.stream_interval_ms / 1000
                 worker.request_timeout_s = self.config.server.request_timeout_s
                 worker.model.adapters = new.state.adapters_of(worker)  # what its reports show from now on
+        from edge.serve.auth import served_open
+
         at = self.timer.now()
         old = self.r.dispatcher.switch(new)
+        new.state.metrics.served_without_keys(served_open(self.r.dispatcher.exposed, new.state.auth), "reload")
         self.timer.add(Phases.SWITCH, at, at)
         self.r.current = self.loader.read
         self.extra.update(switch_s=round(at, 4), models=new.infos, warmup=new.warmup, drain_s=None)

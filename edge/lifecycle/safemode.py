@@ -43,7 +43,7 @@ from edge.config import Config, ModelConfig, cache_dir
 from edge.errors import SafeModeExhausted
 from edge.fleet.crashes import NATIVE_CAUSES, cause_of
 from edge.fleet.history import read_json
-from edge.fsutil import atomic_write
+from edge.fsutil import atomic_write, private_dir
 from edge.timing import Phases
 
 __all__ = ["SAFE_MODE_FILE", "Fallback", "SafeMode", "ladder_of", "safe_mode_keys"]
@@ -319,7 +319,7 @@ class SafeMode:
             if kind != "prefix" or not folder.is_dir():
                 continue
             aside = folder.parent / ".quarantine" / f"{model}-{time.strftime('%Y%m%dT%H%M%S')}"
-            aside.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(aside.parent)
             folder.rename(aside)
             log.error("SAFE MODE: the prefix states of %s were moved to %s", model, aside)
 

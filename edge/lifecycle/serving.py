@@ -146,7 +146,7 @@ def build_server(dispatcher: Dispatcher, cfg: ServerConfig, notifier: Notifier, 
     the dispatcher wrapped in the request limits and the drain's `Connection: close`; with
     `tls`, uvicorn's own TLS on the same sockets (edge.serve.tls)."""
     metrics = dispatcher.loaded.state.metrics  # carried over by every reload
-    guard = ConnectionGuard(cfg, on_shed=metrics.connections_shed)
+    guard = ConnectionGuard(cfg, on_shed=metrics.connections_shed, tls=tls is not None)
     drain = Drain(dispatcher, notifier, asyncio.get_running_loop(), guard, cfg.drain_timeout_s)
     # the limits layer's own answers are counted by the current set's metrics middleware
     limited = LimitsMiddleware(dispatcher, RequestLimits.of(cfg), lambda *a: dispatcher.loaded.app.observe(*a))

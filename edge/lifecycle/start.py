@@ -323,7 +323,7 @@ class ColdStart:
         """Inherited from systemd (LISTEN_FDS), else bound now from the [server] table; then who
         may use them (edge.serve.auth): a socket others can reach (as getsockname() shows) needs
         API keys or allow_unauthenticated, else the start ends here (78); and TLS, if set."""
-        from edge.serve.auth import check_exposure
+        from edge.serve.auth import check_exposure, served_open
         from edge.serve.tls import tls_files
 
         with self.timer.phase(Phases.SOCKETS) as ph:
@@ -335,9 +335,7 @@ class ColdStart:
                 self.sockets = bind_sockets(self.config.server, self.config.source)
             server, keys = self.config.server, self.loader.auth
             self.exposed = check_exposure(self.sockets, keys, server, self.config.source)
-            if self.exposed and keys is None:
-                log.warning("serving %s with no API key (server.allow_unauthenticated = true): anyone who "
-                            "can reach it may use every model", ", ".join(self.exposed))
+            served_open(self.exposed, keys)  # the WARNING, if so
             self.tls = tls_files(server, self.config.source)
             ph.detail.update(api_keys=keys is not None, tls=self.tls is not None)
         return self.sockets
@@ -365,6 +363,7 @@ class ColdStart:
         path: Path = write_report(report, state_dir(self.config))
         self.report = (report, path)  # rewritten when a calibration after READY ends
         loaded.state.metrics.set_phases(report["phases"])
+        loaded.state.metrics.served_without_keys(self.exposed if loaded.state.auth is None else [], "start")
         loaded.state.metrics.track_fleet(state_dir(self.config))
         log.info("start report %s: ready in %.2f s", path, report["ready_s"],
                  extra={"START_REPORT": json.dumps(report), "READY_SECONDS": report["ready_s"]})

@@ -11,7 +11,10 @@ no llama.cpp: config, recovery, sockets, uvicorn, READY=1 in a fraction of a sec
                   naming the reason (safe mode exhausted, the last crash's phase and signal)
     /readyz       503 (the same body): not ready
     /healthz      200 {"status": "given_up", ...}: alive, and why it serves nothing
-    /metrics      the fleet families (edge_given_up, edge_crashes_total{cause}, ...)
+    /metrics      the fleet families (edge_build_info, edge_device_info, edge_given_up,
+                  edge_crashes_total{cause}, ...) and edge_ready 0; keyed as the service keys it
+                  (API keys configured, metrics_auth = "key"): 401 without one, and where the key
+                  file cannot be read now, 401 to every scrape
 
 It ends itself (exit 0, journal `end: given_up`) as soon as the give-up no longer holds:
 `edge safe-mode clear` removed the record, the config file, a model file, the llama.cpp build or
@@ -48,6 +51,20 @@ __all__ = ["CHECK_S", "Unavailable", "answer", "answer_given_up", "current_finge
 log = logging.getLogger("edge")
 
 CHECK_S = 2.0  # the full check (keys, installed version): every this many seconds
+
+
+def _metrics_keys(cfg: Config) -> Any:
+    """The keys /metrics needs here, as the service would read them (edge.serve.auth); None when
+    it is open. A key file that cannot be read now accepts no key: closed, never open."""
+    from edge.errors import ConfigError
+    from edge.serve.auth import ApiKeys, key_file, load_api_keys
+
+    if cfg.server.metrics_auth != "key" or key_file(cfg.server, cfg.source) is None:
+        return None
+    try:
+        return load_api_keys(cfg.server, cfg.source)
+    except ConfigError:
+        return ApiKeys((), "an unreadable key file")
 
 
 def status_text(give_up: GiveUp) -> str:
@@ -92,6 +109,7 @@ class Unavailable:
         self.stamps = (_stamp(self.folder / GIVE_UP_FILE), _stamp(Path(cfg.source)))
         self.ended_why: str | None = None
         self.server: Any = None
+        self.keys = _metrics_keys(cfg)
 
     def holds(self) -> bool:
         """The cheap check, at each accept: the record and the config file as they were, the
@@ -145,7 +163,9 @@ class Unavailable:
             return
         path = scope.get("path", "")
         retry = str(self.give_up.retry_after_s())
-        if path == "/metrics":
+        if path == "/metrics" and self.keys is not None and self.keys.refusal(scope.get("headers", [])):
+            status, body, kind = 401, b'{"error": {"code": "invalid_api_key"}}', b"application/json"
+        elif path == "/metrics":
             status, body, kind = 200, await asyncio.to_thread(self._metrics), b"text/plain; version=0.0.4"
         elif path == "/healthz":
             status, body, kind = 200, json.dumps(self.body()).encode(), b"application/json"
@@ -159,12 +179,21 @@ class Unavailable:
         await send({"type": "http.response.body", "body": body})
 
     def _metrics(self) -> bytes:
+        """The fleet families (identity, history, edge_given_up), and edge_ready 0: a given-up device
+        is scraped, ready never, and the fleet's rules tell it from a silent one (EdgeGivenUp)."""
         from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import GaugeMetricFamily
 
         from edge.fleet.metrics import FleetCollector
 
+        class NotReady:
+            def collect(self) -> Any:
+                yield GaugeMetricFamily("edge_ready", "1 once warm-up finished and the service accepts "
+                                        "requests; 0 here: given up, answering 503 (edge_given_up says why).", value=0)
+
         registry = CollectorRegistry()
         registry.register(FleetCollector(self.folder, lambda: None))
+        registry.register(NotReady())
         return generate_latest(registry)
 
 

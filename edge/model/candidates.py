@@ -12,6 +12,9 @@ under a grammar (edge.model.generate.SamplerChain).
   outside them, it is the one the grammar over the whole vocabulary leads greedy to (of equal
   logits, the lowest id: greedy's first in vocabulary order). k is each of TOPS in turn; the
   whole vocabulary is asked only where none decides.
+- A pass over the whole vocabulary that its `check` ended goes on from the same chunk at the
+  next call (a step's grammar budget, edge.model.constrained), and a filled array's verdicts can
+  be kept (`snapshot`) and filled again less the tokens the guard after the grammar turned down.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class Candidates:
         self._data_ptr = ctypes.cast(self._data, ctypes.c_void_p).value
         self._tops = [k for k in TOPS if k < n]
         self._chunk = CHUNK // 4  # candidates of the grammar's next chunk (apply_grammar adapts it)
+        self._at: int | None = None  # where a pass that `check` ended goes on
         big = max(self._tops, default=1)
         self._top = (lib.llama_token_data * big)()
         self._top_words = np.ctypeslib.as_array(self._top).view(np.int32).reshape(big, 3)
@@ -74,14 +78,44 @@ class Candidates:
         self._one_array = lib.llama_token_data_array(ctypes.pointer(self._one), 1, -1, False)
         self._one_ref = ctypes.byref(self._one_array)
 
-    def fill(self, logits_ptr: Any) -> Any:
+    def _row(self, logits: Any) -> Any:
+        """A logits row as numpy: the model's (a ctypes pointer, valid until the next decode) or a
+        copy kept across steps (an array)."""
+        if isinstance(logits, self._np.ndarray):
+            return logits
+        return self._np.ctypeslib.as_array(logits, shape=(self._n,))
+
+    def fill(self, logits: Any) -> Any:
         """Every token with its logit, in vocabulary order; a reference for llama_sampler_apply."""
-        np, a = self._np, self._array
+        a = self._array
         self._words[...] = self._pristine  # samplers reorder and shrink the array: ids back in place
-        self._logits[...] = np.ctypeslib.as_array(logits_ptr, shape=(self._n,))
+        self._logits[...] = self._row(logits)
         a.data = ctypes.cast(self._data_ptr, type(a.data))
         a.size, a.selected, a.sorted = self._n, -1, False
+        self._at = None
         return self._ref
+
+    def ban(self, ids: Any) -> None:
+        """`ids` out of the filled array (it must be as fill() left it, in vocabulary order)."""
+        self._logits[ids] = float("-inf")
+
+    def allowed_ids(self) -> Any:
+        """The tokens of the filled array (as fill() and the samplers before the chain left it)
+        not at -inf: what the grammar allows."""
+        return self._np.flatnonzero(self._logits != float("-inf"))
+
+    def copy_row(self, logits: Any) -> Any:
+        """A copy of a logits row that outlives the next decode (fill() and biased() take it)."""
+        return self._row(logits).copy()
+
+    @property
+    def ref(self) -> Any:
+        """The filled array, for llama_sampler_apply."""
+        return self._ref
+
+    def snapshot(self) -> Any:
+        """A copy of the filled array's logits, to fill() it again as it is now."""
+        return self._logits.copy()
 
     def selected(self) -> int | None:
         """The token the chain picked; None where it could pick only a banned one (-inf)."""
@@ -103,15 +137,18 @@ class Candidates:
         """The grammar over the filled array (as fill() and the samplers before it left it), a
         CHUNK of candidates at a time, `check` called between chunks (it raises to end the
         step). The grammar's verdict on a candidate does not depend on the others, so the
-        chunks give what one pass over the whole array gives."""
+        chunks give what one pass over the whole array gives. Where `check` raises, the pass
+        can go on from that chunk by calling this again before the next fill() (a step's
+        grammar budget, edge.model.constrained)."""
         a = self._array
         if check is None or a.size <= MIN_CHUNK:
             self._apply(grammar, self._ref)
             return
         part = self._lib.llama_token_data_array(a.data, 0, -1, False)
         base, size, width = ctypes.cast(a.data, ctypes.c_void_p).value, a.size, ctypes.sizeof(self._lib.llama_token_data)
-        start = 0
+        start = self._at or 0
         while start < size:
+            self._at = start
             check()
             n = min(self._chunk, size - start)
             part.data = ctypes.cast(base + start * width, type(a.data))
@@ -121,14 +158,15 @@ class Candidates:
             took = time.perf_counter() - t0
             self._chunk = max(MIN_CHUNK, min(CHUNK, int(n * CHUNK_S / max(took, 1e-6))))
             start += n
+        self._at = None
         a.sorted = False
 
-    def biased(self, logits_ptr: Any) -> Any:
+    def biased(self, logits: Any) -> Any:
         """The model's logits with the logit bias added, as llama.cpp's logit-bias sampler adds
-        it (in order, float32; a token named twice gets both): a numpy view of the model's own
-        logits where there is no bias, else one copy."""
+        it (in order, float32; a token named twice gets both): a numpy view of the logits
+        themselves where there is no bias, else one copy."""
         np = self._np
-        raw = np.ctypeslib.as_array(logits_ptr, shape=(self._n,))
+        raw = self._row(logits)
         if self._biased is None:
             return raw
         self._biased[...] = raw
@@ -142,20 +180,15 @@ class Candidates:
         intact = a.size == self._n and ctypes.cast(a.data, ctypes.c_void_p).value == self._data_ptr
         return self._logits if intact else None
 
-    def greedy_allowed(self, grammar: Any, logits: Any, check: Callable[[], None] | None = None) -> int | None:
-        """Greedy's token under the grammar from `logits` (every token's, in vocabulary
-        order), asking the grammar about the likeliest first; None where none of TOPS decides
-        it (no allowed one, or the best allowed one no likelier than a token outside them).
-        `check` between the tries (it raises to end the step)."""
-        for k in self._tops:
-            if check is not None:
-                check()
-            tok = self._greedy_among(grammar, logits, k)
-            if tok is not None:
-                return tok
-        return None
+    @property
+    def tops(self) -> list[int]:
+        return self._tops
 
-    def _greedy_among(self, grammar: Any, all_logits: Any, k: int) -> int | None:
+    def greedy_among(self, grammar: Any, all_logits: Any, k: int, veto: Callable[[Any], Any] | None = None) -> int | None:
+        """Greedy's token under the grammar from `logits` (every token's, in vocabulary order),
+        asking the grammar about the `k` likeliest alone; None where they do not decide it (no
+        allowed one, or the best allowed one no likelier than a token outside them). `veto(ids)`
+        marks allowed tokens that may not come all the same (edge.model.guard)."""
         np = self._np
         ids = np.sort(np.argpartition(all_logits, -k)[-k:])  # vocabulary order: greedy's tie-break
         logits = all_logits[ids]
@@ -169,6 +202,9 @@ class Candidates:
         t.size, t.selected, t.sorted = k, -1, False
         self._apply(grammar, self._top_ref)
         allowed = top_logits != float("-inf")  # the grammar's verdict: rejected ones are -inf
+        if veto is not None and allowed.any():
+            where = np.flatnonzero(allowed)
+            allowed[where[veto(ids[where])]] = False
         if not allowed.any():
             return None
         best = logits[allowed].max()

@@ -35,7 +35,7 @@ from edge.device.identity import cpu_flags
 from edge.fsutil import atomic_write, sha256_file
 from edge.model.gpu import llama_package_dir
 
-__all__ = ["AMX_REASON", "AMX_RISK", "BUILD_RECORD", "BuildRecord", "LlamaCpu", "llama_cpu",
+__all__ = ["AMX_REASON", "AMX_RISK", "BUILD_RECORD", "BuildRecord", "effective_args", "LlamaCpu", "llama_cpu",
            "parse_system_info", "read_build_record", "record_build", "system_info"]
 
 BUILD_RECORD = "edge-llama-build.json"  # in the venv (sys.prefix), written by scripts/setup
@@ -116,13 +116,21 @@ def record_build(wheel: Path, prefix: Path | None = None) -> Path:
     return out
 
 
+def effective_args(args: tuple[str, ...]) -> tuple[str, ...]:
+    """The flags as CMake takes them: a switch given twice (EDGE_LLAMA_CMAKE_ARGS appends to
+    build-llama-wheel's own, e.g. -DGGML_AVX512=OFF after its =ON) is its last value, in the
+    place it first had."""
+    last = {a.partition("=")[0]: a for a in args}
+    return tuple(dict.fromkeys(last[a.partition("=")[0]] for a in args))
+
+
 def read_build_record(prefix: Path | None = None, package_dir: Path | None = None) -> BuildRecord | None:
     """The record in the venv, if there is one; `current` checks every recorded library against
     the installed one (a llama-cpp-python installed since is another build)."""
     path = Path(prefix or sys.prefix) / BUILD_RECORD
     try:
         data = json.loads(path.read_text())
-        key, args, libs = str(data["key"]), tuple(map(str, data["cmake_args"])), dict(data["libraries"])
+        key, args, libs = str(data["key"]), effective_args(tuple(map(str, data["cmake_args"]))), dict(data["libraries"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     folder = package_dir or llama_package_dir()

@@ -50,7 +50,7 @@ def pooling_for(cfg: EmbeddingsConfig, info: GGUFInfo) -> tuple[str, str]:
     name = next((n for n, t in POOLING_TYPES.items() if t == declared), None)
     if name:
         return name, f"the model's own ({info.architecture}.pooling_type)"
-    return "mean", "default (the model declares none)"
+    return "mean", "default: the model declares none"
 
 
 def check_embeddings(m: ModelConfig, info: GGUFInfo, source: str, where: str) -> None:

@@ -112,6 +112,9 @@ class VerifiedCache:
         self._save()
 
     def _save(self) -> None:
+        # files since removed (an OTA version pruned, a model replaced) are forgotten: the file
+        # holds what is on the device, not every path it ever served
+        self._data = {k: v for k, v in self._data.items() if os.path.lexists(k)}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(self.path, json.dumps(self._data, indent=1))

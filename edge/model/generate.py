@@ -21,10 +21,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from edge.model.candidates import Candidates, Interrupted
+from edge.model.candidates import Interrupted
+from edge.model.constrained import GrammarSampling
 
 if TYPE_CHECKING:
     from edge.model.grammar import CompiledGrammar
+    from edge.model.guard import OutputGuard
     from edge.model.native import Native
     from edge.model.promptcache import Marks, PromptCache
 
@@ -112,41 +114,56 @@ class Job:
 
 class SamplerChain:
     """A request's sampler chain in llama.cpp: built once from its parameters, freed after the
-    request. Without a grammar, one native call per token (llama_sampler_sample).
-
-    With a grammar, llama.cpp's own common sampler's way (common/sampling.cpp): the token is
-    first sampled without the grammar and checked against it alone; only a token the grammar
-    rejects makes the grammar go over the candidates (262k on Gemma 3, most of a token's
-    sampling time), and the token is sampled again from what it allows. Greedy asks it about
-    the likeliest candidates first (edge.model.candidates), and the whole vocabulary only where
-    they do not decide. The chain's order stays logit bias, penalties, grammar, the rest:
-    greedy gives the tokens of the grammar applied to every candidate (tested); with
-    temperature the draw is llama.cpp's (truncation first, then the grammar), as in
-    llama-server. `lazy=False`: the grammar over every candidate for every token (the
-    reference the tests compare with)."""
+    request. Without a grammar, one native call per token (llama_sampler_sample); with one, the
+    grammar half (edge.model.constrained: the token checked first, greedy's likeliest, the
+    guard after the grammar, a pass set aside at one step and continued at the next). The
+    chain's order stays logit bias, penalties, grammar, the rest. `lazy=False`: the grammar
+    over every candidate for every token (the reference the tests compare with)."""
 
     def __init__(self, native: Native, p: GenParams, lazy: bool = True) -> None:
         lib = native.lib
-        self._lib, self._ctx, self.lazy = lib, native.ctx, lazy
+        self._lib, self._ctx = lib, native.ctx
         self.chain = self.pre = self.grammar = None
-        self._idx = -1  # the batch row sample() reads
-        self.resampled = 0  # tokens the grammar rejected and that were sampled again (tests, profiles)
-        self.full_passes = 0  # of those, the ones the grammar went over the whole vocabulary for
+        self._g: GrammarSampling | None = None
+        self._argmax: _Argmax | None = None  # greedy without grammar or penalties (sample())
         try:
             if not p.grammar:
                 self.chain = self._chain(self._bias(native, p), self._rest(lib, p))
+                if p.temperature <= 0 and not (p.presence_penalty or p.frequency_penalty):
+                    self._argmax = _Argmax(native, _bias_values(p.logit_bias))
                 return
             bias = list(self._bias(native, p))
             self.pre = self._chain(bias) if bias else None
             self.grammar = self._need(_grammar_sampler(native, p.grammar))
             self.chain = self._chain(self._rest(lib, p))
-            self._cur = Candidates(native, _bias_values(p.logit_bias))
-            # greedy without penalties: the first choice straight from the (biased) logits
-            self._direct = p.temperature <= 0 and not (p.presence_penalty or p.frequency_penalty)
-            self._greedy = p.temperature <= 0
+            self._g = GrammarSampling(native, self.pre, self.grammar, self.chain, _bias_values(p.logit_bias),
+                                      greedy=p.temperature <= 0,
+                                      # greedy without penalties: the first choice straight from the (biased) logits
+                                      direct=p.temperature <= 0 and not (p.presence_penalty or p.frequency_penalty),
+                                      lazy=lazy, guard=_guard(native, p.grammar))
         except BaseException:
             self.close()
             raise
+
+    @property
+    def resampled(self) -> int:
+        """Tokens the grammar rejected and that were chosen again (tests, profiles)."""
+        return self._g.resampled if self._g is not None else 0
+
+    @property
+    def full_passes(self) -> int:
+        """Of those, the ones the grammar went over the whole vocabulary for."""
+        return self._g.full_passes if self._g is not None else 0
+
+    @property
+    def saved(self) -> Any:
+        """The logits row the last token came from where a pass set aside copied it; else None."""
+        return self._g.saved if self._g is not None else None
+
+    @property
+    def pending(self) -> bool:
+        """A token's grammar pass set aside at a step's budget (Deferred): no token to decode yet."""
+        return self._g is not None and self._g.pending
 
     def _chain(self, *groups: Iterable[Any]) -> Any:
         lib = self._lib
@@ -198,50 +215,14 @@ class SamplerChain:
         which the chain accepts (penalties, grammar); None when the grammar allows no token the
         bias leaves (a grammar whose end can only be an end-of-generation token that
         `logit_bias` bans): the generation stops. `check` is called inside the grammar's passes
-        over the candidates (it raises to end the step: a deadline, a cancelled job); the chain
-        is left as it was, so a sequence set aside can be sampled again."""
-        lib = self._lib
-        if self.grammar is None:
-            return lib.llama_sampler_sample(self.chain, self._ctx, idx)
-        self._idx = idx
-        cur, tok, logits = self._cur, None, None
-        if self.lazy and self._direct:  # the (biased) logits' argmax: no array to fill
-            logits = cur.biased(lib.llama_get_logits_ith(self._ctx, idx))
-            tok = int(logits.argmax())  # the first of equal logits, as llama.cpp's greedy sampler
-        elif self.lazy:  # (lazy=False: neither; the grammar over every candidate at once, the reference)
-            self._apply(grammar=False)
-            tok, logits = cur.selected(), cur.filled() if self._greedy else None
-        if tok is None or not cur.allows(self.grammar, tok):
-            self.resampled += 1
-            # greedy: the likeliest candidates first (edge.model.candidates)
-            tok = cur.greedy_allowed(self.grammar, logits, check) if logits is not None else None
-            if tok is None:
-                tok = self._resample(check)
-            if tok is None:
-                return None
-        if self.pre is not None:
-            lib.llama_sampler_accept(self.pre, tok)
-        lib.llama_sampler_accept(self.grammar, tok)
-        lib.llama_sampler_accept(self.chain, tok)
-        return tok
-
-    def _resample(self, check: Callable[[], None] | None = None) -> int | None:
-        """The token from every candidate under the grammar: logit bias and penalties, the
-        grammar over the whole vocabulary, the rest of the chain."""
-        self.full_passes += 1
-        self._apply(grammar=True, check=check)
-        return self._cur.selected()
-
-    def _apply(self, grammar: bool, check: Callable[[], None] | None = None) -> None:
-        """Every candidate of the last logits through logit bias and penalties, with `grammar` the
-        grammar (in chunks, `check` between them), then the rest of the chain."""
-        lib = self._lib
-        ref = self._cur.fill(lib.llama_get_logits_ith(self._ctx, self._idx))
-        if self.pre is not None:
-            lib.llama_sampler_apply(self.pre, ref)
-        if grammar:
-            self._cur.apply_grammar(self.grammar, check)
-        lib.llama_sampler_apply(self.chain, ref)
+        over the candidates (it raises to end the step: a deadline, a cancelled job; the chain
+        is left as it was, so a sequence set aside can be sampled again; Deferred: the pass goes
+        on at the next call)."""
+        if self._argmax is not None:  # what the chain's logit bias and greedy pick, without its array
+            return self._argmax.pick(self._lib.llama_get_logits_ith(self._ctx, idx))
+        if self._g is None:
+            return self._lib.llama_sampler_sample(self.chain, self._ctx, idx)
+        return self._g.sample(idx, check)
 
     def close(self) -> None:
         for name in ("chain", "pre", "grammar"):
@@ -249,6 +230,29 @@ class SamplerChain:
             if sampler:
                 self._lib.llama_sampler_free(sampler)  # a chain frees every sampler in it
                 setattr(self, name, None)
+
+
+class _Argmax:
+    """Greedy's token from a row of logits with the logit bias added: what llama.cpp's logit-bias
+    and greedy samplers give (the first of equal logits, in vocabulary order), without filling
+    the chain's array of every candidate (262,144 on Gemma 3: ~0.4 ms a token, against ~0.03)."""
+
+    def __init__(self, native: Native, bias: list[tuple[int, float]]) -> None:
+        import numpy as np
+
+        self._np, self._n = np, native.n_vocab
+        self._ids = np.array([t for t, _ in bias], dtype=np.int64)
+        self._values = np.array([b for _, b in bias], dtype=np.float32)
+        self._work = np.empty(self._n, dtype=np.float32) if bias else None
+
+    def pick(self, logits_ptr: Any) -> int:
+        np = self._np
+        row = np.ctypeslib.as_array(logits_ptr, shape=(self._n,))
+        if self._work is not None:
+            self._work[...] = row
+            np.add.at(self._work, self._ids, self._values)  # in order, a token named twice gets both
+            row = self._work
+        return int(row.argmax())
 
 
 def _bias_values(bias: tuple[tuple[int, float], ...]) -> list[tuple[int, float]]:
@@ -270,12 +274,23 @@ def _grammar_sampler(native: Native, grammar: CompiledGrammar | str) -> Any:
     return grammar.clone()
 
 
-def _logprob_entry(native: Native, tok: int, k: int, idx: int = -1) -> TokenLogprob:
+def _guard(native: Native, grammar: CompiledGrammar | str) -> OutputGuard:
+    """The guard after the grammar: the model's token table where the compile brought it, JSON
+    mode where the grammar writes a JSON schema's values."""
+    from edge.model.guard import OutputGuard, TokenTable
+
+    if isinstance(grammar, str):
+        return OutputGuard(TokenTable(native), json=False)
+    return OutputGuard(grammar.tokens or TokenTable(native), json=grammar.json)
+
+
+def _logprob_entry(native: Native, tok: int, k: int, idx: int = -1, row: Any = None) -> TokenLogprob:
     """The chosen token's logprob and the k likeliest, from the model's raw logits of batch row
-    `idx` (before bias, penalties and grammar: the model's own distribution, as OpenAI reports it)."""
+    `idx` (before bias, penalties and grammar: the model's own distribution, as OpenAI reports it),
+    or from `row`, their copy where the token's pass was set aside past a decode."""
     import numpy as np
 
-    logits = native.logits(idx)
+    logits = native.logits(idx) if row is None else row
     m = float(logits.max())
     lp = logits - (m + float(np.log(np.exp(logits - m).sum())))
     best = sorted(np.argpartition(-lp, k)[:k], key=lambda i: -lp[i]) if k else []
@@ -295,16 +310,19 @@ class Decoding:
         self.hold = max((len(s) for s in job.params.stop), default=0)
         self.lps: list[TokenLogprob] = []
         self.pos = len(job.tokens)  # where the next token goes in the sequence
+        self.tokens: list[int] = []  # the tokens generated, in order
 
-    def take(self, tok: int | None, idx: int = -1) -> tuple[Piece | None, bool]:
-        """The token sampled from batch row `idx`: (a piece to send or None, whether the sequence
-        ended). Raises the request's 422 once it held its model too long (Hold.check)."""
+    def take(self, tok: int | None, idx: int = -1, row: Any = None) -> tuple[Piece | None, bool]:
+        """The token sampled from batch row `idx` (or from `row`, a copy of its logits:
+        SamplerChain.saved): (a piece to send or None, whether the sequence ended). Raises the
+        request's 422 once it held its model too long (Hold.check)."""
         job, p, native = self.job, self.job.params, self.native
         if tok is None or native.is_eog(tok):
             return Piece(self.held + self.decoder.decode(b"", final=True), "stop", self.lps), True
         job.completion_tokens += 1
+        self.tokens.append(tok)
         if p.logprobs is not None:
-            self.lps.append(_logprob_entry(native, tok, p.logprobs, idx))
+            self.lps.append(_logprob_entry(native, tok, p.logprobs, idx, row))
         self.held += self.decoder.decode(native.piece(tok))
         if p.stop:
             cut = _find_stop(self.held, p.stop)
@@ -323,14 +341,14 @@ class Decoding:
         return None, False
 
 
-def generate(native: Native, cache: PromptCache, job: Job) -> Iterator[Piece]:
-    """Pieces of text for `job` decoded alone (one sequence, one token per llama_decode: the
+def generate(native: Native, cache: PromptCache, job: Job, seq: int) -> Iterator[Piece]:
+    """Pieces of text for `job` decoded alone in sequence `seq` (one token per llama_decode: the
     reference a batch's sequences are compared with); the last one has the finish reason
     ("stop" or "length"), unless the job is cancelled, which ends the pieces at the next token."""
     job.hold.start()
     chain = SamplerChain(native, job.params)
     try:
-        job.cached_tokens = cache.prefill(job.tokens, use_cache=job.cache_prompt, remember=job.remember,
+        job.cached_tokens = cache.prefill(seq, job.tokens, use_cache=job.cache_prompt, remember=job.remember,
                                           marks=job.marks)
         job.prefilled = True
         out = Decoding(native, job)
@@ -345,24 +363,28 @@ def generate(native: Native, cache: PromptCache, job: Job) -> Iterator[Piece]:
                 yield piece
             if done:
                 return
-            native.decode_one(tok, out.pos)
-            cache.append(tok)
+            native.decode_one(seq, tok, out.pos)
+            cache.append(seq, tok)
             out.pos += 1
     except Exception:
-        cache.reset()  # a failed decode leaves the sequence's content unknown
+        cache.reset(seq)  # a failed decode leaves the sequence's content unknown
         raise
     finally:
         chain.close()
 
 
-def step_check(job: Job) -> Callable[[], None]:
+def step_check(job: Job, budget: Callable[[], None] | None = None) -> Callable[[], None]:
     """What a grammar pass calls between its chunks for `job`: a cancelled job (client gone, drain)
     raises Interrupted, a request past its time limit the 422 (Hold.check): a sampling step ends
-    within one chunk, never holding the model (or, batched, the others' step)."""
+    within one chunk, never holding the model (or, batched, the others' step). `budget`, in a
+    batch: the step's grammar budget (edge.model.constrained.StepBudget), which raises Deferred
+    to set the pass aside until the next step."""
     def check() -> None:
         if job.cancel.is_set():
             raise Interrupted
         job.hold.check(job)
+        if budget is not None:
+            budget()
     return check
 
 

@@ -28,10 +28,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge.errors import RequestError
 from edge.model.nativelog import RateLimiter, captured_stderr, summarize_native_output
+
+if TYPE_CHECKING:
+    from edge.model.guard import TokenTable
 
 __all__ = ["COMPILE_STACK_BYTES", "COMPILE_TIMEOUT_S", "CompiledGrammar", "compile_grammar"]
 
@@ -47,6 +50,8 @@ class CompiledGrammar:
 
     def __init__(self, lib: Any, sampler: Any, compile_s: float, size: int) -> None:
         self._lib, self.sampler, self.compile_s, self.size = lib, sampler, compile_s, size
+        self.json = False  # its outputs are JSON values (a schema's grammar): the guard keeps keys unique
+        self.tokens: TokenTable | None = None  # the model's token classes, for the guard (edge.model.guard)
         self._free = weakref.finalize(self, lib.llama_sampler_free, sampler)
 
     def clone(self) -> Any:

@@ -19,11 +19,13 @@ from edge.model.embed import EmbedContext, check_embeddings
 from edge.model.generate import GenParams, Job, Piece, generate
 from edge.model.gguf import GGUFInfo
 from edge.model.grammar import CompiledGrammar, compile_grammar
+from edge.model.guard import TokenTable
 from edge.model.native import ContextSettings, DecodeError, Native
 from edge.model.mlock import MlockStatus, mlock_status, vm_locked_bytes
 from edge.model.kvtypes import check_kv_types, flash_attn_forced
-from edge.model.memory import kv_bytes, parallel_for, prompt_cache_bytes
+from edge.model.memory import ContextPlan, context_plan, kv_bytes, prompt_cache_bytes
 from edge.model.promptcache import PromptCache, lcp
+from edge.model.scheduler import Scheduler
 from edge.model.slots import Slots
 
 __all__ = ["GenParams", "GGUFModel", "Job", "Piece", "check_settings", "diagnose_load_failure", "load_gguf_model",
@@ -38,14 +40,18 @@ class GGUFModel:
     """A llama.cpp model, its context and its prompt cache. Every method runs on the model's
     worker thread, but `close()`, which runs on any thread once no job is left on it."""
 
-    def __init__(self, cfg: ModelConfig, info: GGUFInfo, native: Native, mlock: MlockStatus) -> None:
+    def __init__(self, cfg: ModelConfig, info: GGUFInfo, native: Native, mlock: MlockStatus,
+                 plan: ContextPlan | None = None) -> None:
         self.cfg = cfg
         self.info = info
         self.native = native
         self.mlock = mlock
-        self.n_ctx = min(int(cfg.n_ctx), native.n_ctx)  # llama.cpp may round the context up
-        self.cache = PromptCache(native, prompt_cache_bytes(cfg, kv_bytes(cfg, info)))
+        self.plan = plan or context_plan(cfg, info)
+        self.n_ctx = min(self.plan.n_ctx, native.n_ctx)  # llama.cpp may round the context up
+        self.cache = PromptCache(native, prompt_cache_bytes(cfg, kv_bytes(cfg, info, self.plan.n_ctx)))
         self.slots = Slots(native, self.cache, native.n_seq)
+        self.scheduler = Scheduler(self.slots, cfg.name)  # the one thread that calls into the context
+        self.tokens = TokenTable(native)  # what the guard after a grammar knows of each token (filled on need)
         self._formatter = self._make_formatter()
         self.embed: EmbedContext | None = None  # /v1/embeddings' context on the same weights (load_gguf_model)
         self.lora = AdapterPool(native)  # every adapter file loaded on the weights (edge.model.adapters)
@@ -135,10 +141,14 @@ class GGUFModel:
     def token_bytes(self, tok: int) -> bytes:
         return self.native.piece(tok)
 
-    def compile_grammar(self, gbnf: str, param: str) -> CompiledGrammar:
+    def compile_grammar(self, gbnf: str, param: str, json: bool = False) -> CompiledGrammar:
         """Compile a grammar on the grammar thread (edge.model.grammar), not the worker: a 400
-        naming `param` for one llama.cpp refuses. Blocks: call it from a thread pool."""
-        return compile_grammar(self.native.lib, self.native.vocab, gbnf, param)
+        naming `param` for one llama.cpp refuses. Blocks: call it from a thread pool. `json`: the
+        grammar writes JSON values (a schema's), which the guard after it keeps free of repeated
+        keys (edge.model.guard)."""
+        compiled = compile_grammar(self.native.lib, self.native.vocab, gbnf, param)
+        compiled.tokens, compiled.json = self.tokens, json
+        return compiled
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
         if n_prompt + max_tokens > self.n_ctx:
@@ -148,33 +158,41 @@ class GGUFModel:
                                code="context_length_exceeded")
 
     def generate(self, job: Job) -> Iterator[Piece]:
-        """`job` decoded alone on the calling thread (one sequence: the reference the slots'
-        batched decoding is compared with)."""
-        self.native.seq = 0
+        """`job` decoded alone on the calling thread, in a free slot (one sequence: the reference
+        the slots' batched decoding is compared with). An adapted job's slot is emptied first and
+        after (its cells are no one's prefix), its prompt computed whole."""
+        try:
+            with self.slots.spare([] if job.adapters else job.tokens, len(job.tokens) + job.params.max_tokens) as seq:
+                yield from self._alone(job, seq)
+        except DecodeError as exc:
+            raise BackendError(f"llama.cpp failed while generating: {exc}") from exc
+
+    def _alone(self, job: Job, seq: int) -> Iterator[Piece]:
         if job.adapters:  # no cells of another selection to start from, none left for the next
-            self.cache.reset()
+            self.cache.isolate(seq)
             job.cache_prompt = job.remember = False
         try:
             self.native.use_adapters(job.adapters)
-            yield from generate(self.native, self.cache, job)
-        except DecodeError as exc:
-            raise BackendError(f"llama.cpp failed while generating: {exc}") from exc
+            yield from generate(self.native, self.cache, job, seq)
         finally:
             if job.adapters:
-                self.cache.reset()
+                self.cache.reset(seq)
 
     def context_info(self) -> dict[str, Any]:
         """The llama.cpp context settings in the start report and `edge status`."""
         s = self.native.settings
         return {"n_batch": self.native.n_batch, "n_ubatch": s.n_ubatch, "n_threads": s.n_threads,
                 "n_threads_batch": s.n_threads_batch, "flash_attn": s.flash_attn, "swa_full": s.swa_full,
-                "parallel": self.native.n_seq, "type_k": s.type_k, "type_v": s.type_v,
+                "parallel": self.native.n_seq, "n_ctx_why": self.plan.n_ctx_why,
+                "parallel_why": self.plan.parallel_why, "type_k": s.type_k, "type_v": s.type_v,
                 "use_extra_bufts": s.use_extra_bufts, "prompt_cache_limit_bytes": self.cache.limit_bytes,
                 **({"adapters": describe(self.adapters)} if self.adapters else {}),
                 **({"embeddings": self.embed.describe()} if self.embed is not None else {})}
 
     def close(self) -> None:
-        """The contexts, the KV cache and the mapping now, not whenever GC gets to them."""
+        """The contexts, the KV cache and the mapping now, not whenever GC gets to them (the
+        scheduler's thread ended first, its work done)."""
+        self.scheduler.close()
         self.cache.clear()
         if self.embed is not None:  # before the model it was made on
             self.embed.close()
@@ -189,16 +207,17 @@ def check_settings(m: ModelConfig, info: GGUFInfo, cfg: Config) -> None:
     check_embeddings(m, info, cfg.source, where)
 
 
-def settings_for(cfg: ModelConfig) -> ContextSettings:
+def settings_for(cfg: ModelConfig, plan: ContextPlan) -> ContextSettings:
     threads = cfg.n_threads or os.cpu_count() or 1
+    n_ctx = plan.n_ctx
     # a quantized V cache: flash attention on, as llama.cpp makes "auto" (the report says so)
     flash = "on" if flash_attn_forced(cfg) else cfg.flash_attn_mode
-    return ContextSettings(n_ctx=cfg.n_ctx, n_batch=min(cfg.n_batch, cfg.n_ctx),
-                           n_ubatch=min(cfg.n_ubatch or 512, cfg.n_batch, cfg.n_ctx), n_threads=threads,
+    return ContextSettings(n_ctx=n_ctx, n_batch=min(cfg.n_batch, n_ctx),
+                           n_ubatch=min(cfg.n_ubatch or 512, cfg.n_batch, n_ctx), n_threads=threads,
                            n_threads_batch=cfg.n_threads_batch or threads, flash_attn=flash,
                            swa_full=cfg.swa_full,
                            n_gpu_layers=cfg.n_gpu_layers, use_mmap=cfg.use_mmap, use_mlock=cfg.use_mlock,
-                           use_extra_bufts=cfg.use_extra_bufts, n_seq=parallel_for(cfg),
+                           use_extra_bufts=cfg.use_extra_bufts, n_seq=plan.parallel,
                            type_k=cfg.type_k, type_v=cfg.type_v)
 
 
@@ -210,21 +229,21 @@ def load_gguf_model(cfg: ModelConfig, info: GGUFInfo, quiet: bool = False, where
     from edge.model.gpu import require_gpu_offload
 
     require_gpu_offload(llama_cpp, cfg.name, cfg.n_gpu_layers)  # a CPU-only build would ignore it
-    trained = info.context_length
-    if trained and cfg.n_ctx > trained:
+    trained, plan = info.context_length, context_plan(cfg, info)
+    if trained and plan.n_ctx > trained:
         log.warning("%s: n_ctx = %d is more than the %d tokens %s was trained for (%s.context_length): "
-                    "output past %d tokens is unreliable", cfg.name, cfg.n_ctx, trained, info.path,
+                    "output past %d tokens is unreliable", cfg.name, plan.n_ctx, trained, info.path,
                     info.architecture, trained)
     before = vm_locked_bytes()
     try:
-        native = Native(info.path, settings_for(cfg), quiet=quiet)
+        native = Native(info.path, settings_for(cfg, plan), quiet=quiet)
     except (ValueError, RuntimeError) as exc:
         why = diagnose_load_failure(info, llama_cpp)
         raise ModelError(info.path, f"llama.cpp could not load the model: {exc}"
                          + (f"; {why}" if why else "")) from None
     status = mlock_status(cfg.use_mlock, vm_locked_bytes() - before, info, use_mmap=cfg.use_mmap,
                           n_gpu_layers=cfg.n_gpu_layers)
-    model = GGUFModel(cfg, info, native, status)
+    model = GGUFModel(cfg, info, native, status, plan)
     if isinstance(cfg.embeddings, EmbeddingsConfig):
         try:
             model.embed = EmbedContext(native, cfg.embeddings, info)

@@ -11,7 +11,7 @@ tensors share the mapped pages).
 from __future__ import annotations
 
 import os
-
+from dataclasses import dataclass
 from typing import Any
 
 from edge.config import EmbeddingsConfig, ModelConfig
@@ -19,9 +19,15 @@ from edge.device.memory import MIB, read_memory
 from edge.model.gguf import GGUFInfo, offload_split
 from edge.model.kvtypes import bytes_per_element, flash_attn_forced
 
-__all__ = ["CONTEXT_OVERHEAD", "adapters_need", "embeddings_need", "kv_bytes", "model_need", "parallel_for", "prompt_cache_bytes"]
+__all__ = ["AUTO_CTX_MAX", "CONTEXT_OVERHEAD", "ContextPlan", "adapters_need", "context_plan", "embeddings_need",
+           "kv_bytes", "model_need", "prompt_cache_bytes"]
 
 CONTEXT_OVERHEAD = 16 * MIB  # per llama.cpp context: graph metadata, scratch, tokenizer tables
+AUTO_CTX_MAX = 32768  # tokens: an unset n_ctx is the model's trained context, at most this
+AUTO_CTX_MIN = 512  # tokens: an unset n_ctx is at least this, whatever the memory (edge doctor warns)
+KV_SHARE = 4  # an unset n_ctx's KV cache takes at most 1/KV_SHARE of what the weights leave
+SLOT_SHARE = 512  # tokens each slot can count on when every one is busy, for an unset `parallel`
+AUTO_SLOTS = (4, 8)  # an unset `parallel`: at least 4 (llama-server's `-np auto`), at most 8
 
 
 def _int(meta: dict[str, Any], key: str, default: int) -> int:
@@ -29,21 +35,62 @@ def _int(meta: dict[str, Any], key: str, default: int) -> int:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else default
 
 
-def parallel_for(m: ModelConfig, total_ram: int | None = None) -> int:
-    """The slots a model decodes at once (edge.model.slots): `parallel`, or when unset 4, and 8
-    where the context holds 4,096 tokens or more and RAM is 4 GiB or more. The KV cache is
-    unified (the slots share n_ctx cells), so a slot costs memory only for its logits row and
-    sampler: what limits them is how much of the context each request can count on."""
+@dataclass(frozen=True)
+class ContextPlan:
+    """A model's context and slots as a start makes them, and why (edge doctor, the start report)."""
+
+    n_ctx: int
+    parallel: int
+    n_ctx_why: str
+    parallel_why: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"n_ctx": self.n_ctx, "parallel": self.parallel, "n_ctx_why": self.n_ctx_why,
+                "parallel_why": self.parallel_why}
+
+
+def context_plan(m: ModelConfig, info: GGUFInfo | None, ceiling: int | None = None) -> ContextPlan:
+    """`n_ctx` and `parallel` as set, or, unset, sized for the model and the device (as
+    llama-server's `-c 0` takes the model's context and `-np auto` picks slots): the context the
+    model was trained for, at most AUTO_CTX_MAX, and at most what a KV cache of 1/KV_SHARE of
+    the memory the weights leave holds (`ceiling`: the most the service may hold, MemTotal or
+    its cgroup's limit; read here when None); one slot per SLOT_SHARE tokens of it, 4 to 8
+    (AUTO_SLOTS). The slots share the context's cells (unified KV) and take them as tokens
+    are decoded (edge.model.admission), so one request alone may still use the whole context."""
+    if m.n_ctx is not None:
+        n_ctx, n_why = m.n_ctx, "n_ctx"
+    else:
+        n_ctx, n_why = _auto_ctx(m, info, ceiling)
     if m.parallel is not None:
-        return m.parallel
-    total = read_memory().ceiling if total_ram is None else total_ram
-    return 8 if m.n_ctx >= 4096 and (not total or total >= 4 << 30) else 4
+        return ContextPlan(n_ctx, m.parallel, n_why, "parallel")
+    low, high = AUTO_SLOTS
+    parallel = max(low, min(high, n_ctx // SLOT_SHARE))
+    return ContextPlan(n_ctx, parallel, n_why, f"automatic: one per {SLOT_SHARE} tokens of n_ctx, {low} to {high}")
 
 
-def kv_bytes(m: ModelConfig, info: GGUFInfo, n_ctx: int | None = None, types: tuple[str, str] | None = None) -> int:
-    """The KV cache of n_ctx tokens (`n_ctx`: another context's) in the model's type_k/type_v
-    (`types`: others): every layer's K and V, from the GGUF header. One pool for every slot
-    (unified KV): the same whatever `parallel` is."""
+def _auto_ctx(m: ModelConfig, info: GGUFInfo | None, ceiling: int | None) -> tuple[int, str]:
+    trained = info.context_length if info is not None else None
+    n_ctx = min(trained or AUTO_CTX_MAX, AUTO_CTX_MAX)
+    why = (f"automatic: the model's trained context ({trained})" if trained and trained <= AUTO_CTX_MAX
+           else f"automatic: {AUTO_CTX_MAX}" + (f" of the model's trained {trained}" if trained else
+                                                 " (the model does not say its trained context)"))
+    if info is None:
+        return n_ctx, why
+    total = read_memory().ceiling if ceiling is None else ceiling
+    per_token = kv_bytes(m, info, 1)
+    if total and per_token:
+        fits = max(0, total - info.data_bytes) // KV_SHARE // per_token // 256 * 256
+        if fits < n_ctx:
+            n_ctx = max(AUTO_CTX_MIN, fits)
+            why = (f"automatic: what a KV cache of 1/{KV_SHARE} of the memory beside the weights holds "
+                   f"({total // MIB} MiB in all, {per_token // 1024} KiB per token; trained for {trained})")
+    return n_ctx, why
+
+
+def kv_bytes(m: ModelConfig, info: GGUFInfo, n_ctx: int, types: tuple[str, str] | None = None) -> int:
+    """The KV cache of n_ctx tokens in the model's type_k/type_v (`types`: others): every layer's K
+    and V, from the GGUF header (an upper bound for sliding-window models, whose window layers
+    keep less). One pool for every slot (unified KV): the same whatever `parallel` is."""
     meta, arch = info.metadata, info.architecture
     n_head = _int(meta, f"{arch}.attention.head_count", 1)
     k_len = _int(meta, f"{arch}.attention.key_length", _int(meta, f"{arch}.embedding_length", 1) // n_head or 1)
@@ -51,22 +98,23 @@ def kv_bytes(m: ModelConfig, info: GGUFInfo, n_ctx: int | None = None, types: tu
     # KV types (issue 55): each element at its type's size (q8_0: 34 bytes a block of 32)
     type_k, type_v = types or (m.type_k, m.type_v)
     per_head = k_len * bytes_per_element(type_k) + v_len * bytes_per_element(type_v)
-    return int(_int(meta, f"{arch}.block_count", 1) * (n_ctx or m.n_ctx)
+    return int(_int(meta, f"{arch}.block_count", 1) * n_ctx
                * _int(meta, f"{arch}.attention.head_count_kv", n_head) * per_head)
 
 
 def model_need(m: ModelConfig, info: GGUFInfo, shared_file: bool, unified: bool = False) -> dict[str, int]:
-    """One model: its weights (CPU-resident ones 0 when the same file is mapped already), the
-    KV cache of n_ctx tokens, and the compute buffers llama.cpp sizes by n_batch (an upper
-    estimate). Offloaded weights are copies (llama.cpp's GPU buffers): on unified memory they are
+    """One model: its weights (CPU-resident ones 0 when the same file is mapped already), the KV
+    cache of its n_ctx tokens (context_plan) in its KV types, and the compute buffers llama.cpp
+    sizes by n_batch (an upper estimate). Offloaded weights are copies (llama.cpp's GPU buffers): on unified memory they are
     DRAM whether or not the file is mapped."""
     meta, arch = info.metadata, info.architecture
     n_layer = _int(meta, f"{arch}.block_count", 1)
     n_embd = _int(meta, f"{arch}.embedding_length", 1)
     n_head = _int(meta, f"{arch}.attention.head_count", 1)
     n_vocab = _int(meta, "n_vocab", 32000)
-    n_ctx, n_batch = m.n_ctx, min(m.n_batch, m.n_ctx)
-    kv = kv_bytes(m, info)
+    n_ctx = context_plan(m, info).n_ctx
+    n_batch = min(m.n_batch, n_ctx)
+    kv = kv_bytes(m, info, n_ctx)
     # logits of one batch, the attention scores of one batch against the context (with flash
     # attention surely on, only its f16 mask: issue 55, measured), activations
     scores = n_ctx // 2 if m.flash_attn is True or flash_attn_forced(m) else n_head * n_ctx

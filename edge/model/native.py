@@ -29,11 +29,16 @@ log = logging.getLogger("edge")
 # config value -> llama_flash_attn_type (llama.h): "auto" lets llama.cpp decide per device and
 # model, as llama-server does by default.
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
-SEQ = 0  # the sequence a one-slot context decodes into, and the default of `Native.seq`
+SEQ = 0  # the sequence a one-slot context decodes into
 
 
 class DecodeError(RuntimeError):
-    """llama_decode failed (its return code in the message)."""
+    """llama_decode failed: `rc` is its return code (1: no cells for the batch, nothing decoded;
+    -1: a batch llama.cpp refuses; others: a compute error), also in the message."""
+
+    def __init__(self, message: str, rc: int = 0) -> None:
+        super().__init__(message)
+        self.rc = rc
 
 
 @dataclass(frozen=True)
@@ -75,9 +80,10 @@ class Native:
     """One loaded model and its context. Not thread-safe: use from the model's worker thread.
 
     The context holds `n_seq` sequences in one unified KV cache (slots share n_ctx cells, so a
-    single long request can use all of them). The sequence operations (keep, clear, states, ...)
-    act on `seq`, the sequence the prompt cache works on now (edge.model.slots sets it);
-    `decode_batch` decodes tokens of many sequences in one llama_decode."""
+    single long request can use all of them). Every operation that touches a sequence (decode,
+    keep, clear, copy, states, ...) takes its id as its first argument: nothing remembers which
+    sequence was worked on last; `decode_batch` decodes tokens of many sequences in one
+    llama_decode."""
 
     def __init__(self, path: str, s: ContextSettings, quiet: bool = False) -> None:
         """`quiet`: a process's own start, nothing else in llama.cpp yet: its log goes to memory
@@ -109,15 +115,7 @@ class Native:
         if not self.model:
             raise ValueError(f"Failed to load model from file: {path}")
         self.vocab = lib.llama_model_get_vocab(self.model)
-        cp = lib.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_ubatch = s.n_ctx, s.n_batch, min(s.n_ubatch, s.n_batch)
-        cp.n_threads, cp.n_threads_batch = s.n_threads, s.n_threads_batch
-        cp.flash_attn_type = FLASH_ATTN[s.flash_attn]
-        cp.swa_full = s.swa_full
-        cp.no_perf = False
-        cp.n_seq_max = max(1, s.n_seq)
-        cp.kv_unified = True  # one pool of n_ctx cells for every slot
-        cp.type_k, cp.type_v = GGML_TYPES[s.type_k][0], GGML_TYPES[s.type_v][0]  # KV types (issue 55)
+        cp = _context_params(lib, s)
         self.ctx = lib.llama_init_from_model(self.model, cp)
         if not self.ctx:
             self.close()
@@ -127,13 +125,17 @@ class Native:
         self.n_ctx = int(lib.llama_n_ctx(self.ctx))
         self.n_batch = int(lib.llama_n_batch(self.ctx))
         self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
-        # sliding-window attention with only the window kept: how far back a token attends
-        self.n_swa = 0 if s.swa_full else int(lib.llama_model_n_swa(self.model))
-        self.n_seq = max(1, s.n_seq)
+        # sliding-window attention: how far back a token attends. With swa_full too: llama.cpp then
+        # keeps every position in a full-size window cache, but still leaves what the window no
+        # longer shows out of a sequence's state and reuses those cells once the cache wraps
+        self.n_swa = int(lib.llama_model_n_swa(self.model))
+        self.n_seq = max(1, s.n_seq)  # the slots: sequence ids 0 .. n_seq - 1
+        # a sequence id no slot uses, for work that must not touch a slot's cells (a piece of a
+        # state cut out, edge.model.windowed); empty between such calls
+        self.spare = self.n_seq
         # a state of every position the window cache holds needs the whole context's state
-        # (llama_state_get_data): only where the context has one sequence
+        # (llama_state_get_data): only where the context has one slot (the spare one is empty)
         self.whole_states = self.n_seq == 1
-        self.seq = SEQ
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
         self._rows = [SEQ] * self.n_batch  # each batch row's sequence id, rewritten only where it changes
         for i in range(self.n_batch):
@@ -198,8 +200,8 @@ class Native:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, tok))
 
     # -- decoding ----------------------------------------------------------------------------------
-    def decode(self, tokens: Sequence[int], pos: int, after: Callable[[int], None] | None = None) -> None:
-        """`tokens` at positions pos, pos+1, ... into the sequence, n_batch at a time; logits
+    def decode(self, seq: int, tokens: Sequence[int], pos: int, after: Callable[[int], None] | None = None) -> None:
+        """`tokens` at positions pos, pos+1, ... into sequence `seq`, n_batch at a time; logits
         only for the last token (what sampling needs). `after(end)` runs after each batch, the
         sequence then holding positions up to end - 1 (the batches are the same with it or
         without it)."""
@@ -207,7 +209,7 @@ class Native:
         for i in range(0, len(tokens), n_batch):
             chunk = tokens[i:i + n_batch]
             n = len(chunk)
-            self._set_rows(0, n, self.seq)
+            self._set_rows(0, n, seq)
             ctypes.memmove(self._tok, (i32 * n)(*chunk), 4 * n)
             ctypes.memmove(self._pos, (i32 * n)(*range(pos + i, pos + i + n)), 4 * n)
             ctypes.memset(self._out, 0, n)
@@ -217,8 +219,8 @@ class Native:
             if after is not None:
                 after(pos + i + n)
 
-    def decode_one(self, tok: int, pos: int) -> None:
-        self._set_rows(0, 1, self.seq)
+    def decode_one(self, seq: int, tok: int, pos: int) -> None:
+        self._set_rows(0, 1, seq)
         self._tok[0], self._pos[0], self._out[0] = tok, pos, 1
         self._batch.n_tokens = 1
         rc = self.lib.llama_decode(self.ctx, self._batch)
@@ -252,7 +254,7 @@ class Native:
         if rc == 0:
             return
         why = {1: "no room in the KV cache", 2: "aborted", -1: "invalid batch"}.get(rc, "error")
-        raise DecodeError(f"llama_decode of {n} tokens at position {pos} returned {rc} ({why})")
+        raise DecodeError(f"llama_decode of {n} tokens at position {pos} returned {rc} ({why})", rc)
 
     def logits(self, idx: int = -1) -> Any:
         """Batch row `idx`'s logits (the last row's by default) as a numpy view (valid until the
@@ -261,59 +263,71 @@ class Native:
 
         return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
 
-    # -- the sequence's KV cache --------------------------------------------------------------------
-    def keep(self, n: int) -> bool:
-        """Drop every position from n on; False where the memory cannot (recurrent models)."""
-        return bool(self.lib.llama_memory_seq_rm(self.mem, self.seq, n, -1))
+    # -- a sequence's KV cache ---------------------------------------------------------------------
+    def keep(self, seq: int, n: int) -> bool:
+        """Drop every position of `seq` from n on; False where the memory cannot (recurrent models)."""
+        return bool(self.lib.llama_memory_seq_rm(self.mem, seq, n, -1))
 
-    def copy_from(self, src: int, n: int) -> None:
-        """The sequence made to hold sequence `src`'s first n positions (their cells shared, not
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Sequence `dst` made to hold sequence `src`'s first n positions (their cells shared, not
         computed again: llama_memory_seq_cp)."""
         lib = self.lib
-        lib.llama_memory_seq_rm(self.mem, self.seq, -1, -1)
-        lib.llama_memory_seq_cp(self.mem, src, self.seq, 0, n)
+        lib.llama_memory_seq_rm(self.mem, dst, -1, -1)
+        lib.llama_memory_seq_cp(self.mem, src, dst, 0, n)
 
-    def pos_min(self, seq: int | None = None) -> int:
-        """The oldest position the sequence (or `seq`) still holds (-1: empty)."""
-        return int(self.lib.llama_memory_seq_pos_min(self.mem, self.seq if seq is None else seq))
+    def drop(self, seq: int, p0: int, p1: int) -> None:
+        """Positions [p0, p1) of `seq` removed (llama_memory_seq_rm)."""
+        self.lib.llama_memory_seq_rm(self.mem, seq, p0, p1)
+
+    def share(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """`src`'s cells of positions [p0, p1) made `dst`'s too (llama_memory_seq_cp: no copy)."""
+        self.lib.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def pos_min(self, seq: int) -> int:
+        """The oldest position `seq` still holds (-1: empty)."""
+        return int(self.lib.llama_memory_seq_pos_min(self.mem, seq))
+
+    def pos_max(self, seq: int) -> int:
+        """The newest position `seq` holds (-1: empty)."""
+        return int(self.lib.llama_memory_seq_pos_max(self.mem, seq))
 
     def reaches(self, pos_min: int, n: int) -> bool:
         """Whether a sequence holding positions from `pos_min` on, cut to n tokens, still holds
-        what the token at position n attends to. Always, unless sliding-window layers keep only
-        their window (swa_full = false): then the window before n must still be there, from
-        position n - n_swa + 1 on (llama.cpp masks a key n_swa or more positions back)."""
+        what the token at position n attends to. Always, unless the model has sliding-window
+        layers: then the window before n must still be there, from position n - n_swa + 1 on
+        (llama.cpp masks a key n_swa or more positions back)."""
         return not self.n_swa or n <= 0 or 0 <= pos_min <= max(0, n - self.n_swa + 1)
 
-    def can_continue_at(self, n: int) -> bool:
-        """`reaches` for the sequence as it is now."""
-        return self.reaches(self.pos_min(), n)
+    def can_continue_at(self, seq: int, n: int) -> bool:
+        """`reaches` for sequence `seq` as it is now."""
+        return self.reaches(self.pos_min(seq), n)
 
-    def window_min(self) -> int:
-        """The oldest position a windowed state of the sequence (state_bytes()) holds: llama.cpp
-        leaves out of it what the sliding window no longer shows its last position."""
-        pos_max = int(self.lib.llama_memory_seq_pos_max(self.mem, self.seq))
-        return max(self.pos_min(), pos_max - self.n_swa + 1) if self.n_swa else self.pos_min()
+    def window_min(self, seq: int) -> int:
+        """The oldest position a windowed state of `seq` (state_bytes()) holds: llama.cpp leaves
+        out of it what the sliding window no longer shows its last position."""
+        return max(self.pos_min(seq), self.pos_max(seq) - self.n_swa + 1) if self.n_swa else self.pos_min(seq)
 
-    def state_size(self, whole: bool = False) -> int:
+    def state_size(self, seq: int, whole: bool = False) -> int:
         lib = self.lib
-        return int(lib.llama_state_get_size(self.ctx) if whole else lib.llama_state_seq_get_size(self.ctx, self.seq))
+        return int(lib.llama_state_get_size(self.ctx) if whole else lib.llama_state_seq_get_size(self.ctx, seq))
 
-    def clear(self) -> None:
-        self.lib.llama_memory_seq_rm(self.mem, self.seq, -1, -1)
+    def clear(self, seq: int) -> None:
+        self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
 
-    def state_bytes(self, whole: bool = False) -> bytearray:
-        """The sequence's KV state as llama.cpp serialises it, written straight into the buffer
+    def state_bytes(self, seq: int, whole: bool = False) -> bytearray:
+        """Sequence `seq`'s KV state as llama.cpp serialises it, written straight into the buffer
         that keeps it (one copy: the buffer's pages are the kernel's zero pages until llama.cpp
         writes them). Windowed (llama_state_seq_get_data): sliding-window layers only as far as
         the last position sees, so it can be continued only from its end. Whole
-        (llama_state_get_data, the context's one sequence): every position they still hold
-        (down to pos_min()), so it can be cut back as far as the live sequence could."""
-        size = self.state_size(whole)
+        (llama_state_get_data, a one-sequence context: `seq` is its only one): every position
+        they still hold (down to pos_min()), so it can be cut back as far as the live sequence
+        could."""
+        size = self.state_size(seq, whole)
         buf = bytearray(size)
         view = (ctypes.c_uint8 * size).from_buffer(buf)
         lib = self.lib
         got = int(lib.llama_state_get_data(self.ctx, view, size) if whole
-                  else lib.llama_state_seq_get_data(self.ctx, view, size, self.seq))
+                  else lib.llama_state_seq_get_data(self.ctx, view, size, seq))
         del view  # the buffer is exported while a view lives: released before any resize
         if got == 0 and size:
             raise DecodeError("llama.cpp returned no state")
@@ -321,21 +335,22 @@ class Native:
             del buf[got:]
         return buf
 
-    def set_state(self, data: bytes | bytearray, whole: bool = False) -> bool:
-        """Replace the sequence's KV with a saved state (made by state_bytes with the same
-        `whole`); False (and an empty sequence) where llama.cpp refuses it (other model,
-        context or cache layout). A bytearray is read in place; bytes are copied once (ctypes
-        needs a writable buffer)."""
-        self.clear()
+    def set_state(self, seq: int, data: bytes | bytearray, whole: bool = False) -> bool:
+        """Replace sequence `seq`'s KV with a saved state (made by state_bytes with the same
+        `whole`; a windowed one into any sequence, a whole one into the one it was taken from);
+        False (and an empty sequence) where llama.cpp refuses it (other model, context or cache
+        layout). A bytearray is read in place; bytes are copied once (ctypes needs a writable
+        buffer)."""
+        self.clear(seq)
         if isinstance(data, bytearray):
             buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
         else:
             buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         lib = self.lib
         got = int(lib.llama_state_set_data(self.ctx, buf, len(data)) if whole
-                  else lib.llama_state_seq_set_data(self.ctx, buf, len(data), self.seq))
+                  else lib.llama_state_seq_set_data(self.ctx, buf, len(data), seq))
         if got == 0:
-            self.clear()
+            self.clear(seq)
             return False
         return True
 
@@ -346,6 +361,19 @@ class Native:
         else:  # the context could not be made: only the model is there
             _free(self.lib, self.model, self.ctx, None)
         self._batch = self.ctx = self.model = None
+
+
+def _context_params(lib: Any, s: ContextSettings) -> Any:
+    cp = lib.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = s.n_ctx, s.n_batch, min(s.n_ubatch, s.n_batch)
+    cp.n_threads, cp.n_threads_batch = s.n_threads, s.n_threads_batch
+    cp.flash_attn_type = FLASH_ATTN[s.flash_attn]
+    cp.swa_full = s.swa_full
+    cp.no_perf = False
+    cp.n_seq_max = max(1, s.n_seq) + 1  # the slots and a spare one (Native.spare)
+    cp.kv_unified = True  # one pool of n_ctx cells for every slot
+    cp.type_k, cp.type_v = GGML_TYPES[s.type_k][0], GGML_TYPES[s.type_v][0]  # KV types (issue 55)
+    return cp
 
 
 def _free(lib: Any, model: Any, ctx: Any, batch: Any) -> None:

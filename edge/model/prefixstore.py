@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from edge.errors import ConfigError, RequestError
-from edge.fsutil import atomic_write
+from edge.fsutil import atomic_write, private_dir
 from edge.model.promptcache import Entry, PromptCache
 
 if TYPE_CHECKING:
@@ -59,38 +59,40 @@ class StateRejected(Exception):
     """A state file that must not reach llama.cpp; the message says why."""
 
 
-# -- states between the prompt cache's current slot and files -------------------------------------------
-def load_state(cache: PromptCache, tokens: list[int], state: bytearray, whole: bool = False) -> bool:
-    """A saved state into the slot's sequence, its tokens made live; False (and an empty
-    sequence) where llama.cpp refuses it."""
-    ok = cache.native.set_state(state, whole)
-    cache.live = list(tokens) if ok else []
+# -- states between a slot's sequence and files (a free slot: Slots.spare) ---------------------------------
+def load_state(cache: PromptCache, seq: int, tokens: list[int], state: bytearray, whole: bool = False) -> bool:
+    """A saved state into sequence `seq`, its tokens made live; False (and an empty sequence)
+    where llama.cpp refuses it."""
+    ok = cache.native.set_state(seq, state, whole)
+    cache.lives[seq] = list(tokens) if ok else []
     return ok
 
 
-def compute_state(cache: PromptCache, tokens: list[int]) -> bytearray:
-    """`tokens` prefilled from position 0; the sequence's state after them."""
-    cache.reset()
+def compute_state(cache: PromptCache, seq: int, tokens: list[int]) -> bytearray:
+    """`tokens` prefilled from position 0 into sequence `seq`; its state after them."""
+    cache.reset(seq)
     try:
-        cache.native.decode(tokens, 0)
+        cache.native.decode(seq, tokens, 0)
     except BaseException:
-        cache.reset()
+        cache.reset(seq)
         raise
-    cache.live = list(tokens)
-    return cache.native.state_bytes()
+    cache.lives[seq] = list(tokens)
+    return cache.native.state_bytes(seq)
 
 
-def cut_state(cache: PromptCache, e: Entry, n: int) -> tuple[list[int], bytearray] | None:
+def cut_state(cache: PromptCache, seq: int, e: Entry, n: int) -> tuple[list[int], bytearray] | None:
     """`e`'s tokens and windowed state (for a file) cut to its first n tokens, where its window
     reaches back that far (else whole); None where llama.cpp refuses the state."""
-    if not load_state(cache, e.tokens, e.state, e.whole):
+    key = next(k for k, x in cache.entries.items() if x is e)
+    if not cache.load(seq, key, n):
         return None
+    cache.lives[seq] = list(e.tokens)
     native = cache.native
-    if n < len(e.tokens) and native.reaches(e.pos_min, n) and native.keep(n):
-        cache.live = cache.live[:n]
+    if n < len(e.tokens) and native.reaches(e.pos_min, n) and native.keep(seq, n):
+        cache.lives[seq] = cache.live(seq)[:n]
     elif not e.whole:
         return list(e.tokens), e.state
-    return list(cache.live), native.state_bytes()
+    return list(cache.live(seq)), native.state_bytes(seq)
 
 
 def folder_for(cache_dir: Path, model: str) -> Path:
@@ -130,7 +132,7 @@ def prefix_tokens(model: GGUFModel, p: PrefixConfig, source: str = "", field: st
 def write_state(path: Path, key: dict[str, Any], tokens: list[int], state: bytes | bytearray, **meta: Any) -> None:
     header = json.dumps({"format": FORMAT, "key": key, "tokens": tokens, "state_bytes": len(state),
                          "state_crc32": zlib.crc32(state), **meta}).encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)  # a state's token ids decode back to its prompt
     atomic_write(path, [MAGIC, _HEAD.pack(len(header)), header, state])
 
 
@@ -197,21 +199,22 @@ class _Where:
 def restore_prefixes(model: GGUFModel, folder: Path, source: str, field: str,
                      recompute: bool = False) -> list[dict[str, Any]]:
     """Every declared prefix of the model into its prompt cache (pinned), restored from disk or
-    computed and saved; then the learned ones that still fit. One report row each."""
+    computed and saved; then the learned ones that still fit. One report row each. Works in a
+    free slot (Slots.spare), which holds the last one's cells afterwards."""
     where, key = _Where(source, field), prefix_key(model)
-    rows = [_declared(model, folder, key, where, j, p, recompute) for j, p in enumerate(model.cfg.prefixes)]
+    with model.slots.spare() as seq:
+        rows = [_declared(model, seq, folder, key, where, j, p, recompute) for j, p in enumerate(model.cfg.prefixes)]
+        rows += _learned(model, seq, folder, key) if model.cfg.learn_prefixes else []
     if any(r["outcome"] == "no room" for r in rows):  # every state made first: the whole need
         need = sum(r["bytes"] for r in rows)
         raise ConfigError(source, f"{field}.prompt_cache_mb", f"the declared prefixes need {need / 2**20:.2f} "
                           f"MiB of KV state ({need} bytes), more than the prompt cache's "
                           f"{model.cache.limit_bytes / 2**20:.2f} MiB: raise prompt_cache_mb to at least "
                           f"{-(-need // 2**20)}")
-    if model.cfg.learn_prefixes:
-        rows += _learned(model, folder, key)
     return rows
 
 
-def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where, j: int,
+def _declared(model: GGUFModel, seq: int, folder: Path, key: dict[str, Any], where: _Where, j: int,
               p: PrefixConfig, recompute: bool) -> dict[str, Any]:
     t0, cache = time.perf_counter(), model.cache
     name = f"{where.field}.prefixes[{j}]"
@@ -223,7 +226,7 @@ def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where
     if not recompute:
         try:
             state = read_state(path, key, tokens)[1]
-            if not load_state(cache, tokens, state):
+            if not load_state(cache, seq, tokens, state):
                 state, why = None, "llama.cpp refused the saved state"
         except StateRejected as exc:
             why = _why_new(folder, p.name, key) if not path.exists() else str(exc)
@@ -232,10 +235,10 @@ def _declared(model: GGUFModel, folder: Path, key: dict[str, Any], where: _Where
         if path.exists():  # a damaged file is worth a warning; a recompute asked for is not
             log.log(logging.INFO if recompute else logging.WARNING, "%s: prefix %r: %s (%s): computing "
                     "it again", model.cfg.name, p.name, why, path)
-        state = compute_state(cache, tokens)
+        state = compute_state(cache, seq, tokens)
         write_state(path, key, tokens, state, kind="declared", name=p.name)
         _prune(folder, p.name)
-    if not cache.add(Entry(list(tokens), state, name=p.name, pinned=True, pos_min=model.native.window_min())):
+    if not cache.add(Entry(list(tokens), state, name=p.name, pinned=True, pos_min=model.native.window_min(seq))):
         outcome = "no room"  # restore_prefixes refuses the config once every state's size is known
     return {"prefix": p.name, "kind": "declared", "tokens": len(tokens), "bytes": len(state),
             "outcome": outcome, "why": "" if outcome == "restored" else why,
@@ -317,7 +320,7 @@ def _learned_elsewhere(folder: Path, key: dict[str, Any]) -> dict[str, Any] | No
     return None
 
 
-def _learned(model: GGUFModel, folder: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
+def _learned(model: GGUFModel, seq: int, folder: Path, key: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for i in range(model.cfg.learn_prefixes):
         path = _learned_path(folder, key, i)
@@ -333,10 +336,11 @@ def _learned(model: GGUFModel, folder: Path, key: dict[str, Any]) -> list[dict[s
             row.update(tokens=len(tokens), bytes=len(state))
             if len(tokens) >= model.n_ctx:
                 row["why"] = f"{len(tokens)} tokens: no room in the context of {model.n_ctx}"
-            elif not load_state(model.cache, tokens, state):
+            elif not load_state(model.cache, seq, tokens, state):
                 row["why"] = "llama.cpp refused the saved state"
             elif not model.cache.add(Entry(tokens, state, hits=int(header.get("hits", 0)), checkpoint=True,
-                                           reused=int(header.get("reused", 0)), pos_min=model.native.window_min())):
+                                           reused=int(header.get("reused", 0)),
+                                           pos_min=model.native.window_min(seq))):
                 row["why"] = "no room beside the declared prefixes (prompt_cache_mb)"
             else:
                 row["outcome"] = "restored"
@@ -353,15 +357,19 @@ def save_learned(model: GGUFModel, folder: Path) -> list[dict[str, Any]]:
     for the next start; older learned files beyond them removed. Runs after the drain."""
     cache, key = model.cache, prefix_key(model)
     rows: list[dict[str, Any]] = []
-    for e in cache.most_reused(model.cfg.learn_prefixes):
-        got = cut_state(cache, e, max(1, min(e.reused, len(e.tokens))))  # whole where a window cannot be cut
-        if got is None:
-            continue
-        tokens, state = got
-        write_state(_learned_path(folder, key, len(rows)), key, tokens, state, kind="learned", hits=e.hits,
-                    reused=len(tokens))
-        rows.append({"prefix": f"learned-{len(rows)}", "tokens": len(tokens), "hits": e.hits})
-    cache.reset()
+    # room for the longest: the idle slots' live cells give way first (a restore needs free
+    # cells; after calibration and traffic they may hold most of the context)
+    need = max((len(e.tokens) for e in cache.most_reused(model.cfg.learn_prefixes)), default=0)
+    with model.slots.spare(need=need) as seq:
+        for e in cache.most_reused(model.cfg.learn_prefixes):  # again: giving way may have merged some
+            got = cut_state(cache, seq, e, max(1, min(e.reused, len(e.tokens))))  # whole where a window cannot be cut
+            if got is None:
+                continue
+            tokens, state = got
+            write_state(_learned_path(folder, key, len(rows)), key, tokens, state, kind="learned", hits=e.hits,
+                        reused=len(tokens))
+            rows.append({"prefix": f"learned-{len(rows)}", "tokens": len(tokens), "hits": e.hits})
+        cache.reset(seq)
     mine = _digest(key)
     for n, (digest, paths) in enumerate(_learned_files(folder).items()):
         for path in paths:  # this key's beyond what was just saved; keys older than the KEEP newest

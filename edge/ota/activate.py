@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 __all__ = ["Activator", "ServiceWatch", "ReloadActivator", "RestartActivator", "SystemdWatch", "PidWatch",
-           "command_activator", "systemd_activator", "unit_state_dirs"]
+           "activation_report", "command_activator", "run_activation", "systemd_activator", "unit_state_dirs"]
 
 
 class Activator(Protocol):
@@ -96,6 +94,8 @@ class RestartActivator:
         return self._wait_ready()
 
     def _restart(self) -> tuple[bool, str]:
+        import tempfile  # here: a service's start imports this module (edge.cli.launch's OTA check)
+
         # Output goes to a file, not a pipe: a service the command leaves running in the
         # background would hold a pipe open and make the restart look hung.
         with tempfile.TemporaryFile() as out:
@@ -111,6 +111,8 @@ class RestartActivator:
         return True, ""
 
     def _wait_ready(self) -> tuple[bool, str]:
+        import urllib.request  # here: the HTTP client's imports are an activation's, never a start's
+
         deadline, last = time.monotonic() + self.timeout, "no answer"
         while time.monotonic() < deadline:
             died = self.watch.failed() if self.watch else None
@@ -209,3 +211,14 @@ class ReloadActivator:
         if answer.get("ok"):
             return True, ""
         return False, f"reload refused the version (exit {answer.get('exit_code')}): {answer.get('error')}"
+
+
+def run_activation(act: Any) -> tuple[bool, str]:
+    """An Activator, or a plain callable (tests and embedders): (healthy?, why not)."""
+    return act.activate() if hasattr(act, "activate") else act()
+
+
+def activation_report(act: Any) -> dict[str, Any]:
+    """What a reload activation did (kept, loaded, mode), for the command's answer."""
+    report = getattr(act, "report", None)
+    return {"reload": {k: report.get(k) for k in ("kept", "loaded", "mode")}} if report else {}

@@ -44,13 +44,29 @@ def keygen(private: Path) -> Path:
     key = ed25519.Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
-    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
     pub = private.with_name(private.name + ".pub")
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
+    _new_file(private, pem, 0o600)  # whole or absent, and never over a key that is there
+    from edge.fsutil import atomic_write
+
+    atomic_write(pub, key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                    serialization.PublicFormat.SubjectPublicKeyInfo))
     return pub
+
+
+def _new_file(path: Path, data: bytes, mode: int) -> None:
+    """`path` made with `data`, atomically (a temp file, fsynced, then linked: EEXIST where a file
+    is there, which stays untouched); a failure leaves no temp file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def _load_private(path: Path) -> Any:

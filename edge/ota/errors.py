@@ -32,8 +32,8 @@ class OtaStateError(EdgeError):
 
 class OtaIOError(EdgeError):
     """The file system failed an OTA command otherwise than by being full (EIO, a read-only file
-    system), or its answer could not be written (stdout): the message names the file, and what
-    the command did stands (`edge ota status` shows it)."""
+    system): the message names the file, and what the command did stands (`edge ota status` shows
+    it). (An answer stdout cannot take is 74 too: edge.cli.output, for every command.)"""
 
     exit_code = 74  # EX_IOERR
 

@@ -22,13 +22,14 @@ from typing import BinaryIO
 
 from edge.fsutil import fsync_dir
 
-__all__ = ["Fs", "rename_exchange", "EXCHANGE_UNSUPPORTED"]
+__all__ = ["DIR_MODE", "EXCHANGE_UNSUPPORTED", "Fs", "make_dirs", "rename_exchange"]
 
 AT_FDCWD = -100
 RENAME_EXCHANGE = 2
 # glibc before 2.28 (Ubuntu 18.04, JetPack 4) has no renameat2(): the raw system call instead
 _SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "armv7l": 382, "armv8l": 382, "riscv64": 276, "ppc64le": 357}
 EXCHANGE_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+DIR_MODE = 0o755
 
 
 def rename_exchange(a: Path | str, b: Path | str) -> None:
@@ -46,6 +47,20 @@ def rename_exchange(a: Path | str, b: Path | str) -> None:
     if rc != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def make_dirs(path: Path) -> None:
+    """`path` and its missing parents, DIR_MODE whatever the umask."""
+    made = []
+    while not path.is_dir():
+        made.append(path)
+        path = path.parent
+    for d in reversed(made):
+        try:
+            os.mkdir(d, DIR_MODE)
+        except FileExistsError:
+            continue
+        os.chmod(d, DIR_MODE)
 
 
 class Fs:
@@ -66,12 +81,20 @@ class Fs:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     def mkdir(self, path: Path) -> None:
+        """The folder and its missing parents, 0755 whatever the umask (the service, another
+        user, reads versions it did not install: a unit's UMask=0077 applies to ExecStartPre=)."""
         self.op("mkdir", path)
-        path.mkdir(parents=True, exist_ok=True)
+        make_dirs(path)
 
     def create(self, path: Path, mode: int = 0o644) -> BinaryIO:
+        """A new file of `mode` whatever the umask (as mkdir's)."""
         self.op("create", path)
-        return open(path, "wb", opener=lambda p, flags: os.open(p, flags, mode))
+
+        def opener(p: str, flags: int) -> int:
+            fd = os.open(p, flags, mode)
+            os.fchmod(fd, mode)
+            return fd
+        return open(path, "wb", opener=opener)
 
     def write(self, f: BinaryIO, data: bytes) -> None:
         self.op("write", f.name)
@@ -131,6 +154,12 @@ class Fs:
     def replace(self, src: Path, dst: Path) -> None:
         self.op("rename", f"{src} -> {dst}")
         os.replace(src, dst)
+
+    def chmod(self, path: Path, mode: int) -> None:
+        """The mode of the file at `path` (a regular file: the caller checked), in place: no room
+        needed."""
+        self.op("chmod", path)
+        os.chmod(path, mode)
 
     def symlink(self, target: str, path: Path) -> None:
         self.op("symlink", path)

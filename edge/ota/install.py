@@ -15,16 +15,16 @@ per transition, each an atomic exchange of the two state slots, none allocating)
   commit    write #2 {current: V, previous: old current, pending: null, highest: max}: IDLE;
             V's marker says committed.
   rollback  write #2' {pending: null} (current/previous as before the install): IDLE, links
-            back (to the factory state after a first install); V's marker says failed.
+            back (to the factory state after a first install); V's marker says failed. Where
+            that version is damaged beyond repair, the highest intact committed one instead.
 
 recover: deletes staging dirs, temp links and files and every version dir without .complete;
-in PENDING it rolls back (a version that was not committed was never confirmed healthy, so it is
-never served after a crash or reboot); in IDLE it only makes the links agree. Then it prunes.
-Every path that makes a version current again (a version already on disk installed again, a
-rollback, recover's choice) checks its files against its signed manifest first
-(edge.ota.recheck). Every refusal comes before the first write, on a fresh device too (what the
-install made is removed again). Every file-system call goes through edge.ota.fsops.Fs (tests
-kill the process, or fail it with ENOSPC, at each one).
+in PENDING it rolls back (a version never committed was never confirmed healthy: not served
+after a crash or reboot); in IDLE it makes the links agree, finishes an interrupted repair and,
+at boot, checks the current version (edge.ota.repair). Then it prunes. Every path that makes a
+version current again checks its files against its signed manifest first (edge.ota.recheck).
+Every refusal comes before the first write, on a fresh device too. Every file-system call goes
+through edge.ota.fsops.Fs (tests fail it with ENOSPC at each one; the kill matrix kills at each).
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ from typing import Any, Union
 
 from edge.errors import EdgeError
 from edge.ota import links
-from edge.ota.activate import Activator
+from edge.ota.activate import Activator, activation_report, run_activation
 from edge.ota.bundle import Bundle
-from edge.ota.errors import (BundleError, OtaBusy, OtaIOError, OtaStateError, RepairedUnhealthy,
-                             RolledBackUnhealthy)
-from edge.ota.fsops import Fs
+from edge.ota.errors import BundleError, OtaBusy, OtaIOError, OtaStateError, RolledBackUnhealthy
+from edge.ota.fsops import Fs, make_dirs
 from edge.ota.policy import refuse
 from edge.ota.rebuild import EMPTY, rebuild_state
+from edge.ota.repair import RepairMixin
 from edge.ota.retention import clean_garbage, prune
 from edge.ota.statefile import StateFile, now, overwrite_marker, read_marker
 from edge.ota.store import Store
@@ -60,12 +60,8 @@ MAX_REASON = 600  # characters of a history reason (the state file has a fixed s
 ActivatorLike = Union[Activator, Callable[[], "tuple[bool, str]"], None]
 
 
-def _activate(act: ActivatorLike) -> tuple[bool, str]:
-    return act.activate() if hasattr(act, "activate") else act()  # type: ignore[union-attr, misc]
-
-
 @dataclass
-class Ota:
+class Ota(RepairMixin):
     root: Path  # <state_dir>/ota
     keep: int = 3
     fs: Fs = field(default_factory=Fs)
@@ -98,7 +94,7 @@ class Ota:
         if problem is None and st is None and self.versions.is_dir() and any(self.versions.iterdir()):
             problem = "state.json is missing"
         if problem is not None:
-            st = rebuild_state(self.root, problem)
+            st = rebuild_state(self.root, problem, self.pubkey)
         st = st or {}
         for k, v in EMPTY.items():
             st.setdefault(k, json.loads(json.dumps(v)))
@@ -143,7 +139,7 @@ class Ota:
     def _locked(self) -> Iterator[None]:
         """The lock; a file-system error inside is one line naming the file and the state left."""
         try:
-            self.versions.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.versions)  # 0755: the service, another user, reads the versions
             with open(self.root / ".lock", "a") as lock:  # "a": an existing lock file is not truncated
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -213,7 +209,7 @@ class Ota:
             check()  # a reload activator finds the running service before anything is touched
         # a version still pending (never committed) goes first, and the answer says so
         earlier = self._recover(activate, f"still pending (never committed) when the install of "
-                                          f"{bundle.version} began", bundle)
+                                          f"{bundle.version} began", bundle, current=False)
         before = {"rolled_back_first": {k: earlier[k] for k in ("failed", "reason")}} if earlier else {}
         try:
             return {**self._switch(bundle, activate, allow_downgrade, commit), **before}
@@ -240,38 +236,14 @@ class Ota:
         if activate is None:
             return {"result": "switched", "version": bundle.version, **staged, "note": "not activated: run "
                     "`edge ota commit` once the service is healthy, or `edge ota rollback`"}
-        ok, why = _activate(activate)
+        ok, why = run_activation(activate)
         if not ok:
             return self._rollback(activate, f"health check failed: {why}")
-        report = _report(activate)
+        report = activation_report(activate)
         if not commit:
             return {"result": "healthy", "version": bundle.version, **staged, **report, "note":
                     "pending: `edge ota commit` makes it permanent; a reboot or `edge ota recover` rolls it back"}
         return {**self._commit(), **staged, **report}
-
-    def _already_current(self, bundle: Bundle, activate: ActivatorLike) -> dict[str, Any]:
-        """The same content is installed: the bundle's bytes are checked, then the installed version
-        against the bundle and repaired in place (each file by one atomic rename); where a file the
-        service reads changed, the service is activated again (a reload takes the new bytes)."""
-        from edge.ota.recheck import refuse_tampered
-
-        refuse_tampered(bundle)
-        checked = self._recheck(bundle.version, bundle)
-        if not (repaired := checked.get("repaired") or []):
-            return {"result": "already-current", "version": bundle.version, "checked": checked,
-                    "verified": "the bundle's files match its signed manifest, and so do the installed ones"}
-        self._event(st := self.state(), bundle.version, "repaired", "; ".join(repaired))
-        self._save(st)
-        result = {"result": "repaired", "version": bundle.version, "checked": checked}
-        served = [r for r in repaired if not r.startswith("manifest.json")]
-        if activate is None or not served:
-            return {**result, **({"note": "not activated (--no-activate): restart or reload the service to "
-                                          "serve the repaired files"} if served else {})}
-        ok, why = _activate(activate)
-        if not ok:
-            raise RepairedUnhealthy(f"{bundle.version} was repaired in place ({'; '.join(served)}), but the "
-                                    f"service is not healthy on it: {why}")
-        return {**result, **_report(activate)}
 
     def _first_install(self, st: dict[str, Any]) -> bool:
         """Before OTA takes over: record the config the service runs as the factory state."""
@@ -287,7 +259,8 @@ class Ota:
         if not st["pending"]:
             raise BundleError(f"nothing to commit: no install is pending (current is {st['current']})")
         version = st["pending"]["version"]
-        st.update(previous=st["current"], current=version, pending=None, highest=highest(st["highest"], version))
+        st.update(previous=st["current"], current=version, pending=None, highest=highest(st["highest"], version),
+                  repair=None)  # a repair of the version before is moot: this one serves
         self._event(st, version, "committed")
         self._save(st)  # write #2: PENDING -> IDLE on the new version
         self._mark(st, version, "committed")  # with the floor: a rebuild finds it there
@@ -295,7 +268,10 @@ class Ota:
         self._prune(st)
         return {"result": "committed", "version": version, "previous": st["previous"]}
 
-    def _rollback(self, activate: ActivatorLike, reason: str, bundle: Bundle | None = None) -> dict[str, Any]:
+    def _rollback(self, activate: ActivatorLike, reason: str, bundle: Bundle | None = None,
+                  retire: bool = False) -> dict[str, Any]:
+        """`retire`: the version rolled back is removed too, once the switch is written (a fall
+        back from a version damaged beyond repair: edge.ota.repair)."""
         st = self.state()
         if st["pending"]:
             bad, target = st["pending"]["version"], st["current"]
@@ -303,14 +279,14 @@ class Ota:
             bad, target = st["current"], st["previous"]
         else:
             raise BundleError(f"{reason}: nothing to roll back to (no install pending, no previous version)")
-        try:
-            checked = {"checked": self._recheck(target, bundle)} if target else {}
-        except BundleError as exc:
-            raise BundleError(f"{bad} cannot be rolled back ({reason}): {exc}") from None
-        if st["pending"]:
+        gone = [bad] if retire else []  # removed with the switch (a kill before: the next recover does it)
+        target, checked = self._checked_target(bad, target, bundle, f"{bad} cannot be rolled back ({reason})",
+                                               bool(st["pending"] or retire), gone)
+        if st["pending"] and target == st["current"]:
             st["pending"] = None  # current and previous are still what they were before the install
         else:
-            st.update(current=target, previous=None)
+            st.update(pending=None, current=target, previous=None)
+        st.update(repair=None, retire=gone or None)  # `target` was checked in full just now; this activates it
         self._event(st, bad, "rolled back", reason)
         self._save(st)  # write #2': back to IDLE on the version before
         self._mark(st, bad, "failed")
@@ -318,6 +294,7 @@ class Ota:
             self._mark(st, target, "committed")  # the floor lives on in the current version's marker
         self._sync_links(st)
         self._prune(st)
+        self._retire_owed()  # a version damaged beyond repair, once the switch is written
         result = {"result": "rolled back", "version": st["current"], "failed": bad, "reason": reason, **checked}
         if st["current"] is None:
             if not self._factory_ok(st):
@@ -328,7 +305,7 @@ class Ota:
             result["note"] = ("that was the first install: the service is back on its factory config "
                               f"({st['factory']['config']}, recorded at the first install)")
         if activate is not None:
-            ok, why = _activate(activate)
+            ok, why = run_activation(activate)
             if not ok:
                 st = self.state()
                 self._event(st, st["current"], "rollback unhealthy", why)
@@ -340,11 +317,15 @@ class Ota:
 
     def _recover(self, activate: ActivatorLike, why: str = "never committed: the install was killed, "
                  "the power was cut, or it was not confirmed before a reboot",
-                 bundle: Bundle | None = None) -> dict[str, Any] | None:
+                 bundle: Bundle | None = None, boot: bool = False, current: bool = True,
+                 pending: bool = True) -> dict[str, Any] | None:
+        """`boot`: nothing to activate, the current version checked as a boot can afford;
+        `current` False: no look at the current version (an install's); `pending` False: a pending
+        install is left alone (a start's: its commit or rollback decides it)."""
         clean_garbage(self.root, self.fs)
         st = self.state()
         if st["pending"]:
-            return self._rollback(activate, why, bundle)
+            return self._rollback(activate, why, bundle) if pending else None
         if self._first_install(st) or "rebuilt" in st:
             self._save(st)
         for name in (st["current"], st["previous"]):  # a kill between write #2 and the marker
@@ -354,16 +335,23 @@ class Ota:
         if want not in (None, links.FACTORY) and self.link_target("current") != want:
             self._recheck(want)  # recover's own choice (a rebuilt state, a rollback killed mid-switch)
         self._sync_links(st)
-        self._prune(st)
-        return None
+        self._retire_owed()  # a fall back killed before it removed the damaged version
+        # an interrupted repair finished; at boot, a look at the current version (not in an install:
+        # its own bundle repairs the current version, another version replaces it)
+        done = self._check_current(self.state(), activate, boot) if current else None
+        if done is None or done["result"] != "rolled back":  # a fall back pruned already
+            self._prune(self.state())
+        return done
 
     def _prune(self, st: dict[str, Any]) -> None:
         prune(self.root, self.store, self.fs, self.keep, {v for v in self.wanted_links(st).values() if v})
 
     # -- commands ------------------------------------------------------------------------------
-    def recover(self, activate: ActivatorLike) -> dict[str, Any] | None:
+    def recover(self, activate: ActivatorLike, boot: bool = False) -> dict[str, Any] | None:
+        """`boot`: before the service starts (nothing to activate), the current version checked as
+        a boot can afford (edge.ota.repair)."""
         with self._locked():
-            return self._recover(activate)
+            return self._recover(activate, boot=boot)
 
     def commit(self) -> dict[str, Any]:
         with self._locked():
@@ -387,14 +375,6 @@ class Ota:
         st = self.state()
         st.pop("digests")
         st["links"] = {name: self.link_target(name) for name in LINKS}
-        st["on_disk"] = sorted(d.name for d in self.versions.glob("*") if (d / ".complete").is_file()) \
-            if self.versions.exists() else []
+        st["on_disk"] = sorted(d.name for d in self.versions.glob("*") if (d / ".complete").is_file())
         st["store"] = self.store.usage()
         return st
-
-
-def _report(activate: ActivatorLike) -> dict[str, Any]:
-    """What a reload activation did (kept, loaded), for the install's answer."""
-    report = getattr(activate, "report", None)
-    return {"reload": {k: report.get(k) for k in ("kept", "loaded", "mode")}} if report else {}
-

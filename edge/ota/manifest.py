@@ -28,7 +28,7 @@ FORMAT_THIN = 2  # some files are only listed: the device has them (an older edg
 NAME_MAX = 255  # bytes of one path component (ext4, xfs, tmpfs, f2fs)
 MAX_DEPTH = 32
 MAX_PATH = 1024  # bytes of a path inside the bundle
-RESERVED = ("edge.toml", "manifest.json", "manifest.sig", ".complete", ".link")  # the installer's own
+RESERVED = ("edge.toml", "manifest.json", "manifest.sig", ".complete", ".link", ".sampled")  # the installer's own
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,11 @@ what the disk still says, and the rebuild says what it found and what it assumed
                      than the last event adds its event; without that history, a failed
                      marker says rolled back, and a commit proves nothing (the rollback after it
                      may have pruned its version): `unknown`, never a success;
-  the rest           content digests, history and the factory entry come from state.json.prev
-                     (the state before the last write) where it is readable, the digests of
-                     versions it does not name from their installed manifests.
+  the rest           content digests, history, the factory entry and an unfinished repair come
+                     from state.json.prev (the state before the last write) where it is readable;
+                     the digests of versions it does not name from their installed manifests,
+                     only where the manifest's signature verifies with the device's key (a
+                     damaged manifest is no record: the version's own bundle then repairs it).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from edge.ota.version import highest, parsed
 __all__ = ["rebuild_state", "EMPTY"]
 
 EMPTY: dict[str, Any] = {"current": None, "previous": None, "pending": None, "highest": None,
-                         "digests": {}, "history": [], "factory": None}
+                         "digests": {}, "history": [], "factory": None, "repair": None,
+                         "retire": None}
 # what an install ended in (or is at): the events a rebuild derives, and what edge_ota_last_result shows
 _INSTALL_EVENTS = ("staged", "committed", "rolled back", "rollback unhealthy", "unknown")
 _EVENT_OF = {"staged": "staged", "committed": "committed", "failed": "rolled back"}
@@ -90,7 +93,23 @@ def _derived(st: dict[str, Any], prev: dict[str, Any] | None, installed: dict[st
     return {"version": None, "event": "unknown", "at": None}
 
 
-def rebuild_state(root: Path, problem: str) -> dict[str, Any]:
+def _verified_digest(vdir: Path, pubkey: Path | None) -> str | None:
+    """The content digest of a version's own manifest, where its signature verifies it; None
+    otherwise (a damaged manifest must never become the record that locks out its own bundle)."""
+    if pubkey is None:
+        return None
+    from edge.ota.bundle import signature_ok
+
+    try:
+        raw = (vdir / "manifest.json").read_bytes()
+        if not signature_ok(pubkey, (vdir / "manifest.sig").read_bytes(), raw):
+            return None
+        return content_digest(json.loads(raw))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def rebuild_state(root: Path, problem: str, pubkey: Path | None = None) -> dict[str, Any]:
     prev, _ = StateFile.parse(root / "state.json.prev")
     st: dict[str, Any] = {**json.loads(json.dumps(EMPTY)), **{k: prev[k] for k in EMPTY if prev and k in prev}}
     installed = _installed(root)
@@ -111,11 +130,9 @@ def rebuild_state(root: Path, problem: str) -> dict[str, Any]:
             assumed.append(f"no `current` link: the highest committed version, {committed[-1]}")
     st["highest"] = highest(st.get("highest"), *committed, *(m.highest for m in installed.values()))
     for v in installed:
-        try:
-            manifest = json.loads((root / "versions" / v / "manifest.json").read_text())
-            st["digests"].setdefault(v, content_digest(manifest))  # the record before the disk
-        except (OSError, ValueError, AttributeError, TypeError):
-            pass
+        digest = _verified_digest(root / "versions" / v, pubkey)
+        if digest is not None:
+            st["digests"].setdefault(v, digest)  # the record before the disk
     event = _derived(st, prev, installed)
     if event:
         st["history"] = st["history"][-49:] + [{**event, "at": event["at"] or now(), "reason": (

@@ -14,7 +14,7 @@ from edge.ota.statefile import LEGACY, read_marker
 from edge.ota.store import Store
 from edge.ota.version import Version, parse_version, parsed
 
-__all__ = ["clean_garbage", "prune"]
+__all__ = ["clean_garbage", "prune", "retire"]
 
 
 def clean_garbage(root: Path, fs: Fs) -> None:
@@ -41,9 +41,15 @@ def prune(root: Path, store: Store, fs: Fs, keep: int, protect: set[str]) -> Non
         return read_marker(d) in ("committed", LEGACY), parsed(d.name) or parse_version("0.0.0-0")
 
     for d in sorted(others, key=worth)[:max(0, len(complete) - keep)]:
-        fs.unlink(d / ".complete")  # incomplete first: a kill below leaves garbage, not a version
-        fs.fsync_dir(d)
-        fs.rmtree(d)
+        retire(d, fs)
     store.collect()
     links.converge(root, fs, [d for d in versions.iterdir() if read_marker(d)]
                    + ([root / links.FACTORY] if (root / links.FACTORY).is_dir() else []))
+
+
+def retire(vdir: Path, fs: Fs) -> None:
+    """A version directory removed: its .complete first, so a kill below leaves garbage (which
+    recover deletes), never a half version that looks installed."""
+    fs.unlink(vdir / ".complete")
+    fs.fsync_dir(vdir)
+    fs.rmtree(vdir)

@@ -1,8 +1,9 @@
 """Staging one version: versions/.staging-V-PID is filled (every file a hard link into the
-content store, edge.toml, the signed manifest and its signature, the version's own link, the
-.complete marker), fsynced, and renamed to versions/V. Until that rename it is garbage that
-recover deletes; any failure on the way (a full file system, blocks or inodes, a file that fails
-its check) deletes it and is one clear refusal: the installed version is untouched.
+content store, edge.toml, the signed manifest and its signature, the version's own link, its
+sampled hashes for the boot's check, the .complete marker), fsynced, and renamed to versions/V. Until that rename it is garbage that
+recover deletes; any failure on the way (a full file system, blocks or inodes: exit 75, try again
+once space is freed; a file that fails its check: 65) deletes it and is one clear line: the
+installed version is untouched.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from edge.ota.bundle import Bundle
-from edge.ota.errors import BundleError
+from edge.ota.audit import write_sampled
+from edge.ota.errors import BundleError, OtaStateError
 from edge.ota.fsops import Fs
 from edge.ota.links import HOME
 from edge.ota.statefile import write_marker
@@ -41,6 +43,7 @@ def stage(versions: Path, store: Store, fs: Fs, bundle: Bundle, floor: str | Non
                            ("manifest.json", bundle.raw_manifest), ("manifest.sig", bundle.signature)):
             fs.write_file(staging / name, data)
         fs.symlink(f"versions/{bundle.version}", staging / HOME)
+        write_sampled(fs, staging, bundle.files)  # what a boot checks of it (edge.ota.audit)
         write_marker(fs, staging, bundle.version, floor)
         for d in sorted((p for p in staging.rglob("*") if p.is_dir() and not p.is_symlink()), reverse=True):
             fs.fsync_dir(d)
@@ -49,6 +52,8 @@ def stage(versions: Path, store: Store, fs: Fs, bundle: Bundle, floor: str | Non
         fs.fsync_dir(versions)
     except OSError as exc:
         fs.rmtree(staging)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # it works once space is freed: 75
+            raise OtaStateError(_why(bundle, staging, exc)) from None
         raise BundleError(_why(bundle, staging, exc)) from None
     except BaseException:
         fs.rmtree(staging)

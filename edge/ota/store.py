@@ -5,7 +5,9 @@ inode in every version, so a reload after a config-only update keeps the loaded 
 `keep_versions` versions of a 4 GB model cost 4 GB.
 
 Objects are written under objects/tmp/, hashed while written, fsynced and renamed into place
-(an object is complete or absent), read-only: a version's file is the object, not a copy. Where
+(an object is complete or absent), read-only (MODE, 0444 whatever the umask: the service's user
+reads them, nobody writes them): a version's file is the object, not a copy. An object a
+version still links (a link count above 1) is never collected, whatever the manifests say. Where
 a link is impossible (another file system: EXDEV; a file system without links: EPERM; too many
 links: EMLINK) the file is copied and the install says so. A version installed by an edge
 before the store (its own copies) is still a source of content: a thin bundle may take a file
@@ -29,9 +31,10 @@ from edge.ota.fsops import Fs
 from edge.ota.manifest import FileEntry
 from edge.ota.statefile import MARKER
 
-__all__ = ["Store", "NO_LINK"]
+__all__ = ["Store", "MODE", "NO_LINK"]
 
 NO_LINK = (errno.EXDEV, errno.EPERM, errno.EMLINK)
+MODE = 0o444  # every object, and so every version's file: readable by all, writable by none
 # (source, destination, at most this many bytes, Fs) -> (bytes read, their sha256): extract.py's
 CopyFn = Callable[[IO[bytes], IO[bytes], int, Fs], "tuple[int, str]"]
 
@@ -84,10 +87,12 @@ class Store:
         self.fs.mkdir(self.objects)
         tmp = self.tmp / f"{entry.sha256}.{os.getpid()}"
         try:
-            with self.fs.create(tmp, 0o444) as out:
+            with self.fs.create(tmp, MODE) as out:
                 size, digest = copy(src, out, entry.size, self.fs)
                 self.fs.fsync(out)
             if size == entry.size and digest == entry.sha256:  # over a damaged object: repaired
+                if stat.S_IMODE(os.stat(tmp).st_mode) != MODE:
+                    self.fs.chmod(tmp, MODE)  # a umask took bits off: the service's user must read it
                 self.fs.replace(tmp, self.object(entry.sha256))
                 self._intact[entry.sha256] = True
         finally:
@@ -151,12 +156,17 @@ class Store:
             raise BundleError(f"{entry.path}: the device's copy at {found} is damaged (sha256 {digest[:16]}…, "
                               f"its manifest says {entry.sha256[:16]}…): run `edge ota verify`; a full "
                               "bundle installs anyway")
+        return self.adopt(found, entry.sha256) or found
+
+    def adopt(self, found: Path, sha256: str) -> Path | None:
+        """An intact file (hashed by the caller) made the store's object for its content, in place
+        of a damaged or missing one (a link, then one rename); None where links are impossible."""
         self.fs.mkdir(self.objects)
-        obj = self.object(entry.sha256)
+        obj = self.object(sha256)
         try:
-            if os.path.lexists(obj):  # damaged (locate found it not intact): replaced, never kept
+            if os.path.lexists(obj):  # damaged (not intact): replaced, never kept
                 self.fs.mkdir(self.tmp)
-                tmp = self.tmp / f"{entry.sha256}.{os.getpid()}"
+                tmp = self.tmp / f"{sha256}.{os.getpid()}"
                 if os.path.lexists(tmp):
                     self.fs.unlink(tmp)
                 self.fs.link(found, tmp)
@@ -166,8 +176,8 @@ class Store:
         except OSError as exc:
             if exc.errno not in NO_LINK + (errno.EEXIST,):
                 raise
-            return found
-        self._intact[entry.sha256] = True
+            return None
+        self._intact[sha256] = True
         return obj
 
     def missing(self, files: list[FileEntry]) -> list[FileEntry]:
@@ -198,13 +208,14 @@ class Store:
         return used
 
     def collect(self) -> list[str]:
-        """Delete the objects no complete version references (and leftovers of killed writes)."""
+        """Delete the objects no complete version references (and leftovers of killed writes); never
+        one a version links (a damaged manifest names another sha256, the file is still served)."""
         for p in sorted(self.tmp.iterdir()) if self.tmp.is_dir() else []:
             self.fs.unlink(p)
         used = self.referenced()
         if used is None or not self.objects.is_dir():
             return []
-        gone = sorted(p.name for p in self.objects.iterdir() if p.name not in used)
+        gone = sorted(p.name for p in self.objects.iterdir() if p.name not in used and _links(p) <= 1)
         for name in gone:
             self.fs.unlink(self.object(name))
         return gone
@@ -213,3 +224,10 @@ class Store:
         files = list(self.objects.iterdir()) if self.objects.is_dir() else []
         return {"objects": len(files), "bytes": sum(p.stat().st_size for p in files)}
 
+
+
+def _links(path: Path) -> int:
+    try:
+        return os.lstat(path).st_nlink
+    except OSError:
+        return 0

@@ -1,5 +1,6 @@
 """`edge ota verify`: every file of every installed version hashed again and compared with the
-version's signed manifest (flash bit-rot, a fleet's integrity check). The manifest's own
+version's signed manifest (flash bit-rot, a fleet's integrity check), with what else the manifest
+says of it (edge.ota.audit: a regular file, mode 0444, the store's object itself). The manifest's own
 signature is checked first where the key and manifest.sig (kept since the content store) are
 there; a file shared by versions (one object, hard links) is hashed once and named in each.
 """
@@ -11,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from edge.fsutil import sha256_file
-from edge.ota.manifest import check_path
+from edge.ota.audit import audit_file
+from edge.ota.fsops import Fs
+from edge.ota.manifest import FileEntry, check_path
 from edge.ota.statefile import MARKER
+from edge.ota.store import Store
 from edge.ota.version import VersionError, parse_version
 
 __all__ = ["verify_installed", "signature_note", "file_problem"]
@@ -34,8 +38,8 @@ def signature_note(vdir: Path, raw: bytes, pubkey: Path | None) -> str | None:
 
 
 def file_problem(path: Path, size: int, sha256: str, hashed: dict[tuple[int, int], str]) -> str | None:
-    """What is wrong with an installed file (None: it matches its manifest's size and sha256).
-    `hashed` holds the digest of every inode hashed so far: a file shared by versions is read once."""
+    """What is wrong with a file's bytes (None: its size and sha256 are these). `hashed` holds the
+    digest of every inode hashed so far: a file shared by versions is read once."""
     try:
         st = path.stat()
         key = (st.st_dev, st.st_ino)
@@ -71,13 +75,19 @@ def _one(vdir: Path, pubkey: Path | None, hashed: dict[tuple[int, int], str]) ->
             bad.append(f"{name}/edge.toml: differs from the config in its signed manifest")
     except (OSError, UnicodeDecodeError) as exc:
         bad.append(f"{name}/edge.toml: unreadable ({exc})")
+    store = Store(vdir.parent.parent, Fs())  # read only: objects are looked at, never written
     for f in files:
-        if check_path(f.get("path")) is not None:
-            bad.append(f"{name}/manifest.json: lists {f.get('path')!r}, not a path a version may hold")
+        try:
+            entry = FileEntry(**f)
+        except TypeError:
+            entry = None
+        if entry is None or check_path(entry.path) is not None or not isinstance(entry.size, int):
+            bad.append(f"{name}/manifest.json: lists {f.get('path') if isinstance(f, dict) else f!r}, not a file "
+                       "entry a version may hold")
             continue
-        problem = file_problem(vdir / f["path"], f["size"], f["sha256"], hashed)
-        if problem:
-            bad.append(f"{name}/{f['path']}: {problem}")
+        found = audit_file(vdir, entry, store, hashed)  # type, mode, link to its object, bytes, the object
+        if found is not None:
+            bad.append(f"{name}/{entry.path}: {found.detail}")
     result: dict[str, Any] = {"files": len(files), "ok": not bad}
     if note and not note.startswith("DAMAGED"):
         result["note"] = note

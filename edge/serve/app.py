@@ -30,8 +30,10 @@ from edge.model.generate import GenParams, Hold, Job, Piece
 from edge.model.llm import GGUFModel
 from edge.model.promptcache import Marks
 from edge.serve.metrics import Metrics, MetricsMiddleware
-from edge.serve.openai import Ask, Limits, grammar, parse
+from edge.serve.openai import Ask, Limits, parse
 from edge.serve.openai_shapes import Choice, Shape, parse_tool_calls
+from edge.serve.schema import schema_grammar
+from edge.serve.toolcall import forced_call
 from edge.serve.state import ServiceState
 from edge.serve.warmscope import in_warmup
 from edge.serve.worker import ModelWorker
@@ -107,9 +109,10 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ge
     if ask.who:
         log.info("request from %s", ", ".join(f"{k} {v!r}" for k, v in ask.who.items()))
     compiled = None
-    if ask.schema is not None:  # converted and compiled off the loop and off the model's worker
-        gbnf = await asyncio.to_thread(grammar, *ask.schema)
-        compiled = await asyncio.to_thread(m.compile_grammar, gbnf, ask.schema[1])
+    if ask.schema is not None:  # converted once and compiled, off the loop and off the model's worker
+        held = ask.schema
+        gbnf = await asyncio.to_thread(schema_grammar, held.schema, held.param, held.place)
+        compiled = await asyncio.to_thread(m.compile_grammar, gbnf, held.param, True)
     _check_bytes(m, ask)  # before tokenizing: a prompt that cannot fit never holds the worker
     prompts = await worker.call(_tokenize, m, ask)
     if len(prompts) * ask.n > m.cfg.max_choices:
@@ -128,8 +131,10 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ge
         if max_tokens is None:  # the configured default, but never more than the context has left
             max_tokens = min(m.cfg.max_tokens_default, max(1, m.n_ctx - len(tokens)))
         m.check_fits(len(tokens), max_tokens)
+        # the template's stop strings end free text; under a grammar the JSON ends the output, and a
+        # stop string inside one of its strings would cut it (a client's `stop` is refused there)
         params = GenParams(max_tokens=max_tokens, grammar=compiled,
-                           **{**ask.sampling, "stop": ask.sampling["stop"] + stops})
+                           **{**ask.sampling, "stop": ask.sampling["stop"] + (stops if compiled is None else ())})
         # n choices from one seed: seed, seed+1, ... (the same seed would give n equal choices)
         jobs += [Job(tokens=tokens, params=params if params.seed is None else
                      replace(params, seed=(params.seed + j) % (2**32 - 1)),
@@ -167,12 +172,17 @@ def _adapters_meta(adapters: dict[str, Any]) -> dict[str, Any]:
 
 
 def _finish_tools(run: _Generations, c: Choice) -> None:
+    """A choice's tool calls, once its text is whole. A forced call is always one: its grammar
+    wrote a call, which max_tokens may have cut (finish_reason `length`, the arguments' text as far
+    as it got), never prose."""
     if not run.buffered():
         return
     calls = parse_tool_calls(c.text, run.tool_names())
     if calls:
         c.tool_calls = calls if run.ask.parallel_tool_calls else calls[:1]
         c.text, c.finish = "", "tool_calls"
+    elif run.ask.forced_tool:
+        c.tool_calls, c.text = [forced_call(c.text, run.tool_names(), c.finish)], ""
 
 
 async def _choices(run: _Generations, metrics: Metrics) -> list[Choice]:

@@ -4,16 +4,22 @@ Keys come from `$CREDENTIALS_DIRECTORY/edge-api-keys` when the unit passes that 
 (`LoadCredential=edge-api-keys:/etc/edge/api-keys`: the file stays root's, the DynamicUser
 never sees it), else from `[server] api_key_file`; one key per line, `#` comments and blank
 lines ignored. They are read at every start and every reload (a reload's new set carries the
-keys read with its config). A key file every user can read, or one that holds no key, is a
-config error (exit 78) naming it.
+keys read with its config). A secret file (the keys, the TLS key: `read_private`) must be one
+only its owner (and a group, for reading) can use: readable by every user, writable by its group
+or every user, in a directory its group or every user may write (a sticky one such as /tmp
+too: anyone may create a file there under the name you will use next), or below a directory
+every user may write that is not sticky (anyone could rename the folders on its path) is a
+config error (exit 78) naming it; so is a file that holds no key, or a key shorter than
+`MIN_KEY_CHARS`, naming the line and never the key. `edge doctor` reads them with the same
+functions.
 
 `AuthMiddleware` (in front of the server's request limits, edge.lifecycle.serving) answers a
 request without a valid key (`Authorization: Bearer <key>` or `x-api-key: <key>`) with OpenAI's
 401 (`invalid_api_key`, `WWW-Authenticate: Bearer`) from its head alone, before the body is
 read and before any handler runs: a flood of bad keys costs one SHA-256 and a comparison per
 key each, and never reaches a model's queue. Only `/healthz`, `/readyz` and KServe's
-`/v2/health/ready` are always open (systemd, load balancers); `/metrics` is keyed unless
-`metrics_auth = "open"`. Warm-up's own requests (marked by their private transport, never by anything a client sends)
+`/v2/health/ready` are always open (systemd, load balancers); `/metrics` is keyed like the rest
+unless `metrics_auth = "open"` opens it on purpose. Warm-up's own requests (marked by their private transport, never by anything a client sends)
 pass. No key ever appears in a log line, a metric label or an error message.
 
 `check_exposure` refuses to serve a non-loopback socket without keys (`no open port by accident`).
@@ -25,6 +31,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import logging
 import os
 import socket
 import stat
@@ -37,11 +44,14 @@ from typing import Any
 from edge.config import ServerConfig
 from edge.errors import ConfigError
 
-__all__ = ["ApiKeys", "AuthMiddleware", "CREDENTIAL", "OPEN_PATHS", "check_exposure", "credential_path",
+__all__ = ["ApiKeys", "AuthMiddleware", "CREDENTIAL", "MIN_KEY_CHARS", "OPEN_PATHS", "check_exposure", "credential_path",
            "exposure_problem", "is_loopback", "key_file", "load_api_keys", "parse_keys", "read_private", "resolve",
-           "socket_address"]
+           "secret_problem", "served_open", "socket_address"]
+
+log = logging.getLogger("edge")
 
 CREDENTIAL = "edge-api-keys"
+MIN_KEY_CHARS = 16  # 64 bits of hex at the least: `openssl rand -hex 32` makes 64 characters
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/ready"})  # probes: no work, no data
 _FIELD = "server.api_key_file"
 _CHALLENGE = {"missing": b'Bearer realm="edge"', "invalid": b'Bearer realm="edge", error="invalid_token"'}
@@ -56,7 +66,7 @@ class ApiKeys:
 
     digests: tuple[bytes, ...]
     origin: str
-    metrics_keyed: bool = False
+    metrics_keyed: bool = True
 
     def __repr__(self) -> str:  # never the keys, whatever prints this
         return f"ApiKeys({len(self.digests)} keys from {self.origin})"
@@ -119,17 +129,41 @@ def load_api_keys(server: ServerConfig, source: str) -> ApiKeys | None:
 
 
 def read_private(path: Path, source: str, field: str) -> str:
-    """A secret file's text; one that every user may read, or that cannot be read, is a
-    ConfigError naming it (its content is never quoted)."""
+    """A secret file's text; one that others may read or write (`secret_problem`), or that
+    cannot be read, is a ConfigError naming it (its content is never quoted)."""
     try:
-        mode = path.stat().st_mode
-        if mode & stat.S_IROTH:
-            raise ConfigError(source, field, f"{path} is readable by every user (mode {stat.S_IMODE(mode):04o}): "
-                              f"a secret must not be; chmod 600 {path} (or 640 for a group)")
+        problem = secret_problem(path)
+        if problem:
+            raise ConfigError(source, field, problem)
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
         raise ConfigError(source, field, f"cannot read {path}: {why}") from None
+
+
+def secret_problem(path: Path) -> str | None:
+    """Why other users could read or replace the secret at `path` (None: they cannot): the file
+    readable by every user, or writable by its group or every user; its directory writable by
+    its group or every user (sticky or not); a directory above it every user may write and
+    not sticky. OSError when it cannot be looked at."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & stat.S_IROTH:
+        return (f"{path} is readable by every user (mode {mode:04o}): a secret must not be; chmod 600 {path} "
+                "(or 640 for a group)")
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "every user" if mode & stat.S_IWOTH else "its group"
+        return (f"{path} is writable by {who} (mode {mode:04o}): they could put a key of their own in it; "
+                f"chmod 600 {path} (or 640 for a group that reads it)")
+    folder = path.absolute().parent
+    for d in [folder, *folder.parents]:
+        dmode = d.stat().st_mode
+        open_to = stat.S_IWOTH | (stat.S_IWGRP if d == folder else 0)
+        if dmode & open_to and (d == folder or not dmode & stat.S_ISVTX):
+            who = "every user" if dmode & stat.S_IWOTH else "its group"
+            return (f"{path} is in {d}, which {who} may write (mode {stat.S_IMODE(dmode):04o}): they could put "
+                    "a file of their own in its place; keep secrets in a directory only root (or the service's "
+                    "user) can write, e.g. /etc/edge (mode 0755, root's)")
+    return None
 
 
 def parse_keys(text: str, path: Path, source: str) -> tuple[bytes, ...]:
@@ -143,6 +177,9 @@ def parse_keys(text: str, path: Path, source: str) -> tuple[bytes, ...]:
         if not (key.isascii() and key.isprintable()) or any(c.isspace() for c in key):
             raise ConfigError(source, _FIELD, f"{path} line {n}: expected one key per line, printable ASCII "
                               "without spaces (a comment line starts with #)")
+        if len(key) < MIN_KEY_CHARS:
+            raise ConfigError(source, _FIELD, f"{path} line {n}: the key is shorter than {MIN_KEY_CHARS} "
+                              "characters: too easy to guess; make one with `openssl rand -hex 32`")
         digests.append(hashlib.sha256(key.encode("ascii")).digest())
     if not digests:
         raise ConfigError(source, _FIELD, f"{path} holds no key: expected one key per line "
@@ -229,3 +266,14 @@ def check_exposure(sockets: Iterable[socket.socket], keys: ApiKeys | None, serve
             raise ConfigError(source, _FIELD, problem)
         exposed.append(address)
     return exposed
+
+
+def served_open(exposed: list[str], keys: ApiKeys | None) -> list[str]:
+    """The sockets of `exposed` (others can reach them) that a set with `keys` serves with no
+    key: all of them when it has none (allow_unauthenticated, which check_exposure let pass),
+    else none. A start, and each reload whose new set serves them so, says it in one WARNING."""
+    if keys is not None or not exposed:
+        return []
+    log.warning("serving %s with no API key (server.allow_unauthenticated = true): anyone who "
+                "can reach it may use every model", ", ".join(exposed))
+    return list(exposed)

@@ -10,6 +10,12 @@
 - A request head must be complete within `header_timeout_s` of the connection's opening (on a
   kept-alive connection: of the end of `keepalive_timeout_s` idle time), so idle or slowloris
   connections are closed, never held forever, even without new connections pushing them out.
+- With TLS the same holds from the accept on: asyncio makes uvicorn's protocol only once the
+  handshake is done (and gives a handshake 60 s), so until then a connection is a socket the
+  guard counts from its accept. One that has not finished its handshake is shed like a fresh
+  plain one at the cap, and ended when `header_timeout_s` has passed since its accept: the
+  handshake's timeout. It is ended by `shutdown()` of its socket, never a close: asyncio still
+  owns the descriptor, reads the end of stream and closes the connection itself.
 
 uvicorn's own `limit_concurrency` is not used: it answers 503 (plain text) only once a request
 has been read, so idle connections still take a file descriptor each, and it counts idle
@@ -80,7 +86,7 @@ class GatedSocket(socket.socket):
         self.saturated = False
         conn, addr = super().accept()
         self.accepted.append(conn)
-        self.guard.accepted(conn.fileno())
+        self.guard.accepted(conn)
         return conn, addr
 
     def _room(self) -> bool:
@@ -115,6 +121,16 @@ def _fd(conn: Any) -> int:
     return -1 if sock is None else sock.fileno()
 
 
+def _end_handshake(sock: socket.socket) -> None:
+    """End a connection whose protocol asyncio has not made yet (its TLS handshake runs): the
+    transport reads the end of stream and closes the socket it owns (a close here would free a
+    descriptor asyncio still watches)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # the peer is gone already: asyncio sees that too
+
+
 def _quiet_accept_pauses(loop: asyncio.AbstractEventLoop) -> None:
     previous = loop.get_exception_handler()
 
@@ -138,13 +154,16 @@ class ConnectionGuard:
     idle time) from when a sweep first sees it. Swept every `tick` seconds, so a timeout fires
     up to one tick late. `on_shed(n)` counts the connections shed."""
 
-    def __init__(self, cfg: ServerConfig, on_shed: Callable[[int], None] | None = None) -> None:
+    def __init__(self, cfg: ServerConfig, on_shed: Callable[[int], None] | None = None, tls: bool = False) -> None:
         self.cfg = cfg
         self.on_shed = on_shed
+        self.tls = tls  # the sockets serve TLS: a connection has no protocol until its handshake is done
         self.tick = min(max(min(cfg.header_timeout_s, cfg.keepalive_timeout_s) / 4, 0.05), 1.0)
         self._since: dict[Any, tuple[Any, float]] = {}  # connection -> (phase key, its start)
-        self._accepted_at: dict[int, float] = {}  # descriptor -> accepted, until its protocol is seen
+        # descriptor -> (its socket, when accepted), until its protocol is seen (after a TLS handshake)
+        self._accepted_at: dict[int, tuple[socket.socket, float]] = {}
         self._shed: set[Any] = set()  # shed connections not closed yet
+        self._shed_sockets: list[socket.socket] = []  # shed in their handshake, not closed yet
         self._last_shed = float("-inf")
         self.sockets: list[GatedSocket] = []
         self.connections: set[Any] = set()  # uvicorn's server_state.connections, from run()
@@ -167,8 +186,23 @@ class ConnectionGuard:
             return self.cfg.keepalive_timeout_s + self.cfg.header_timeout_s
         return None
 
-    def accepted(self, fd: int) -> None:
-        self._accepted_at[fd] = asyncio.get_running_loop().time()
+    def accepted(self, conn: socket.socket) -> None:
+        self._accepted_at[conn.fileno()] = (conn, asyncio.get_running_loop().time())
+
+    def handshaking(self) -> list[tuple[float, socket.socket]]:
+        """(accepted at, socket) of the accepted connections that have no protocol yet: a TLS
+        handshake not finished. Without TLS there is none: a plain connection has its protocol
+        on the loop's next turn (`GatedSocket._room` waits for it)."""
+        if not self.tls:
+            return []
+        known = {_fd(c) for c in self.connections}
+        out = []
+        for fd, (sock, at) in list(self._accepted_at.items()):
+            if sock.fileno() != fd:  # closed (its descriptor may be another connection's by now)
+                del self._accepted_at[fd]
+            elif fd not in known:
+                out.append((at, sock))
+        return out
 
     def waited(self, conn: Any, now: float) -> float:
         """Seconds this connection has been in its present phase: since it was accepted, or
@@ -176,7 +210,7 @@ class ConnectionGuard:
         key = (id(getattr(conn, "cycle", None)), self.head_limit(conn) is None)
         seen = self._since.get(conn)
         if seen is None or seen[0] != key:
-            start = self._accepted_at.pop(_fd(conn), now) if seen is None else now
+            start = self._accepted_at.pop(_fd(conn), (None, now))[1] if seen is None else now
             self._since[conn] = (key, start)
             return now - start
         return now - seen[1]
@@ -187,16 +221,19 @@ class ConnectionGuard:
 
     def closing(self) -> int:
         """Shed connections whose descriptors are still open (uvicorn drops a connection from
-        its set when its transport has closed the socket)."""
+        its set when its transport has closed the socket; asyncio closes the socket of one shed
+        in its handshake)."""
         self._shed &= self.connections
-        return len(self._shed)
+        self._shed_sockets = [s for s in self._shed_sockets if s.fileno() != -1]
+        return len(self._shed) + len(self._shed_sockets)
 
     def shed(self, n: int) -> int:
         """Close up to `n` of the connections that have waited longest for a request head (idle
-        keep-alive ones included); how many were closed."""
+        keep-alive ones, and those still in their TLS handshake, included); how many were closed."""
         now = asyncio.get_running_loop().time()
-        waiting = [(self.waited(c, now), c) for c in self.connections
-                   if self.head_limit(c) is not None and not c.transport.is_closing()]
+        waiting: list[tuple[float, Any]] = [(self.waited(c, now), c) for c in self.connections
+                                            if self.head_limit(c) is not None and not c.transport.is_closing()]
+        waiting += [(now - at, sock) for at, sock in self.handshaking() if sock not in self._shed_sockets]
         victims = [c for _, c in heapq.nlargest(n, waiting, key=lambda w: w[0])]
         if victims and now - self._last_shed > SHED_QUIET_S:
             log.warning("connection limit reached: %d open (server.max_connections); closing the "
@@ -204,8 +241,12 @@ class ConnectionGuard:
                         "too) to admit new ones (counted in edge_connections_shed_total)",
                         len(self.connections))
         for conn in victims:
-            conn.transport.abort()  # no lingering close: its descriptor is free on the next turn
-            self._shed.add(conn)
+            if isinstance(conn, socket.socket):
+                _end_handshake(conn)
+                self._shed_sockets.append(conn)
+            else:
+                conn.transport.abort()  # no lingering close: its descriptor is free on the next turn
+                self._shed.add(conn)
         if victims:
             self._last_shed = now
             if self.on_shed is not None:
@@ -216,6 +257,11 @@ class ConnectionGuard:
         for conn in list(self._since):
             if conn not in connections:
                 del self._since[conn]
+        for at, sock in self.handshaking():  # the handshake's timeout: header_timeout_s from the accept
+            if now - at >= self.cfg.header_timeout_s and sock not in self._shed_sockets:
+                log.debug("closing a connection whose TLS handshake did not finish in %.1f s", now - at)
+                _end_handshake(sock)
+                self._shed_sockets.append(sock)
         for conn in list(connections):
             limit = self.head_limit(conn)
             waited = self.waited(conn, now)

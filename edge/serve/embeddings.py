@@ -17,14 +17,14 @@ import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from edge.errors import RequestError
+from edge.errors import BackendError, RequestError
 from edge.model.embed import finish, pack
 from edge.serve.embed_request import EmbedAsk, EmbedLimits, parse_embeddings
 from edge.serve.jsoncheck import json_body
@@ -48,7 +48,6 @@ class _Input:
     tokens: list[int]
     future: asyncio.Future[Any]
     warm: bool = False  # a warm-up request's: its batch counts on /metrics only beside a client's
-    done: bool = field(default=False)
 
 
 class EmbedQueue:
@@ -78,11 +77,10 @@ class EmbedQueue:
 
     async def _run(self) -> None:
         while True:
-            while self._waiting and self._waiting[0].future.done():
-                self._waiting.popleft()
-            if not self._waiting:
+            live = [i for i in self._waiting if not i.future.done()]  # a cancelled request's are left out
+            if not live:
+                self._waiting.clear()
                 return
-            live = [i for i in self._waiting if not i.future.done()]
             n = pack([len(i.tokens) for i in live[:self.ctx.n_seq]], self.ctx.n_batch, self.ctx.n_seq)
             batch, self._waiting = live[:n], collections.deque(live[n:])
             try:
@@ -91,8 +89,7 @@ class EmbedQueue:
                 log.error("embeddings batch of %d inputs of model %r failed: %s", len(batch), self.worker.name, exc)
                 for i in batch:
                     if not i.future.done():
-                        i.future.set_exception(RequestError(f"the embeddings batch failed: {exc}", status=500,
-                                                            code="server_error"))
+                        i.future.set_exception(BackendError(f"the embeddings batch failed: {exc}"))
                 continue
             self._on_batch(self.worker.name, sum(not i.warm for i in batch))
             for i, row in zip(batch, rows):

@@ -7,7 +7,10 @@ known method or `OTHER`. The exposition is written by `generate_latest`, which e
 values, so no request can make it unparseable.
 
 Warm-up traffic is recognised by a key in the ASGI scope that only the warm-up's private
-loopback transport sets (edge.serve.warmscope). Warm-up requests are counted apart (`edge_warmup_requests_total`) and kept
+transport (edge.serve.warmscope's `warmup_transport`, over a socket pair of the process: no
+listener) sets. A scope key is not something an HTTP client can send: no header, path or body
+reaches it, so an external client cannot pass its traffic off as warm-up to hide it. Warm-up
+requests are counted apart (`edge_warmup_requests_total`) and kept
 out of every production family; the per-model families (tokens, time to first token, aborts) are
 recorded in the handler, so the middleware tells them through a context variable, which each
 request's task (and the tasks it spawns) sees on its own.
@@ -20,7 +23,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from edge.serve.warmscope import in_warmup, is_warm, request_scope
@@ -53,7 +56,7 @@ class Metrics:
                                   "(streams included) or the client's disconnect.",
                                   ["route", "method"], buckets=_DURATION_BUCKETS, registry=reg)
         self.warmup_requests = Counter("edge_warmup_requests", "Warm-up requests sent over the "
-                                       "private loopback socket before READY, by route and status.",
+                                       "warm-up's private transport (no listener), by route and status.",
                                        ["route", "status"], registry=reg)
         self.ttft = Histogram("edge_time_to_first_token_seconds", "Time from a generation's "
                               "submission (queue wait and prefill included) to its first token.",
@@ -79,6 +82,13 @@ class Metrics:
                                "accepted (reason=invalid).", ["reason"], registry=reg)
         for reason in ("missing", "invalid"):
             self.refused.labels(reason)  # both series exist from the start, at 0
+        self.open_sockets = Gauge("edge_sockets_without_key", "Listening sockets other machines can "
+                                  "reach that the serving set answers with no API key "
+                                  "(server.allow_unauthenticated = true), as the start or the last "
+                                  "reload left them.", registry=reg)
+        self.opened = Counter("edge_served_without_key", "Starts and reloads that served a socket "
+                              "other machines can reach with no API key, by event (start, reload).",
+                              ["event"], registry=reg)
         self._state = _StateCollector()
         reg.register(self._state)
         self._fleet: Any = None  # edge.fleet.metrics.FleetCollector, once the state dir is known
@@ -127,6 +137,12 @@ class Metrics:
 
     def unauthorized(self, reason: str) -> None:
         self.refused.labels(reason).inc()
+
+    def served_without_keys(self, sockets: list[str], event: str) -> None:
+        """A start or a reload's switch: the sockets others can reach that its set serves with no key."""
+        self.open_sockets.set(len(sockets))
+        if sockets:
+            self.opened.labels(event).inc()
 
     def connections_shed(self, n: int) -> None:
         self.shed.inc(n)
@@ -272,7 +288,13 @@ def _slot_families(workers: dict[str, ModelWorker]) -> Iterator[Metric]:
     counters = {k: CounterMetricFamily(f"edge_batch_{k}", help_, labels=["model"]) for k, help_ in (
         ("steps", "llama_decode steps of a model's slots (one batch each)."),
         ("tokens", "Tokens decoded in those steps (over steps: the batch size per step)."),
-        ("sequences", "Sequences in those steps, summed (over steps: sequences per step)."))}
+        ("sequences", "Sequences in those steps, summed (over steps: sequences per step)."),
+        ("suspended", "Sequences that gave their cells up while they ran (the context outgrown), "
+                      "resumed once room came back."))}
+    seconds = {k: CounterMetricFamily(f"edge_batch_{k}_seconds", help_, labels=["model"]) for k, help_ in (
+        ("step", "Time in the steps of a model's slots: llama_decode, sampling, building the batch, admission."),
+        ("decode", "Of that, time in llama_decode."),
+        ("sample", "Of that, time sampling and making text after the decodes."))}
     wait = CounterMetricFamily("edge_queue_wait_seconds", "Time generations waited for a free slot, "
                                "summed (over edge_queue_started: the mean wait).", labels=["model"])
     started = CounterMetricFamily("edge_queue_started", "Generations that left the queue for a slot.",
@@ -282,11 +304,14 @@ def _slot_families(workers: dict[str, ModelWorker]) -> Iterator[Metric]:
         gauges["slots"].add_metric([name], float(slots.n))
         gauges["busy"].add_metric([name], float(slots.busy))
         st = slots.stats
-        for k, v in (("steps", st.steps), ("tokens", st.batch_tokens), ("sequences", st.batch_sequences)):
+        for k, v in (("steps", st.steps), ("tokens", st.batch_tokens), ("sequences", st.batch_sequences),
+                     ("suspended", st.suspended)):
             counters[k].add_metric([name], float(v))
+        for k, v in (("step", st.step_s), ("decode", st.decode_s), ("sample", st.sample_s)):
+            seconds[k].add_metric([name], float(v))
         wait.add_metric([name], float(w.queue_wait_s))
         started.add_metric([name], float(w.started))
-    yield from (*gauges.values(), *counters.values(), wait, started)
+    yield from (*gauges.values(), *counters.values(), *seconds.values(), wait, started)
 
 
 class MetricsMiddleware:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from edge.errors import RequestError
-from edge.serve.schema import check_schema, schema_grammar
-from edge.serve.schema.merge import rebase
+from edge.serve.toolcall import call_place, call_schema
 
-__all__ = ["Ask", "Limits", "IGNORED", "REFUSED", "parse"]
+__all__ = ["Ask", "Limits", "IGNORED", "REFUSED", "SchemaAsk", "parse"]
 
 # `cache_prompt` is llama-server's extension (same name, same default): false asks for the whole
 # prompt to be computed from position 0, for bit-exact repeats (docs/api.md, "Reproducibility").
@@ -63,6 +63,16 @@ class Limits:
     tools: bool  # the chat template renders tools
 
 
+@dataclass(frozen=True)
+class SchemaAsk:
+    """The JSON schema a request's output is held to, as it was given: converted once, off the
+    event loop (edge.serve.schema.schema_grammar, in the app); a refusal is a 400 naming `param`,
+    its message the keyword's path as the client wrote it (`place(path)`)."""
+    schema: Any
+    param: str
+    place: Callable[[str], str]
+
+
 @dataclass
 class Ask:
     """One request, checked: everything generation and the answer's shape need."""
@@ -79,7 +89,7 @@ class Ask:
     tool_choice: Any = None
     forced_tool: bool = False  # tool_choice is `required` or names a function: output is a call
     parallel_tool_calls: bool = True
-    schema: tuple[dict[str, Any], str] | None = None  # JSON schema and the field it came from
+    schema: SchemaAsk | None = None  # the JSON schema the output is held to
     who: dict[str, str] = field(default_factory=dict)  # `user`, `safety_identifier`: logged
     cache_prompt: bool = True  # False: no KV reuse for this request (bit-exact repeats)
 
@@ -304,22 +314,9 @@ def _tools(body: dict[str, Any], ask: Ask, limits: Limits) -> None:
     ask.tools, ask.tool_choice = tools, choice
     ask.forced_tool = choice == "required" or isinstance(choice, dict)
     ask.parallel_tool_calls = _get(body, "parallel_tool_calls", (bool,), True)
-    if ask.forced_tool:  # each tool's parameters named as the client wrote them, then the call's schema
-        for t in tools:
-            where = f"tools[{names.index(t['function']['name'])}].function.parameters"
-            check_schema(t["function"].get("parameters") or {"type": "object"}, "tools", where)
-        ask.schema = (_call_schema(tools), "tool_choice")
-
-
-def _call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON a forced call must be: {"name": one of the tools, "arguments": its parameters}."""
-    def one(t: dict[str, Any], at: str) -> dict[str, Any]:
-        params = t["function"].get("parameters") or {"type": "object"}
-        return {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                 "arguments": rebase(params, f"{at}/properties/arguments")},
-                "required": ["name", "arguments"]}
-    # a `$ref` of the parameters points into them: rebased to where they sit in the call's schema
-    return one(tools[0], "") if len(tools) == 1 else {"anyOf": [one(t, f"/anyOf/{i}") for i, t in enumerate(tools)]}
+    if ask.forced_tool:
+        ask.schema = SchemaAsk(call_schema(tools), "tools",
+                               call_place([names.index(t["function"]["name"]) for t in tools]))
 
 
 def _response_format(body: dict[str, Any], ask: Ask) -> None:
@@ -330,7 +327,7 @@ def _response_format(body: dict[str, Any], ask: Ask) -> None:
         raise _bad(f"response_format.{extra[0]}", f"response_format.{extra[0]} is not a field of a "
                    f"{kind!r} response format")
     if kind == "json_object":
-        ask.schema = ({"type": "object"}, "response_format")
+        ask.schema = SchemaAsk({"type": "object"}, "response_format", lambda path: "response_format" + path)
     elif kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
@@ -340,7 +337,8 @@ def _response_format(body: dict[str, Any], ask: Ask) -> None:
         if extra:  # strict or not, the grammar holds the output to the schema
             raise _bad(f"response_format.json_schema.{extra[0]}", f"response_format.json_schema."
                        f"{extra[0]} is unknown (name, description, schema and strict are its fields)")
-        ask.schema = (spec.get("schema") or {"type": "object"}, "response_format.json_schema")
+        param = "response_format.json_schema"
+        ask.schema = SchemaAsk(spec.get("schema") or {"type": "object"}, param, lambda path: param + path)
     elif kind != "text":
         raise _bad("response_format.type", "response_format.type must be 'text', 'json_object' "
                    f"or 'json_schema', found {kind!r}")
@@ -359,11 +357,11 @@ def _chat_fields(body: dict[str, Any], ask: Ask, limits: Limits) -> None:
     _tools(body, ask, limits)
     if ask.tools and ask.sampling["logprobs"] is not None:
         raise _bad("logprobs", "logprobs with tools is not supported")
-
-
-def grammar(schema: dict[str, Any], param: str) -> str:
-    """GBNF for a JSON schema (edge.serve.schema: edge's own converter, bounded in size and work)."""
-    return schema_grammar(schema, param)
+    if ask.schema is not None and ask.sampling["stop"]:
+        held = "a forced tool call" if ask.forced_tool else ask.schema.param.split(".")[0]
+        raise _bad("stop", f"stop with {held} is refused: the grammar ends the output where its JSON value "
+                   "ends, and a stop string could only cut it inside a string, leaving JSON that does not "
+                   "parse (docs/api.md: stop)")
 
 
 def parse(body: dict[str, Any], chat: bool, limits: Limits) -> Ask:

@@ -1,5 +1,5 @@
 """Whether the request in hand is warm-up traffic: a key in the ASGI scope that only the warm-up's
-private loopback transport (`warmup_transport`) sets, and a context variable the metrics middleware
+private transport (`warmup_transport`, over socket pairs of the process: no listener) sets, and a context variable the metrics middleware
 sets from it for the handler and every task it spawns (`in_warmup`).
 
 A scope key is not something an HTTP client can send: no header, path or body reaches it, so an
@@ -23,7 +23,7 @@ _IN_WARMUP: contextvars.ContextVar[bool] = contextvars.ContextVar("edge_metrics_
 
 
 def in_warmup() -> bool:
-    """Whether the request being handled came over the warm-up's private loopback transport."""
+    """Whether the request being handled came over the warm-up's private transport."""
     return _IN_WARMUP.get()
 
 
@@ -42,7 +42,7 @@ def request_scope(scope: dict[str, Any]) -> Iterator[None]:
 
 
 def warmup_transport(app: ASGIApp) -> ASGIApp:
-    """`app` as served on the warm-up's private loopback socket: every request's scope carries
+    """`app` as served over the warm-up's private socket pairs: every request's scope carries
     the warm-up key (set here, by the transport, never from anything the client sends)."""
 
     async def marked(scope: dict[str, Any], receive: Any, send: Any) -> None:

@@ -1,15 +1,14 @@
 """The workers: one thread per loaded model or engine.
 
 Native contexts (llama.cpp, TensorRT, ONNX Runtime) are not thread-safe, so every call into one
-runs on its own worker thread while the event loop stays free. A model's thread is a scheduler
-that decodes up to `parallel` requests at once (edge.model.slots); a bounded queue turns overload
-into a clear 503 instead of unbounded latency.
+runs on its own thread while the event loop stays free. A model's thread is its scheduler
+(edge.model.scheduler), which decodes up to `parallel` requests at once (edge.model.slots); a
+bounded queue turns overload into a clear 503 instead of unbounded latency.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import threading
 import time
@@ -50,10 +49,11 @@ class Worker:
 
 
 class ModelWorker(Worker):
-    """One model's scheduler thread: every call into its llama.cpp context runs there. Requests'
-    generations share the model's slots (edge.model.slots): one llama_decode per step for all of
-    them; calls (tokenizing, thread counts, prefix states) run between steps. Admission: a free
-    slot, else a place in the queue (`max_queue` beyond the slots), else 503."""
+    """Requests onto one model: admission (a place among its slots and `max_queue`, else 503)
+    and each generation's stream. Every call into the model's llama.cpp context runs on the
+    model's one scheduler thread (edge.model.scheduler), which every worker on that model shares:
+    a reload that keeps the model keeps its worker, and a second worker on a model an earlier
+    one still drains decodes in the same steps, never beside them."""
 
     def __init__(self, model: GGUFModel, max_queue: int, stream_interval_s: float = 0.0,
                  request_timeout_s: float | None = None) -> None:
@@ -62,20 +62,26 @@ class ModelWorker(Worker):
         self.max_queue = max_queue
         self.stream_interval_s = stream_interval_s  # a stream's events: at most one per interval
         self.request_timeout_s = request_timeout_s  # how long one request may hold the model (None: no limit)
-        self._cv = threading.Condition()
-        self._calls: list[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]] = []
-        self._waiting: collections.deque[tuple[Job, _Channel, float]] = collections.deque()
-        self._closing = False
-        self._held = False  # admitted requests wait: no step runs (a handover's new process, see hold())
-        self._thread: threading.Thread | None = None
-        self.queue_wait_s = 0.0  # summed over started generations: time between submission and a slot
-        self.started = 0
+        self.scheduler = model.scheduler
+        self.scheduler.attach()
         self.arrivals = 0  # client requests admitted (warm-up's own not counted)
         self.on_arrival: Callable[[], None] | None = None  # called at each (calibration after READY)
 
     @property
     def slots(self) -> Slots:
         return self.model.slots
+
+    @property
+    def queue_wait_s(self) -> float:  # /metrics: the model's, whichever worker queued them
+        return self.scheduler.queue_wait_s
+
+    @property
+    def started(self) -> int:
+        return self.scheduler.started
+
+    @property
+    def _held(self) -> bool:
+        return self.scheduler.held
 
     def admit(self) -> None:
         """Take a place (a slot or the queue), or refuse with 503 -- before any response byte is sent."""
@@ -108,76 +114,19 @@ class ModelWorker(Worker):
         """A call on the model's thread that is no request (thread counts during a reload): it
         neither waits for nor counts in the request queue's bound, so a full queue cannot
         refuse it."""
-        return await asyncio.wrap_future(self._submit(fn, args))
+        return await asyncio.wrap_future(self.scheduler.call(fn, args))
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the model's thread, from a thread that may block (a load, a drain)."""
-        return self._submit(fn, args).result()
-
-    def _submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> concurrent.futures.Future[Any]:
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._cv:
-            self._calls.append((fn, args, fut))
-            self._start()
-            self._cv.notify()
-        return fut
-
-    def _start(self) -> None:
-        if self._thread is None:  # the first call or job starts it (held: self._cv)
-            self._thread = threading.Thread(target=self._loop, name=f"edge-{self.name}", daemon=True)
-            self._thread.start()
+        return self.scheduler.call(fn, args).result()
 
     def hold(self) -> None:
         """Requests are admitted and queued but no step runs until `resume()`: a handover's new
         process, while the old one still decodes its last requests on the same cores."""
-        with self._cv:
-            self._held = True
+        self.scheduler.hold()
 
     def resume(self) -> None:
-        with self._cv:
-            self._held = False
-            self._cv.notify()
-
-    def _loop(self) -> None:
-        """The scheduler: calls between steps, free slots filled from the queue, one step."""
-        slots = self.slots
-        while True:
-            with self._cv:
-                while not (self._calls or (not self._held and (slots.busy or (self._waiting and self._ready(slots))))):
-                    if self._closing:
-                        return
-                    self._cv.wait()
-                calls, self._calls, held = self._calls, [], self._held
-            for fn, args, fut in calls:
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn(*args))
-                    except BaseException as exc:
-                        fut.set_exception(exc)
-            if held:
-                continue
-            self._admit_waiting(slots)
-            try:
-                slots.step()
-            except BaseException as exc:  # a bug in a step: its sequences fail, the thread goes on
-                slots.end_all(exc)
-
-    def _ready(self, slots: Slots) -> bool:
-        job = self._waiting[0][0]
-        return job.cancel.is_set() or slots.fits(job)
-
-    def _admit_waiting(self, slots: Slots) -> None:
-        while True:
-            with self._cv:
-                if not self._waiting or not self._ready(slots):
-                    return
-                job, channel, since = self._waiting.popleft()
-            if job.cancel.is_set():  # a job whose client left while it was queued is not even prefilled
-                channel.close(None)
-                continue
-            self.queue_wait_s += time.monotonic() - since
-            self.started += 1
-            slots.start(job, channel)
+        self.scheduler.resume()
 
     async def stream(self, job: Job, admitted: bool = False, eager: bool = True) -> AsyncIterator[Piece]:
         """Pieces of one generation; cancelling the consumer ends its sequence at the next step.
@@ -191,10 +140,7 @@ class ModelWorker(Worker):
             self.admit()
         channel = _Channel(asyncio.get_running_loop(), eager, self.stream_interval_s)
         try:
-            with self._cv:
-                self._waiting.append((job, channel, time.monotonic()))
-                self._start()
-                self._cv.notify()
+            self.scheduler.submit(job, channel)
             while True:
                 pieces, end = await channel.get()
                 if pieces:
@@ -205,19 +151,14 @@ class ModelWorker(Worker):
                     break
         finally:
             job.cancel.set()
-            with self._cv:
-                self._cv.notify()  # the scheduler may be idle: the sequence ends now
+            self.scheduler.wake()  # the scheduler may be idle: the sequence ends now
             if not admitted:
                 self.release()
 
     def close(self) -> None:
-        """Waits for the generations and calls on its thread, then ends it."""
-        with self._cv:
-            self._closing = True
-            self._cv.notify()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
+        """This worker leaves its model's scheduler: the last to leave waits for the generations
+        and calls on its thread, then ends it."""
+        self.scheduler.detach()
         super().close()
 
 

@@ -103,7 +103,7 @@ def compare(cached: list[Piece], fresh: list[Piece]) -> dict[str, Any]:
 def measure(m: GGUFModel, kind: str, seed: int, prefix: int) -> dict[str, Any]:
     head, question = prompt_tokens(m, kind, seed, prefix)
     m.cache.clear()
-    m.cache.reset()
+    m.slots.forget()
     answer(m, head, True, max_tokens=1)  # the prefix's state, as an earlier request leaves it
     cached, reused = answer(m, head + question, True)
     fresh, none = answer(m, head + question, False)

@@ -49,8 +49,7 @@ def log_softmax(rows: np.ndarray) -> np.ndarray:
 def rows_for(m: GGUFModel, tokens: list[int], first: int) -> np.ndarray:
     """Log-probabilities after each of tokens[first-1:-1]: the rows predicting tokens[first:]."""
     n = m.native
-    n.seq = 0
-    n.clear()
+    n.clear(0)
     out = [1 if i >= first - 1 and i < len(tokens) - 1 else 0 for i in range(len(tokens))]
     n.decode_batch(tokens, list(range(len(tokens))), [0] * len(tokens), out)
     idx = [i for i, o in enumerate(out) if o]
@@ -59,14 +58,13 @@ def rows_for(m: GGUFModel, tokens: list[int], first: int) -> np.ndarray:
 
 def greedy(m: GGUFModel, prompt: list[int], n: int) -> list[int]:
     nat = m.native
-    nat.seq = 0
-    nat.clear()
-    nat.decode(prompt, 0)
+    nat.clear(0)
+    nat.decode(0, prompt, 0)
     out, pos = [], len(prompt)
     for _ in range(n):
         tok = int(np.argmax(nat.logits()))
         out.append(tok)
-        nat.decode_one(tok, pos)
+        nat.decode_one(0, tok, pos)
         pos += 1
     return out
 
@@ -99,13 +97,12 @@ def decode_speed(models: dict[str, GGUFModel], prompt: list[int], n: int, rounds
         order = list(models) if r % 2 == 0 else list(models)[::-1]
         for kind in order:
             nat = models[kind].native
-            nat.seq = 0
-            nat.clear()
-            nat.decode(prompt, 0)
+            nat.clear(0)
+            nat.decode(0, prompt, 0)
             tok, pos = int(np.argmax(nat.logits())), len(prompt)
             t0 = time.perf_counter()
             for _ in range(n):
-                nat.decode_one(tok, pos)
+                nat.decode_one(0, tok, pos)
                 tok, pos = int(np.argmax(nat.logits())), pos + 1
             times[kind].append(n / (time.perf_counter() - t0))
     return {k: {"tokens_per_s": round(statistics.median(v), 2), "rounds": summary(v),
@@ -115,28 +112,28 @@ def decode_speed(models: dict[str, GGUFModel], prompt: list[int], n: int, rounds
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", nargs="*", default=["q8_0", "q4_0"], help="compared with f16")
-    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--prompts", type=int, default=50, help="0: decode speed only")
     ap.add_argument("--continuation", type=int, default=24, help="tokens f16 continues each prompt with")
     ap.add_argument("--contexts", type=int, nargs="*", default=[256, 1536], help="prompt lengths before the decode")
     ap.add_argument("--decode", type=int, default=64, help="tokens decoded per speed round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    if args.prompts < 1 or args.rounds < 1:
-        ap.error("--prompts and --rounds must be at least 1")
+    if args.prompts < 0 or args.rounds < 1:
+        ap.error("--prompts must be at least 0 and --rounds at least 1")
 
     path = gemma_path()
     n_ctx = max(max(args.contexts) + args.decode + 8, 512)
     load_before = os.getloadavg()
     models = {kind: load(path, kind, n_ctx, args.threads) for kind in ["f16", *args.types]}
     try:
-        prompts = novel_prompts(path, 60, list(range(1, args.prompts + 1)))
-        q = quality(models, prompts, args.continuation)
+        q = quality(models, novel_prompts(path, 60, list(range(1, args.prompts + 1))), args.continuation) \
+            if args.prompts else {}
         long_text = " ".join(novel_prompts(path, 120, list(range(200, 200 + max(args.contexts) // 100 + 2))))
         long_tokens = models["f16"].tokenize_prompt(long_text)
         speed = {str(c): decode_speed(models, long_tokens[:c], args.decode, args.rounds) for c in sorted(args.contexts)}
         # after the longest context's last round: llama.cpp's own state of those cells, per type
-        kv = {kind: m.native.state_size() for kind, m in models.items()}
+        kv = {kind: m.native.state_size(0) for kind, m in models.items()}
     finally:
         for m in models.values():
             m.close()

@@ -38,7 +38,7 @@ from typing import Any
 from benchmarks.common import (Started, edge_config, emit, env_for_bench, gemma_path, llama_cpp_server,
                       llama_server, novel_prompts, start_edge, start_peer, summary)
 from edge.serve.client import request as http
-from edge.serve.openai import grammar as edge_grammar
+from edge.serve.schema import schema_grammar as edge_grammar
 
 TARGETS = {"decode_ms_per_token": 1.03, "prefill_s": 1.03, "request_s": 1.05, "schema_decode_ms_per_token": 1.05}
 SCHEMA = {"type": "array", "minItems": 40, "maxItems": 60,

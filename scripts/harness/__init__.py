@@ -6,7 +6,8 @@ What the tests (through the test kit, tests/kit, which re-exports it), the bench
   (`PidOne`), and `dies_with_us` for any other server a run starts;
 - `load`: client load (`ClientLoad`) and a flood of half-sent request heads (`half_heads`);
 - `http`: one HTTP client (`call`, `get`, `post`) and a sample of /metrics (`metric`);
-- `ggufgen`, `onnxgen`: tiny real GGUF and ONNX models written from a seed.
+- `ggufgen`, `onnxgen`: tiny real GGUF and ONNX models written from a seed;
+- `soak`: reloads that keep the model while clients load it, and the decode errors logged.
 
 On the path as `harness`: pytest's pythonpath and `scripts/bench` put scripts/ there, and a
 script in scripts/ finds it beside itself.

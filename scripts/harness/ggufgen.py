@@ -86,6 +86,11 @@ def write_tiny_gemma3(path: Path, *, seed: int = 0, n_embd: int = 64, n_layer: i
     return _close(w, path)
 
 
+def byte_token(b: int) -> int:
+    """The id of the tiny models' token for byte `b` (`<0xNN>`, after <unk>, <s>, </s>)."""
+    return 3 + b
+
+
 def _common(w: Any, n_ctx: int, n_embd: int, n_layer: int, n_ff: int, n_head: int,
             chat_template: str | None) -> int:
     """The shape and the byte-level vocabulary both tiny models share; the vocabulary's size."""

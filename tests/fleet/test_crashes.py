@@ -56,6 +56,67 @@ sys.exit(70)
 """
 
 
+# a process that started 20 minutes ago, READY 2 s after exec, serving since (its journal's clock:
+# the process's age, as edge.timing's is); ended from outside
+SERVED_LONG = """
+import sys
+from pathlib import Path
+from edge.fleet.journal import Journal
+ages = iter([1200.0, 1200.0, 2.0])
+j = Journal(Path(sys.argv[1]), clock=lambda: next(ages, 1200.0))
+j.ready()
+print("serving", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_crash_after_ready_is_dated_when_it_happened_not_at_its_ready(tmp_path: Path) -> None:
+    """systemd's word (ExecStopPost= runs as the process is gone) dates the crash: its record, the
+    history's count of the last hour, `edge status`'s list; never the READY 20 minutes before."""
+    import time
+
+    from edge.fleet.history import Ledger
+
+    cfg = _config(tmp_path)
+    state = tmp_path / "state"
+    p = subprocess.Popen([sys.executable, "-c", SERVED_LONG, str(state)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "serving\n"
+    before = time.time()
+    p.send_signal(signal.SIGSEGV)
+    code = p.wait(30)
+    _record_stop(cfg, code)
+    after = time.time()
+    (crash,) = recent_crashes(state)
+    assert before <= crash["ended_unix"] <= after and crash["phase"] == "serving", crash
+    assert crash["started_unix"] < before - 1190  # it started 20 minutes ago, and was READY then
+    assert crash["at"] == time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(crash["ended_unix"]))
+    ledger = Ledger(state)
+    ledger.update()
+    assert ledger.recent(60)["after_ready"] == {"serving/SEGV/native-fault": 1}  # in the last minute
+    assert ledger.recent(60, now=before - 600) == {}  # not ten minutes before it happened
+    shown = subprocess.run([*EDGE, "status", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert crash["at"] in shown.stdout, shown.stdout
+
+
+def test_a_crash_with_no_exit_record_is_dated_when_it_is_recorded(tmp_path: Path) -> None:
+    """No ExecStopPost= (a power loss): the record's own time, when the next start settles it."""
+    import time
+
+    from edge.fleet.crashes import settle_all
+
+    state = tmp_path / "state"
+    p = subprocess.Popen([sys.executable, "-c", SERVED_LONG, str(state)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "serving\n"
+    p.kill()
+    p.wait(30)
+    before = time.time()
+    (path,) = settle_all(state)
+    report = json.loads(path.read_text())
+    assert before <= report["ended_unix"] <= time.time() and report["signal"] == "unknown"
+
+
 def _config(tmp_path: Path) -> Path:
     return write_config(tmp_path / "edge.toml", tmp_path / "none.gguf")
 
@@ -151,7 +212,33 @@ def row_watchdog(tmp_path: Path, tiny_gguf: Path) -> None:
 
 
 def row_start_timeout(tmp_path: Path, tiny_gguf: Path) -> None:
-    cfg = _config(tmp_path)
+    """systemd's way, both halves: SIGTERM at TimeoutStartSec= (edge's handler ends the start,
+    its report says stopped), then ExecStopPost= with SERVICE_RESULT=timeout, which makes it a
+    timeout everywhere it is shown: the report, `edge status` (text, JSON, the SVG's marker),
+    the counters; and a start that outlived the SIGTERM too (SIGKILL, TimeoutStopSec=)."""
+    unit = _unit(tmp_path, tiny_gguf, "warmup:STOP")
+    with unit.pid1:
+        child = unit.pid1.start()
+        wait_stopped(child.pid)
+        child.send_signal(signal.SIGTERM)
+        child.send_signal(signal.SIGCONT)
+        done = unit.stop_post(child.wait(60), SERVICE_RESULT="timeout")
+    assert done.returncode == 0 and _reports(tmp_path) == {"failed-start": "timeout"}
+    state = tmp_path / "state"
+    assert json.loads((state / "last-failed-start.json").read_text())["result"] == "timeout"
+    r = subprocess.run([*EDGE, "status", "--config", str(unit.config), "--json"], capture_output=True, text=True,
+                       timeout=60)
+    assert json.loads(r.stdout)["last_failed_start"]["result"] == "timeout", r.stdout
+    svg = tmp_path / "timeout.svg"
+    r = subprocess.run([*EDGE, "status", "--config", str(unit.config), "--svg", str(svg)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert 'data-marker="timeout"' in svg.read_text() and 'data-marker="stopped"' not in svg.read_text()
+    from edge.fleet.history import Ledger
+
+    assert Ledger(state).update()["start"] == {"timeout": 1}  # counted once, as a timeout
+    (tmp_path / "killed").mkdir()
+    cfg = _config(tmp_path / "killed")
     crash = _twice(cfg, "warmup", signal.SIGKILL, SERVICE_RESULT="timeout")
     assert (crash["result"], crash["cause"]) == ("timeout", "timeout")
     assert not _counts(cfg)

@@ -61,12 +61,29 @@ def test_the_cli_prints_the_dashboard_and_its_provisioning_file() -> None:
     alerts = alert_expressions(text)
     assert [a for a, _ in alerts] == re.findall(r"^\s*- alert: (\S+)", text, re.M) and len(alerts) >= 10
     assert all(any(f"({expr})" in e for e in exprs) for _, expr in alerts)
-    assert dict(alerts)["EdgeCrashLoop"] == 'sum by (job, instance) (edge_recent_crashes{window="1h"}) >= 3'
-    assert "edge_recent_starts{window=\"30m\", result=~\"failed|crashed|timeout\"} ) >= 3" in dict(alerts)["EdgeStartsFailing"]
+    assert dict(alerts)["EdgeCrashLoop"] == "max_over_time(edge:recent_crashes_after_ready:1h[30m]) >= 3"
+    assert dict(alerts)["EdgeStartsFailing"] == "max_over_time(edge:recent_failed_starts:30m[15m]) >= 3"
+    assert dict(alerts)["EdgeGivenUp"] == "edge:given_up"
     assert all(p["datasource"] == {"type": "prometheus", "uid": "${datasource}"} for p in board["panels"])
     r = subprocess.run([*EDGE, "fleet", "dashboard", "--provisioning", "--path", "/srv/dash"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and 'path: "/srv/dash"' in r.stdout and "type: file" in r.stdout, r.stderr
+
+
+def test_every_panel_lies_inside_grafanas_24_columns_and_none_overlaps() -> None:
+    _sdk()
+    r = subprocess.run([*EDGE, "fleet", "dashboard"], capture_output=True, text=True, timeout=120)
+    board = json.loads(r.stdout)
+    cells: dict[tuple[int, int], str] = {}
+    for p in board["panels"]:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["w"] > 0 and g["h"] > 0 and g["y"] >= 0, (p["title"], g)
+        for col in range(g["x"], g["x"] + g["w"]):
+            for row in range(g["y"], g["y"] + g["h"]):
+                assert (col, row) not in cells, (p["title"], "overlaps", cells.get((col, row)))
+                cells[(col, row)] = p["title"]
+    titles = [p["title"] for p in board["panels"]]
+    assert "Devices given up (answering 503)" in titles and len(titles) == len(set(titles))
 
 
 def test_a_renamed_metric_is_a_panel_naming_nothing() -> None:
@@ -77,8 +94,9 @@ def test_a_renamed_metric_is_a_panel_naming_nothing() -> None:
     assert metric_names('edge_ota_info{current="edge_fake"} or on() vector(0)') == {"edge_ota_info"}
     assert unknown_names(names) == []
     assert unknown_names(names - {"edge_recent_starts"}) == [
-        "Starts in the last 30 minutes by result: edge_recent_starts",
-        "Alert EdgeStartsFailing: edge_recent_starts"]
+        "Starts in the last 30 minutes by result: edge_recent_starts"]
+    assert unknown_names(names - {"edge:recent_failed_starts:30m"}) == [  # the alert reads the rule's record
+        "Alert EdgeStartsFailing: edge:recent_failed_starts:30m"]
 
 
 def _panels():

@@ -45,16 +45,39 @@ def test_allow_unauthenticated_warns(tmp_path: Path) -> None:
     assert check[1] == "warn" and "open to anyone" in check[2]
 
 
+K1, K2 = "sk-doctor-" + "1" * 24, "sk-doctor-" + "2" * 24
+
+
 def test_the_units_credential_is_read_and_checked(tmp_path: Path) -> None:
     keys = tmp_path / "api-keys"
-    keys.write_text("# keys\nk1\nk2\n")
+    keys.write_text(f"# keys\n{K1}\n{K2}\n")
     keys.chmod(0o600)
     line = f"LoadCredential=edge-api-keys:{keys}\n"
     checks = access_checks(parse_config(MODEL), units(tmp_path, "0.0.0.0:8088", line), line)
-    assert [c[1] for c in checks] == ["ok"] and "2 API keys" in checks[0][2] and "k1" not in checks[0][2]
+    assert [c[1] for c in checks] == ["ok"] and "2 API keys" in checks[0][2] and K1 not in checks[0][2]
     keys.chmod(0o644)
     checks = access_checks(parse_config(MODEL), [tmp_path / "units"], line)
     assert checks[0][1] == "fail" and "readable by every user" in checks[0][2]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("mode 0602", "writable by every user (mode 0602)"), ("mode 0660", "writable by its group (mode 0660)"),
+    ("folder 0777", "which every user may write (mode 0777)"), ("a 1-character key", "line 2: the key is shorter than 16"),
+])
+def test_doctor_applies_the_starts_key_file_rules(tmp_path: Path, case: str, words: str) -> None:
+    """The same functions a start reads the keys with (edge.serve.auth): what a start refuses
+    (exit 78), doctor fails, naming the file and the line, never the key."""
+    folder = tmp_path / "keys"
+    folder.mkdir()
+    keys = folder / "api-keys"
+    keys.write_text(f"{K1}\n" + ("Z\n" if case == "a 1-character key" else ""))
+    keys.chmod(int(case.split()[1], 8) if case.startswith("mode") else 0o600)
+    if case.startswith("folder"):
+        folder.chmod(0o777)
+    cfg = parse_config(f'[server]\napi_key_file = "{keys}"\n' + MODEL)
+    (check,) = [c for c in access_checks(cfg, [tmp_path / "none"], None) if c[1] != "ok"]
+    assert check[:2] == ("access", "fail") and words in check[2] and str(keys) in check[2], check
+    assert K1 not in check[2] and "Z\n" not in check[2]
 
 
 def test_loopback_only_from_the_config_when_no_unit_is_installed(tmp_path: Path) -> None:

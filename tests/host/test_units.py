@@ -320,3 +320,18 @@ def test_the_credential_lines_are_rendered_commented_out() -> None:
                        ("edge-tls-key", "/etc/edge/tls/key.pem")):
         assert re.search(rf"^#LoadCredential={name}:{re.escape(path)}$", text, re.M), name
     assert not re.search(r"^LoadCredential=", text, re.M)
+
+
+def test_units_on_the_ota_config_put_the_starter_where_the_factory_config_is(tmp_path: Path) -> None:
+    """docs/ota.md "End to end": `edge units install --config <state>/ota/current/edge.toml` writes
+    no file where the `current` link must go; the starter config (if none is there) is the
+    device's own, which the first `edge ota recover` makes the factory config."""
+    current = "/var/lib/edge/ota/current/edge.toml"
+    r = subprocess.run([*EDGE, "units", "install", "--prefix", str(tmp_path), "--config", current,
+                        "--edge", "/opt/edge/venv/bin/edge"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    svc = (tmp_path / "etc" / "systemd" / "system" / "edge.service").read_text()
+    assert f"serve --config {current}" in svc and f"reload --config {current}" in svc
+    assert (tmp_path / "etc" / "edge" / "edge.toml").read_text() == STARTER_CONFIG
+    assert not (tmp_path / "var").exists()
+    assert "factory config /etc/edge/edge.toml" in r.stdout

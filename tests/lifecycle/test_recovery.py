@@ -241,3 +241,27 @@ def test_a_journal_without_exit_record_is_settled_by_the_next_start(tmp_path: Pa
         unit.pid1.wait_for("READY", "1", pid=child.pid)
         assert metric(unit.pid1.address, "edge_crashes_total", phase="warmup", signal="unknown") == 1
         assert [p.name.split("-")[0] for p in journal.glob("*.jsonl")] == [str(child.pid)]  # only its own
+
+
+def test_the_state_dir_pointers_forget_configs_that_are_gone(tmp_path: Path, tiny_gguf: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """recovery's pointers (config file -> the state dir it named) hold the configs on the device:
+    one removed is dropped at the next write, so the file does not grow with every path ever used."""
+    from edge.config import load_config
+    from edge.lifecycle.recovery import POINTERS, early_state_dir, remember_state_dir
+
+    monkeypatch.setenv("EDGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    configs = {}
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+        configs[name] = write_config(tmp_path / name / "edge.toml", tiny_gguf).resolve()
+    for name in ("a", "b"):
+        remember_state_dir(load_config(configs[name]))
+    pointers = tmp_path / "home" / "state" / POINTERS
+    assert json.loads(pointers.read_text()) == {str(configs[n]): str(tmp_path / n / "state") for n in "ab"}
+    configs["b"].write_text("not [toml")  # still there: its pointer is what finds its state dir
+    assert early_state_dir(str(configs["b"])) == tmp_path / "b" / "state"
+    configs["a"].unlink()
+    remember_state_dir(load_config(configs["c"]))
+    assert set(json.loads(pointers.read_text())) == {str(configs["b"]), str(configs["c"])}

@@ -79,6 +79,8 @@ def test_an_unconditional_crash_gives_up_once_and_every_request_is_answered_503(
         health = _ask(unit.pid1.address, "GET", "/healthz")
         assert health[0] == 200 and health[2]["status"] == "given_up"
         assert metric(unit.pid1.address, "edge_given_up", phase="warmup", signal="SEGV", target="tiny") == 1
+        assert metric(unit.pid1.address, "edge_ready") == 0  # scraped and not ready: given up, not silent
+        assert metric(unit.pid1.address, "edge_build_info") == 1 and metric(unit.pid1.address, "edge_device_info") == 1
         assert metric(unit.pid1.address, "edge_starts_total", result="given_up") == 1
         assert metric(unit.pid1.address, "edge_crashes_total", phase="warmup", cause="native-fault") == 3
         assert unit.stop().returncode == 0
@@ -170,3 +172,23 @@ def _wait_gone(path: Path, timeout: float = 60.0) -> None:
     while path.exists():
         assert time.monotonic() < deadline, f"{path} is still there"
         threading.Event().wait(0.05)
+
+
+def test_the_given_up_process_keys_metrics_as_the_service_does(tmp_path: Path, tiny_gguf: Path) -> None:
+    """API keys configured (metrics_auth = "key", the default): the given-up process answers a
+    scrape without a key 401, with one the fleet families; /healthz stays open."""
+    from kit import call
+
+    key = "sk-given-up-" + "9" * 24
+    keys = tmp_path / "api-keys"
+    keys.write_text(key + "\n")
+    keys.chmod(0o600)
+    unit = _unit(tmp_path, tiny_gguf, "warmup:SEGV", server=f'api_key_file = "{keys}"')
+    with unit.pid1:
+        _given_up(unit)
+        assert call(unit.pid1.address, "GET", "/metrics")[0] == 401
+        assert call(unit.pid1.address, "GET", "/metrics", headers={"x-api-key": "sk-wrong-" + "0" * 24})[0] == 401
+        status, text = call(unit.pid1.address, "GET", "/metrics", headers={"Authorization": f"Bearer {key}"})
+        assert status == 200 and 'edge_given_up{phase="warmup"' in text
+        assert _ask(unit.pid1.address, "GET", "/healthz")[0] == 200
+        assert unit.stop().returncode == 0

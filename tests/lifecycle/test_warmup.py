@@ -60,9 +60,9 @@ class FirstUseCostDouble:
         object.__setattr__(self, "_starting", {})  # sequence -> the prompt its next chunk starts
         begin = cache.begin
 
-        def recording_begin(tokens: list[int], *args: Any, **kw: Any) -> Any:
-            self._starting[native.seq] = list(tokens)
-            return begin(tokens, *args, **kw)
+        def recording_begin(seq: int, tokens: list[int], *args: Any, **kw: Any) -> Any:
+            self._starting[seq] = list(tokens)
+            return begin(seq, tokens, *args, **kw)
 
         cache.begin = recording_begin
 
@@ -70,7 +70,7 @@ class FirstUseCostDouble:
         return getattr(self._native, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._native, name, value)  # the current sequence (seq) is the real context's
+        setattr(self._native, name, value)  # what is set on it is the real context's
 
     def decode_batch(self, tokens: list[int], pos: list[int], seqs: list[int], out: list[int]) -> None:
         slow = False

@@ -17,7 +17,9 @@ from edge.model.adapters import select
 from edge.model.generate import GenParams, Job, Piece
 from edge.model.gguf import read_gguf_info
 from edge.model.llm import GGUFModel, load_gguf_model
+from edge.model.savedstates import MIN_REUSE
 from harness.ggufgen import write_tiny_lora
+from kit.slots import greedy_gap
 
 PROMPT = "Hello world. The"
 
@@ -56,13 +58,13 @@ def model(tiny_gguf: Path, loras: dict[str, Path]) -> GGUFModel:
 
 def edge_logits(m: GGUFModel, sel: tuple) -> np.ndarray:
     n = m.native
-    n.seq = 0
-    n.clear()
-    n.use_adapters(sel)
-    n.decode(m.tokenize_prompt(PROMPT), 0)
-    out = np.array(n.logits())
-    n.clear()
-    n.use_adapters(())
+    with m.slots.spare() as seq:
+        m.cache.reset(seq)
+        n.use_adapters(sel)
+        n.decode(seq, m.tokenize_prompt(PROMPT), 0)
+        out = np.array(n.logits())
+        m.cache.reset(seq)
+        n.use_adapters(())
     return out
 
 
@@ -153,11 +155,85 @@ def test_selections_take_the_steps_in_turns(model: GGUFModel) -> None:
         slots.start(j, Collect())
     turns = []
     while slots.step():
-        turns.append(tuple(sorted({s.key for s in slots.active if s.stepped} or {slots.turn})))
+        turns.append(tuple(sorted({s.selection for s in slots.active if s.stepped} or {slots.turns.last})))
     firsts = [t for t in turns[:9]]
     assert len({t for t in firsts[:3]}) == 3 and firsts[:3] == firsts[3:6] == firsts[6:9], turns[:9]
     assert all(j.completion_tokens == 12 for j in jobs)
     assert slots.busy == 0
+
+
+LONG = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat all day long."
+
+
+def _run(m: GGUFModel) -> None:
+    steps = 0
+    while m.slots.step():
+        steps += 1
+        assert steps < 10_000
+
+
+def test_no_cells_cross_between_a_selection_and_the_base(model: GGUFModel) -> None:
+    """A prompt longer than the prompt cache's reuse threshold, adapted and base at once: neither
+    reuses the other's cells (no sharing while both run, no saved state of the adapted one after),
+    each answers as it does alone; an adapted sequence's slot is emptied when it ends, and the
+    next adapted prompt takes an empty slot, not the one the base's prefix is cached in."""
+    tokens = model.tokenize_prompt(LONG)
+    assert len(tokens) > 2 * MIN_REUSE
+    slots, a = model.slots, select("tiny", model.adapters, "a", None)
+    want = {sel: "".join(p.text for p in model.generate(Job(tokens=list(tokens), cache_prompt=False, remember=False,
+                                                             params=GenParams(max_tokens=8, temperature=0),
+                                                             adapters=sel)))
+            for sel in ((), a)}
+    slots.forget()
+    model.cache.clear()
+    adapted, base = [Job(tokens=list(tokens), params=GenParams(max_tokens=8, temperature=0), adapters=sel)
+                     for sel in (a, ())]
+    sinks = [Collect(), Collect()]
+    slots.start(adapted, sinks[0])
+    slots.step()  # its prompt is in its cells before the base one comes
+    slots.start(base, sinks[1])
+    _run(model)
+    assert [s.text for s in sinks] == [want[a], want[()]] and adapted.cached_tokens == base.cached_tokens == 0
+    assert not model.cache.private and not model.cache.entries  # nothing saved: no state of the adapted cells
+    cached = [s.id for s in slots.slots if model.cache.live(s.id)]
+    assert len(cached) == 1 and model.cache.live(cached[0])[:len(tokens)] == tokens  # the base's alone
+    again = Job(tokens=list(tokens), params=GenParams(max_tokens=8, temperature=0), adapters=a)
+    sink = Collect()
+    slots.start(again, sink)  # lands in an empty slot: the base's prefix stays where it is
+    _run(model)
+    assert sink.text == want[a] and again.cached_tokens == 0
+    assert [s.id for s in slots.slots if model.cache.live(s.id)] == cached
+
+
+def test_an_adapted_sequence_suspended_for_room_resumes_with_its_adapters(tiny_gguf: Path,
+                                                                         loras: dict[str, Path]) -> None:
+    """Two long answers that cannot both fit a 128-token context, the youngest adapted: it gives
+    its cells up (no state of them saved: they are its adapters'), waits, and is computed again
+    with its adapters once the other ended. Every token of each answer is the greedy choice
+    under its own selection (teacher-forced, kit.slots.greedy_gap), not under the other."""
+    cfg = ModelConfig(name="tiny", path=str(tiny_gguf), n_ctx=128, n_threads=1, use_mlock=False, parallel=4,
+                      adapters=[AdapterConfig("a", str(loras["a"]), 1.0)])
+    m = load_gguf_model(cfg, read_gguf_info(tiny_gguf))
+    try:
+        a, eos, n_ctx = select("tiny", m.adapters, "a", None), m.native.eos, m.native.n_ctx
+        first, second = m.tokenize_prompt("Hello world"), m.tokenize_prompt("One two three four five six")
+        jobs = [Job(tokens=t, adapters=sel, params=GenParams(max_tokens=n, temperature=0, logit_bias=((eos, -100.0),)))
+                for t, sel, n in ((first, (), n_ctx - len(first) - 1), (second, a, n_ctx // 2))]
+        sinks, seqs = [Collect(), Collect()], []
+        for j, s in zip(jobs, sinks):
+            m.slots.start(j, s)
+            seqs.append(m.slots.active[-1])
+        _run(m)
+        assert [s.ended for s in sinks] == [None, None] and seqs[1].suspensions >= 1 and seqs[0].suspensions == 0
+        for j, seq, sel, other in zip(jobs, seqs, ((), a), (a, ())):
+            assert len(seq.out.tokens) == j.params.max_tokens
+            assert greedy_gap(m, j.tokens + seq.out.tokens, len(j.tokens), (eos,), sel) < 1e-3
+            assert greedy_gap(m, j.tokens + seq.out.tokens, len(j.tokens), (eos,), other) > 1e-2
+        adapted = jobs[1].tokens
+        assert not any(e.tokens[:len(adapted)] == adapted for e in m.cache.entries.values())
+        assert m.slots.pending == 0 and not m.cache.private
+    finally:
+        m.close()
 
 
 def test_a_damaged_or_mismatched_adapter_is_refused_naming_file_and_field(tiny_gguf: Path, tmp_path: Path,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from edge.model.cpupaths import (AMX_REASON, BUILD_RECORD, libllama, llama_cpu, parse_system_info,
-                                 read_build_record, record_build, system_info)
+from edge.model.cpupaths import (AMX_REASON, BUILD_RECORD, effective_args, libllama, llama_cpu,
+                                 parse_system_info, read_build_record, record_build, system_info)
 from kit import EDGE
 
 FIX = Path(__file__).parents[1] / "fixtures" / "devices"
@@ -159,3 +159,16 @@ def test_edge_device_shows_the_paths_without_loading_llama_cpp() -> None:
     for args in (["device"], ["doctor"]):
         p = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120)
         assert "LOADED False False" in p.stderr, (args, p.stderr)
+
+
+def test_a_switch_given_twice_is_its_last_value_as_cmake_takes_it(tmp_path: Path) -> None:
+    """scripts/test-two-builds' second build appends -DGGML_AVX512=OFF (EDGE_LLAMA_CMAKE_ARGS)
+    after build-llama-wheel's own =ON: CMake takes the last, and so does the record's reader
+    (what `edge device` shows and tests/model/test_cpupaths.py compares with the library)."""
+    assert effective_args(("-DGGML_AVX=ON", "-DGGML_AVX512=ON", "-DGGML_FMA=ON", "-DGGML_AVX512=OFF")) == \
+        ("-DGGML_AVX=ON", "-DGGML_AVX512=OFF", "-DGGML_FMA=ON")
+    args = ["-DGGML_NATIVE=OFF", "-DGGML_AVX512=ON", "-DGGML_AVX512=OFF"]
+    wheel, pkg, prefix = fake_install(tmp_path, args, {"libllama.so": b"llama"})
+    record_build(wheel, prefix)
+    record = read_build_record(prefix, pkg)
+    assert record is not None and record.cmake_args == ("-DGGML_NATIVE=OFF", "-DGGML_AVX512=OFF")

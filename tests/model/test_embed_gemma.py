@@ -4,6 +4,7 @@ llama-cpp-python's `Llama(embedding=True).embed` (each text alone, normalized)."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -63,3 +64,34 @@ def test_64_inputs_match_llama_cpps_own_embeddings(gemma_path: Path, tmp_path: P
     assert body["usage"]["prompt_tokens"] == n_tokens
     # related texts are nearer than unrelated ones: the vectors mean something
     assert float(ours[0] @ ours[8]) > float(ours[0] @ ours[3])
+
+
+def test_the_memory_guard_counts_what_the_embeddings_context_takes(gemma_path: Path) -> None:
+    """The embeddings context's need (edge.model.memory.embeddings_need) against what this
+    process's resident memory grows by when the context is made and decodes a full batch: the
+    compute and output buffers hold every token's logits (262,144 of them a token here)."""
+    from edge.config import EmbeddingsConfig, ModelConfig
+    from edge.model.embed import EmbedContext
+    from edge.model.gguf import read_gguf_info
+    from edge.model.llm import load_gguf_model
+    from edge.model.memory import embeddings_need
+
+    def rss() -> int:
+        line = next(x for x in open("/proc/self/status") if x.startswith("VmRSS:"))
+        return int(line.split()[1]) * 1024
+
+    cfg = ModelConfig(name="g", path=str(gemma_path), n_ctx=256, n_threads=2, use_mlock=False,
+                      embeddings=EmbeddingsConfig(n_batch=256))
+    info = read_gguf_info(gemma_path)
+    model = load_gguf_model(dataclasses.replace(cfg, embeddings=None), info)
+    try:
+        before = rss()
+        ctx = EmbedContext(model.native, cfg.embeddings, info)  # type: ignore[arg-type]
+        ctx.embed([list(range(1000, 1256))])
+        grew = rss() - before
+        ctx.close()
+    finally:
+        model.close()
+    need = embeddings_need(cfg, info)
+    assert 0.85 * need <= grew <= need, (grew / 2**20, need / 2**20)
+

@@ -182,3 +182,23 @@ def test_a_verified_sha256_and_a_validated_header_share_the_entry(tmp_path: Path
     cache.remember(tiny_gguf, digest)
     later = VerifiedCache(tmp_path / "verified.json")
     assert later.is_verified(tiny_gguf, digest) and later.header(tiny_gguf) == read_gguf_info(tiny_gguf)
+
+
+def test_the_verified_cache_forgets_files_that_are_gone(tmp_path: Path, tiny_gguf: Path) -> None:
+    """An OTA version pruned or a model replaced under another name: its entry goes at the next
+    write, so verified.json holds the device's files, not every path it ever served."""
+    import json
+    import shutil
+
+    from edge.config import ModelConfig
+    from edge.model.file import ModelFile, VerifiedCache
+
+    cache = tmp_path / "verified.json"
+    old, new = tmp_path / "v1.gguf", tmp_path / "v2.gguf"
+    shutil.copyfile(tiny_gguf, old)
+    shutil.copyfile(tiny_gguf, new)
+    ModelFile(ModelConfig(name="m", path=str(old)), VerifiedCache(cache)).validate()
+    assert set(json.loads(cache.read_text())) == {str(old)}
+    old.unlink()
+    ModelFile(ModelConfig(name="m", path=str(new)), VerifiedCache(cache)).validate()
+    assert set(json.loads(cache.read_text())) == {str(new)}

@@ -63,7 +63,8 @@ def test_llama_cpp_makes_the_cache_of_the_configured_type(head32: Path) -> None:
             assert m.context_info()["type_k"] == kind
             job = Job(tokens=m.tokenize_prompt("Hello world " * 10), params=GenParams(max_tokens=4, temperature=0))
             texts[kind] = "".join(p.text for p in m.generate(job))
-            sizes[kind] = m.native.state_size()
+            used = next(i for i in range(m.native.n_seq + 1) if m.native.pos_max(i) >= 0)  # the slot it ran in
+            sizes[kind] = m.native.state_size(used)
         finally:
             m.close()
     assert 0.45 < sizes["q8_0"] / sizes["f16"] < 0.6
@@ -134,9 +135,9 @@ def test_the_kv_estimate_is_what_llama_cpp_allocates(head32: Path) -> None:
     holds every cell's K and V (and a small header)."""
     m = load_gguf_model(model_cfg(head32, type_k="q8_0", type_v="q8_0"), read_gguf_info(head32))
     try:
-        m.native.decode(list(range(3, 3 + 256)), 0)
-        state = m.native.state_size()
-        assert kv_bytes(m.cfg, m.info) <= state < kv_bytes(m.cfg, m.info) * 1.05 + 4096
+        m.native.decode(0, list(range(3, 3 + 256)), 0)
+        state = m.native.state_size(0)
+        assert kv_bytes(m.cfg, m.info, m.n_ctx) <= state < kv_bytes(m.cfg, m.info, m.n_ctx) * 1.05 + 4096
     finally:
         m.close()
 

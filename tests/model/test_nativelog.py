@@ -15,8 +15,10 @@ from edge.model.native import Native
 
 def _settings(path: Path):
     from edge.config import ModelConfig
+    from edge.model.memory import context_plan
 
-    return settings_for(ModelConfig(name="t", path=str(path), n_ctx=256, n_threads=1))
+    cfg = ModelConfig(name="t", path=str(path), n_ctx=256, n_threads=1)
+    return settings_for(cfg, context_plan(cfg, None))
 
 
 def test_a_quiet_load_writes_nothing_and_leaves_the_callback(tiny_gguf: Path, capfd: pytest.CaptureFixture) -> None:

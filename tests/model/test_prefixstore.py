@@ -127,9 +127,9 @@ def test_a_header_claiming_a_wrong_state_size_is_rejected_before_any_buffer_is_m
             restore(m, tmp_path)
             (path,) = tmp_path.glob("sys.*.kvstate")
         else:
-            compute_state(m.cache, m.tokenize_prompt(SYSTEM))
+            compute_state(m.cache, 0, m.tokenize_prompt(SYSTEM))
             path = _learned_path(tmp_path, prefix_key(m), 0)
-            state = m.native.state_bytes()
+            state = m.native.state_bytes(0)
             write_state(path, prefix_key(m), m.tokenize_prompt(SYSTEM), state, kind="learned", hits=3, reused=10)
         data = path.read_bytes()
         head_end = len(MAGIC) + 4 + int.from_bytes(data[len(MAGIC):len(MAGIC) + 4], "little")
@@ -277,6 +277,26 @@ def test_learned_prefixes_survive_a_restart(tiny_gguf: Path, tmp_path: Path) -> 
         greedy(m, m.tokenize_prompt("e t o n " * 10))  # an unrelated request between
         job, _ = greedy(m, m.tokenize_prompt(common + "n"))
         assert job.cached_tokens >= n - 1
+    finally:
+        m.close()
+
+
+def test_learned_prefixes_are_saved_when_the_slots_hold_most_of_the_context(tiny_gguf: Path,
+                                                                           tmp_path: Path) -> None:
+    """At a stop, the idle slots' live cells fill most of the context (a calibration after READY
+    and traffic leave them there): they give way so the learned state can be restored and cut,
+    never "saved: 0" for want of free cells."""
+    common = "the world the " * 10
+    m = load(tiny_gguf, learn_prefixes=2, parallel=3)
+    try:
+        for tail in ("a", "e"):
+            greedy(m, m.tokenize_prompt(common + tail))
+        for text in ("o n e t " * 40, "x y z w " * 40):  # unrelated prompts, live in their slots
+            greedy(m, m.tokenize_prompt(text)[:230])
+        held = sum(len(m.cache.live(s)) for s in range(m.native.n_seq + 1))
+        assert held > m.n_ctx - len(m.tokenize_prompt(common))  # too few free cells for the restore
+        rows = save_learned(m, tmp_path)
+        assert len(rows) == 1 and rows[0]["hits"] == 1 and rows[0]["tokens"] > 190
     finally:
         m.close()
 

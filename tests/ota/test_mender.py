@@ -297,6 +297,32 @@ def test_a_thin_adapter_bundle_through_mender_reloads_keeping_the_model(kit, men
         assert _tone(live.address) == old and _maps(pid) == before
 
 
+def test_a_repair_deployment_commits(kit, live, mender) -> None:
+    """The artifact of the version the device runs, deployed again after its model lost a bit:
+    ArtifactInstall repairs it in place and reloads the service onto the repaired file, and
+    ArtifactCommit succeeds (there was nothing pending to commit): Mender reports the deployment
+    installed, and nothing of the damaged file is mapped any more."""
+    from kit.ota import damage
+
+    ota = kit["ota"]
+    model = ota.root / "current" / "models" / "a.gguf"
+    damage(model, at=model.stat().st_size - 4096)
+    mender["args"]("--reload --timeout 120")
+    r = mender["run"]("install", str(mender["artifact"]("art-a-repair", kit["bundles"]["A"])))
+    assert r.returncode == 0, r.stderr[-2000:]
+    st = ota.state()
+    assert st["current"] == A and st["pending"] is None and st["repair"] is None
+    assert st["history"][-1]["event"] == "repaired" and "models/a.gguf" in st["history"][-1]["reason"]
+    r = mender["run"]("commit")
+    assert r.returncode == 0, r.stderr[-2000:]  # "nothing to commit" would fail the deployment
+    assert mender["run"]("show-artifact").stdout.strip() == "art-a-repair"
+    maps = Path(f"/proc/{live.proc.pid}/maps").read_text()
+    assert "a.gguf (deleted)" not in maps and f"{ota.root}/versions/{A}/models/a.gguf" in maps
+    r = subprocess.run([*EDGE, "ota", "verify", "--config", str(kit["cfg"]), "--pubkey", str(kit["pub"])],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 def _kill_tree(root: int) -> None:
     """SIGKILL a process and all its descendants (Mender runs modules in their own groups)."""
     children: dict[int, list[int]] = {}

@@ -386,3 +386,28 @@ def test_a_config_only_update_by_reload_keeps_the_loaded_model(kit) -> None:
         same = [os.stat(versions / v / "models" / "a.gguf").st_ino for v in ("1.0.0", "1.1.0")]
         assert same[0] == same[1]
         assert json.loads(r.stdout)["reload"] == {"kept": ["m"], "loaded": [], "mode": json.loads(r.stdout)["reload"]["mode"]}
+
+
+def test_the_ota_tree_is_readable_by_the_service_whatever_the_installers_umask(kit) -> None:
+    """docs/ota.md "End to end": root installs (umask 022 in a shell) and the unit's drop-in
+    recovers under UMask=0077 (`ExecStartPre=-+…`); the service reads the tree as its own
+    DynamicUser=. Run under umask 077, `recover` (which records the factory config) and
+    `install` leave every file of the tree readable and every folder searchable by others."""
+    import stat
+
+    def under_umask_077(*args: str) -> None:
+        r = subprocess.run([*EDGE, "ota", *args, "--config", str(kit["cfg"])], capture_output=True, text=True,
+                           timeout=120, preexec_fn=lambda: os.umask(0o077))
+        assert r.returncode == 0, r.stderr
+
+    kit["cfg"].write_text(kit["cfg"].read_text().replace('path = "x.gguf"', f'path = "{kit["a"]}"'))
+    under_umask_077("recover", "--boot")
+    under_umask_077("install", str(kit["bundles"]["A"]), "--pubkey", str(kit["pub"]), "--no-activate")
+    root = kit["ota"].root
+    assert (root / "current" / "edge.toml").is_file()
+    for p in [root, *root.rglob("*")]:
+        if p.is_symlink() or p.name.endswith(".lock"):
+            continue
+        mode = p.stat().st_mode
+        need = stat.S_IROTH | (stat.S_IXOTH if p.is_dir() else 0)
+        assert mode & need == need, f"{p.relative_to(root)}: {oct(mode)}"

@@ -7,6 +7,7 @@ done; an install with no signing key is the config's fault, 78."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -67,6 +68,61 @@ def test_enospc_at_every_operation_is_one_line_and_the_command_converges_when_ru
         ota.recover(None)  # at boot
         st = ota.status()
         assert st["current"] == done and st["pending"] is None and st["links"]["current"] == done, ops[n - 1]
+    assert 75 in codes
+
+
+def _damaged(dev, kind: str) -> Path:
+    """1.0.0 and 2.0.0 committed (each its own model), 2.0.0's model damaged; 2.0.0's bundle."""
+    from kit.ota import damage
+
+    other = dev["dir"] / "other.gguf"
+    other.write_bytes(os.urandom(4096))
+    bundles = {v: build_version(dev, v, config=MODEL_CFG + f"# {v}\n", model=m)
+               for v, m in (("1.0.0", dev["model"]), ("2.0.0", other))}
+    for v in ("1.0.0", "2.0.0"):
+        assert edge_ota(dev, "install", str(bundles[v]), "--pubkey", str(dev["pub"]), "--no-activate").returncode == 0
+        assert edge_ota(dev, "commit").returncode == 0
+    model = dev["ota"].root / "current" / "models" / "m.gguf"
+    if kind == "content":
+        damage(model)
+    else:  # a symlink to a copy outside: the store's object is intact, the repair links it again
+        outside = dev["dir"] / "outside"
+        outside.write_bytes(model.read_bytes())
+        model.unlink()
+        model.symlink_to(outside)
+    return bundles["2.0.0"]
+
+
+@pytest.mark.parametrize("kind, command", [("content", "re-push"), ("type", "recover --boot")])
+def test_enospc_at_every_operation_of_a_repair_is_75_and_the_repair_converges(dev, tmp_path: Path, kind: str,
+                                                                               command: str) -> None:
+    """A repair on a file system that fills at any one of its operations: 75 with one line (or 0
+    where it does without that write), never 65 or a traceback; run again, it is repaired."""
+    bundle = _damaged(dev, kind)
+    args = (["install", str(bundle), "--pubkey", str(dev["pub"]), "--no-activate"] if command == "re-push"
+            else ["recover", "--boot", "--pubkey", str(dev["pub"])])
+    state, template = tmp_path / "state", tmp_path / "template"
+    subprocess.run(["cp", "-a", str(state), str(template)], check=True)  # hard links kept
+    log = tmp_path / "ops.log"
+    assert edge_ota(dev, *args, env={"EDGE_OTA_FS_LOG": str(log)}).returncode == 0
+    ops = log.read_text().splitlines()
+    assert any(" rename " in o or " chmod " in o or " link " in o for o in ops), ops
+    codes = set()
+    for n in range(1, len(ops) + 1):
+        shutil.rmtree(state)
+        subprocess.run(["cp", "-a", str(template), str(state)], check=True)
+        r = edge_ota(dev, *args, env={"EDGE_OTA_ENOSPC_AT_OP": str(n)})
+        codes.add(r.returncode)
+        assert r.returncode in (0, 75), (ops[n - 1], r.returncode, r.stderr)
+        if r.returncode == 75:
+            assert "No space left on device" in _one_line(r), (ops[n - 1], r.stderr)
+            again = edge_ota(dev, *args)
+            assert again.returncode == 0, (ops[n - 1], again.stderr)
+        verify = edge_ota(dev, "verify", "--pubkey", str(dev["pub"]))
+        assert verify.returncode == 0, (ops[n - 1], verify.stderr)
+        st = Ota(dev["ota"].root).status()
+        # --no-activate: the repair is done, its activation owed to the next install, recover or start
+        assert st["current"] == "2.0.0" and (st["repair"] is None or st["repair"]["activate"]), ops[n - 1]
     assert 75 in codes
 
 

@@ -186,8 +186,8 @@ def test_a_full_queue_refuses_streams_before_the_first_byte_and_frees_every_plac
 
 
 class FailingDecodeDouble:
-    """Test double at the llama.cpp boundary (edge.model.native.Native): delegates everything (the
-    current sequence, `seq`, is set on the real one); the n-th batch decode raises what a broken
+    """Test double at the llama.cpp boundary (edge.model.native.Native): delegates everything
+    (what is set on it is set on the real one); the n-th batch decode raises what a broken
     native call would (not an edge error)."""
 
     def __init__(self, native, fail_at: int) -> None:
@@ -208,6 +208,7 @@ class FailingDecodeDouble:
 
 
 def test_an_unexpected_error_mid_stream_ends_the_stream_in_band(model) -> None:
+    model.slots.forget()  # no slot holds cells of an earlier test's
     real = model.native
     model.native = model.cache.native = model.slots.native = FailingDecodeDouble(real, fail_at=3)
     try:
@@ -218,4 +219,4 @@ def test_an_unexpected_error_mid_stream_ends_the_stream_in_band(model) -> None:
     events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
     assert resp.status_code == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["message"] == "internal error: RuntimeError"
-    assert model.cache.live == []  # the sequence's content was unknown: emptied
+    assert not any(model.cache.lives.values())  # the sequence's content was unknown: emptied

@@ -105,11 +105,19 @@ def test_every_route_family_needs_a_key(keyed: Keyed, family: str, case: str) ->
         assert answer["error"]["code"] == "invalid_api_key"
 
 
-def test_metrics_stay_open_by_default_with_keys(tmp_path: Path) -> None:
+def test_metrics_are_keyed_by_default_with_keys_and_open_only_on_purpose(tmp_path: Path, tiny_gguf: Path) -> None:
     keys = write_keys(tmp_path / "k", f"{KEY}\n")
-    assert load_api_keys(ServerConfig(api_key_file=str(keys)), "edge.toml").keyed("/metrics") is False
-    keyed = load_api_keys(ServerConfig(api_key_file=str(keys), metrics_auth="key"), "edge.toml")
+    keyed = load_api_keys(ServerConfig(api_key_file=str(keys)), "edge.toml")
     assert keyed.keyed("/metrics") and keyed.keyed("/v1/models") and not keyed.keyed("/healthz")
+    opened = load_api_keys(ServerConfig(api_key_file=str(keys), metrics_auth="open"), "edge.toml")
+    assert opened.keyed("/metrics") is False and opened.keyed("/v1/models")
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, server=f'api_key_file = "{keys}"')  # no metrics_auth
+    with PidOne([*EDGE, "serve", "--config", str(cfg)]) as pid1:
+        pid1.start()
+        pid1.wait_for("READY", "1", timeout=120)
+        assert call(pid1.address, "GET", "/metrics")[0] == 401
+        assert call(pid1.address, "GET", "/metrics", headers=GOOD)[0] == 200
+        assert pid1.stop() == 0
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/readyz", "/v2/health/ready"])
@@ -212,6 +220,53 @@ def test_bad_key_files_are_config_errors_that_never_quote_a_key(tmp_path: Path, 
     assert KEY not in message and WRONG not in message and "secretpart" not in message
 
 
+@pytest.mark.parametrize("mode, words", [(0o602, "writable by every user (mode 0602)"),
+                                         (0o660, "writable by its group (mode 0660)"),
+                                         (0o620, "writable by its group (mode 0620)")])
+def test_a_key_file_others_may_write_is_refused(tmp_path: Path, mode: int, words: str) -> None:
+    path = write_keys(tmp_path / "k", f"{KEY}\n", mode=mode)
+    with pytest.raises(ConfigError) as caught:
+        load_api_keys(ServerConfig(api_key_file=str(path)), "edge.toml")
+    message = str(caught.value)
+    assert words in message and str(path) in message and "server.api_key_file" in message and KEY not in message
+
+
+@pytest.mark.parametrize("folder_mode, words", [(0o777, "which every user may write (mode 0777)"),
+                                                (0o1777, "which every user may write (mode 1777)"),
+                                                (0o770, "which its group may write (mode 0770)")])
+def test_a_key_file_in_a_directory_others_may_write_is_refused(tmp_path: Path, folder_mode: int, words: str) -> None:
+    """Sticky too (/tmp): anyone may create a file there under the name the config will read next."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    path = write_keys(folder / "k", f"{KEY}\n")
+    folder.chmod(folder_mode)
+    with pytest.raises(ConfigError) as caught:
+        load_api_keys(ServerConfig(api_key_file=str(path)), "edge.toml")
+    assert words in str(caught.value) and str(folder) in str(caught.value)
+    folder.chmod(0o755)
+    assert load_api_keys(ServerConfig(api_key_file=str(path)), "edge.toml") is not None
+    deeper = folder / "private"  # below a folder every user may write: anyone may rename the path's folders
+    deeper.mkdir(mode=0o700)
+    inner = write_keys(deeper / "k", f"{KEY}\n")
+    folder.chmod(0o777)
+    with pytest.raises(ConfigError, match="which every user may write"):
+        load_api_keys(ServerConfig(api_key_file=str(inner)), "edge.toml")
+    folder.chmod(0o1777)  # sticky, as /tmp: nobody else may rename what is in it
+    assert load_api_keys(ServerConfig(api_key_file=str(inner)), "edge.toml") is not None
+
+
+@pytest.mark.parametrize("short", ["Z", "0123456789abcde"])
+def test_a_key_shorter_than_16_characters_is_refused_by_its_line(tmp_path: Path, short: str) -> None:
+    path = write_keys(tmp_path / "k", f"# keys\n{KEY}\n{short}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_api_keys(ServerConfig(api_key_file=str(path)), "edge.toml")
+    message = str(caught.value)
+    assert f"{path} line 3: the key is shorter than 16 characters" in message and "openssl rand" in message
+    assert short not in message.replace(str(path), "") and KEY not in message
+    write_keys(path, f"{short}x{'y' * (15 - len(short))}\n")  # 16 characters
+    assert load_api_keys(ServerConfig(api_key_file=str(path)), "edge.toml") is not None
+
+
 def test_a_world_readable_key_file_is_refused(tmp_path: Path) -> None:
     path = write_keys(tmp_path / "k", f"{KEY}\n", mode=0o644)
     with pytest.raises(ConfigError, match="readable by every user .mode 0644.") as caught:
@@ -260,6 +315,8 @@ def test_allow_unauthenticated_serves_open_and_doctor_warns(tmp_path: Path, tiny
         pid1.wait_for("READY", "1", timeout=120)
         assert call(("127.0.0.1", pid1.address[1]), "GET", "/v1/models")[0] == 200
         assert "with no API key (server.allow_unauthenticated = true)" in pid1.log_tail()
+        _, text = call(("127.0.0.1", pid1.address[1]), "GET", "/metrics")
+        assert "\nedge_sockets_without_key 1.0\n" in text and 'edge_served_without_key_total{event="start"} 1.0' in text
         assert pid1.stop() == 0
     r = subprocess.run([*EDGE, "doctor", "--config", str(cfg), "--json"], capture_output=True, text=True, timeout=120)
     access = [c for c in json.loads(r.stdout) if c["name"] == "access"]
@@ -288,6 +345,48 @@ def test_keys_are_read_again_at_a_reload_which_may_not_drop_them(tmp_path: Path,
         assert status.startswith("reload failed:") and "allow_unauthenticated" in status
         assert call(address, "GET", "/v1/models")[0] == 401  # still keyed, with the keys it had
         assert call(address, "GET", "/v1/models", headers={"x-api-key": OTHER_KEY})[0] == 200
+        assert pid1.stop() == 0
+
+
+def test_a_reload_that_opens_the_socket_warns_as_a_start_does_and_counts(tmp_path: Path, tiny_gguf: Path) -> None:
+    """Keys, then a reload to allow_unauthenticated on 0.0.0.0 (open on purpose): the same WARNING
+    as a start logs, and /metrics says so (edge_sockets_without_key 1, a reload counted); a
+    reload back to keys sets the gauge to 0."""
+    keys = write_keys(tmp_path / "api-keys", f"{KEY}\n")
+    keyed = write_config(tmp_path / "edge.toml", tiny_gguf, server=f'api_key_file = "{keys}"')
+    text = keyed.read_text()
+    warning = "with no API key (server.allow_unauthenticated = true): anyone who can reach it may use every model"
+    with PidOne([*EDGE, "serve", "--config", str(keyed)], host="0.0.0.0") as pid1:
+        pid1.start()
+        pid1.wait_for("READY", "1", timeout=120)
+        address = ("127.0.0.1", pid1.address[1])
+
+        def reload() -> str:
+            after = time.monotonic()
+            pid1.proc.send_signal(signal.SIGHUP)
+            return pid1.wait_count("READY", 1, after=after, timeout=120)[0].fields.get("STATUS", "")
+
+        def families(headers: dict[str, str]) -> dict[tuple[str, tuple], float]:
+            status, body = call(address, "GET", "/metrics", headers=headers)
+            assert status == 200, body
+            return {(x.name, tuple(sorted(x.labels.items()))): x.value
+                    for fam in text_string_to_metric_families(body) for x in fam.samples}
+
+        start = families(GOOD)
+        assert start[("edge_sockets_without_key", ())] == 0 and warning not in pid1.log_tail(1 << 20)
+        keyed.write_text(text.replace(f'api_key_file = "{keys}"', "allow_unauthenticated = true"))
+        assert reload().startswith("ready: serving")
+        assert f"serving 0.0.0.0:{pid1.address[1]} {warning}" in pid1.log_tail(1 << 20)
+        opened = families({})  # no key any more: /metrics too is open
+        assert opened[("edge_sockets_without_key", ())] == 1
+        assert opened[("edge_served_without_key_total", (("event", "reload"),))] == 1
+        assert call(address, "GET", "/v1/models")[0] == 200
+        keyed.write_text(text)
+        assert reload().startswith("ready: serving")
+        closed = families(GOOD)
+        assert closed[("edge_sockets_without_key", ())] == 0
+        assert closed[("edge_served_without_key_total", (("event", "reload"),))] == 1
+        assert call(address, "GET", "/v1/models")[0] == 401
         assert pid1.stop() == 0
 
 

@@ -161,7 +161,7 @@ def test_pooling_comes_from_the_config_else_the_gguf_else_mean(model) -> None:
     from edge.model.embed import pooling_for
 
     info = dataclasses.replace(model.info, metadata={**model.info.metadata, "llama.pooling_type": 2})
-    assert pooling_for(EmbeddingsConfig(), model.info) == ("mean", "default (the model declares none)")
+    assert pooling_for(EmbeddingsConfig(), model.info) == ("mean", "default: the model declares none")
     assert pooling_for(EmbeddingsConfig(), info)[0] == "cls"
     assert pooling_for(EmbeddingsConfig(pooling="last"), info) == ("last", "configured")
 

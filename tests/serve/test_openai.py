@@ -114,9 +114,10 @@ def test_max_completion_tokens_takes_precedence_over_max_tokens(tiny: Service) -
 
 
 def test_stop_cuts_the_greedy_text_where_the_stop_string_starts(tiny: Service) -> None:
-    text = greedy(tiny, max_tokens=30).choices[0].text
+    fresh = {"extra_body": {"cache_prompt": False}}  # both from position 0: the same computation
+    text = greedy(tiny, max_tokens=30, **fresh).choices[0].text
     stop = text[6:8]
-    r = greedy(tiny, max_tokens=30, stop=[stop, "\x00never"])
+    r = greedy(tiny, max_tokens=30, stop=[stop, "\x00never"], **fresh)
     assert r.choices[0].text == text[:text.find(stop)] and r.choices[0].finish_reason == "stop"
 
 
@@ -159,7 +160,11 @@ def test_completion_logprobs_are_the_chosen_tokens(tiny: Service) -> None:
 
 
 def test_chat_logprobs_streamed_and_whole_match_the_content(tiny: Service) -> None:
-    kw = dict(model="tiny", messages=HI, max_tokens=8, logprobs=True, top_logprobs=2)
+    # cache_prompt false: the whole answer and the streamed one are the same computation (from
+    # position 0, the same batches), so the same tokens on any CPU; a prefix reused from the cache
+    # would be another one, llama.cpp's to round (tests/kit/replay.py)
+    kw = dict(model="tiny", messages=HI, max_tokens=8, logprobs=True, top_logprobs=2,
+              extra_body={"cache_prompt": False})
     whole = tiny.client.chat.completions.create(temperature=0, **kw).choices[0]
     content = whole.logprobs.content
     assert b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace") == whole.message.content
@@ -535,11 +540,62 @@ def test_a_client_leaving_a_queued_request_is_an_abort_and_never_runs(tiny: Serv
 
 def test_a_forced_calls_schema_keeps_each_tools_refs_pointing_into_its_parameters() -> None:
     from edge.serve.schema import schema_grammar
-    from edge.serve.openai import _call_schema
+    from edge.serve.toolcall import call_schema
 
     params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/a~1b"}}, "required": ["p"],
               "$defs": {"a/b": {"type": "integer"}}}
     tools = [{"type": "function", "function": {"name": n, "parameters": params}} for n in ("f", "g")]
     for some in (tools[:1], tools):
-        gbnf = schema_grammar(_call_schema(some), "tool_choice")  # before: '#/$defs/a~1b' points to nothing
+        gbnf = schema_grammar(call_schema(some), "tools")  # before: '#/$defs/a~1b' points to nothing
         assert "j-int" in gbnf.split("\nj-ws ::=")[0]
+
+
+def test_a_forced_calls_refusal_names_the_tools_own_path() -> None:
+    """The call's schema is converted once (off the event loop, in the app); a keyword edge refuses
+    is named where the client wrote it: the tool's place in `tools`, the path in its parameters,
+    a `$ref`'s pointer as the client wrote it."""
+    from edge.serve.openai import Limits, parse
+    from edge.serve.schema import schema_grammar
+
+    good = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    bad = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/x"}}, "$defs": {"x": {"type": "number", "maximum": 3}}}}}
+    limits = Limits(n_ctx=512, n_vocab=100, max_n=4, tools=True)
+    for tools, choice in (([good, bad], "required"), ([good, bad], {"type": "function", "function": {"name": "g"}}),
+                          ([bad], "required")):
+        ask = parse({"messages": HI, "tools": tools, "tool_choice": choice}, True, limits)
+        with pytest.raises(Exception) as err:
+            schema_grammar(ask.schema.schema, ask.schema.param, ask.schema.place)
+        i = tools.index(bad)
+        assert err.value.param == "tools" and str(err.value).startswith(
+            f"tools[{i}].function.parameters.properties.p.$ref(#/$defs/x).maximum: "), str(err.value)
+
+
+@pytest.mark.parametrize("fmt", [{"response_format": {"type": "json_object"}},
+                                 {"tools": [CITY_TOOL], "tool_choice": "required"}])
+def test_stop_beside_a_grammar_is_a_400_naming_stop(fmt: dict) -> None:
+    from edge.errors import RequestError
+    from edge.serve.openai import Limits, parse
+
+    with pytest.raises(RequestError) as err:
+        parse({"messages": HI, "stop": ["}"], **fmt}, True, Limits(n_ctx=512, n_vocab=100, max_n=4, tools=True))
+    assert err.value.param == "stop" and "would" not in str(err.value) and "cut it inside a string" in str(err.value)
+
+
+def test_a_forced_call_cut_by_max_tokens_is_still_a_tool_call(tools: Service) -> None:
+    """max_tokens ends the call's JSON early: the answer is the call as far as it got (finish_reason
+    `length`, the arguments' text so far), never prose without `tool_calls`, streamed or not."""
+    partial = []
+    for max_tokens in (1, 5, 40, 44):
+        kw = {"model": "tiny", "messages": [{"role": "user", "content": "weather?"}], "tools": [CITY_TOOL],
+              "tool_choice": "required", "max_tokens": max_tokens, "temperature": 0}
+        choice = tools.client.chat.completions.create(**kw).choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None, choice
+        (call,) = choice.message.tool_calls
+        args = call.function.arguments.replace(" ", "")  # the arguments so far: the start of a valid one
+        assert call.function.name == "weather" and any(a.startswith(args) for a in ('{"city":"Paris"}', '{"city":"Oslo"}'))
+        partial.append(args)
+        streamed = list(tools.client.chat.completions.create(**kw, stream=True))
+        calls = [tc for c in streamed if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert calls and calls[0].function.name == "weather" and streamed[-1].choices[0].finish_reason == "length"
+    assert partial[0] == "" and partial[-1].startswith('{"'), partial  # cut in the name, then in the arguments

@@ -37,7 +37,8 @@ def test_an_open_side_goes_to_the_converters_sixteen_digits() -> None:
     ({"minimum": 0, "maximum": 120}, (0, 120)),
     ({"exclusiveMinimum": 0, "exclusiveMaximum": 10}, (1, 9)),
     ({"minimum": 0.5, "maximum": 9.5}, (1, 9)),
-    ({"minimum": 3, "exclusiveMinimum": True}, (4, None)),  # draft 4
+    ({"minimum": 3, "exclusiveMinimum": 3}, (4, None)),
+    ({"minimum": -5.5, "exclusiveMaximum": -4}, (-5, -5)),
     ({"maximum": -1}, (None, -1)),
 ])
 def test_bounds_of_an_integer_schema(schema: dict, bounds: tuple) -> None:
@@ -47,6 +48,8 @@ def test_bounds_of_an_integer_schema(schema: dict, bounds: tuple) -> None:
 @pytest.mark.parametrize("schema, why", [
     ({"minimum": 5, "maximum": 4}, "no integer"), ({"minimum": "1"}, "minimum must be a finite number"),
     ({"maximum": 10**50}, "more than 40 digits"), ({"exclusiveMinimum": 1, "exclusiveMaximum": 2}, "no integer"),
+    ({"minimum": -5, "exclusiveMinimum": True}, "true is draft 4's form"),
+    ({"maximum": 5, "exclusiveMaximum": False}, "false is draft 4's form"),
 ])
 def test_bounds_no_integer_meets_are_refused(schema: dict, why: str) -> None:
     with pytest.raises(ValueError, match=why):

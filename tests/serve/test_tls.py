@@ -1,50 +1,27 @@
 """TLS (edge.serve.tls): uvicorn's own, on the socket systemd hands over. A self-signed
-certificate for 127.0.0.1 made here with `cryptography`; a socket-activated `edge serve` with
+certificate for 127.0.0.1 made with `cryptography` (kit.tls); a socket-activated `edge serve` with
 API keys; real TLS clients (httpx, the `openai` client) over 127.0.0.1 that trust only that
 certificate. Then the config errors of a certificate and key that do not go together."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import secrets
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from edge.config import ServerConfig
 from edge.errors import ConfigError
 from edge.serve.tls import tls_files
 from kit import EDGE, PidOne, write_config
+from kit.tls import self_signed
 
 KEY = "sk-edge-" + secrets.token_hex(16)
-
-
-def self_signed(folder: Path, name: str = "edge") -> tuple[Path, Path]:
-    """(certificate, private key) PEM files for 127.0.0.1, the key mode 0600."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = folder / f"{name}.crt", folder / f"{name}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    key_path.chmod(0o600)
-    return cert_path, key_path
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +90,113 @@ def test_tls_config_errors_name_the_field(tmp_path: Path) -> None:
     key.chmod(0o644)
     with pytest.raises(ConfigError, match="server.tls_key_file: .* is readable by every user"):
         tls_files(ServerConfig(tls_cert_file=str(cert), tls_key_file=str(key)), "edge.toml")
+
+
+# -- handshakes hold no slot -----------------------------------------------------------------------
+SILENT = 20  # TCP connections that never send a ClientHello
+HANDSHAKE_S = 3.0  # header_timeout_s: from the accept, the TLS handshake included
+
+
+@pytest.fixture(scope="module")
+def capped_tls(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Iterator[tuple[PidOne, Path]]:
+    d = tmp_path_factory.mktemp("capped")
+    cert, key = self_signed(d)
+    keys = d / "api-keys"
+    keys.write_text(KEY + "\n")
+    keys.chmod(0o600)
+    cfg = write_config(d / "edge.toml", tiny_gguf, server=f'api_key_file = "{keys}"\ntls_cert_file = "{cert}"\n'
+                                                          f'tls_key_file = "{key}"\nmax_connections = 16\n'
+                                                          f"header_timeout_s = {HANDSHAKE_S}")
+    with PidOne([*EDGE, "serve", "--config", str(cfg)]) as pid1:
+        pid1.start()
+        pid1.wait_for("READY", "1", timeout=120)
+        yield pid1, cert
+        assert pid1.stop() == 0
+
+
+def _keyed_get(pid1: PidOne, cert: Path, path: str = "/v1/models") -> tuple[float, httpx.Response]:
+    """A keyed HTTPS request on a new connection: (seconds to its answer, the answer)."""
+    t0 = time.perf_counter()
+    with httpx.Client(verify=trusting(cert), timeout=120) as client:
+        r = client.get(f"https://127.0.0.1:{pid1.address[1]}{path}", headers={"Authorization": f"Bearer {KEY}"})
+    return time.perf_counter() - t0, r
+
+
+def test_silent_connections_do_not_delay_a_keyed_request_at_the_cap(capped_tls: tuple[PidOne, Path]) -> None:
+    """At max_connections = 16, 20 connections that never start their TLS handshake are shed as
+    fresh plain ones are (counted from their accept): a keyed HTTPS request is answered at
+    once, not after asyncio's 60 s handshake timeout or even header_timeout_s."""
+    pid1, cert = capped_tls
+    baseline, r = _keyed_get(pid1, cert)
+    assert r.status_code == 200
+    before = _shed(pid1, cert)
+    silent = [socket.create_connection(("127.0.0.1", pid1.address[1]), timeout=60) for _ in range(SILENT)]
+    try:
+        took, r = _keyed_get(pid1, cert)
+    finally:
+        for s in silent:
+            s.close()
+    print(f"\n{SILENT} silent TLS connections at max_connections 16: a keyed request answered in "
+          f"{took:.3f} s (alone: {baseline:.3f} s)")
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+    assert took - baseline < 1.0 < HANDSHAKE_S  # shed, not freed by a timeout
+    assert _shed(pid1, cert) - before >= SILENT - 16 + 1
+
+
+def _shed(pid1: PidOne, cert: Path) -> float:
+    _, r = _keyed_get(pid1, cert, "/metrics")
+    return next(float(line.split()[-1]) for line in r.text.splitlines()
+                if line.startswith("edge_connections_shed_total "))
+
+
+def test_a_handshake_that_never_comes_is_ended_at_header_timeout_s(capped_tls: tuple[PidOne, Path]) -> None:
+    pid1, _ = capped_tls
+    with socket.create_connection(("127.0.0.1", pid1.address[1]), timeout=60) as s:
+        t0 = time.perf_counter()
+        try:
+            end = s.recv(1)  # the end of stream, once the guard ended the handshake
+        except ConnectionResetError:
+            end = b""
+        waited = time.perf_counter() - t0
+    assert end == b"" and HANDSHAKE_S * 0.9 <= waited < HANDSHAKE_S + 5, waited  # swept at most a tick late
+
+
+def _served_certificate(port: int) -> bytes:
+    """The DER certificate the service presents (not verified: which one is the question)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as raw, ctx.wrap_socket(raw) as tls:
+        return tls.getpeercert(binary_form=True)
+
+
+def test_new_tls_files_are_served_after_a_handover_not_after_a_reload(tmp_path: Path, tiny_gguf: Path,
+                                                                       service) -> None:
+    """docs/security.md, "Rotating keys and certificates": tls_cert_file/tls_key_file are read at a
+    start; a reload in place keeps serving the old certificate, a handover's new process the new."""
+    import subprocess
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    cert, key = self_signed(tmp_path)
+    cfg = write_config(tmp_path / "edge.toml", tiny_gguf, server=f'tls_cert_file = "{cert}"\ntls_key_file = "{key}"')
+    pid1 = service(cfg)
+    der = lambda path: x509.load_pem_x509_certificate(path.read_bytes()).public_bytes(Encoding.DER)  # noqa: E731
+    old = der(cert)
+    assert _served_certificate(pid1.address[1]) == old
+    (tmp_path / "new").mkdir()
+    new_cert, new_key = self_signed(tmp_path / "new")
+    new_cert.replace(cert)  # the same paths, new contents
+    new_key.replace(key)
+    assert der(cert) != old
+
+    def reload(*args: str) -> None:
+        r = subprocess.run([*EDGE, "reload", "--config", str(cfg), *args], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+    reload("--in-place")
+    assert _served_certificate(pid1.address[1]) == old
+    reload("--process")
+    assert _served_certificate(pid1.address[1]) == der(cert)
+    assert pid1.stop() == 0

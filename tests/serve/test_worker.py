@@ -106,16 +106,17 @@ def test_a_held_worker_queues_requests_and_decodes_them_once_resumed(model: GGUF
     (edge.lifecycle.handover.successor): a request is admitted and queued, calls still run, no step does."""
     async def held_then_resumed() -> tuple[list[str], bool, int, int]:
         w = ModelWorker(model, 4)
+        before = w.started  # the model's count (its scheduler's), whichever worker queued them
         w.hold()
         stream = asyncio.ensure_future(pieces(w, job(model, 8), eager=True))
         for _ in range(3):  # calls run between steps, held or not: each one is a turn of the loop
             await w.control(lambda: None)
         decoded_while_held = stream.done() or model.slots.busy
-        started = w.started
+        started = w.started - before
         w.resume()
         text = await stream
         w.close()
-        return text, decoded_while_held, started, w.started
+        return text, decoded_while_held, started, w.started - before
 
     text, decoded_while_held, started_held, started_after = asyncio.run(held_then_resumed())
     assert not decoded_while_held and started_held == 0  # queued, not started
@@ -154,3 +155,55 @@ def test_a_successor_holds_its_models_until_the_old_process_drained(model: GGUFM
     assert done.wait(60) and not other._held
     for fd in (write2, ready_r, ready_w):
         os.close(fd)
+
+
+def test_two_workers_on_one_model_decode_on_one_thread(model: GGUFModel) -> None:
+    """Issue 53's `llama_decode of 1 tokens at position 17 returned -1 (invalid batch)`: a second
+    ModelWorker on a model an earlier one had served (a reload's new worker on a kept model
+    while the old drains, or two tests one after the other, the second job reusing 16 cached
+    tokens) ran a scheduler thread of its own, and the first worker's thread, woken by any call,
+    stepped the same slots too: both built a batch with the same sequence's next token at the
+    same position, and the second llama_decode of it was refused. Every step of a model runs on
+    its one scheduler thread now, whichever worker queued the request."""
+    import threading
+
+    threads: set[int] = set()
+    real_step = model.slots.step
+
+    def step() -> bool:
+        threads.add(threading.get_ident())
+        return real_step()
+
+    async def go() -> tuple[str, str, Job]:
+        first = ModelWorker(model, 4)
+        whole = "".join(await pieces(first, job(model), eager=False))
+        second = ModelWorker(model, 4)
+        j = job(model, 60)
+        stream = asyncio.ensure_future(pieces(second, j, eager=True))
+        while not stream.done():  # the first worker's thread woken while the second's request decodes
+            await first.control(lambda: None)
+        return whole, "".join(await stream), j
+
+    model.slots.step = step  # type: ignore[method-assign]
+    try:
+        whole, text, j = asyncio.run(go())
+    finally:
+        del model.slots.step
+    assert len(threads) == 1, threads
+    assert j.cached_tokens >= 16 and text.startswith(whole[:len(whole) // 2])
+
+
+def test_a_token_decoded_twice_at_one_position_is_the_invalid_batch(model: GGUFModel) -> None:
+    """What two threads stepping one context did: the same sequence's token at a position it
+    already holds. llama.cpp refuses such a batch (-1); edge says which."""
+    from edge.model.native import DecodeError
+
+    native, prompt = model.native, model.tokenize_prompt("Hello world")
+    with model.slots.spare(prompt, len(prompt) + 1) as seq:
+        model.cache.reset(seq)
+        native.decode(seq, prompt, 0)
+        native.decode_batch([prompt[-1]], [len(prompt)], [seq], [1])
+        with pytest.raises(DecodeError) as err:
+            native.decode_batch([prompt[-1]], [len(prompt)], [seq], [1])
+        model.cache.reset(seq)
+    assert err.value.rc == -1 and "invalid batch" in str(err.value)

@@ -131,9 +131,10 @@ class Machine:
 
 
 def readme_systemd_steps() -> list[str]:
-    """The command lines of the first code block in docs/deploy.md's "From a wheel, without a
-    checkout" section (found by its title, wherever the docs keep it), comments cut."""
+    """The command lines of the device's code block (the one that makes the venv) in docs/deploy.md's
+    "From a wheel, without a checkout" section (found by its title, wherever the docs keep it),
+    comments cut."""
     text = section("From a wheel, without a checkout")
-    block = text.split("```", 2)[1].split("\n", 1)[1]
+    (block,) = [b for b in re.findall(r"^```\n(.*?)^```", text, re.M | re.S) if b.startswith("python3 -m venv")]
     lines = [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines()]
     return [line for line in lines if line and not line.startswith("#")]

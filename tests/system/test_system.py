@@ -14,6 +14,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -22,12 +23,15 @@ from pathlib import Path
 
 import pytest
 
+from kit.docs import section
 from rootfs import CACHE, build_rootfs
 from systest import ROOT, Machine, readme_systemd_steps, wait_for, why_not_bootable
 
 pytestmark = pytest.mark.system
 PORT = 8088
 EDGE = "/opt/edge/venv/bin/edge"
+# host -> container, read only, files written after the boot included (one folder per checkout)
+OTA_EXCHANGE = CACHE / f"ota-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]}"
 TINY_CONFIG = """\
 [[models]]
 name = "tiny"
@@ -52,27 +56,34 @@ def _llama_wheel() -> Path:
     return wheel
 
 
-def _wheels() -> tuple[Path, Path]:
-    """Wheels of edge's dependencies (cached, keyed on pyproject.toml and the llama.cpp build's
-    key) and of this checkout."""
+def _wheels() -> Path:
+    """The folder docs/deploy.md's build step makes (`scripts/wheels`): every dependency's wheel,
+    cached (keyed on pyproject.toml and the llama.cpp build's key), and this checkout's own, built
+    anew each session; joined by hard links in a folder of this checkout's (helpers' worktrees
+    share the cache), which the container sees where the page copies it."""
     llama = _llama_wheel()
     key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
-    # this checkout's own wheel: one folder per checkout (helpers' worktrees share the cache)
-    own = CACHE / f"wheels-edge-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]}"
+    mine = hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]
     deps = CACHE / f"wheels-{key}-llama-{llama.parent.name}"
-    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir"]
     if not (deps / ".complete").exists():
-        subprocess.run([*pip, str(deps), "--find-links", str(llama.parent), "--only-binary", "llama-cpp-python",
-                        f"{ROOT}[default-model]"], check=True, timeout=1500)
-        for w in deps.glob("edge-*.whl"):
+        r = subprocess.run([str(ROOT / "scripts" / "wheels"), str(deps)], capture_output=True, text=True,
+                           timeout=1500)
+        assert r.returncode == 0, r.stderr[-3000:]
+        for w in [*deps.glob("edge_coldstart-*.whl"), *deps.glob("edge-*.whl")]:
             w.unlink()  # the checkout's own wheel is rebuilt every session
         taken = [w for w in deps.glob("llama_cpp_python-*.whl") if w.read_bytes() == llama.read_bytes()]
-        assert taken, f"pip did not take the keyed llama-cpp-python wheel {llama} into {deps}"
+        assert taken, f"scripts/wheels did not take the keyed llama-cpp-python wheel {llama} into {deps}"
         (deps / ".complete").touch()
-    for w in own.glob("*.whl"):
-        w.unlink()
-    subprocess.run([*pip, str(own), "--no-deps", str(ROOT)], check=True, timeout=600)
-    return deps, own
+    own = CACHE / f"wheels-edge-{mine}"
+    shutil.rmtree(own, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(own), "--no-deps", str(ROOT)],
+                   check=True, timeout=600)
+    folder = CACHE / f"wheels-all-{mine}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    for w in [*deps.glob("*.whl"), *own.glob("*.whl")]:
+        os.link(w, folder / w.name)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +94,21 @@ def machine() -> Iterator[Machine]:
         pytest.skip(reason)
     t0 = time.monotonic()
     rootfs = build_rootfs(CACHE / "mmdebstrap.log")
-    deps, own = _wheels()
+    wheels = _wheels()
     models = CACHE / "models"
     models.mkdir(parents=True, exist_ok=True)
     from harness.ggufgen import write_tiny_llama
 
     write_tiny_llama(models / "tiny.gguf")
+    write_tiny_llama(models / "tiny-b.gguf", seed=2)  # another model: an OTA version's
     models.chmod(0o755)
-    (models / "tiny.gguf").chmod(0o644)
+    for model in models.glob("*.gguf"):
+        model.chmod(0o644)
     prepared = time.monotonic()
+    OTA_EXCHANGE.mkdir(parents=True, exist_ok=True)  # this checkout's: bundles, artifacts, packages
     m = Machine(rootfs, f"edge-systest-{time.monotonic_ns() % 10**6}",
-                {str(deps): "/wheels", str(own): "/wheels-edge", str(models): "/srv/edge-test"},
+                {str(wheels): "/var/tmp/edge-wheels", str(models): "/srv/edge-test",
+                 str(OTA_EXCHANGE): "/srv/edge-ota"},
                 CACHE / "nspawn.log")
     try:
         m.boot()
@@ -109,11 +124,11 @@ def machine() -> Iterator[Machine]:
 
 @pytest.fixture(scope="module")
 def installed(machine: Machine) -> subprocess.CompletedProcess[str]:
-    """docs/deploy.md's install steps from a wheel, run verbatim (pip finds the wheels through its environment)."""
+    """docs/deploy.md's install steps from a wheel, run verbatim (the container has no network:
+    the page's `--no-index --find-links` folder is all pip may use)."""
     script = "\n".join(readme_systemd_steps())
-    return machine.run(script, check=False, timeout=600,
-                       env={"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "/wheels /wheels-edge",
-                            "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    assert any("--no-index --find-links /var/tmp/edge-wheels" in line for line in readme_systemd_steps())
+    return machine.run(script, check=False, timeout=600, env={"PIP_DISABLE_PIP_VERSION_CHECK": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -616,3 +631,309 @@ def test_systemctl_reload_hands_over_after_the_installed_version_changed(tiny: M
         m.run("systemctl restart edge.service", timeout=180)  # the running version is the installed one again
         _serving(m)
 
+
+
+# -- TLS by credential (docs/security.md) -------------------------------------------------------------
+_SERVED_CERT = """\
+import hashlib,http.client,ssl,sys
+ctx = ssl.create_default_context(cafile=sys.argv[1])
+c = http.client.HTTPSConnection('127.0.0.1', %d, context=ctx, timeout=120)
+c.request('GET', '/v1/models')
+r = c.getresponse(); r.read()
+print(r.status, hashlib.sha256(c.sock.getpeercert(binary_form=True)).hexdigest())
+""" % PORT
+
+
+def _put(m: Machine, path: str, data: bytes, mode: str) -> None:
+    """A file written in the container (root's, `mode`), from the host's bytes."""
+    import base64
+
+    m.run(f"install -D -m {mode} /dev/null {path} && base64 -d > {path} <<'B64'\n"
+          f"{base64.b64encode(data).decode()}\nB64")
+
+
+def _https(m: Machine, cert: Path) -> tuple[str, str]:
+    """(HTTP status, sha256 of the certificate served) of GET /v1/models over HTTPS from the host,
+    in the container's network, trusting only `cert`."""
+    p = m.net([sys.executable, "-c", _SERVED_CERT, str(cert)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err
+    status, digest = out.split()
+    return status, digest
+
+
+def _fingerprint(cert: Path) -> str:
+    import ssl
+
+    return hashlib.sha256(ssl.PEM_cert_to_DER_cert(cert.read_text())).hexdigest()
+
+
+def _documented_steps(title: str) -> str:
+    """The first code block of the docs section `title`, as a script (comments cut)."""
+    from kit.docs import section
+
+    block = section(title).split("```", 2)[1].split("\n", 1)[1]
+    return "\n".join(re.sub(r"\s+#.*$", "", line) for line in block.splitlines())
+
+
+def test_the_documented_tls_credential_drop_in_serves_https_and_rotates_by_restart(
+        tiny: Machine, tmp_path: Path) -> None:
+    """docs/security.md, "TLS by a systemd credential", run as written: HTTPS trusting only that
+    certificate, the key file root's (the service's user cannot open it); doctor is content with
+    the drop-in. Then "Rotating keys and certificates": new files, a reload still serves the old
+    certificate (credentials are fixed for the service's lifetime), a restart the new one."""
+    from kit.tls import self_signed
+
+    m = tiny
+    _serving(m)
+    cert, key = self_signed(tmp_path)
+    _put(m, "/root/tls-src/cert.pem", cert.read_bytes(), "0644")
+    _put(m, "/root/tls-src/key.pem", key.read_bytes(), "0600")
+    m.run("cd /root/tls-src\n" + _documented_steps("TLS by a systemd credential"))
+    assert m.show("edge.service", "ActiveState")["ActiveState"] == "active"
+    assert _https(m, cert) == ("200", _fingerprint(cert))
+    pid = m.show("edge.service", "MainPID")["MainPID"]
+    uid = m.run(f"stat -c %u /proc/{pid}").stdout.strip()
+    r = m.run(f"nsenter -t {pid} -m -S {uid} -G {uid} -- cat /etc/edge/tls/key.pem", check=False)
+    assert r.returncode != 0 and "PRIVATE KEY" not in r.stdout  # the service reads its credential only
+    doctor = {c["name"]: c for c in json.loads(m.run(f"{EDGE} doctor --json", check=False).stdout)}
+    assert doctor["unit files"]["level"] == "ok", doctor["unit files"]
+    (tmp_path / "new").mkdir()
+    new_cert, new_key = self_signed(tmp_path / "new")
+    _put(m, "/etc/edge/tls/cert.pem", new_cert.read_bytes(), "0644")
+    _put(m, "/etc/edge/tls/key.pem", new_key.read_bytes(), "0600")
+    m.run("systemctl reload edge.service")
+    assert _https(m, cert) == ("200", _fingerprint(cert))  # the copies systemd made at the start
+    m.run("systemctl restart edge.service")
+    assert _https(m, new_cert) == ("200", _fingerprint(new_cert))
+    m.run("rm -rf /etc/edge/tls /root/tls-src")
+    _serving(m)
+
+
+def test_doctor_flags_a_root_only_tls_key_and_a_model_under_root_before_the_start(
+        tiny: Machine, tmp_path: Path) -> None:
+    """The config names a model under /root (ProtectHome=yes hides it) and a TLS key only root
+    reads: `edge doctor` fails on both, naming the fix, before any start; the start then exits 78
+    as it said."""
+    from kit.tls import self_signed
+
+    m = tiny
+    _serving(m)
+    cert, key = self_signed(tmp_path)
+    _put(m, "/etc/edge/tls/cert.pem", cert.read_bytes(), "0644")
+    _put(m, "/etc/edge/tls/key.pem", key.read_bytes(), "0600")
+    m.run("cp /srv/edge-test/tiny.gguf /root/tiny.gguf && cp /etc/edge/edge.toml /root/edge.toml.good")
+    config = TINY_CONFIG.replace("/srv/edge-test/tiny.gguf", "/root/tiny.gguf")
+    config = '[server]\ntls_cert_file = "/etc/edge/tls/cert.pem"\ntls_key_file = "/etc/edge/tls/key.pem"\n\n' + config
+    m.run(f"cat > /etc/edge/edge.toml <<'EOF'\n{config}EOF")
+    r = m.run(f"{EDGE} doctor --json", check=False)
+    assert r.returncode == 1, r.stdout
+    fails = [c for c in json.loads(r.stdout) if c["name"] == "unit files"]
+    by_file = {c["message"].split(" (")[0]: c for c in fails}
+    assert set(by_file) == {"model tiny /root/tiny.gguf", "TLS key /etc/edge/tls/key.pem"}, fails
+    assert "ProtectHome=yes hides /root" in by_file["model tiny /root/tiny.gguf"]["message"]
+    assert "LoadCredential=edge-tls-key:/etc/edge/tls/key.pem" in by_file["TLS key /etc/edge/tls/key.pem"]["fix"]
+    m.run("systemctl restart edge.service", check=False)
+    wait_for("the start to fail", lambda: m.show("edge.service", "ActiveState")["ActiveState"] == "failed", 120)
+    assert m.show("edge.service", "ExecMainStatus")["ExecMainStatus"] == "78"
+    m.run("mv /root/edge.toml.good /etc/edge/edge.toml && rm -rf /etc/edge/tls /root/tiny.gguf")
+    _serving(m)
+
+
+# -- Mender, the real client, under the real systemd: a repair deployment commits (issue 52) --------
+MENDER_DEBS = ("mender-client", "libglib2.0-0")  # Debian's client, and what of it the rootfs lacks
+MENDER_DATA = "/var/lib/mender-systest"  # the standalone client's own data dir and configs (as tests/ota's)
+MENDER = f"mender -c /etc/mender/systest.conf -b /etc/mender/none.conf -d {MENDER_DATA} --no-syslog"
+OTA_DROP_IN = """\
+[Service]
+ExecStartPre=-+/opt/edge/venv/bin/edge ota recover --boot --config /etc/edge/edge.toml
+ExecStart=
+ExecStart=/opt/edge/venv/bin/edge serve --config /var/lib/edge/ota/current/edge.toml"""
+
+
+def _mender_debs(folder: Path) -> str | None:
+    """Debian's mender-client packages in `folder` (apt-get download, once); why not, or None."""
+    if sorted(p.name.split("_")[0] for p in folder.glob("*.deb")) == sorted(MENDER_DEBS):
+        return None
+    r = subprocess.run(["apt-get", "download", *MENDER_DEBS], cwd=folder, capture_output=True, text=True, timeout=300)
+    return None if r.returncode == 0 else f"apt-get download {' '.join(MENDER_DEBS)} failed: {r.stderr[-300:]}"
+
+
+def _artifacts(tmp: Path) -> tuple[str, list[str]]:
+    """A signing key, edge's bundle 1.0.0 of the tiny model and two artifacts of it (the install,
+    then the repair deployment), written where the container reads them; the public key's text."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from edge.ota.bundle import build_bundle, keygen
+
+    pub = keygen(tmp / "signing.key")
+    bundle = OTA_EXCHANGE / "tiny-1.0.0.edgeb"
+    config = TINY_CONFIG.replace("/srv/edge-test/tiny.gguf", "models/tiny.gguf")
+    build_bundle(bundle, version="1.0.0", files=[(CACHE / "models" / "tiny.gguf", "models/tiny.gguf", "model", None)],
+                 config=config, key=tmp / "signing.key")
+    names = ["art-1", "art-1-repair"]
+    for name in names:
+        subprocess.run(["mender-artifact", "write", "module-image", "-T", "edge-bundle", "-t", "edge-systest",
+                        "-n", name, "-f", str(bundle), "-o", str(OTA_EXCHANGE / f"{name}.mender")], check=True,
+                       capture_output=True, timeout=120)
+    (OTA_EXCHANGE / "edge-bundle").write_bytes((ROOT / "scripts" / "mender" / "edge-bundle").read_bytes())
+    return pub.read_text(), names
+
+
+def _with_mender(m: Machine, pub: str) -> None:
+    """Debian's client installed (its daemon never started: standalone installs), edge's update
+    module with its environment, and the unit serving the OTA `current` config, checked at boot."""
+    m.run("printf '#!/bin/sh\\nexit 101\\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && "
+          "dpkg -i /srv/edge-ota/*.deb >/dev/null && rm /usr/sbin/policy-rc.d && "
+          "systemctl disable --now mender-client.service >/dev/null 2>&1 || true", timeout=300)
+    module = ("#!/bin/sh\nexport EDGE_BIN=/opt/edge/venv/bin/edge EDGE_CONFIG=/etc/edge/edge.toml "
+              "EDGE_OTA_PUBKEY=/etc/edge/ota-systest.pub EDGE_OTA_ARGS='--unit edge.service --timeout 240'\n"
+              "exec sh /srv/edge-ota/edge-bundle \"$@\"\n")
+    m.run(f"mkdir -p /usr/share/mender/modules/v3 {MENDER_DATA} /etc/mender && cat > /usr/share/mender/modules/v3/"
+          f"edge-bundle <<'EOF'\n{module}EOF\nchmod 755 /usr/share/mender/modules/v3/edge-bundle && "
+          f"echo device_type=edge-systest > {MENDER_DATA}/device_type && "
+          f"echo '{{\"DeviceTypeFile\": \"{MENDER_DATA}/device_type\"}}' > /etc/mender/systest.conf && "
+          "echo artifact_name=systest-initial > /etc/mender/artifact_info && "
+          f"cat > /etc/edge/ota-systest.pub <<'EOF'\n{pub}EOF\n"
+          f"printf '\\n[ota]\\npubkey = \"/etc/edge/ota-systest.pub\"\\n' >> /etc/edge/edge.toml")
+    _drop_in(m, OTA_DROP_IN)
+    r = m.run("systemctl restart edge.service", check=False, timeout=300)  # ExecStartPre: OTA takes over
+    assert r.returncode == 0, m.run("journalctl -u edge.service -n 40 --no-pager", check=False).stdout
+
+
+def _mapped_model(m: Machine) -> str:
+    pid = m.show("edge.service", "MainPID")["MainPID"]
+    lines = [line for line in m.run(f"cat /proc/{pid}/maps").stdout.splitlines() if "tiny.gguf" in line]
+    assert lines, "the service maps no model file"
+    return lines[0].split(None, 5)[5]
+
+
+def test_the_real_mender_client_commits_a_repair_deployment(tiny: Machine, tmp_path: Path) -> None:
+    """Deployed by Debian's mender-client under systemd: the version installs (ArtifactInstall,
+    restart, health check; ArtifactCommit). Its model then loses a bit; the same bundle deployed
+    again repairs it in place and restarts the service onto the repaired file, and ArtifactCommit
+    succeeds, so Mender records the repair deployment as installed, not failed."""
+    m = tiny
+    _serving(m)
+    why = _mender_debs(OTA_EXCHANGE)
+    if why:
+        print(f"\nthe Mender system test skipped: {why}", file=sys.stderr)
+        pytest.skip(why)
+    pub, (install, repair) = _artifacts(tmp_path)
+    _with_mender(m, pub)
+    try:
+        for name in (install, repair):
+            if name == repair:  # flash bit-rot in the served model: the running service maps it
+                m.run("python3 -c \"import os,sys;f=open(sys.argv[1],'r+b');f.seek(os.path.getsize(sys.argv[1])-4096);"
+                      "b=f.read(1);f.seek(-1,1);f.write(bytes([b[0]^16]))\" /var/lib/edge/ota/current/models/tiny.gguf")
+                assert m.run(f"{EDGE} ota verify --config /etc/edge/edge.toml", check=False).returncode == 65
+            r = m.run(f"{MENDER} install /srv/edge-ota/{name}.mender", check=False, timeout=600)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            r = m.run(f"{MENDER} commit", check=False, timeout=300)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]  # not "nothing to commit"
+            assert m.run(f"{MENDER} show-artifact").stdout.strip() == name
+        st = json.loads(m.run(f"{EDGE} ota status --config /etc/edge/edge.toml").stdout)
+        assert st["current"] == "1.0.0" and st["pending"] is None and st["repair"] is None, st
+        assert [e["event"] for e in st["history"]][-1] == "repaired", st["history"]
+        assert m.run(f"{EDGE} ota verify --config /etc/edge/edge.toml", check=False).returncode == 0
+        mapped = _mapped_model(m)
+        assert mapped == "/var/lib/private/edge/ota/versions/1.0.0/models/tiny.gguf" or \
+            mapped.endswith("/ota/versions/1.0.0/models/tiny.gguf"), mapped  # the repaired file, not "(deleted)"
+        assert m.show("edge.service", "ActiveState")["ActiveState"] == "active"
+    finally:
+        m.run("rm -rf /etc/systemd/system/edge.service.d /var/lib/edge/ota && systemctl daemon-reload", check=False)
+        _serving(m)
+
+
+def _blocks(title: str) -> list[str]:
+    """The fenced blocks of a docs section, in order (their text)."""
+    return re.findall(r"^```[^\n]*\n(.*?)^```", section(title), re.M | re.S)
+
+
+def _journal(m: Machine) -> str:
+    return m.run("systemctl status edge.service --no-pager -l; journalctl -u edge.service --no-pager -o cat -n 60",
+                 check=False).stdout
+
+
+def _answer(m: Machine, path: str) -> dict:
+    code = f"import json, urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{PORT}{path}').read().decode())"
+    return json.loads(m.run(f"/opt/edge/venv/bin/python -c \"{code}\"").stdout)
+
+
+def test_ota_end_to_end_as_the_page_says(tiny: Machine) -> None:
+    """docs/ota.md "End to end": the page's blocks run as written (the build host is the device
+    here, with `edge` on its PATH): the key, a bundle; on the device the public key, the units on
+    the OTA-managed config, the recover drop-in; then an install that serves the bundle's model.
+    Then the power cut the drop-in is for: a version installed but never committed, and a
+    restart (what a boot does): ExecStartPre's `recover --boot` rolls it back before the start."""
+    m = tiny
+    _serving(m)
+    config, host, once, each = _blocks("End to end: a signing key, a device that updates itself")
+    assert "edge units install --config /var/lib/edge/ota/current/edge.toml" in once
+    assert "ExecStartPre=-+/opt/edge/venv/bin/edge ota recover --boot" in once
+    work = "/root/ota-e2e"
+    m.run(f"rm -rf {work} && mkdir -p {work} && cp /srv/edge-test/tiny-b.gguf {work}/my-model.gguf && "
+          f"cat > {work}/device.toml <<'EOF'\n{config}EOF")
+    path = "PATH=/opt/edge/venv/bin:$PATH"
+    try:
+        m.run(f"cd {work} && export {path} && {host}", timeout=300)
+        r = m.run(f"cd {work} && {once}", timeout=300, check=False)
+        assert r.returncode == 0, r.stdout + r.stderr + _journal(m)
+        unit = m.show("edge.service", "ExecStart", "ActiveState", "ExecStartPre")
+        assert unit["ActiveState"] == "active" and "/var/lib/edge/ota/current/edge.toml" in unit["ExecStart"], unit
+        assert "ota recover --boot" in unit["ExecStartPre"], unit
+        assert _answer(m, "/v1/models")["data"][0]["id"] == "tiny"  # the factory config, before any install
+        shown = m.run(f"cd {work} && {each}", timeout=600).stdout
+        assert shown.strip().splitlines()[-1] == "1.0.0", shown
+        assert _answer(m, "/v1/models")["data"][0]["id"] == "my-model"  # the bundle's model, served
+        m.run(f"cd {work} && export {path} && " + host.splitlines()[-1].replace("1.0.0", "2.0.0"), timeout=300)
+        r = m.run(f"/opt/edge/venv/bin/edge ota install --no-commit {work}/fleet-2.0.0.edgeb", timeout=600)
+        assert json.loads(r.stdout)["result"] != "rolled back", r.stdout
+        assert m.run(f"{EDGE} ota status --field pending").stdout.strip() == "2.0.0"
+        m.run("systemctl restart edge.service", timeout=300)  # the boot after a power cut
+        assert m.run(f"{EDGE} ota status --field current").stdout.strip() == "1.0.0"
+        assert m.run(f"{EDGE} ota status --field pending").stdout.strip() == ""
+        assert m.show("edge.service", "ActiveState")["ActiveState"] == "active"
+        assert _answer(m, "/readyz")["status"] == "ready"
+    finally:
+        # the units as the install left them, and a service started anew on /etc/edge/edge.toml
+        # (_serving starts one that is not running: this one runs on the OTA version's config)
+        m.run(f"rm -rf /etc/systemd/system/edge.service.d /etc/edge/ota.pub && {EDGE} units install >/dev/null && "
+              "systemctl daemon-reload && systemctl stop edge.service && rm -rf /var/lib/edge/ota", check=False)
+        _serving(m)
+        assert "ota/current" not in m.show("edge.service", "ExecStart")["ExecStart"]
+
+
+def _lines(block: str) -> str:
+    return "\n".join(line for line in block.splitlines() if line.strip())
+
+
+def test_upgrade_from_a_wheel_folder_as_the_page_says(tiny: Machine) -> None:
+    """docs/upgrade.md's wheel upgrade, as written (the same folder: pip finds the version there
+    is installed, the units are rendered again, the reload hands over or reloads in place): the
+    service serves throughout and after, and the units are the installed edge's."""
+    m = tiny
+    _serving(m)
+    wheel_block = _blocks("Upgrade")[0]
+    assert "--no-index --find-links /var/tmp/edge-wheels --upgrade" in wheel_block
+    before = m.show("edge.service", "MainPID")["MainPID"]
+    result = _restart_under_load(m, 8, 0, 1, command=_lines(wheel_block))
+    assert result["failed"] == 0 and result["ok"] > 0, result
+    assert m.show("edge.service", "ActiveState")["ActiveState"] == "active"
+    status = json.loads(m.run(f"{EDGE} status --json").stdout)
+    assert status["last_reload"] and before != "0", status
+
+
+def test_uninstall_leaves_no_unit_and_a_reinstall_serves(machine: Machine,
+                                                        installed: subprocess.CompletedProcess[str]) -> None:
+    """docs/upgrade.md's uninstall, as written; then the install of docs/deploy.md again, so that
+    the device is what it was (this test is the module's last)."""
+    m = machine
+    assert installed.returncode == 0
+    m.run(_lines(_blocks("Uninstall")[0]), timeout=120)
+    units = m.run("systemctl list-unit-files --no-legend 'edge*'", check=False).stdout
+    assert units.strip() == "", units
+    assert m.run("test -e /opt/edge/venv", check=False).returncode != 0
+    assert m.listen_backlog(PORT) is None  # nothing listens on the port any more
+    again = m.run("\n".join(readme_systemd_steps()), check=False, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert m.show("edge.service", "ActiveState")["ActiveState"] == "active"

@@ -4,7 +4,7 @@ A start whose model calibrates `after_ready` (edge.lifecycle.warmup.plan.after_r
 and the stored steps before READY; what is left (every candidate without a plan, or a plan's
 pending ones) is measured here, by a task the start makes once READY=1 is sent:
 
-    wait `after_ready_idle_s` with no client request → the loopback HTTP server → each model's
+    wait `after_ready_idle_s` with no client request → the private HTTP transport (edge.lifecycle.warmup.steps.LoopbackHTTP) → each model's
     candidates (first, then repeat) → the plan stored → the start report rewritten, the log line
 
 A client request to any model of the set (ModelWorker.arrivals, warm-up's own not counted) before

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.config import WarmupConfig
-from edge.fsutil import atomic_write
+from edge.fsutil import atomic_write, private_dir
 from edge.model.identity import context_identity, device_identity, key_differences
 from edge.lifecycle.warmup.calibrate import KeepRule, Requests, calibrate
 from edge.lifecycle.warmup.steps import Candidate, LoopbackHTTP, WarmupStep, run_step, run_steps
@@ -101,7 +101,7 @@ class PlanStore:
         return Plan(raw["key"], raw["steps"], raw.get("candidates", []), raw.get("calibrated_at", "")), "", False
 
     def save(self, kind: str, name: str, plan: Plan) -> Path:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        private_dir(self.folder)  # a plan's steps hold the workload's prompts
         plan.calibrated_at = plan.calibrated_at or time.strftime("%Y-%m-%dT%H:%M:%S%z")
         path = self.path(kind, name)
         atomic_write(path, json.dumps(plan.as_dict(), indent=1) + "\n")

@@ -1,8 +1,8 @@
 """Warm-up: requests sent through the real HTTP server before READY=1, chosen by measurement.
 
 Every request goes through the HTTP parsing, routing, JSON, validation, chat template,
-generation and SSE code that client requests take, on a private loopback socket (the service's
-own sockets accept nothing yet).
+generation and SSE code that client requests take, over a private socket pair of this process
+(`LoopbackHTTP`: no listener; the service's own sockets accept nothing yet).
 
 What a warm-up should contain differs per device and backend (on a CPU a first 512-token
 prefill costs what the next one costs; on a GPU the first batch of a shape pays for lazy module
@@ -45,6 +45,7 @@ PASSAGE = ("The field unit reported nominal telemetry for the third consecutive 
 WORDS = tuple(dict.fromkeys(w.strip(".,;") for w in PASSAGE.split()))
 # Kernel paths change with the batch's row count: CUDA's MMQ/mat-vec switch sits at 32 rows.
 SMALL_BATCH_EDGES = (32, 33)
+LONG_PREFILL_CTX = 4096  # the long-prefill candidate: long_prefill_fraction of n_ctx, of at most this
 # A decoded token costs about as much as this many prefilled ones (CPU, 2 cores, Gemma 270M:
 # ~15 ms vs ~1.6 ms): used only to predict whether a candidate fits the budget.
 DECODE_WEIGHT = 10
@@ -71,46 +72,66 @@ class Candidate:
 
 
 class LoopbackHTTP:
-    """The app served on a private 127.0.0.1 socket for the warm-up, by uvicorn's own HTTP
-    protocol: warm-up requests cross the HTTP layer (parsing, h11, chunked SSE framing) exactly
-    like client requests. The service's own sockets are not touched: they accept nothing until
-    READY."""
+    """The app served to this process alone, by uvicorn's own HTTP protocol (h11, as the service's
+    sockets are served): warm-up requests cross the HTTP layer (parsing, h11, chunked SSE
+    framing) exactly like client requests.
+
+    Private by construction: there is no listening socket. Each request is a fresh socket pair
+    (`socketpair()`: two connected, unnamed descriptors of this process); uvicorn's protocol is
+    put on one end as on an accepted connection, the request is written to the other. No other
+    process, user or port can reach it, so the warm-up's requests may pass the API keys (they
+    carry the warm-up mark of `warmup_transport`, which no client can send). Nothing is held
+    between requests, so nothing is left open whichever way the warm-up ends: `close()` (or
+    leaving `async with`) waits for the requests still running and closes their connections.
+    The service's own sockets are not touched: they accept nothing until READY."""
 
     def __init__(self, app: Any) -> None:
-        from edge.serve.warmscope import warmup_transport
-
-        self.app = warmup_transport(app)  # its requests are marked warm-up, apart from production
-
-    async def __aenter__(self) -> "LoopbackHTTP":
         import functools
-        import socket
 
         import uvicorn
         from uvicorn.server import ServerState
 
-        config = uvicorn.Config(self.app, loop="asyncio", lifespan="off", log_config=None,
-                                log_level="warning", access_log=False)
+        from edge.serve.warmscope import warmup_transport
+
+        # its requests are marked warm-up, apart from production
+        config = uvicorn.Config(warmup_transport(app), loop="asyncio", http="h11", lifespan="off",
+                                log_config=None, log_level="warning", access_log=False)
         config.load()
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self._sock.getsockname()[1]
         self._state = ServerState()
-        factory = functools.partial(config.http_protocol_class, config=config,
-                                    server_state=self._state, app_state={})
-        self._server = await asyncio.get_running_loop().create_server(factory, sock=self._sock)
+        self._protocol = functools.partial(config.http_protocol_class, config=config,
+                                           server_state=self._state, app_state={})
+        self.closed = False
+
+    async def __aenter__(self) -> "LoopbackHTTP":
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self._server.close()
+        await self.close()
+
+    async def close(self) -> None:
+        """No more requests; those still running end with their generation (cancelled by the
+        loop's shutdown instead, uvicorn would log them as ASGI application errors); then every
+        connection is closed."""
+        self.closed = True
         if self._state.tasks:
-            # A request still runs (the warm-up was cancelled by SIGTERM): it ends with its
-            # generation; cancelled by the loop's shutdown instead, uvicorn would log it as an
-            # ASGI application error.
             await asyncio.wait(set(self._state.tasks))
-        await self._server.wait_closed()
+        for conn in list(self._state.connections):
+            conn.transport.close()
 
     async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
         """One request on its own connection: (status, body with chunked framing removed)."""
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        import socket
+
+        if self.closed:
+            raise WarmupError(f"warm-up request {method} {path} after the warm-up's transport was closed")
+        ours, theirs = socket.socketpair()
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(self._protocol, theirs)
+            reader, writer = await asyncio.open_connection(sock=ours)
+        except BaseException:
+            ours.close()
+            theirs.close()
+            raise
         try:
             writer.write(encode_request(method, path, body))
             raw = await reader.read()
@@ -281,7 +302,8 @@ def _prompt_lengths(model: GGUFModel, cfg: WarmupConfig) -> list[int]:
     params = model.native.params
     edges = {int(params.n_ubatch), int(params.n_batch)}
     out = [*SMALL_BATCH_EDGES] + [e + d for e in edges for d in (-1, 0, 1)]
-    n_long = int(model.n_ctx * cfg.long_prefill_fraction)
+    # of n_ctx, at most LONG_PREFILL_CTX: a context sized to the model (32,768 tokens) is not a prompt's length
+    n_long = int(min(model.n_ctx, LONG_PREFILL_CTX) * cfg.long_prefill_fraction)
     return out + ([n_long] if n_long > 8 else [])
 
 
@@ -319,7 +341,7 @@ def _tokens(body: bytes, stream: bool) -> dict[str, Any]:
 
 
 async def run_step(http: LoopbackHTTP, name: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One request over loopback HTTP, timed; WarmupError when it is not a 200."""
+    """One request over the private HTTP transport, timed; WarmupError when it is not a 200."""
     t0 = time.perf_counter()
     status, data = await http.request("POST", path, body)
     seconds = time.perf_counter() - t0

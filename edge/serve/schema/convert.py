@@ -27,7 +27,8 @@ from typing import Any
 from edge.serve.schema.pattern import pattern_gbnf
 from edge.serve.schema.enums import enum_gbnf
 from edge.serve.schema.formats import FORMAT_RULES
-from edge.serve.schema.merge import Refused, flatten, pointer, type_set
+from edge.serve.schema.disjoint import disjoint
+from edge.serve.schema.merge import ANNOTATIONS, Refused, flatten, pointer, type_set
 from edge.serve.schema.ranges import integer_bounds, range_gbnf, range_tree
 from edge.serve.schema.repeat import MAX_REPEAT, repeat
 from edge.serve.schema.objects import array_part, object_part
@@ -52,8 +53,6 @@ BUILTINS: dict[str, str] = {
 }
 _FIRST = {"object": "{", "array": "[", "string": '"', "integer": "0", "number": "0", "boolean": "tf", "null": "n"}
 _ANY = frozenset("{[\"0tfn")
-_ANNOTATIONS = ("title", "description", "$schema", "$id", "$comment", "default", "examples", "deprecated",
-                "readOnly", "writeOnly", "$defs", "definitions")
 _STRING_KEYS = ("pattern", "format", "minLength", "maxLength")
 _ARRAY_KEYS = ("items", "prefixItems", "minItems", "maxItems")
 _OBJECT_KEYS = ("properties", "required", "additionalProperties")
@@ -93,13 +92,7 @@ class _Converter:
         return Part(name, leaf(1), frozenset(kinds.get(name, _ANY)))
 
     def visit(self, s: Any, where: str) -> Part:
-        if isinstance(s, dict):
-            s = {k: v for k, v in s.items() if k not in _ANNOTATIONS}
-        s = flatten(s, where, self.root)
-        if isinstance(s, dict):  # what allOf or a $ref brought in
-            s = {k: v for k, v in s.items() if k not in _ANNOTATIONS}
-            if "const" in s:
-                s = {**{k: v for k, v in s.items() if k != "const"}, "enum": [s["const"]]}
+        s = flatten(s, where, self.root)  # annotations dropped, conjunctions merged, const an enum
         if s is True or s == {}:
             return self.builtin("j-value")
         if s is False:
@@ -132,25 +125,21 @@ class _Converter:
             raise Refused(f"{where}.{key}", "every alternative is `false`: no output could match")
         kept = [(i, a) for i, a in enumerate(alts) if a is not False]  # false matches nothing: no alternative
         parts = [self.visit(a, f"{where}.{key}[{i}]") for i, a in kept]
-        alts = [a for _, a in kept]
         if key == "oneOf":
-            self.disjoint(alts, parts, where)
+            self.disjoint(kept, where)
         text = "(" + " | ".join(p.text for p in parts) + ")"
         return Part(text, alt([(p.firsts, p.cost) for p in parts]), frozenset().union(*(p.firsts for p in parts)))
 
-    def disjoint(self, alts: list[Any], parts: list[Part], where: str) -> None:
-        """oneOf holds only if no output matches two alternatives: enforced where they start
-        with different characters, or are value lists with no value in common."""
-        for i in range(len(parts)):
-            for j in range(i):
-                if not parts[i].firsts & parts[j].firsts:
-                    continue
-                a, b = (flatten(x, where, self.root) for x in (alts[i], alts[j]))
-                va, vb = (set(map(json.dumps, x["enum"])) if isinstance(x, dict) and "enum" in x else None
-                          for x in (a, b))
-                if va is None or vb is None or va & vb:
-                    raise Refused(f"{where}.oneOf[{i}]", f"it and oneOf[{j}] may match the same output, which "
-                                  "the grammar cannot prevent; write anyOf if either may match")
+    def disjoint(self, alts: list[tuple[int, Any]], where: str) -> None:
+        """oneOf holds only if no value matches two alternatives (edge.serve.schema.disjoint)."""
+        for n, (i, a) in enumerate(alts):
+            for j, b in alts[:n]:
+                if not disjoint(a, b, self.root, f"{where}.oneOf[{i}]"):
+                    raise Refused(f"{where}.oneOf[{i}]", f"it and oneOf[{j}] may both match one value, and oneOf "
+                                  "means exactly one, which a grammar cannot check; edge takes oneOf where it can "
+                                  "prove no value matches two (other types, other const/enum values, lengths, "
+                                  "ranges or item counts that do not meet, a required property whose schemas do "
+                                  "not): write anyOf if either may match")
 
     def values(self, s: dict[str, Any], where: str) -> Part:
         extra = [k for k in s if k != "enum"]

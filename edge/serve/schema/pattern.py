@@ -140,6 +140,10 @@ class _Reader:
 
     def item(self, op: Any, av: Any, depth: int) -> _P:
         name = op.name
+        if name == "LITERAL" and 0xD800 <= av <= 0xDFFF:
+            raise self.refuse(f"\\u{av:04x} is half of a UTF-16 surrogate pair, not a character: Python's re (and "
+                              "so JSON Schema validators in Python) matches characters, and a JSON string's "
+                              "text is UTF-8; write the character itself, or \\U followed by its 8 hex digits")
         if name == "LITERAL":
             return _P(gbnf_literal(json.dumps(chr(av), ensure_ascii=False)[1:-1]), 1, False, True)
         if name == "NOT_LITERAL":

@@ -19,10 +19,16 @@ import math
 import re
 from typing import Union
 
-__all__ = ["MAX_BOUND_DIGITS", "OPEN_DIGITS", "integer_bounds", "range_gbnf", "range_regex", "range_tree"]
+__all__ = ["MAX_BOUND_DIGITS", "OPEN_DIGITS", "NoInteger", "integer_bounds", "range_gbnf", "range_regex", "range_tree"]
 
 OPEN_DIGITS = 16  # an open side: up to this many digits, as the converter's integer
 MAX_BOUND_DIGITS = 40  # a bound with more digits than this is refused
+
+
+
+class NoInteger(ValueError):
+    """Bounds that no integer meets."""
+
 
 # a node: a literal str, ("cls", lo, hi) one digit, ("rep", node, k) k copies,
 # ("seq", [nodes]), ("alt", [nodes])
@@ -113,8 +119,12 @@ def range_regex(node: Node) -> str:
 
 def _number(schema: dict, key: str) -> float | None:
     v = schema.get(key)
-    if v is None or isinstance(v, bool) and key.startswith("exclusive"):
+    if v is None:
         return None
+    if isinstance(v, bool) and key.startswith("exclusive"):
+        plain = key[9].lower() + key[10:]
+        raise ValueError(f"{str(v).lower()} is draft 4's form: in JSON Schema 2020-12, {key} is the bound itself "
+                         f"(write \"{key}\": N where draft 4 had \"{plain}\": N and \"{key}\": true)")
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise ValueError(f"{key} must be a finite number")
     if abs(v) >= 10**MAX_BOUND_DIGITS:
@@ -123,17 +133,17 @@ def _number(schema: dict, key: str) -> float | None:
 
 
 def integer_bounds(schema: dict) -> tuple[int | None, int | None]:
-    """(lo, hi) of an integer schema's minimum/maximum/exclusive*; ValueError naming the keyword
-    for a bound that is not a number, or bounds no integer satisfies. Draft 4's boolean
-    exclusiveMinimum/exclusiveMaximum make minimum/maximum exclusive."""
+    """(lo, hi) of an integer schema's minimum/maximum/exclusiveMinimum/exclusiveMaximum (2020-12:
+    each a number); ValueError naming the keyword for a bound that is not one, NoInteger for
+    bounds no integer meets."""
     lo_f, hi_f = _number(schema, "minimum"), _number(schema, "maximum")
-    lo = None if lo_f is None else math.ceil(lo_f) + (schema.get("exclusiveMinimum") is True and lo_f == math.ceil(lo_f))
-    hi = None if hi_f is None else math.floor(hi_f) - (schema.get("exclusiveMaximum") is True and hi_f == math.floor(hi_f))
     ex_lo, ex_hi = _number(schema, "exclusiveMinimum"), _number(schema, "exclusiveMaximum")
+    lo = None if lo_f is None else math.ceil(lo_f)
+    hi = None if hi_f is None else math.floor(hi_f)
     if ex_lo is not None:
         lo = max(lo, math.floor(ex_lo) + 1) if lo is not None else math.floor(ex_lo) + 1
     if ex_hi is not None:
         hi = min(hi, math.ceil(ex_hi) - 1) if hi is not None else math.ceil(ex_hi) - 1
     if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"no integer is between the bounds ({lo} > {hi})")
+        raise NoInteger(f"no integer is between the bounds ({lo} > {hi})")
     return lo, hi
