@@ -20,13 +20,14 @@ from edge.builtin_models import BUILTINS  # light: the table, not the model
 from edge.engineconfig import BatchingConfig, EngineConfig, check_engines, check_name
 from edge.errors import ConfigError
 from edge.fsutil import write_probe  # the probe check_writable makes (edge doctor's too)
-from edge.prefixconfig import POOLING, EmbeddingsConfig, MessageConfig, PrefixConfig, SpeculativeConfig, check_prefixes
+from edge.prefixconfig import (POOLING, AdapterConfig, EmbeddingsConfig, MessageConfig, PrefixConfig, SpeculativeConfig,
+                               check_adapters, check_prefixes)
 from edge.toml import build_dataclass, value_range as _range  # also the engine recipes' builder (edge.engines.recipe)
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes, one of them the terminating NUL
 _HOST = re.compile(r"[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*|[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*")
 
-__all__ = ["BUILTIN_PREFIX", "DEFAULT_LISTEN", "DEFAULT_MAX_CONNECTIONS", "LOG_LEVELS", "DEFAULT_URL",
+__all__ = ["AdapterConfig", "BUILTIN_PREFIX", "DEFAULT_LISTEN", "DEFAULT_MAX_CONNECTIONS", "LOG_LEVELS", "DEFAULT_URL",
            "SYSTEM_CONFIG", "load", "Config", "MessageConfig", "ModelConfig", "PrefixConfig", "PathsConfig",
            "ServerConfig", "SpeculativeConfig", "WarmupConfig", "BatchingConfig", "EmbeddingsConfig", "EngineConfig",
            "KV_TYPES", "QUANTIZED_KV_TYPES", "POOLING", "default_config", "find_config",
@@ -145,6 +146,7 @@ class ModelConfig:
     # /v1/embeddings from this model ([models.embeddings]; true: its defaults; edge.model.embed)
     embeddings: bool | EmbeddingsConfig | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # speculative decoding: [models.speculative]
+    adapters: list[AdapterConfig] = field(default_factory=list)  # LoRA adapters ([[models.adapters]], edge.model.adapters)
 
     @property
     def flash_attn_mode(self) -> str:
@@ -324,7 +326,8 @@ def _check_cache(m: ModelConfig, source: str, where: str, base_dir: Path | None)
     if m.speculative.ngram_min > m.speculative.ngram_max:
         raise ConfigError(source, f"{where}.speculative.ngram_min", f"expected at most ngram_max "
                           f"({m.speculative.ngram_max}), found {m.speculative.ngram_min}")
-    return dataclasses.replace(m, prefixes=check_prefixes(m.prefixes, source, where, base_dir))
+    return dataclasses.replace(m, prefixes=check_prefixes(m.prefixes, source, where, base_dir),
+                               adapters=check_adapters(m.adapters, source, where, base_dir))
 
 
 def _check_embeddings(m: ModelConfig, source: str, where: str) -> ModelConfig:

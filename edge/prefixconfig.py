@@ -1,6 +1,7 @@
-"""A model's sub-tables: declared prefixes (`[[models.prefixes]]`) and their checks, with the file
-and field in every error; `[models.embeddings]` and `[models.speculative]`. No native imports
-(edge doctor and the CLI load configs anywhere)."""
+"""A model's own sub-tables: declared prefixes (`[[models.prefixes]]`) and LoRA adapters
+(`[[models.adapters]]`) and their checks, with the file and field in every error;
+`[models.embeddings]` and `[models.speculative]`. No native imports (edge doctor and the CLI
+load configs anywhere)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any
 from edge.errors import ConfigError
 from edge.toml import value_range as _range
 
-__all__ = ["EmbeddingsConfig", "MessageConfig", "POOLING", "PrefixConfig", "PREFIX_ROLES", "SPEC_MODES",
-           "SpeculativeConfig", "check_prefixes"]
+__all__ = ["AdapterConfig", "EmbeddingsConfig", "MessageConfig", "POOLING", "PrefixConfig", "PREFIX_ROLES",
+           "SPEC_MODES", "SpeculativeConfig", "check_adapters", "check_prefixes"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,17 @@ class PrefixConfig:
     file: str | None = None  # a file holding that text (UTF-8, relative to the config file)
     messages: list[MessageConfig] | None = None  # chat: rendered by the model's template up to the next turn
     tools: list[dict[str, Any]] | None = None  # with messages: tools as a request gives them ({type = "function", ...})
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """A LoRA adapter of the model (a GGUF of general.type "adapter", made for this model's
+    architecture and shapes): loaded with the model on its weights, chosen per request
+    (`model = "base:name"` or `lora = [{name, scale}]`; docs/api.md)."""
+
+    name: str  # the adapter's name in requests and /v1/models: letters, digits, '-', '_' or '.'
+    path: str  # the adapter's GGUF file (relative to the config file)
+    scale: float = 1.0  # the scale a request that names no scale gets (0: the base model's output)
 
 
 PREFIX_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -85,6 +97,35 @@ def _read_prefix_file(p: PrefixConfig, source: str, key: str, base_dir: Path | N
     if not text:
         raise ConfigError(source, f"{key}.file", f"{path} is empty; expected the prefix's text")
     return dataclasses.replace(p, file=str(path), text=text)
+
+
+def _plain_name(name: str) -> bool:
+    return bool(name) and all(c.isalnum() or c in "-_." for c in name) and not name.startswith(".")
+
+
+def check_adapters(adapters: list[AdapterConfig], source: str, where: str,
+                   base_dir: Path | None) -> list[AdapterConfig]:
+    """Every adapter's name and scale checked (`where`: the model's field, `models[0]`); its path
+    made absolute, relative to the config file (an OTA version dir holds both). The file itself
+    is checked at the load, against the model (edge.model.adapters)."""
+    seen: set[str] = set()
+    out = []
+    for j, a in enumerate(adapters):
+        key = f"{where}.adapters[{j}]"
+        if not _plain_name(a.name):
+            raise ConfigError(source, f"{key}.name", f"expected letters, digits, '-', '_' or '.', found {a.name!r}")
+        if a.name in seen:
+            raise ConfigError(source, f"{key}.name", f"duplicate adapter name {a.name!r}")
+        seen.add(a.name)
+        if not a.path:
+            raise ConfigError(source, f"{key}.path", "expected the path of a GGUF LoRA adapter, found an empty string")
+        if not -100.0 <= a.scale <= 100.0 or a.scale != a.scale:
+            raise ConfigError(source, f"{key}.scale", f"expected a number from -100 to 100, found {a.scale!r}")
+        path = Path(a.path)
+        if base_dir is not None and not path.is_absolute():
+            path = (base_dir / path).resolve()
+        out.append(dataclasses.replace(a, path=str(path)))
+    return out
 
 
 POOLING = ("mean", "cls", "last")  # llama.cpp's pooling of a sequence's token embeddings

@@ -193,6 +193,8 @@ def build(version: str = typer.Option(..., "--version", callback=_version,
           config: Path = typer.Option(..., "--config", help="the config the devices run for this version"),
           model: list[Path] = typer.Option([], "--model", callback=a_file("a GGUF model file"),
                                            help="GGUF file -> models/<name> (repeatable)"),
+          adapter: list[Path] = typer.Option([], "--adapter", callback=a_file("a GGUF LoRA adapter"),
+                                             help="LoRA adapter file -> adapters/<name> (repeatable)"),
           engines: Optional[Path] = typer.Option(None, "--engines", callback=a_folder,
                                                  help="an engine store -> engines/"),
           recipe: list[Path] = typer.Option([], "--recipe", help="recipe + its ONNX -> recipes/ (repeatable)"),
@@ -209,7 +211,7 @@ def build(version: str = typer.Option(..., "--version", callback=_version,
     from edge.ota.manifest import read_base
 
     text = read_config_text(config)
-    files = _bundle_files(model, engines, recipe)
+    files = _bundle_files(model, engines, recipe) + [(a, f"adapters/{a.name}", "adapter", None) for a in adapter]
     try:
         manifest = build_bundle(out, version=version, files=files, config=text, key=key, source=str(config),
                                 base=read_base(base) if base else None, check=_carries_what_config_names(config))

@@ -65,12 +65,16 @@ def _model_lines(report: dict[str, Any]) -> list[str]:
                 lines.append(f"model {m['name']} embeddings: {e['pooling']} pooling ({e['pooling_from']}), "
                              f"n_batch {e['n_batch']}, {e['dimensions']} dimensions"
                              + (", normalized" if e["normalize"] else ""))
+            for a in c.get("adapters") or []:  # issue 55: LoRA adapters on the same weights
+                lines.append(f"model {m['name']} adapter {a['name']}: {a['path']}, {a['bytes'] / 2**20:.1f} MiB, "
+                             f"alpha {a['alpha']}, default scale {a['scale']}")
         need = m.get("memory_mib")
         if need:
             lines.append(f"model {m['name']}: memory ~{need['dram']:.0f} MiB (weights {need['model']:.1f}, KV cache "
                          f"{need['kv_cache']:.1f}, compute buffers {need['compute']:.1f}, prompt cache up to "
                          f"{need['prompt_cache']:.1f} MiB"
                          + (f", embeddings context {need['embeddings']:.1f} MiB" if need.get("embeddings") else "")
+                         + (f", adapters {need['adapters']:.1f} MiB" if need.get("adapters") else "")
                          + ")")
     rows = [(p["detail"].get("model"), r) for p in report["phases"] if p["name"] == Phases.PREFIX_STATES
             for r in p["detail"].get("prefixes", [])]

@@ -201,6 +201,12 @@ def _gpu(cfg: Config, unit_text: str | None) -> list[Check]:
     return [Check(*f) for f in found if f is not None]
 
 
+def _adapters(cfg: Config) -> list[Check]:
+    from edge.host.doctor_adapters import adapter_checks
+
+    return [Check(*c) for c in adapter_checks(cfg)]
+
+
 def _llama_cpu(cfg: Config) -> list[Check]:
     """The CPU paths llama.cpp uses, those edge turned off and why, per model (doctor_cpu)."""
     from edge.host.doctor_cpu import cpu_checks
@@ -329,6 +335,7 @@ def run_checks(config: str | None, unit_dirs: list[Path]) -> list[Check]:
     steps: list[Callable[[], list[Check]]] = [
         lambda: _gpu(cfg, unit_text),
         lambda: _model_files(cfg),
+        lambda: _adapters(cfg),
         lambda: _llama_cpu(cfg),
         lambda: _engines(cfg),
         lambda: [_memlock(cfg, unit_text)],

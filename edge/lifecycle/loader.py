@@ -143,6 +143,8 @@ class Loader:
             engines, engine_infos = self.load_engines(plan.engines)
             made.update(engines)
             self.restore_prefixes(workers)
+            from edge.lifecycle.adapters import load_kept  # after the config: not on a start's early path
+            plan.adapters = load_kept(self.config, plan)  # a kept model's new adapters
             return self.assemble(plan, made, {**infos, **engine_infos}, metrics)
         except BaseException:
             for worker in made.values():
@@ -221,7 +223,7 @@ class Loader:
             self.notifier.status(f"loading {m.name} ({m.path})")
             with self.timer.phase(Phases.MODEL_LOAD, model=m.name, use_mmap=m.use_mmap, use_mlock=m.use_mlock,
                                   **_bufts(m)) as ph:
-                model = load_gguf_model(m, info, quiet=self.at_start)
+                model = load_gguf_model(m, info, self.at_start, f"models[{[c.name for c in self.config.models].index(m.name)}]")
                 ph.bytes = model.info.size
             from edge.serve.worker import ModelWorker  # after the load: its asyncio is imported by then
 
@@ -274,7 +276,8 @@ class Loader:
         by_name = {**infos, **{n: {**i, "kept": True} for n, i in plan.kept_infos.items()}}
         state = ServiceState(workers={m.name: pick[m.name] for m in self.config.models},
                              engines={e.name: pick[e.name] for e in self.config.engines}, left_out=self.left_out,
-                             safe_mode=self.safe_mode.describe() if self.safe_mode else [], auth=self.auth)
+                             safe_mode=self.safe_mode.describe() if self.safe_mode else [], auth=self.auth,
+                             adapters=plan.adapters)
         if metrics is not None:
             state.metrics = metrics
         return Loaded(build_app(state), state, [by_name[n] for n in [*state.workers, *state.engines]],
@@ -285,6 +288,7 @@ class Loader:
         """The warm half of load-and-warm: for each model and engine the floor request, then its
         stored plan (known key) or a calibration that makes one (new key), over HTTP to this process alone.
         `defer` (a start): calibrations `[warmup] calibrate` puts after READY go to `loaded.later`."""
+        from edge.lifecycle.adapters import warm as warm_adapters
         from edge.lifecycle.warmup.plan import PlanStore, warm_one
         from edge.lifecycle.warmup.steps import LoopbackHTTP
 
@@ -303,6 +307,7 @@ class Loader:
                 loaded.warmup += result.steps
                 loaded.plans.append(result.as_dict())
                 loaded.later += [result.later] if result.later else []
+            loaded.warmup += await warm_adapters(loaded.state)  # each adapter: a short generation with it
         return loaded.warmup
 
     def _bufts_of(self, target: WarmTarget) -> dict[str, Any]:
@@ -350,9 +355,7 @@ def save_learned(loaded: Loaded, cfg: Config) -> None:
     """At SIGTERM, after the drain: each model's prefixes that traffic reused most, for the next
     start (models with `learn_prefixes`)."""
     import logging
-
     from edge.model.prefixstore import folder_for, save_learned as save
-
     log = logging.getLogger("edge")
     for name, w in loaded.state.workers.items():
         if w.model.cfg.learn_prefixes and name not in loaded.closed:
@@ -380,7 +383,6 @@ def _bufts(m: ModelConfig) -> dict[str, Any]:
 def _digest(prompts: list[str]) -> str:
     """The workload prompts in a plan key: new prompts are new candidates."""
     import hashlib
-
     return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
 
 
@@ -394,7 +396,6 @@ async def _call(fn: Callable[[], Any]) -> Any:
 
 def _done(value: Any) -> concurrent.futures.Future[Any]:
     import concurrent.futures
-
     fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
     fut.set_result(value)
     return fut

@@ -56,7 +56,11 @@ class Loaded:
         shared = {id(w) for w in keep.workers().values()} if keep else set()
         freed = []
         for name, worker in self.workers().items():
-            if id(worker) not in shared and name not in self.closed:
+            if id(worker) in shared:  # kept by `keep`: only the adapters it does not serve are freed
+                if keep is not None and hasattr(worker, "model"):
+                    worker.run(worker.model.lora.prune, [keep.state.adapters_of(worker)])
+                continue
+            if name not in self.closed:
                 close_worker(worker)
                 self.closed.add(name)
                 freed.append(name)
@@ -81,6 +85,7 @@ class LoadPlan:
     kept: dict[str, Any] = field(default_factory=dict)  # name -> worker of the previous set
     kept_infos: dict[str, dict[str, Any]] = field(default_factory=dict)
     validations: list[Validation] = field(default_factory=list)  # one per file, joined by the load
+    adapters: dict[str, dict[str, Any]] = field(default_factory=dict)  # kept models' adapters as the new set serves them
 
 
 def close_worker(worker: Worker) -> None:
@@ -101,7 +106,8 @@ def model_key(m: ModelConfig) -> tuple[Any, ...]:
         ident = file_identity(m.path)
     except OSError:
         ident = ()
-    same = dataclasses.replace(m, path="" if ident else m.path, prefetch=True, prefetch_threads=1)
+    # adapters are not the model: a reload that changes only them keeps it (edge.lifecycle.adapters)
+    same = dataclasses.replace(m, path="" if ident else m.path, prefetch=True, prefetch_threads=1, adapters=[])
     return ("model", same, ident)
 
 

@@ -277,6 +277,7 @@ class _ReloadRun:
                 worker.max_queue = self.config.server.max_queue
                 worker.stream_interval_s = self.config.server.stream_interval_ms / 1000
                 worker.request_timeout_s = self.config.server.request_timeout_s
+                worker.model.adapters = new.state.adapters_of(worker)  # what its reports show from now on
         from edge.serve.auth import served_open
 
         at = self.timer.now()

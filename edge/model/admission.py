@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from edge.model.savedstates import MIN_REUSE, lcp
 from edge.model.sequence import Sequence, Slot, SlotState, SlotStats
+from edge.model.turns import selection_of
 
 if TYPE_CHECKING:
     from edge.model.generate import Job
@@ -84,7 +85,7 @@ class Admission:
         if self.suspended or not self._free_slot():
             return False
         shared = job.cache_prompt and any(s.prefilling and s.job.cache_prompt and s.tokens == job.tokens
-                                          for s in self.slots.active)
+                                          and s.selection == selection_of(job) for s in self.slots.active)
         return self._room(0 if shared else len(job.tokens))
 
     def resume_suspended(self) -> None:

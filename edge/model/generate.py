@@ -109,6 +109,7 @@ class Job:
     cached_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
     marks: Marks = ()  # where later prompts may part from this one (chat turns): prefill checkpoints
     hold: Hold = field(default_factory=Hold)  # the request's time limit on the model, shared by its choices
+    adapters: tuple[Any, ...] = ()  # its LoRA adapters and scales (edge.model.adapters.Selection)
 
 
 class SamplerChain:

@@ -16,6 +16,7 @@ from typing import Any
 
 from edge.config import Config, EmbeddingsConfig, ModelConfig
 from edge.errors import BackendError, ModelError, RequestError, require
+from edge.model.adapters import Adapter, AdapterPool, describe
 from edge.model.embed import EmbedContext, check_embeddings
 from edge.model.generate import GenParams, Job, Piece, generate
 from edge.model.gguf import GGUFInfo
@@ -55,6 +56,8 @@ class GGUFModel:
         self.tokens = TokenTable(native)  # what the guard after a grammar knows of each token (filled on need)
         self._formatter = self._make_formatter()
         self.embed: EmbedContext | None = None  # /v1/embeddings' context on the same weights (load_gguf_model)
+        self.lora = AdapterPool(native)  # every adapter file loaded on the weights (edge.model.adapters)
+        self.adapters: dict[str, Adapter] = {}  # the served set's adapters by name (a reload switches it)
 
     def _make_formatter(self) -> Any:
         template = self.cfg.chat_template or self.info.chat_template
@@ -158,12 +161,24 @@ class GGUFModel:
 
     def generate(self, job: Job) -> Iterator[Piece]:
         """`job` decoded alone on the calling thread, in a free slot (one sequence: the reference
-        the slots' batched decoding is compared with)."""
+        the slots' batched decoding is compared with). An adapted job's slot is emptied first and
+        after (its cells are no one's prefix), its prompt computed whole."""
         try:
-            with self.slots.spare(job.tokens, len(job.tokens) + job.params.max_tokens) as seq:
-                yield from generate(self.native, self.cache, job, seq)
+            with self.slots.spare([] if job.adapters else job.tokens, len(job.tokens) + job.params.max_tokens) as seq:
+                yield from self._alone(job, seq)
         except DecodeError as exc:
             raise BackendError(f"llama.cpp failed while generating: {exc}") from exc
+
+    def _alone(self, job: Job, seq: int) -> Iterator[Piece]:
+        if job.adapters:  # no cells of another selection to start from, none left for the next
+            self.cache.isolate(seq)
+            job.cache_prompt = job.remember = False
+        try:
+            self.native.use_adapters(job.adapters)
+            yield from generate(self.native, self.cache, job, seq)
+        finally:
+            if job.adapters:
+                self.cache.reset(seq)
 
     def context_info(self) -> dict[str, Any]:
         """The llama.cpp context settings in the start report and `edge status`."""
@@ -174,6 +189,7 @@ class GGUFModel:
                 "parallel_why": self.plan.parallel_why, "type_k": s.type_k, "type_v": s.type_v,
                 "use_extra_bufts": s.use_extra_bufts, "prompt_cache_limit_bytes": self.cache.limit_bytes,
                 "speculative": dataclasses.asdict(self.cfg.speculative),
+                **({"adapters": describe(self.adapters)} if self.adapters else {}),
                 **({"embeddings": self.embed.describe()} if self.embed is not None else {})}
 
     def close(self) -> None:
@@ -208,9 +224,10 @@ def settings_for(cfg: ModelConfig, plan: ContextPlan) -> ContextSettings:
                            type_k=cfg.type_k, type_v=cfg.type_v)
 
 
-def load_gguf_model(cfg: ModelConfig, info: GGUFInfo, quiet: bool = False) -> GGUFModel:
+def load_gguf_model(cfg: ModelConfig, info: GGUFInfo, quiet: bool = False, where: str = "models[0]") -> GGUFModel:
     """Load through llama.cpp with mmap/mlock and measure whether the lock really took (`quiet`:
-    at a process's own start, its log into memory meanwhile: edge.model.native.Native)."""
+    at a process's own start, its log into memory meanwhile: edge.model.native.Native); its LoRA
+    adapters loaded on it (`where`: the model's field in the config, for their errors)."""
     llama_cpp = require("llama_cpp", None, "loading GGUF models", package="llama-cpp-python")
     from edge.model.gpu import require_gpu_offload
 
@@ -236,6 +253,11 @@ def load_gguf_model(cfg: ModelConfig, info: GGUFInfo, quiet: bool = False) -> GG
         except ValueError as exc:
             model.close()
             raise ModelError(info.path, f"{exc} (models[].embeddings)") from None
+    try:
+        model.adapters = model.lora.load(cfg.adapters, info, where)
+    except ModelError:
+        model.close()
+        raise
     return model
 
 

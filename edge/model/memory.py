@@ -10,6 +10,7 @@ tensors share the mapped pages).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +19,8 @@ from edge.device.memory import MIB, read_memory
 from edge.model.gguf import GGUFInfo, offload_split
 from edge.model.kvtypes import bytes_per_element, flash_attn_forced
 
-__all__ = ["AUTO_CTX_MAX", "CONTEXT_OVERHEAD", "ContextPlan", "context_plan", "embeddings_need", "kv_bytes",
-           "model_need", "prompt_cache_bytes"]
+__all__ = ["AUTO_CTX_MAX", "CONTEXT_OVERHEAD", "ContextPlan", "adapters_need", "context_plan", "embeddings_need",
+           "kv_bytes", "model_need", "prompt_cache_bytes"]
 
 CONTEXT_OVERHEAD = 16 * MIB  # per llama.cpp context: graph metadata, scratch, tokenizer tables
 AUTO_CTX_MAX = 32768  # tokens: an unset n_ctx is the model's trained context, at most this
@@ -134,8 +135,20 @@ def model_need(m: ModelConfig, info: GGUFInfo, shared_file: bool, unified: bool 
     # the embeddings context beside it on the same weights (issue 55: edge.model.embed)
     embed = embeddings_need(m, info)
     gpu += int(offloaded * embed)
+    lora = adapters_need(m)  # llama.cpp reads each adapter's tensors into a buffer of their size
     return {"model": weights, "kv_cache": kv, "compute": compute, "prompt_cache": cache, "embeddings": embed,
-            "gpu": gpu, "dram": weights + kv + compute + cache + embed}
+            "adapters": lora, "gpu": gpu, "dram": weights + kv + compute + cache + embed + lora}
+
+
+def adapters_need(m: ModelConfig) -> int:
+    """The LoRA adapters' files (edge.model.adapters), whole: their tensors are most of them."""
+    total = 0
+    for a in m.adapters:
+        try:
+            total += os.path.getsize(a.path)
+        except OSError:
+            pass  # a missing file is the load's refusal to make, naming it
+    return total
 
 
 def embeddings_need(m: ModelConfig, info: GGUFInfo) -> int:

@@ -143,6 +143,7 @@ class Native:
             self._batch.seq_id[i][0] = SEQ
         self._tok, self._pos, self._out = self._batch.token, self._batch.pos, self._batch.logits
         self._piece = ctypes.create_string_buffer(256)
+        self._lora: tuple[tuple[Any, float], ...] = ()  # the adapters set on the context (issue 55)
         # a Native dropped without close() (a load failing half-way) still frees what it holds
         self._free = weakref.finalize(self, _free, lib, self.model, self.ctx, self._batch)
 
@@ -150,6 +151,18 @@ class Native:
         """Fewer (or again all) threads, e.g. while a reload's new set warms up beside this one."""
         s = self.settings
         self.lib.llama_set_n_threads(self.ctx, min(n_threads, s.n_threads), min(n_threads_batch, s.n_threads_batch))
+
+    def use_adapters(self, sel: tuple[tuple[Any, float], ...]) -> None:
+        """The context's LoRA adapters made `sel` ((adapter, scale), each adapter with its
+        llama.cpp `handle`; empty: none) for the decodes that follow; nothing where it is already."""
+        if len(sel) == len(self._lora) and all(a is b and s == t for (a, s), (b, t) in zip(sel, self._lora)):
+            return
+        lib, n = self.lib, len(sel)
+        handles = (lib.llama_adapter_lora_p_ctypes * n)(*[a.handle for a, _ in sel]) if n else None
+        scales = (ctypes.c_float * n)(*[s for _, s in sel]) if n else None
+        if lib.llama_set_adapters_lora(self.ctx, handles, n, scales):
+            raise DecodeError(f"llama.cpp could not set {n} LoRA adapters on the context")
+        self._lora = sel
 
     # -- vocabulary ------------------------------------------------------------------------------
     def tokenize(self, text: bytes, add_bos: bool, special: bool) -> list[int]:

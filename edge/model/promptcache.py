@@ -15,6 +15,10 @@ Sliding-window models (`swa_full = false`) keep only each window, so their state
 (every position the window cache still holds: it can be cut back that far) and a prefill copies
 the state at the positions later prompts are likely to continue from (edge.model.checkpoints).
 
+A slot whose cells a LoRA adapter selection computed (edge.model.turns) is private: its cells
+are no prefix for anyone (no other slot shares them, no state of them is saved) until it is
+emptied (`isolate`, `reset`).
+
 Declared prefixes (config) are pinned: never evicted, restored at every start from their state
 on disk (edge.model.prefixstore). Learned prefixes are the unpinned states that traffic reused most.
 
@@ -45,6 +49,7 @@ class PromptCache(SavedStates):
     turns: dict[int, bool] = field(default_factory=dict)  # per slot: its live sequence is a chat turn
     # per slot: (slot, n): its first n positions are cells of that slot too (llama_memory_seq_cp)
     shared: dict[int, tuple[int, int]] = field(default_factory=dict)
+    private: set[int] = field(default_factory=set)  # slots holding an adapter selection's cells (isolate)
 
     def live(self, seq: int) -> list[int]:
         """The tokens whose KV is in sequence `seq`."""
@@ -63,6 +68,8 @@ class PromptCache(SavedStates):
         self.native.copy(src, dst, n)
         self.lives[dst] = self.live(src)[:n]
         self.shared[dst] = (src, n)
+        if src in self.private:  # the same selection's cells (edge.model.slots only copies within one)
+            self.private.add(dst)
 
     # -- a request's prompt into the sequence ----------------------------------------------------
     def prefill(self, seq: int, tokens: list[int], use_cache: bool = True, remember: bool = True,
@@ -147,7 +154,7 @@ class PromptCache(SavedStates):
         native = self.native
         best: tuple[int | None, int] = (None, 0)
         for seq, live in self.lives.items():
-            if seq == me or not live:
+            if seq == me or not live or seq in self.private:
                 continue
             m = min(lcp(live, tokens), last)
             if m > best[1] and native.reaches(native.pos_min(seq), m):
@@ -249,7 +256,7 @@ class PromptCache(SavedStates):
         making room must not evict."""
         live = self.live(seq)
         lose = len(live) - keep
-        if lose < MIN_REUSE or lose <= keep:
+        if lose < MIN_REUSE or lose <= keep or seq in self.private:
             return
         least = MIN_REUSE if self.turns.get(seq, False) else min(MIN_NEW, (len(live) + 1) // 2)
         if len(live) - self._served(live) < least:
@@ -294,12 +301,19 @@ class PromptCache(SavedStates):
         """Running sequence `seq` gives its cells up (edge.model.admission): its state saved,
         room made for it, unless a saved state gives all of it already; then emptied."""
         live = self.live(seq)
-        if len(live) >= MIN_REUSE and self._served(live) < len(live) - 1:
+        if seq not in self.private and len(live) >= MIN_REUSE and self._served(live) < len(live) - 1:
             self._keep_live(seq, live)
         self.reset(seq)
+
+    def isolate(self, seq: int) -> None:
+        """Sequence `seq` emptied for an adapter selection's prompt (its state saved first where
+        worth it), and private until it is emptied again."""
+        self.give_way(seq)
+        self.private.add(seq)
 
     def reset(self, seq: int) -> None:
         """Sequence `seq` emptied (after a failed decode its content is unknown)."""
         self.native.clear(seq)
         self.lives[seq], self.turns[seq] = [], False
         self.shared.pop(seq, None)
+        self.private.discard(seq)

@@ -1,7 +1,8 @@
 """What the scheduler of one llama.cpp context knows about each slot and each request's sequence
 (edge.model.slots): a slot's state as an enum, as llama.cpp's server keeps `slot_state`, and the
 sequence a request's choice is decoded in, from admission to its end -- through a suspension
-when the context's cells ran out (edge.model.admission).
+when the context's cells ran out (edge.model.admission), with its LoRA adapter selection
+(edge.model.turns) from start to end.
 
 A slot is a llama.cpp sequence id: its number is the id every native call on it names
 (edge.model.native takes the id explicitly, nothing remembers a current one).
@@ -12,6 +13,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
+
+from edge.model.turns import SelectionKey, selection_of
 
 if TYPE_CHECKING:
     from edge.model.checkpoints import PrefillCheckpoints
@@ -71,6 +74,7 @@ class Sequence:
     row: int = -1  # the batch row whose logits it samples after this step's decode
     chunk: int = 0  # prompt tokens of it in this step's batch
     tok: int = -1  # the token it decodes next
+    stepped: bool = False  # in this step's batch (its adapter selection's turn: edge.model.turns)
     suspensions: int = 0  # times its cells were given up while it ran
     drafter: Drafter | None = None  # its proposals (edge.model.speculate); None: speculation off
     draft: list[int] = field(default_factory=list)  # this step's proposals after `tok`, decoded with it
@@ -81,12 +85,22 @@ class Sequence:
         return self.slot.state if self.slot is not None else None
 
     @property
+    def selection(self) -> SelectionKey:
+        """Its LoRA adapters and scales (empty: the base model's): whose turn it decodes at."""
+        return selection_of(self.job)
+
+    @property
     def generating(self) -> bool:
         return self.state is SlotState.GENERATING
 
     @property
     def prefilling(self) -> bool:
         return self.state is SlotState.PREFILLING
+
+    def has_work(self, budget: int) -> bool:
+        """Whether it puts a token in this step's batch: its next token (a grammar pass set
+        aside has none yet), or a chunk of its prompt where the step has cells (`budget`) for one."""
+        return (self.generating and not self.chain.pending) or (self.prefilling and budget > 0)
 
 
 @dataclass

@@ -20,6 +20,13 @@ Choices of one prompt (`n` > 1) or equal prompts that arrive together are comput
 sequence whose prompt another slot is prefilling follows it (WAITING), and takes its cells
 (seq_cp) and samples from its logits row when that prefill ends.
 
+LoRA adapters (issue 55): llama.cpp sets them per context, so one step decodes the sequences of
+one adapter selection, and the selections with work take the steps in turns (edge.model.turns:
+none starves). An adapted sequence's cells hold what its adapters computed: they are no prefix
+for anyone (no prompt-cache reuse from them or into them, no slot sharing them with another
+selection; the prompt cache keeps them private) and are emptied when it ends; suspended, it is
+computed again from position 0 with the same adapters when it resumes.
+
 Runs on the model's scheduler thread (edge.model.scheduler), like every call into llama.cpp.
 """
 
@@ -38,7 +45,8 @@ from edge.model.native import DecodeError
 from edge.model.promptcache import MIN_REUSE, lcp
 from edge.model.sequence import Sequence, Sink, Slot, SlotState, SlotStats
 from edge.model.speculate import Drafter, SpecStats
-from edge.model.verify import add_drafts, settle
+from edge.model.verify import build_batch, settle
+from edge.model.turns import SelectionKey, Turns
 
 if TYPE_CHECKING:
     from edge.model.native import Native
@@ -46,8 +54,6 @@ if TYPE_CHECKING:
     from edge.config import SpeculativeConfig
 
 __all__ = ["Sink", "Slots", "SlotStats"]
-
-Batch = tuple[list[int], list[int], list[int], list[int]]  # tokens, positions, sequence ids, logits wanted
 
 
 class Slots:
@@ -61,6 +67,7 @@ class Slots:
         self.active: list[Sequence] = []  # holding a slot, in the order they came (prefill order)
         self.stats = SlotStats()
         self.admission = Admission(self)
+        self.turns = Turns()
         self._order = 0
 
     @property
@@ -102,9 +109,10 @@ class Slots:
         # logprobs repeat bit for bit (docs/api.md "Reproducibility")
         if not job.cache_prompt and not self.active:
             self.admission.give_way_all()
-        self._bind(seq, self._pick(seq.tokens))
+        self._bind(seq, self._pick(seq.tokens, job))
         leader = next((s for s in self.active if s.prefilling and s is not seq and job.cache_prompt
-                       and s.job.cache_prompt and s.tokens == seq.tokens and s.leader is None), None)
+                       and s.job.cache_prompt and s.tokens == seq.tokens and s.leader is None
+                       and s.selection == seq.selection), None)
         if leader is not None:
             seq.leader = leader
             seq.slot.state = SlotState.WAITING
@@ -125,11 +133,16 @@ class Slots:
         job, slot = seq.job, seq.slot
         assert slot is not None
         slot.state = SlotState.PREFILLING
+        plain = not job.adapters  # an adapted prompt starts from position 0 in cells of its own
+        if not plain:
+            self.cache.isolate(slot.id)
         # a restored state takes its cells at once (its slot's own are freed first)
-        self.admission.make_room(len(seq.tokens) - lcp(self.cache.live(slot.id), seq.tokens), seq.tokens)
+        self.admission.make_room(len(seq.tokens) - lcp(self.cache.live(slot.id), seq.tokens),
+                                 seq.tokens if plain else None)
         try:
-            seq.done, seq.plan = self.cache.begin(slot.id, seq.tokens, job.cache_prompt, job.remember,
-                                                  () if resumed else job.marks, count=not resumed)
+            seq.done, seq.plan = self.cache.begin(slot.id, seq.tokens, job.cache_prompt and plain,
+                                                  job.remember and plain, () if resumed or not plain else job.marks,
+                                                  count=not resumed and plain)
         except Exception as exc:
             self._end(seq, exc)
             return
@@ -141,13 +154,16 @@ class Slots:
         generated so far restored from the state saved when it gave its cells up (or computed
         again), then it samples on as if nothing had happened."""
         seq.out.pos = len(seq.tokens)
-        self._bind(seq, self._pick(seq.tokens))
+        self._bind(seq, self._pick(seq.tokens, seq.job))
         self._begin(seq, resumed=True)
 
-    def _pick(self, tokens: list[int]) -> Slot:
+    def _pick(self, tokens: list[int], job: Job | None = None) -> Slot:
         """The free slot whose live sequence shares most of `tokens` (a conversation's next turn
-        lands where its last one is), else an empty one, else the least recently used one."""
+        lands where its last one is), else an empty one, else the least recently used one. An
+        adapted `job` shares nothing: an empty slot, else the least recently used."""
         lives = self.cache.lives
+        if job is not None and job.adapters:
+            tokens = []
 
         def worth(slot: Slot) -> tuple[int, bool, int]:
             n = lcp(lives.get(slot.id, []), tokens)
@@ -165,6 +181,7 @@ class Slots:
             raise RuntimeError(f"every one of the {self.n} slots is running a request")
         slot = self._pick(tokens or [])
         slot.state = SlotState.PREFILLING  # taken meanwhile: admission counts its cells as a request's
+        self.native.use_adapters(())  # the base model's, unless the work sets its own (GGUFModel.generate)
         self.admission.make_room(need)
         try:
             yield slot.id
@@ -205,26 +222,28 @@ class Slots:
         self._reap()
         self.admission.resume_suspended()
         budget = self.admission.before_step()
-        batch = self._build(budget)
+        turn = self.turns.pick(s.selection for s in self.active if s.has_work(budget))
+        batch = build_batch(self.active, turn, budget, self.native.n_batch, self.spec)
         if not batch[0]:
             return self._sample_set_aside() or self.admission.unstick()
         t0 = time.perf_counter()
         try:
+            self.native.use_adapters(next(s.job.adapters for s in self.active if s.stepped))
             self.native.decode_batch(*batch)
         except DecodeError as exc:
             if exc.rc == 1 and self.admission.relieve():  # no cells: nothing was decoded; again next step
                 self.stats.retried += 1
                 return True
-            self._failed(exc)
+            self._failed(exc, turn)
             return True
         except Exception as exc:  # a native call that broke
-            self._failed(exc)
+            self._failed(exc, turn)
             return True
         t1 = time.perf_counter()
         st = self.stats
         st.steps, st.batch_tokens, st.last_batch = st.steps + 1, st.batch_tokens + len(batch[0]), len(batch[0])
         st.decode_s += t1 - t0
-        st.last_sequences = sum(1 for s in self.active if s.generating or s.chunk)
+        st.last_sequences = sum(1 for s in self.active if s.stepped)
         st.batch_sequences += st.last_sequences
         self._after_decode(t1 - t0)
         st.sample_s += time.perf_counter() - t1
@@ -236,46 +255,10 @@ class Slots:
             self._end(seq, None)
         self.admission.reap()
 
-    def _build(self, budget: int) -> Batch:
-        tokens: list[int] = []
-        pos: list[int] = []
-        seqs: list[int] = []
-        out: list[int] = []
-        for s in self.active:  # decode before prefill: every generating sequence's next token
-            s.chunk = 0
-            if s.generating and not s.chain.pending:  # (a grammar pass set aside has none yet)
-                s.row = len(tokens)
-                tokens.append(s.tok)
-                pos.append(s.out.pos)
-                seqs.append(s.slot.id)
-                out.append(1)
-        budget -= add_drafts(self.spec, self.active, (tokens, pos, seqs, out), budget, self.native.n_batch)
-        budget = min(budget, self.native.n_batch - len(tokens))
-        for s in self.active:  # then prompt chunks, first come first
-            if budget <= 0 or not s.prefilling:
-                continue
-            end = self._chunk_end(s, budget)
-            n = end - s.done
-            tokens += s.tokens[s.done:end]
-            pos += range(s.done, end)
-            seqs += [s.slot.id] * n
-            out += [0] * (n - 1) + [1 if end == len(s.tokens) else 0]
-            s.row = len(tokens) - 1 if end == len(s.tokens) else -1
-            s.chunk, budget = n, budget - n
-        return tokens, pos, seqs, out
-
-    @staticmethod
-    def _chunk_end(s: Sequence, budget: int) -> int:
-        """Where this step's chunk of `s`'s prompt ends: the budget, and a checkpoint's position
-        (its state is copied after the chunk that reaches it, so a chunk ends there)."""
-        end = min(len(s.tokens), s.done + budget)
-        wanted = [p for p in (s.plan.wanted if s.plan is not None else ()) if s.done < p < end]
-        return min(wanted, default=end)
-
     def _after_decode(self, decode_s: float) -> None:
         lives = self.cache.lives
         ready: list[Sequence] = []
-        decoded = [s for s in self.active if s.generating and not s.chain.pending]  # before followers join them
+        decoded = [s for s in self.active if s.generating and s.stepped]  # before followers join them
         prefilled = [s for s in self.active if s.prefilling and s.chunk]
         for s in decoded:
             lives.setdefault(s.slot.id, []).append(s.tok)
@@ -359,13 +342,13 @@ class Slots:
         else:
             s.tok = tok if tok is not None else -1
 
-    def _failed(self, exc: Exception) -> None:
-        """A failed llama_decode: every sequence in it ends with the error, their cells emptied
-        (their content is unknown)."""
+    def _failed(self, exc: Exception, turn: SelectionKey | None) -> None:
+        """A failed llama_decode: every sequence of its selection that was in it ends with the error,
+        their cells emptied (their content is unknown)."""
         from edge.errors import BackendError
 
         err = BackendError(f"llama.cpp failed while generating: {exc}") if isinstance(exc, DecodeError) else exc
-        for s in [s for s in self.active if s.generating or s.chunk]:
+        for s in [s for s in self.active if s.selection == turn and (s.generating or s.chunk)]:
             self.cache.reset(s.slot.id)
             s.done = 0
             self._end(s, err)
@@ -379,6 +362,8 @@ class Slots:
             seq.leader = None
         elif seq.prefilling and seq.slot is not None:  # a prefill cut short: the slot holds only what was decoded
             self.cache.lives[seq.slot.id] = list(seq.tokens[:seq.done])
+        if seq.slot is not None and seq.slot.id in self.cache.private:  # its adapters' cells: no one's prefix
+            self.cache.reset(seq.slot.id)
         self.release(seq)
         seq.sink.close(error)
         for f in seq.followers:

@@ -37,11 +37,13 @@ def _config(bundle: Bundle) -> Any:
 
 
 def _refs(cfg: Any) -> list[tuple[str, str, str]]:
-    """(config field, what, path) for every model and recipe file the config names."""
+    """(config field, what, path) for every model, adapter and recipe file the config names."""
     from edge.config import BUILTIN_PREFIX
 
     refs = [(f"models[{i}].path", f"model {m.name!r}", m.path) for i, m in enumerate(cfg.models)
             if not m.path.startswith(BUILTIN_PREFIX)]
+    refs += [(f"models[{i}].adapters[{j}].path", f"adapter {a.name!r} of model {m.name!r}", a.path)
+             for i, m in enumerate(cfg.models) for j, a in enumerate(m.adapters)]
     return refs + [(f"engines[{i}].recipe", f"recipe of engine {e.name!r}", e.recipe)
                    for i, e in enumerate(cfg.engines) if e.recipe]
 

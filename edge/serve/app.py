@@ -27,6 +27,7 @@ from starlette.routing import Route
 from edge.errors import BackendError, EdgeError, RequestError
 from edge.serve.jsoncheck import json_body
 from edge.serve.limits import check_prompt_text
+from edge.model.adapters import select
 from edge.model.generate import GenParams, Hold, Job, Piece
 from edge.model.llm import GGUFModel
 from edge.model.promptcache import Marks
@@ -106,8 +107,9 @@ def _check_bytes(m: GGUFModel, ask: Ask) -> None:
 
 
 async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Generations:
-    worker = state.worker(body.get("model"))
+    worker, adapter = state.pick(body.get("model"))
     m = worker.model
+    adapters = select(m.cfg.name, state.adapters_of(worker), adapter, body.get("lora"))  # a 400 naming an unknown one
     ask = parse(body, chat, Limits(m.n_ctx, m.n_vocab, m.cfg.max_choices, m.supports_tools))
     if ask.who:
         log.info("request from %s", ", ".join(f"{k} {v!r}" for k, v in ask.who.items()))
@@ -141,12 +143,37 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ge
         # n choices from one seed: seed, seed+1, ... (the same seed would give n equal choices)
         jobs += [Job(tokens=tokens, params=params if params.seed is None else
                      replace(params, seed=(params.seed + j) % (2**32 - 1)),
-                     cache_prompt=ask.cache_prompt, remember=not in_warmup(), marks=marks, hold=hold)
+                     cache_prompt=ask.cache_prompt, remember=not in_warmup(), marks=marks, hold=hold,
+                     adapters=adapters)
                  for j in range(ask.n)]
         echoes += [echo if ask.echo else ""] * ask.n
         starts += [0 if ask.echo else len(echo)] * ask.n  # echo: the prompt is in the choice's text
     shape = Shape(chat, m.cfg.name, ask.sampling["logprobs"] is not None, starts)
     return _Generations(worker, ask, jobs, echoes, sum(len(t) for t, *_ in prompts), shape)
+
+
+def _model_list(state: ServiceState) -> list[dict[str, Any]]:
+    """/v1/models: each model, then each of its adapters as `model:adapter` (what a request names)."""
+    data = []
+    for n, w in state.workers.items():
+        m = w.model
+        data.append({"id": n, "object": "model", "created": state.created, "owned_by": "edge",
+                     "context_length": m.n_ctx, "meta": {"n_ctx": m.n_ctx, "tools": m.supports_tools,
+                                                         **m.info.summary(),
+                                                         **({"embeddings": m.embed.describe()} if m.embed else {}),
+                                                         **_adapters_meta(state.adapters_of(w))}})
+        data += [{"id": f"{n}:{a.name}", "object": "model", "created": state.created, "owned_by": "edge",
+                  "parent": n, "context_length": m.n_ctx, "meta": {"adapter": a.name, "id": i, "scale": a.scale}}
+                 for i, a in enumerate(state.adapters_of(w).values())]
+    return data
+
+
+def _adapters_meta(adapters: dict[str, Any]) -> dict[str, Any]:
+    """A model's LoRA adapters as /v1/models lists them: the `id` a request's `lora` may give."""
+    if not adapters:
+        return {}
+    return {"adapters": [{"id": i, "name": a.name, "scale": a.scale, "alpha": a.alpha, "bytes": a.nbytes}
+                         for i, a in enumerate(adapters.values())]}
 
 
 def _finish_tools(run: _Generations, c: Choice) -> None:
@@ -355,12 +382,7 @@ def build_app(state: ServiceState) -> MetricsMiddleware:
         return await guarded(request, lambda r: _complete(r, state, chat=True))
 
     async def models(request: Request) -> Response:
-        data = [{"id": n, "object": "model", "created": state.created, "owned_by": "edge",
-                 "context_length": w.model.n_ctx, "meta": {"n_ctx": w.model.n_ctx, "tools": w.model.supports_tools,
-                          **w.model.info.summary(),
-                          **({"embeddings": w.model.embed.describe()} if w.model.embed else {})}}
-                for n, w in state.workers.items()]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": _model_list(state)})
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "alive"})

@@ -21,9 +21,11 @@ __all__ = ["Ask", "Limits", "IGNORED", "REFUSED", "SchemaAsk", "parse"]
 
 # `cache_prompt` is llama-server's extension (same name, same default): false asks for the whole
 # prompt to be computed from position 0, for bit-exact repeats (docs/api.md, "Reproducibility").
+# `lora` is llama-server's too: [{"id" or "name", "scale"}], checked against the model's adapters
+# where the model is known (edge.model.adapters.select).
 _COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "stop", "n",
            "presence_penalty", "frequency_penalty", "logit_bias", "max_tokens", "logprobs",
-           "cache_prompt"}
+           "cache_prompt", "lora"}
 _COMPLETION = _COMMON | {"prompt", "echo"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                    "tool_choice", "parallel_tool_calls"}

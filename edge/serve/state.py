@@ -34,6 +34,9 @@ class ServiceState:
     fatal_reason: str | None = None  # why this set can serve no more (a lost CUDA context): the exit's cause
     on_fatal: Callable[[str], None] | None = None  # the lifecycle's: stop accepting, STOPPING=1, exit 70
     auth: ApiKeys | None = None  # the keys a request needs (edge.serve.auth, checked by the server); None: none
+    # each model's LoRA adapters as this set serves them (edge.model.adapters): a reload that keeps
+    # a model and changes its adapters gives the new set its own, the old set keeps its until drained
+    adapters: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def fatal(self, reason: str) -> None:
         """This set can do no more work and the process must go (a sticky CUDA error lost the
@@ -58,6 +61,18 @@ class ServiceState:
         """What a request gets once fatal() was called: 503 with Retry-After (the next process
         answers), naming why."""
         return RequestError(f"the service is restarting: {self.fatal_reason}", status=503, code="service_unavailable")
+
+    def adapters_of(self, worker: ModelWorker) -> dict[str, Any]:
+        return self.adapters.get(worker.name, worker.model.adapters)
+
+    def pick(self, name: Any) -> tuple[ModelWorker, str | None]:
+        """The model a request names, and the adapter after its colon (`base:adapter`; a model
+        whose own name has a colon is found first)."""
+        if isinstance(name, str) and name not in self.workers and ":" in name:
+            base, adapter = name.rsplit(":", 1)
+            if base in self.workers:
+                return self.workers[base], adapter
+        return self.worker(name), None
 
     def worker(self, name: Any) -> ModelWorker:
         if not self.workers:

@@ -126,3 +126,54 @@ def _close(w: Any, path: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+LORA_TARGETS = ("attn_q", "attn_v", "ffn_up")
+
+
+def write_tiny_lora(path: Path, *, seed: int = 1, n_embd: int = 64, n_layer: int = 2, n_ff: int = 128,
+                    rank: int = 4, alpha: float = 8.0, arch: str = "llama", std: float = 0.5,
+                    targets: tuple[str, ...] = LORA_TARGETS) -> Path:
+    """A LoRA adapter for `write_tiny_llama`'s model (same n_embd, n_layer, n_ff), as llama.cpp's
+    convert_lora_to_gguf lays one out: general.type "adapter", adapter.type "lora",
+    adapter.lora.alpha, and for each adapted weight W (n_out x n_in) `W.lora_a` (rank x n_in) and
+    `W.lora_b` (n_out x rank); llama.cpp adds scale x alpha / rank x B·A·x to W·x. `std` large
+    enough that the adapter moves the logits well past float noise."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", alpha)
+    shapes = {"attn_q": (n_embd, n_embd), "attn_k": (n_embd, n_embd), "attn_v": (n_embd, n_embd),
+              "attn_output": (n_embd, n_embd), "ffn_up": (n_ff, n_embd), "ffn_gate": (n_ff, n_embd),
+              "ffn_down": (n_embd, n_ff)}
+    for i in range(n_layer):
+        for name in targets:
+            n_out, n_in = shapes[name]
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_a", (rng.standard_normal((rank, n_in)) * std).astype(np.float32))
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_b", (rng.standard_normal((n_out, rank)) * std).astype(np.float32))
+    return _close(w, path)
+
+
+def write_lora_for(base: Path, path: Path, *, seed: int = 1, rank: int = 8, alpha: float = 16.0,
+                   std: float = 0.02, targets: tuple[str, ...] = ("attn_q", "attn_v")) -> Path:
+    """A random LoRA adapter for any GGUF model `base` (Gemma 3 270M included): its architecture
+    and every `blk.N.<target>.weight`'s shape read from the base's own header (gguf.GGUFReader)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    reader = gguf.GGUFReader(str(base))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", alpha)
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in targets and parts[3] == "weight":
+            n_in, n_out = int(t.shape[0]), int(t.shape[1])  # ggml order: ne[0] is the input
+            w.add_tensor(f"{t.name}.lora_a", (rng.standard_normal((rank, n_in)) * std).astype(np.float32))
+            w.add_tensor(f"{t.name}.lora_b", (rng.standard_normal((n_out, rank)) * std).astype(np.float32))
+    return _close(w, path)

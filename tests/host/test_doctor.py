@@ -35,6 +35,24 @@ def test_the_model_check_gives_the_kv_cache_by_type_and_fails_what_llama_cpp_ref
     assert bad.level == "fail" and "models.type_k: q8_0 stores blocks of 32 elements" in bad.message
 
 
+def test_each_adapter_is_checked_against_its_model_as_the_load_will(tmp_path: Path, tiny_gguf: Path) -> None:
+    """LoRA adapters (issue 55): a good one ok with its alpha and scale; a file that is no LoRA
+    adapter, or one made for another architecture, a fail naming the file and the field."""
+    from harness.ggufgen import write_tiny_lora
+
+    good = write_tiny_lora(tmp_path / "good.gguf")
+    other = write_tiny_lora(tmp_path / "other.gguf", arch="gemma3")
+    tables = "".join(f'\n[[models.adapters]]\nname = "{n}"\npath = "{p}"\nscale = 0.5\n'
+                     for n, p in (("good", good), ("model", tiny_gguf), ("other", other)))
+    checks = {c.name: c for c in run_checks(str(write_config(tmp_path / "edge.toml", tiny_gguf, extra_model=tables)),
+                                            [tmp_path / "no-units"])}
+    assert checks["adapter tiny:good"].level == "ok" and "alpha 8.0, default scale 0.5" in checks["adapter tiny:good"].message
+    model, arch = checks["adapter tiny:model"], checks["adapter tiny:other"]
+    assert model.level == "fail" and "general.type is None, expected 'adapter'" in model.message
+    assert arch.level == "fail" and "general.architecture is 'gemma3', expected 'llama'" in arch.message
+    assert "models[0].adapters[2].path" in arch.message and str(other) in arch.message
+
+
 def test_an_unset_context_is_the_models_trained_one_and_said_so(tmp_path: Path, tiny_gguf: Path) -> None:
     """Neither n_ctx nor parallel set: the context the GGUF says the model was trained for (the tiny
     model's 512 fits any memory), the slots from it; doctor states both and why."""

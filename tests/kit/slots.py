@@ -53,16 +53,17 @@ class Collect:
         self.ended = error
 
 
-def greedy_gap(m: Any, tokens: list[int], n_prompt: int, banned: tuple[int, ...] = ()) -> float:
+def greedy_gap(m: Any, tokens: list[int], n_prompt: int, banned: tuple[int, ...] = (), adapters: tuple = ()) -> float:
     """How far below the best logit (of those not `banned`) each token from `n_prompt` on was,
     given the tokens before it, at most, on `m` (a loaded model) in one of its free slots: 0 when
     every one was the greedy choice. A sequence decoded among others (in other cells, other
     batches) rounds differently, so a near-tie may go either way there: compare with a
-    tolerance."""
+    tolerance. `adapters`: the LoRA selection the tokens are judged under (edge.model.adapters)."""
     native = m.native
     worst = 0.0
     with m.slots.spare(tokens, len(tokens)) as seq:
         m.cache.reset(seq)
+        native.use_adapters(adapters)
         for c in range(0, len(tokens) - 1, native.n_batch):
             chunk = tokens[c:c + native.n_batch]
             native.decode_batch(chunk, list(range(c, c + len(chunk))), [seq] * len(chunk), [1] * len(chunk))
@@ -72,4 +73,5 @@ def greedy_gap(m: Any, tokens: list[int], n_prompt: int, banned: tuple[int, ...]
                     logits[list(banned)] = float("-inf")
                     worst = max(worst, float(logits.max() - logits[tokens[c + k + 1]]))
         m.cache.reset(seq)
+        native.use_adapters(())
     return worst

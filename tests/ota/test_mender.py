@@ -226,6 +226,77 @@ def test_install_commit_failing_bundle_rollback_and_power_cut(kit, live, mender,
     assert mender["run"]("show-artifact").stdout.strip() == "art-b"
 
 
+def _adapter_bundles(kit) -> tuple[Path, Path, Path]:
+    """1.0.0: model a and adapter `tone` (tone-1); 1.1.0 thin on it: tone-2 alone carried; the
+    service config each runs."""
+    from edge.ota.manifest import read_base
+    from harness.ggufgen import write_tiny_lora
+
+    d = kit["dir"]
+    out = []
+    for v, lora, base in (("1.0.0", write_tiny_lora(d / "tone-1.gguf", seed=5), None),
+                          ("1.1.0", write_tiny_lora(d / "tone-2.gguf", seed=6), d / "tone-1.0.0.edgeb")):
+        config = cfg_text("a.gguf").replace("n_ctx = 256\n", "n_ctx = 256\nparallel = 4\n[[models.adapters]]\n"
+                                            f'name = "tone"\npath = "adapters/{lora.name}"\n', 1)
+        out.append(d / f"tone-{v}.edgeb")
+        build_bundle(out[-1], version=v, files=[(kit["a"], "models/a.gguf", "model", None),
+                                                (lora, f"adapters/{lora.name}", "adapter", None)],
+                     config=config, key=kit["key"], base=read_base(base) if base else None)
+    return out[0], out[1], d
+
+
+def _tone(address: tuple[str, int]) -> str:
+    status, answer = post(address, "/v1/completions", {"prompt": "Hello world. The", "max_tokens": 8,
+                                                       "temperature": 0, "model": "m:tone"})
+    assert status == 200, answer
+    return answer["choices"][0]["text"]
+
+
+def _maps(pid: int) -> list[str]:
+    return sorted(line.split()[0] + " " + line.split()[4] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                  if line.endswith("a.gguf"))
+
+
+def test_a_thin_adapter_bundle_through_mender_reloads_keeping_the_model(kit, mender) -> None:
+    """The real client installs a thin adapter artifact (the module's `--reload` activation) with
+    8 clients sending meanwhile: no failed request, the model's mapping unchanged; `mender
+    rollback` restores the previous adapter, again by a reload that keeps the model."""
+    import concurrent.futures
+    import threading
+
+    full, thin, _ = _adapter_bundles(kit)
+    r = subprocess.run([*EDGE, "ota", "install", str(full), "--pubkey", str(kit["pub"]), "--no-activate",
+                        "--config", str(kit["cfg"])], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert subprocess.run([*EDGE, "ota", "commit", "--config", str(kit["cfg"])], timeout=60).returncode == 0
+    with PidOne([*EDGE, "serve", "--config", str(kit["ota"].root / "current" / "edge.toml")]) as live:
+        live.start()
+        live.wait_for("READY", "1")
+        pid, before, old = live.proc.pid, _maps(live.proc.pid), _tone(live.address)
+        stop, answers = threading.Event(), []
+
+        def client() -> None:
+            while not stop.is_set():
+                answers.append(_tone(live.address))
+
+        mender["args"]("--reload --timeout 120")
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            clients = [pool.submit(client) for _ in range(8)]
+            try:
+                r = mender["run"]("install", str(mender["artifact"]("art-tone", thin)))
+            finally:
+                stop.set()
+            for c in clients:
+                c.result()  # no request failed
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert kit["ota"].state()["pending"]["version"] == "1.1.0"
+        new = _tone(live.address)
+        assert new != old and set(answers) <= {old, new} and live.proc.pid == pid and _maps(pid) == before
+        assert mender["run"]("rollback").returncode == 0
+        assert kit["ota"].state()["current"] == "1.0.0" and kit["ota"].state()["pending"] is None
+        assert _tone(live.address) == old and _maps(pid) == before
+
+
 def test_a_repair_deployment_commits(kit, live, mender) -> None:
     """The artifact of the version the device runs, deployed again after its model lost a bit:
     ArtifactInstall repairs it in place and reloads the service onto the repaired file, and
