@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from edge.lifecycle.warmup.plan import WarmTarget
     from edge.serve.worker import ModelWorker
 
-__all__ = ["LOAD_SWITCH_INTERVAL_S", "Loader", "read_config", "save_learned"]
+__all__ = ["LOAD_SWITCH_INTERVAL_S", "Loader", "read_config"]
 
 # What loading a model imports of edge's own, imported before the load thread starts rather than
 # on it, where they would share the GIL with the HTTP stack's imports.
@@ -349,23 +349,6 @@ class Loader:
                 targets.append(WarmTarget("engine", name, functools.partial(key_of_engine, eng.stored),
                                           cands[0].build(), functools.partial(_ready, cands[1:]), _call))
         return targets
-
-
-def save_learned(loaded: Loaded, cfg: Config) -> None:
-    """At SIGTERM, after the drain: each model's prefixes that traffic reused most, for the next
-    start (models with `learn_prefixes`)."""
-    import logging
-    from edge.model.prefixstore import folder_for, save_learned as save
-    log = logging.getLogger("edge")
-    for name, w in loaded.state.workers.items():
-        if w.model.cfg.learn_prefixes and name not in loaded.closed:
-            try:
-                rows = w.run(save, w.model, folder_for(cache_dir(cfg), name))
-            except OSError as exc:  # a full or read-only disk: the next start has none, no more
-                log.warning("%s: learned prefixes not saved: %s", name, exc)
-                continue
-            log.info("%s: learned prefixes saved for the next start: %d (%s)", name, len(rows),
-                     ", ".join(f"{r['tokens']} tokens, {r['hits']} hits" for r in rows) or "none")
 
 
 def _device_and_build(llama: bool) -> tuple[Any, str | None]:

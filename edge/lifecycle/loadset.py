@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from edge.config import EngineConfig, ModelConfig
+from edge.config import Config, EngineConfig, ModelConfig
 from edge.fsutil import file_identity
 
 if TYPE_CHECKING:
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
     Validation = concurrent.futures.Future[tuple[float, float, GGUFInfo]]
 
-__all__ = ["Loaded", "LoadPlan", "close_worker", "model_key", "set_threads", "split_cores", "threads_of"]
+__all__ = ["Loaded", "LoadPlan", "close_worker", "model_key", "save_learned", "set_threads", "split_cores",
+           "threads_of"]
 
 
 @dataclass
@@ -133,3 +134,23 @@ async def threads_of(workers: list[ModelWorker], n: int | None) -> None:
 
     await asyncio.gather(*(w.control(set_threads, w.model, n) for w in workers),
                          return_exceptions=True)
+
+
+def save_learned(loaded: Loaded, cfg: Config) -> None:
+    """At SIGTERM, after the drain: each model's prefixes that traffic reused most, for the next
+    start (models with `learn_prefixes`)."""
+    import logging
+
+    from edge.config import cache_dir
+    from edge.model.prefixstore import folder_for, save_learned as save
+
+    log = logging.getLogger("edge")
+    for name, w in loaded.state.workers.items():
+        if w.model.cfg.learn_prefixes and name not in loaded.closed:
+            try:
+                rows = w.run(save, w.model, folder_for(cache_dir(cfg), name))
+            except OSError as exc:  # a full or read-only disk: the next start has none, no more
+                log.warning("%s: learned prefixes not saved: %s", name, exc)
+                continue
+            log.info("%s: learned prefixes saved for the next start: %d (%s)", name, len(rows),
+                     ", ".join(f"{r['tokens']} tokens, {r['hits']} hits" for r in rows) or "none")

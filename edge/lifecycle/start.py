@@ -35,7 +35,8 @@ from edge.config import Config, state_dir
 from edge.errors import EX_SAFE_MODE_EXHAUSTED, EX_SOFTWARE, EdgeError, StoppedDuringStart
 from edge.bytecode import CompileWatch
 from edge.lifecycle.installed import Running
-from edge.lifecycle.loader import Loader, read_config, save_learned
+from edge.lifecycle.loader import Loader, read_config
+from edge.lifecycle.loadset import save_learned
 from edge.lifecycle.loadset import Loaded, split_cores, threads_of
 from edge.lifecycle.recovery import GivenUp, Recovery
 from edge.lifecycle.safemode import SafeMode

@@ -33,7 +33,7 @@ from edge.model.llm import GGUFModel
 from edge.model.promptcache import Marks
 from edge.serve.metrics import Metrics, MetricsMiddleware
 from edge.serve.openai import Ask, Limits, parse
-from edge.serve.openai_shapes import Choice, Shape, parse_tool_calls
+from edge.serve.openai_shapes import Choice, Shape, model_list, parse_tool_calls
 from edge.serve.schema import schema_grammar
 from edge.serve.toolcall import forced_call
 from edge.serve.state import ServiceState
@@ -150,30 +150,6 @@ async def _prepare(body: dict[str, Any], state: ServiceState, chat: bool) -> _Ge
         starts += [0 if ask.echo else len(echo)] * ask.n  # echo: the prompt is in the choice's text
     shape = Shape(chat, m.cfg.name, ask.sampling["logprobs"] is not None, starts)
     return _Generations(worker, ask, jobs, echoes, sum(len(t) for t, *_ in prompts), shape)
-
-
-def _model_list(state: ServiceState) -> list[dict[str, Any]]:
-    """/v1/models: each model, then each of its adapters as `model:adapter` (what a request names)."""
-    data = []
-    for n, w in state.workers.items():
-        m = w.model
-        data.append({"id": n, "object": "model", "created": state.created, "owned_by": "edge",
-                     "context_length": m.n_ctx, "meta": {"n_ctx": m.n_ctx, "tools": m.supports_tools,
-                                                         **m.info.summary(),
-                                                         **({"embeddings": m.embed.describe()} if m.embed else {}),
-                                                         **_adapters_meta(state.adapters_of(w))}})
-        data += [{"id": f"{n}:{a.name}", "object": "model", "created": state.created, "owned_by": "edge",
-                  "parent": n, "context_length": m.n_ctx, "meta": {"adapter": a.name, "id": i, "scale": a.scale}}
-                 for i, a in enumerate(state.adapters_of(w).values())]
-    return data
-
-
-def _adapters_meta(adapters: dict[str, Any]) -> dict[str, Any]:
-    """A model's LoRA adapters as /v1/models lists them: the `id` a request's `lora` may give."""
-    if not adapters:
-        return {}
-    return {"adapters": [{"id": i, "name": a.name, "scale": a.scale, "alpha": a.alpha, "bytes": a.nbytes}
-                         for i, a in enumerate(adapters.values())]}
 
 
 def _finish_tools(run: _Generations, c: Choice) -> None:
@@ -382,7 +358,7 @@ def build_app(state: ServiceState) -> MetricsMiddleware:
         return await guarded(request, lambda r: _complete(r, state, chat=True))
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": _model_list(state)})
+        return JSONResponse({"object": "list", "data": model_list(state)})
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "alive"})

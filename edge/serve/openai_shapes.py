@@ -10,12 +10,15 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge.model.generate import TokenLogprob
 from edge.serve.jsoncheck import json_depth_exceeds
 
-__all__ = ["Choice", "Shape", "parse_tool_calls"]
+if TYPE_CHECKING:
+    from edge.serve.state import ServiceState
+
+__all__ = ["Choice", "Shape", "model_list", "parse_tool_calls"]
 
 
 @dataclass
@@ -144,3 +147,27 @@ class Shape:
     def usage_chunk(self, usage: dict[str, int]) -> bytes:
         """stream_options.include_usage: a last chunk with no choices and the request's usage."""
         return self._event([], usage)
+
+
+def model_list(state: ServiceState) -> list[dict[str, Any]]:
+    """/v1/models: each model, then each of its adapters as `model:adapter` (what a request names)."""
+    data = []
+    for n, w in state.workers.items():
+        m = w.model
+        data.append({"id": n, "object": "model", "created": state.created, "owned_by": "edge",
+                     "context_length": m.n_ctx, "meta": {"n_ctx": m.n_ctx, "tools": m.supports_tools,
+                                                         **m.info.summary(),
+                                                         **({"embeddings": m.embed.describe()} if m.embed else {}),
+                                                         **_adapters_meta(state.adapters_of(w))}})
+        data += [{"id": f"{n}:{a.name}", "object": "model", "created": state.created, "owned_by": "edge",
+                  "parent": n, "context_length": m.n_ctx, "meta": {"adapter": a.name, "id": i, "scale": a.scale}}
+                 for i, a in enumerate(state.adapters_of(w).values())]
+    return data
+
+
+def _adapters_meta(adapters: dict[str, Any]) -> dict[str, Any]:
+    """A model's LoRA adapters as /v1/models lists them: the `id` a request's `lora` may give."""
+    if not adapters:
+        return {}
+    return {"adapters": [{"id": i, "name": a.name, "scale": a.scale, "alpha": a.alpha, "bytes": a.nbytes}
+                         for i, a in enumerate(adapters.values())]}
