@@ -19,7 +19,7 @@ from edge.ota.install import Ota
 from harness.ggufgen import write_tiny_llama
 from harness.pid1 import PidOne
 
-__all__ = ["A", "B", "MODEL_CFG", "VERSIONS", "build_version", "cfg_text", "committed", "damage", "device",
+__all__ = ["A", "B", "healthy_url", "MODEL_CFG", "VERSIONS", "build_version", "cfg_text", "committed", "damage", "device",
            "edge_ota", "fill", "install", "kit", "live", "tmpfs", "tree"]
 
 
@@ -161,3 +161,22 @@ def tree(ota: Ota) -> dict:
     return {str(p.relative_to(ota.root)): (os.readlink(p) if p.is_symlink() else
                                            sha256_file(p) if p.is_file() else "dir")
             for p in sorted(ota.root.rglob("*")) if p.name not in (".lock",)}
+
+
+def healthy_url() -> tuple[str, object]:
+    """A health URL on 127.0.0.1 (port 0) that answers 200 (the restarted service's), and its
+    server (shut it down when done)."""
+    import http.server
+    import threading
+
+    class Ok(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/readyz", server

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kit.ota import MODEL_CFG, build_version, damage, device, edge_ota, tree
+from kit.ota import MODEL_CFG, build_version, damage, device, edge_ota, healthy_url, tree
 
 V11 = MODEL_CFG + "# 1.1\n"
 
@@ -153,24 +153,6 @@ def test_recover_boot_checks_the_version_it_goes_back_to(dev) -> None:
 
 
 # -- the bundle that made a version repairs it, whatever the state (issue 45) --------------------
-def _healthy_url() -> tuple[str, "object"]:
-    """A health URL on 127.0.0.1 (port 0) that answers 200: the restart command's service."""
-    import http.server
-    import threading
-
-    class Ok(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ok)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}/readyz", server
-
-
 def _push_again(dev, bundle: Path, restarts: Path, url: str) -> dict:
     """The bundle installed again, activated by a restart command that counts its runs."""
     return ota_ok(dev, "install", str(bundle), "--pubkey", str(dev["pub"]), "--restart-cmd",
@@ -180,7 +162,7 @@ def _push_again(dev, bundle: Path, restarts: Path, url: str) -> dict:
 def test_the_current_versions_own_bundle_repairs_it_in_place_and_activates_it_again(dev) -> None:
     bundle = build_version(dev, "1.0.0")
     committed(dev, bundle)
-    url, server = _healthy_url()
+    url, server = healthy_url()
     restarts = dev["dir"] / "restarts.log"
     try:
         clean = _push_again(dev, bundle, restarts, url)

@@ -32,7 +32,7 @@ from edge.ota.bundle import build_bundle, keygen
 from harness.ggufgen import write_tiny_llama
 from kit import EDGE, PidOne
 from kit.crashpoints import kill_at, pristine, record, strace
-from kit.ota import damage
+from kit.ota import damage, healthy_url
 
 PATHS = ("re-push", "recover --boot", "start")
 DAMAGES = ("content", "type", "mode", "link", "object", "manifest", "signature")
@@ -77,7 +77,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
             assert r.returncode == 0, r.stderr
     template = d / "template"
     pristine(work, template)
-    url, server = _healthy_url()
+    url, server = healthy_url()
     restart = d / "restart"  # the service restarted: it maps what current/ holds now (logged)
     restart.write_text(f"#!/bin/sh\nsha256sum {work}/ota/current/models/m.gguf | cut -d' ' -f1 >> {d}/served.log\n")
     restart.chmod(0o755)
@@ -87,22 +87,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
     server.shutdown()
 
 
-def _healthy_url():
-    """A health URL on 127.0.0.1 (port 0) that answers 200: the restarted service's."""
-    import http.server
-    import threading
-
-    class Ok(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ok)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}/readyz", server
 
 
 def _damage(fleet, kind: str) -> None:
