@@ -26,7 +26,7 @@ from edge.lifecycle.safemode import SafeMode
 from kit import EDGE, PidOne, write_config
 from kit.cgroups import cgroup_tree
 from kit.docs import section
-from kit.unit import Unit, stop_post_env, wait_stopped
+from kit.unit import Unit, stop_post_env
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"llama:tiny": "k1", "llama:*": "k2"}
@@ -218,11 +218,7 @@ def row_start_timeout(tmp_path: Path, tiny_gguf: Path) -> None:
     the counters; and a start that outlived the SIGTERM too (SIGKILL, TimeoutStopSec=)."""
     unit = _unit(tmp_path, tiny_gguf, "warmup:STOP")
     with unit.pid1:
-        child = unit.pid1.start()
-        wait_stopped(child.pid)
-        child.send_signal(signal.SIGTERM)
-        child.send_signal(signal.SIGCONT)
-        done = unit.stop_post(child.wait(60), SERVICE_RESULT="timeout")
+        done = unit.signal_stopped(signal.SIGTERM, SERVICE_RESULT="timeout")
     assert done.returncode == 0 and _reports(tmp_path) == {"failed-start": "timeout"}
     state = tmp_path / "state"
     assert json.loads((state / "last-failed-start.json").read_text())["result"] == "timeout"
@@ -287,11 +283,7 @@ def _reports(tmp_path: Path) -> dict[str, str]:
 def row_sigterm_before_ready(tmp_path: Path, tiny_gguf: Path) -> None:
     unit = _unit(tmp_path, tiny_gguf, "warmup:STOP")
     with unit.pid1:
-        child = unit.pid1.start()
-        wait_stopped(child.pid)
-        child.send_signal(signal.SIGTERM)
-        child.send_signal(signal.SIGCONT)
-        done = unit.stop_post(child.wait(60))
+        done = unit.signal_stopped(signal.SIGTERM)
     assert done.returncode == 0
     assert _reports(tmp_path) == {"failed-start": "stopped"} and recent_crashes(tmp_path / "state") == []
 

@@ -78,6 +78,15 @@ class Unit:
         self.exits.append(done)
         return done
 
+    def signal_stopped(self, sig: int, **overrides: str) -> Exit:
+        """One start that stops itself (EDGE_TEST_FAULT `<phase>:STOP`), sent `sig` from outside
+        (then SIGCONT), then ExecStopPost= with `overrides` (SERVICE_RESULT=timeout, say)."""
+        child = self.pid1.start()
+        wait_stopped(child.pid)
+        child.send_signal(sig)
+        child.send_signal(signal.SIGCONT)
+        return self.stop_post(child.wait(60), **overrides)
+
     def start_once(self, timeout: float = 120.0) -> bool:
         """One start: True once it sent READY=1; False when it exited before (ExecStopPost= ran)."""
         child = self.pid1.start()

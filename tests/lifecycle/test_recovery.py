@@ -60,11 +60,7 @@ def test_a_signal_at_a_phase_is_a_crashed_start_with_its_phase_and_signal(tmp_pa
 def _signal_at(unit: Unit, sig: int, phase: str = "warmup", **stop_post: str) -> None:
     """One start, stopped as `phase` begins; `sig` sent from outside (then SIGCONT); ExecStopPost=."""
     unit.pid1.env["EDGE_TEST_FAULT"] = f"{phase}:STOP"
-    child = unit.pid1.start()
-    wait_stopped(child.pid)
-    child.send_signal(sig)
-    child.send_signal(signal.SIGCONT)
-    unit.stop_post(child.wait(60), **stop_post)
+    unit.signal_stopped(sig, **stop_post)
     del unit.pid1.env["EDGE_TEST_FAULT"]
 
 
