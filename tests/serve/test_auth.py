@@ -323,6 +323,13 @@ def test_allow_unauthenticated_serves_open_and_doctor_warns(tmp_path: Path, tiny
     assert [c["level"] for c in access] == ["warn"] and "0.0.0.0:0" in access[0]["message"]
 
 
+def _reload(pid1: PidOne) -> str:
+    """SIGHUP, as `systemctl reload` sends it: the STATUS= of the READY=1 that ends the reload."""
+    after = time.monotonic()
+    pid1.proc.send_signal(signal.SIGHUP)
+    return pid1.wait_count("READY", 1, after=after, timeout=120)[0].fields.get("STATUS", "")
+
+
 def test_keys_are_read_again_at_a_reload_which_may_not_drop_them(tmp_path: Path, tiny_gguf: Path) -> None:
     keys = write_keys(tmp_path / "api-keys", f"{KEY}\n")
     cfg = write_config(tmp_path / "edge.toml", tiny_gguf, server=f'api_key_file = "{keys}"')
@@ -331,17 +338,12 @@ def test_keys_are_read_again_at_a_reload_which_may_not_drop_them(tmp_path: Path,
         pid1.wait_for("READY", "1", timeout=120)
         address = ("127.0.0.1", pid1.address[1])
 
-        def reload() -> str:
-            after = time.monotonic()
-            pid1.proc.send_signal(signal.SIGHUP)
-            return pid1.wait_count("READY", 1, after=after, timeout=120)[0].fields.get("STATUS", "")
-
         write_keys(keys, f"{OTHER_KEY}\n")  # rotated
-        assert reload().startswith("ready: serving")
+        assert _reload(pid1).startswith("ready: serving")
         assert call(address, "GET", "/v1/models", headers={"x-api-key": OTHER_KEY})[0] == 200
         assert call(address, "GET", "/v1/models", headers={"x-api-key": KEY})[0] == 401
         cfg.write_text(cfg.read_text().replace(f'api_key_file = "{keys}"', ""))  # the socket is 0.0.0.0
-        status = reload()
+        status = _reload(pid1)
         assert status.startswith("reload failed:") and "allow_unauthenticated" in status
         assert call(address, "GET", "/v1/models")[0] == 401  # still keyed, with the keys it had
         assert call(address, "GET", "/v1/models", headers={"x-api-key": OTHER_KEY})[0] == 200
@@ -361,11 +363,6 @@ def test_a_reload_that_opens_the_socket_warns_as_a_start_does_and_counts(tmp_pat
         pid1.wait_for("READY", "1", timeout=120)
         address = ("127.0.0.1", pid1.address[1])
 
-        def reload() -> str:
-            after = time.monotonic()
-            pid1.proc.send_signal(signal.SIGHUP)
-            return pid1.wait_count("READY", 1, after=after, timeout=120)[0].fields.get("STATUS", "")
-
         def families(headers: dict[str, str]) -> dict[tuple[str, tuple], float]:
             status, body = call(address, "GET", "/metrics", headers=headers)
             assert status == 200, body
@@ -375,14 +372,14 @@ def test_a_reload_that_opens_the_socket_warns_as_a_start_does_and_counts(tmp_pat
         start = families(GOOD)
         assert start[("edge_sockets_without_key", ())] == 0 and warning not in pid1.log_tail(1 << 20)
         keyed.write_text(text.replace(f'api_key_file = "{keys}"', "allow_unauthenticated = true"))
-        assert reload().startswith("ready: serving")
+        assert _reload(pid1).startswith("ready: serving")
         assert f"serving 0.0.0.0:{pid1.address[1]} {warning}" in pid1.log_tail(1 << 20)
         opened = families({})  # no key any more: /metrics too is open
         assert opened[("edge_sockets_without_key", ())] == 1
         assert opened[("edge_served_without_key_total", (("event", "reload"),))] == 1
         assert call(address, "GET", "/v1/models")[0] == 200
         keyed.write_text(text)
-        assert reload().startswith("ready: serving")
+        assert _reload(pid1).startswith("ready: serving")
         closed = families(GOOD)
         assert closed[("edge_sockets_without_key", ())] == 0
         assert closed[("edge_served_without_key_total", (("event", "reload"),))] == 1
